@@ -1,0 +1,117 @@
+"""Checks an artifact's inventory against what its own config requires (the binder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .container import Artifact
+from .errors import ArtifactError, BindingError, ConvertError
+from .inventory import (
+    DRAFT_HEAD,
+    DRAFT_TOKEN_IDS,
+    FIXED_ROLE_FORMATS,
+    RESOURCE_NAMES,
+    required_mtp_names,
+    required_text_names,
+)
+from .model_config import ModelConfig
+from .numeric import FORMATS
+
+MATRIX_FORMATS = tuple(f for f in FORMATS if f not in ("FP32", "I32"))
+
+
+@dataclass
+class InventoryReport:
+    config: ModelConfig | None
+    problems: list[str] = field(default_factory=list)  # each one makes the text model unrunnable
+    companions: dict[str, str] = field(default_factory=dict)  # component -> "complete" | problem text
+    mtp_layers: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_object(art: Artifact, spec, problems: list[str]) -> None:
+    e = art.objects.get(spec.name)
+    if e is None:
+        problems.append(f"required artifact object is missing: {spec.name}")
+        return
+    if e.kind != "tensor" or tuple(e.shape) != tuple(spec.shape):
+        problems.append(f"tensor {spec.name} has shape {list(e.shape)}; the config requires {list(spec.shape)}")
+        return
+    allowed = (FIXED_ROLE_FORMATS[spec.role],) if spec.role in FIXED_ROLE_FORMATS else MATRIX_FORMATS
+    if e.format not in allowed:
+        problems.append(f"tensor {spec.name} is {e.format}; its role allows {', '.join(allowed)}")
+
+
+def load_config(art: Artifact) -> ModelConfig:
+    if not art.has(RESOURCE_NAMES["config"]):
+        raise BindingError(f"required artifact object is missing: {RESOURCE_NAMES['config']}")
+    gen = art.resource_bytes(RESOURCE_NAMES["generation_config"]) if art.has(RESOURCE_NAMES["generation_config"]) else None
+    try:
+        return ModelConfig.from_json_bytes(art.resource_bytes(RESOURCE_NAMES["config"]), gen)
+    except ConvertError as exc:
+        raise BindingError(str(exc)) from None
+
+
+def check_inventory(art: Artifact) -> InventoryReport:
+    try:
+        cfg = load_config(art)
+    except BindingError as exc:
+        return InventoryReport(None, [str(exc)])
+    report = InventoryReport(cfg)
+    text = required_text_names(cfg)
+    for spec in text.values():
+        _check_object(art, spec, report.problems)
+    if not art.has(RESOURCE_NAMES["tokenizer"]):
+        report.problems.append(f"required artifact object is missing: {RESOURCE_NAMES['tokenizer']}")
+    consumed = set(text) | set(RESOURCE_NAMES.values())
+
+    mtp_names = [n for n in art.objects if n.startswith("mtp/layers/")]
+    if "mtp" in art.components:
+        layers = 1 + max(int(n.split("/")[2]) for n in mtp_names) if mtp_names else 0
+        report.mtp_layers = layers
+        required = required_mtp_names(cfg, layers)
+        problems: list[str] = []
+        for spec in required.values():
+            _check_object(art, spec, problems)
+        report.companions["mtp"] = problems[0] if problems else "complete"
+        consumed |= set(required)
+    if "lm_head_draft" in art.components:
+        problems = []
+        head, ids = art.objects.get(DRAFT_HEAD), art.objects.get(DRAFT_TOKEN_IDS)
+        if head is None or ids is None:
+            problems.append(f"required artifact object is missing: {DRAFT_HEAD if head is None else DRAFT_TOKEN_IDS}")
+        elif len(head.shape) != 2 or head.shape[1] != cfg.hidden_size or ids.shape != (head.shape[0],) or ids.format != "I32":
+            problems.append(f"lm-head draft shapes {list(head.shape)} / {list(ids.shape)} do not match hidden {cfg.hidden_size}")
+        else:
+            token_ids = art.read_direct(DRAFT_TOKEN_IDS)
+            if token_ids.min() < 0 or token_ids.max() >= cfg.vocab_size:
+                problems.append("lm-head draft token ids fall outside the vocabulary")
+        report.companions["lm_head_draft"] = problems[0] if problems else "complete"
+        consumed |= {DRAFT_HEAD, DRAFT_TOKEN_IDS}
+    for comp, prefix in (("dflash2", "dflash2/"), ("vision", "vision/")):
+        if comp in art.components:
+            names = {n for n in art.objects if n.startswith(prefix)}
+            report.companions[comp] = "complete" if names else "no objects"
+            consumed |= names
+    for name, e in art.objects.items():
+        if name not in consumed:
+            report.problems.append(f"artifact object was not consumed by the selected target: {name}")
+            break
+        expected_comp = "text" if name.startswith(("text/", "resource/")) else name.split("/", 1)[0]
+        if e.component != expected_comp:
+            report.problems.append(f"object {name} is filed under component {e.component}, expected {expected_comp}")
+            break
+    return report
+
+
+def require_runnable(art: Artifact) -> InventoryReport:
+    report = check_inventory(art)
+    if report.problems:
+        raise BindingError(report.problems[0])
+    return report
+
+
+__all__ = ["InventoryReport", "check_inventory", "require_runnable", "load_config", "ArtifactError"]

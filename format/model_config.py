@@ -1,0 +1,147 @@
+"""The model description carried in an artifact's config resource (HF config.json), as typed dims."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import ConvertError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+_TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    intermediate_size: int = 0  # dense MLP
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    mtp_layers: int = 0
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    has_vision: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_full_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    @property
+    def q_gate_rows(self) -> int:
+        return self.num_heads * self.head_dim * 2
+
+    @property
+    def kv_rows(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gdn_conv_dim(self) -> int:
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, generation_config: dict | None = None) -> "ModelConfig":
+        top_type = cfg.get("model_type")
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        model_type = _TEXT_TYPES.get(text.get("model_type"), top_type)
+        if model_type in _TEXT_TYPES:
+            model_type = _TEXT_TYPES[model_type]
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConvertError(
+                f"config model_type {top_type!r} is not a Qwen3.5-family checkpoint (need qwen3_5 or qwen3_5_moe)"
+            )
+
+        def need(key):
+            if key not in text:
+                raise ConvertError(f"config.json lacks text field {key!r}")
+            return text[key]
+
+        n_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+        if len(layer_types) != n_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
+            raise ConvertError("config layer_types must list full_attention/linear_attention for every layer")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+        if generation_config and generation_config.get("eos_token_id") is not None:
+            eos = generation_config["eos_token_id"]
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        hidden = int(need("hidden_size"))
+        n_heads = int(need("num_attention_heads"))
+        common = dict(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_heads=n_heads,
+            num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=int(text.get("head_dim") or hidden // n_heads),
+            linear_num_key_heads=int(need("linear_num_key_heads")),
+            linear_num_value_heads=int(need("linear_num_value_heads")),
+            linear_key_head_dim=int(need("linear_key_head_dim")),
+            linear_value_head_dim=int(need("linear_value_head_dim")),
+            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            partial_rotary_factor=float(prf),
+            mtp_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            eos_token_ids=eos_ids,
+            has_vision=isinstance(cfg.get("vision_config"), dict),
+        )
+        if model_type == "qwen3_5_moe":
+            return cls(
+                **common,
+                num_experts=int(need("num_experts")),
+                experts_per_token=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+            )
+        return cls(**common, intermediate_size=int(need("intermediate_size")))
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes, generation_config: bytes | None = None) -> "ModelConfig":
+        try:
+            cfg = json.loads(data)
+            gen = json.loads(generation_config) if generation_config else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConvertError(f"config resource is not valid JSON: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ConvertError("config resource must be a JSON object")
+        return cls.from_hf_dict(cfg, gen)

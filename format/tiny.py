@@ -1,0 +1,153 @@
+"""Tiny Qwen3.5-family checkpoints in Hugging Face layout, generated locally (demo and tests).
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a built-in corpus and
+the weights are seeded random numbers in the exact key layout of the real checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>"]
+CORPUS = [
+    "ninfer runs one Qwen3.5 model on one GPU at its physical limit.",
+    "The quick brown fox jumps over the lazy dog while the cache grows to two hundred thousand tokens.",
+    "def add(a, b):\n    return a + b\n",
+    "Long context, fast decode, exact memory planning, low-bit KV cache and speculative decoding.",
+    "user: What is the capital of France? assistant: Paris is the capital of France.",
+    "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Berlin\"}}",
+]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> dict:
+    tok = build_tokenizer(vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in ids.items()},
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return ids
+
+
+def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_layers: int = 1) -> dict:
+    text = {
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "vocab_size": vocab_size, "hidden_size": 64, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        "mtp_num_hidden_layers": mtp_layers,
+    }
+    if moe:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    else:
+        text.update(intermediate_size=128)
+    return text
+
+
+def _layer_tensors(g, cfg: dict, prefix: str, full: bool, moe: bool) -> dict:
+    import torch
+
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g) * (1.0 / cols ** 0.5)
+
+    def norm(n):
+        return torch.randn(n, generator=g) * 0.1
+
+    t = {f"{prefix}input_layernorm.weight": norm(h), f"{prefix}post_attention_layernorm.weight": norm(h)}
+    if full:
+        a = f"{prefix}self_attn."
+        hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        t.update({f"{a}q_proj.weight": mat(hq * d * 2, h), f"{a}k_proj.weight": mat(hkv * d, h),
+                  f"{a}v_proj.weight": mat(hkv * d, h), f"{a}o_proj.weight": mat(h, hq * d),
+                  f"{a}q_norm.weight": norm(d), f"{a}k_norm.weight": norm(d)})
+    else:
+        la = f"{prefix}linear_attn."
+        kd = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+        hv = cfg["linear_num_value_heads"]
+        vd = hv * cfg["linear_value_head_dim"]
+        t.update({f"{la}in_proj_qkv.weight": mat(2 * kd + vd, h), f"{la}in_proj_z.weight": mat(vd, h),
+                  f"{la}in_proj_b.weight": mat(hv, h), f"{la}in_proj_a.weight": mat(hv, h),
+                  f"{la}conv1d.weight": torch.randn(2 * kd + vd, 1, cfg["linear_conv_kernel_dim"], generator=g) * 0.5,
+                  f"{la}A_log": torch.log(torch.rand(hv, generator=g) * 15 + 1),
+                  f"{la}dt_bias": torch.ones(hv), f"{la}norm.weight": 1 + norm(cfg["linear_value_head_dim"]),
+                  f"{la}out_proj.weight": mat(h, vd)})
+    m = f"{prefix}mlp."
+    if moe:
+        e, i, s = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+        t[f"{m}gate.weight"] = mat(e, h)
+        t[f"{m}shared_expert_gate.weight"] = mat(1, h)
+        for x in range(e):
+            t.update({f"{m}experts.{x}.gate_proj.weight": mat(i, h), f"{m}experts.{x}.up_proj.weight": mat(i, h),
+                      f"{m}experts.{x}.down_proj.weight": mat(h, i)})
+        t.update({f"{m}shared_expert.gate_proj.weight": mat(s, h), f"{m}shared_expert.up_proj.weight": mat(s, h),
+                  f"{m}shared_expert.down_proj.weight": mat(h, s)})
+    else:
+        i = cfg["intermediate_size"]
+        t.update({f"{m}gate_proj.weight": mat(i, h), f"{m}up_proj.weight": mat(i, h), f"{m}down_proj.weight": mat(h, i)})
+    return t
+
+
+def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 384,
+                          layers: int = 4, mtp_layers: int = 1) -> Path:
+    """Write config.json, model.safetensors (bf16), tokenizer files and generation_config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(out, vocab_size)
+    text = tiny_text_config(moe, vocab_size, layers, mtp_layers)
+    text["eos_token_id"] = ids["<|im_end|>"]
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+              "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}))
+    g = torch.Generator().manual_seed(seed)
+    h, v = text["hidden_size"], vocab_size
+    tensors = {"model.language_model.embed_tokens.weight": torch.randn(v, h, generator=g),
+               "model.language_model.norm.weight": torch.randn(h, generator=g) * 0.1,
+               "lm_head.weight": torch.randn(v, h, generator=g) * (1.0 / h ** 0.5)}
+    for i in range(layers):
+        full = text["layer_types"][i] == "full_attention"
+        tensors.update(_layer_tensors(g, text, f"model.language_model.layers.{i}.", full, moe))
+    if mtp_layers:
+        tensors.update({"mtp.fc.weight": torch.randn(h, 2 * h, generator=g) * (1.0 / (2 * h) ** 0.5),
+                        "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=g) * 0.1,
+                        "mtp.pre_fc_norm_hidden.weight": torch.randn(h, generator=g) * 0.1,
+                        "mtp.norm.weight": torch.randn(h, generator=g) * 0.1})
+        for j in range(mtp_layers):
+            tensors.update(_layer_tensors(g, text, f"mtp.layers.{j}.", True, moe))
+    save_file({k: t.to(torch.bfloat16).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"))
+    return out

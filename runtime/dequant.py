@@ -1,0 +1,51 @@
+"""Torch decoding of artifact tensors (CPU or GPU); numpy's format.quantize.dequantize is the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from format.container import Artifact
+from format.numeric import GroupedFormat, get_format
+
+
+def _u8(view, device) -> torch.Tensor:
+    arr = np.frombuffer(view, dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).to(device)
+
+
+def unpack_codes(base: torch.Tensor, high: torch.Tensor | None, rows: int, k_pad: int, fmt: GroupedFormat) -> torch.Tensor:
+    """Row-split planes (uint8) -> signed codes int16 [rows, K_pad]."""
+    base = base.view(rows, -1)
+    if fmt.bits == 8:
+        return base.view(torch.int8).to(torch.int16)
+    u = torch.empty(rows, k_pad, dtype=torch.int16, device=base.device)
+    u[:, 0::2] = (base & 0xF).to(torch.int16)
+    u[:, 1::2] = (base >> 4).to(torch.int16)
+    if high is not None:
+        hb = fmt.bits - 4
+        per_byte = 8 // hb
+        shifts = torch.arange(per_byte, device=base.device, dtype=torch.int16) * hb
+        h = (high.view(rows, -1, 1).to(torch.int16) >> shifts) & ((1 << hb) - 1)
+        u |= h.reshape(rows, k_pad) << 4
+    sign = 1 << (fmt.bits - 1)
+    return (u ^ sign) - sign
+
+
+def load_tensor(art: Artifact, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Decode one artifact tensor to `dtype` on `device` (w = f32(scale) * f32(code), then cast)."""
+    e = art.entry(name)
+    fmt = get_format(e.format)
+    if isinstance(fmt, GroupedFormat):
+        base, high, scale, geo = art.planes(name)
+        codes = unpack_codes(_u8(base, device), _u8(high, device) if high is not None else None,
+                             geo.rows, geo.k_pad, fmt)
+        s = _u8(scale, device).view(torch.float16).to(torch.float32).view(geo.rows, -1, 1)
+        w = codes.view(geo.rows, -1, fmt.group_size).to(torch.float32) * s
+        return w.view(geo.rows, geo.k_pad)[:, : geo.cols].to(dtype).contiguous()
+    words = torch.from_numpy(art.read_direct(name).copy())
+    if e.format == "BF16":
+        return words.view(torch.bfloat16).to(device=device, dtype=dtype)
+    if e.format == "FP32":
+        return words.to(device=device, dtype=dtype)
+    return words.to(device)  # I32 stays integer
