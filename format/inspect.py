@@ -1,0 +1,107 @@
+"""Summary, verdict and deep verification of an artifact (used by `ninfer inspect`)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .binding import check_inventory
+from .container import Artifact
+from .numeric import GroupedFormat, get_format
+from .layouts import unpack_row_split
+
+# What this build can execute, per component.
+SUPPORTED_FEATURES = {"text": "greedy text generation (torch reference runtime)"}
+NOT_YET = {
+    "mtp": "MTP speculative decoding is not in this build yet; the head is carried, not used",
+    "lm_head_draft": "the lm-head draft needs speculative decoding, which is not in this build yet",
+    "dflash2": "DFlash2 drafting is not in this build yet; the drafter is carried, not used",
+    "vision": "image input is not in this build yet; the vision tower is carried, not used",
+}
+
+
+def summarize(art: Artifact) -> dict:
+    by_format: dict[str, dict[str, int]] = {}
+    by_component: dict[str, int] = {}
+    for e in art.objects.values():
+        key = e.format if e.kind == "tensor" else "resource"
+        slot = by_format.setdefault(key, {"objects": 0, "bytes": 0})
+        slot["objects"] += 1
+        slot["bytes"] += e.nbytes
+        by_component[e.component] = by_component.get(e.component, 0) + e.nbytes
+    report = check_inventory(art)
+    cfg = report.config
+    features, unused = [], {}
+    if report.ok:
+        features.append(SUPPORTED_FEATURES["text"])
+    for comp, status in report.companions.items():
+        unused[comp] = NOT_YET[comp] if status == "complete" else f"malformed: {status}"
+    model = None
+    if cfg is not None:
+        model = {"model_type": cfg.model_type, "layers": cfg.num_layers,
+                 "full_attention_layers": sum(cfg.is_full_attention(i) for i in range(cfg.num_layers)),
+                 "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+                 "experts": cfg.num_experts, "mtp_layers": report.mtp_layers}
+    return {
+        "path": str(art.path), "magic": "NINFER\\0" + f"\\x{art.version:02x}", "version": art.version,
+        "file_bytes": art.file_bytes, "payload_offset": art.payload_offset,
+        "artifact_id": str(art.artifact_id) if art.artifact_id else None,
+        "identity": art.identity, "components": list(art.components), "model": model,
+        "objects": len(art.objects), "by_format": by_format, "bytes_by_component": by_component,
+        "runnable": report.ok, "problems": report.problems, "features": features, "companions": unused,
+        "checksums": sum(1 for e in art.objects.values() if e.sha256),
+    }
+
+
+def verify(art: Artifact) -> list[str]:
+    """Recompute checksums and re-decode every tensor; returns the list of failures (empty = good)."""
+    failures: list[str] = []
+    for name, e in art.objects.items():
+        if e.sha256:
+            h = hashlib.sha256()
+            raw = art.raw(name)
+            for pos in range(0, e.nbytes, 64 << 20):
+                h.update(raw[pos : pos + (64 << 20)])
+            if h.hexdigest() != e.sha256:
+                failures.append(f"object {name}: sha256 mismatch (payload corrupted)")
+                continue
+        if e.kind != "tensor":
+            continue
+        fmt = get_format(e.format)
+        if isinstance(fmt, GroupedFormat):
+            failures += _verify_grouped(art, name, fmt)
+        elif e.format in ("BF16", "FP32"):
+            if not np.isfinite(art.read_float(name)).all():
+                failures.append(f"tensor {name}: holds NaN or infinity")
+    return failures
+
+
+def _verify_grouped(art: Artifact, name: str, fmt: GroupedFormat) -> list[str]:
+    base, high, scale, geo = art.planes(name)
+    step = max(1, (16 << 20) // max(1, geo.k_pad))
+    out = []
+    for r in range(0, geo.rows, step):
+        n = min(step, geo.rows - r)
+        spans = geo.row_spans(r, r + n)
+        raw = art.raw(name)
+        planes = [raw[o : o + l] for o, l in spans]
+        b, s = planes[0], planes[-1]
+        h = planes[1] if len(planes) == 3 else None
+        codes, bits = unpack_row_split(b, h, s, n, fmt, geo.k_pad)
+        halves = bits.view(np.float16)
+        if not np.isfinite(halves).all() or (bits & 0x8000).any():
+            out.append(f"tensor {name}: a scale is negative, -0, infinite or NaN (rows {r}..{r + n})")
+            break
+        if fmt.bits == 8 and (codes == -128).any():
+            out.append(f"tensor {name}: W8 code -128 is illegal (rows {r}..{r + n})")
+            break
+        zero_groups = bits == 0
+        if zero_groups.any() and (codes.reshape(n, -1, fmt.group_size)[zero_groups] != 0).any():
+            out.append(f"tensor {name}: a group with scale +0 has nonzero codes (rows {r}..{r + n})")
+            break
+        pad = codes[:, geo.cols:]
+        if pad.size and (pad != 0).any():
+            out.append(f"tensor {name}: padding columns beyond K={geo.cols} hold nonzero codes")
+            break
+    return out

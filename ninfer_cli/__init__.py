@@ -1,0 +1,1 @@
+"""ninfer command line (typer + rich); heavy imports happen inside commands."""

@@ -1,0 +1,48 @@
+"""Shared CLI plumbing: one-line errors, stderr console, byte formatting."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+
+
+def user_errors():
+    """Map the project's error types to one red line on stderr and exit code 1 (NINFER_DEBUG=1 re-raises)."""
+    from format.errors import ArtifactError, BindingError, ConvertError, QuantizationError
+
+    return (ArtifactError, BindingError, ConvertError, QuantizationError, FileNotFoundError, IsADirectoryError,
+            PermissionError)
+
+
+def friendly(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped below, re-raised when unknown or debugging
+            if os.environ.get("NINFER_DEBUG") == "1" or not isinstance(exc, user_errors()):
+                raise
+            err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err.print("[red]interrupted[/red]")
+            sys.exit(130)
+
+    return wrapper
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,196 @@
+"""`ninfer`: convert, inspect, generate and demo over one runtime."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._common import err, friendly, human_bytes, out
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Run one Qwen3.5-family model on one GPU at its physical limit.")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+
+
+class Recipe(str, Enum):
+    q4 = "q4"
+    q5 = "q5"
+    q6 = "q6"
+    w8 = "w8"
+    bf16 = "bf16"
+
+
+@app.command()
+@friendly
+def convert(
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")],
+    output: Annotated[Path, typer.Argument(help="Output .nfer file (written to a temp file, then renamed).")],
+    version: Annotated[int, typer.Option(help="Container version: 2 (text + vision) or 3 (adds companion weights).")] = 3,
+    recipe: Annotated[Recipe, typer.Option(help="Weight formats: q4 | q5 | q6 | w8 | bf16.")] = Recipe.q4,
+    mtp: Annotated[Optional[bool], typer.Option("--mtp/--no-mtp", help="Carry the MTP head (default: when present, v3 only).")] = None,
+    vision: Annotated[Optional[bool], typer.Option("--vision/--no-vision", help="Carry the vision tower (default: when present).")] = None,
+    lm_head_draft: Annotated[int, typer.Option(help="Rows of a frequency-ranked lm-head draft (v3; 0 = none).")] = 0,
+    draft_ranking: Annotated[Optional[Path], typer.Option(help="Per-token i64 counts ranking the draft rows (.npy or raw LE).")] = None,
+    dflash2: Annotated[Optional[Path], typer.Option(help="DFlash2 drafter checkpoint directory to carry (v3).")] = None,
+    checksums: Annotated[bool, typer.Option("--checksums/--no-checksums", help="Per-object sha256 (v3).")] = True,
+    as_json: JsonOpt = False,
+):
+    """Convert a Hugging Face qwen3_5 / qwen3_5_moe checkpoint into a .nfer artifact."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from format.convert import ConvertOptions, convert_checkpoint
+
+    opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, lm_head_draft=lm_head_draft,
+                          draft_ranking=draft_ranking, dflash2=dflash2, checksums=checksums)
+    with Progress(TextColumn("converting"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("convert", total=None)
+        report = convert_checkpoint(src, output, opts, lambda done, total: bar.update(task, completed=done, total=total))
+    for note in report.notes:
+        err.print(f"[yellow]note:[/yellow] {note}")
+    if as_json:
+        print(json.dumps(report.__dict__))
+        return
+    out.print(f"wrote {report.output}: v{report.version} {report.model_type} recipe {report.recipe}, "
+              f"{report.objects} objects, {human_bytes(report.file_bytes)}, components {', '.join(report.components)}")
+    for fmt, n in sorted(report.bytes_by_format.items()):
+        out.print(f"  {fmt:<12} {human_bytes(n):>12}")
+    err.print(f"{report.seconds:.1f} s, peak RSS {human_bytes(report.peak_rss_bytes)} "
+              f"(largest source shard {human_bytes(report.largest_shard_bytes)})")
+
+
+@app.command()
+@friendly
+def inspect(
+    artifact: Annotated[Path, typer.Argument(help="The .nfer file.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Recompute checksums and re-decode every tensor.")] = False,
+    objects: Annotated[bool, typer.Option("--objects", help="List every object.")] = False,
+    as_json: JsonOpt = False,
+):
+    """Check an artifact and say whether this build can run it, and with which features."""
+    from format.container import Artifact
+    from format.errors import ArtifactError
+    from format.inspect import summarize, verify as deep_verify
+
+    try:
+        art = Artifact(artifact)
+    except ArtifactError as exc:
+        if as_json:
+            print(json.dumps({"path": str(artifact), "runnable": False, "problems": [str(exc)]}))
+        else:
+            out.print(f"{artifact}: [red]cannot run[/red]: {exc}", soft_wrap=True)
+        raise typer.Exit(1)
+    with art:
+        s = summarize(art)
+        if verify:
+            s["verify_failures"] = deep_verify(art)
+            s["runnable"] = s["runnable"] and not s["verify_failures"]
+        if objects:
+            s["object_list"] = [{"name": e.name, "kind": e.kind, "component": e.component, "format": e.format or "-",
+                                 "shape": list(e.shape), "offset": e.offset, "bytes": e.nbytes}
+                                for e in art.objects.values()]
+    if as_json:
+        print(json.dumps(s))
+    else:
+        _print_inspect(s)
+    raise typer.Exit(0 if s["runnable"] else 1)
+
+
+def _print_inspect(s: dict) -> None:
+    from rich.table import Table
+
+    out.print(f"{s['path']}: magic {s['magic']}  version {s['version']}  {human_bytes(s['file_bytes'])}")
+    out.print(f"identity: model_id={s['identity']['model_id']} weights_id={s['identity']['weights_id']}"
+              + (f"  artifact_id={s['artifact_id']}" if s["artifact_id"] else ""))
+    if s["model"]:
+        m = s["model"]
+        out.print(f"model: {m['model_type']}, {m['layers']} layers ({m['full_attention_layers']} full attention), "
+                  f"hidden {m['hidden']}, vocab {m['vocab']}" + (f", {m['experts']} experts" if m["experts"] else "")
+                  + (f", MTP {m['mtp_layers']} layer(s)" if m["mtp_layers"] else ""))
+    out.print(f"components: {', '.join(s['components'])}; {s['objects']} objects, {s['checksums']} with sha256")
+    table = Table("format", "objects", "bytes", box=None)
+    for fmt, v in sorted(s["by_format"].items()):
+        table.add_row(fmt, str(v["objects"]), human_bytes(v["bytes"]))
+    out.print(table)
+    for o in s.get("object_list", []):
+        out.print(f"  {o['name']:<56} {o['format']:<11} {str(o['shape']):<16} {o['bytes']:>12}")
+    for f in s.get("verify_failures", []):
+        out.print(f"[red]verify:[/red] {f}")
+    if "verify_failures" in s and not s["verify_failures"]:
+        out.print("verify: every checksum and every tensor decodes cleanly")
+    if s["runnable"]:
+        out.print(f"[green]verdict: runnable[/green] — {'; '.join(s['features'])}")
+    else:
+        reason = s["problems"][0] if s["problems"] else "verification failed"
+        out.print(f"[red]verdict: cannot run[/red] — {reason}", soft_wrap=True)
+    for comp, why in s["companions"].items():
+        out.print(f"  {comp}: {why}")
+
+
+@app.command()
+@friendly
+def generate(
+    artifact: Annotated[Path, typer.Argument(help="The .nfer file.")],
+    prompt: Annotated[str, typer.Option(help="User message (chat template applied) or raw text with --raw.")] = "Hello",
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 32,
+    raw: Annotated[bool, typer.Option("--raw", help="Tokenize the prompt as is, without the chat template.")] = False,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    as_json: JsonOpt = False,
+):
+    """Greedy generation with the torch reference runtime."""
+    import time
+
+    from runtime.generate import TextSession
+
+    session = TextSession.load(artifact, device)
+    t0 = time.monotonic()
+    result = session.complete(prompt, max_new_tokens, chat=not raw)
+    dt = time.monotonic() - t0
+    if as_json:
+        print(json.dumps({**result, "seconds": round(dt, 3)}))
+        return
+    print(result["text"])
+    err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device}")
+
+
+@app.command()
+@friendly
+def demo(
+    workdir: Annotated[Optional[Path], typer.Option(help="Where to write the tiny checkpoint and artifact.")] = None,
+    moe: Annotated[bool, typer.Option("--moe", help="Use the tiny MoE (qwen3_5_moe) shape.")] = False,
+):
+    """Create a tiny random Qwen3.5 model, convert it, inspect it and generate on CPU."""
+    import tempfile
+
+    from format.container import Artifact
+    from format.convert import ConvertOptions, convert_checkpoint
+    from format.inspect import summarize
+    from format.tiny import write_tiny_checkpoint
+    from runtime.generate import TextSession
+
+    root = workdir or Path(tempfile.mkdtemp(prefix="ninfer-demo-"))
+    src = write_tiny_checkpoint(root / "tiny-checkpoint", moe=moe)
+    err.print(f"1/4 tiny {'MoE' if moe else 'dense'} checkpoint written to {src}")
+    art_path = root / "tiny-q4.nfer"
+    rep = convert_checkpoint(src, art_path, ConvertOptions(version=3, recipe="q4"))
+    err.print(f"2/4 converted to {art_path} ({human_bytes(rep.file_bytes)}, components {', '.join(rep.components)})")
+    with Artifact(art_path) as art:
+        s = summarize(art)
+    err.print(f"3/4 inspect: {'runnable' if s['runnable'] else 'NOT runnable: ' + s['problems'][0]}")
+    session = TextSession.load(art_path, "cpu")
+    result = session.complete("Tell me about ninfer.", 16, chat=True)
+    err.print(f"4/4 generated {len(result['tokens'])} tokens (random weights, so the text is noise):")
+    print(result["text"])
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

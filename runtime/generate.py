@@ -1,0 +1,62 @@
+"""Tokenize, apply the chat template, generate greedily, detokenize."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from format.binding import load_config
+from format.container import Artifact
+from format.errors import BindingError
+from format.inventory import RESOURCE_NAMES
+
+
+@dataclass
+class TextSession:
+    model: object
+    tokenizer: object
+    chat_template: str | None
+    stop_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: str | Path, device: str = "cpu") -> "TextSession":
+        import torch
+        from tokenizers import Tokenizer
+
+        from .model import ReferenceModel
+
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BindingError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
+        art = Artifact(path)
+        model = ReferenceModel(art, device)
+        cfg = load_config(art)
+        tok = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
+        template = None
+        if art.has(RESOURCE_NAMES["chat_template"]):
+            template = art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8")
+        stop = set(cfg.eos_token_ids)
+        if art.has(RESOURCE_NAMES["tokenizer_config"]):
+            eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+                stop.add(tok.token_to_id(eos))
+        art.close()
+        return cls(model, tok, template, tuple(sorted(stop)))
+
+    def render(self, prompt: str) -> str:
+        if self.chat_template is None:
+            raise BindingError("the artifact carries no chat template; use --raw")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, tools=None,
+            enable_thinking=False)
+
+    def complete(self, prompt: str, max_new_tokens: int, chat: bool = True) -> dict:
+        text = self.render(prompt) if chat else prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        new = self.model.generate(ids, max_new_tokens, self.stop_ids)
+        shown = [t for t in new if t not in self.stop_ids]
+        return {"text": self.tokenizer.decode(shown), "tokens": new, "prompt_tokens": len(ids)}
