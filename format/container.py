@@ -418,15 +418,16 @@ class ArtifactPlan:
         return cursor
 
 
-def _sha256_span(mm, start: int, length: int, chunk: int = 64 << 20) -> str:
-    """Hash a span of a mapping in bounded chunks so huge tensors are never copied whole."""
+def _sha256_span(fd: int, start: int, length: int, chunk: int = 16 << 20) -> str:
+    """Hash a file span with pread in bounded chunks (no mapping, so resident memory stays flat)."""
     h = hashlib.sha256()
-    view = memoryview(mm)
-    try:
-        for pos in range(start, start + length, chunk):
-            h.update(view[pos : min(pos + chunk, start + length)])
-    finally:
-        view.release()
+    pos, end = start, start + length
+    while pos < end:
+        data = os.pread(fd, min(chunk, end - pos), pos)
+        if not data:
+            raise ArtifactError("short read while checksumming the new artifact")
+        h.update(data)
+        pos += len(data)
     return h.hexdigest()
 
 
@@ -538,10 +539,8 @@ class ArtifactWriter:
             raise ArtifactError(f"payload missing for {len(missing)} object(s), first: {missing[0]}")
         try:
             if self.checksums:
-                sums = {}
-                with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as mm:
-                    for o in self.plan.objects:
-                        sums[o.name] = _sha256_span(mm, self.payload_offset + o.offset, o.nbytes)
+                sums = {o.name: _sha256_span(self._fd, self.payload_offset + o.offset, o.nbytes)
+                        for o in self.plan.objects}
                 final = self._encode_directory(sums)
                 assert len(final) == len(self._json), "checksum fields are fixed width"
                 self._json = final

@@ -31,7 +31,7 @@ from .numeric import GroupedFormat, get_format
 from .quantize import encode_rows
 from .recipes import RECIPES, format_for
 
-CHUNK_SOURCE_BYTES = 32 << 20  # rows per encode step are sized to about this much float32
+CHUNK_SOURCE_BYTES = 16 << 20  # rows per encode step are sized to about this much float32
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")
 

@@ -1,0 +1,87 @@
+"""The CLI as a user drives it: exit codes, one-line errors, --json, no heavy imports for --help."""
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from ninfer_cli.main import app
+
+runner = CliRunner()
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from ninfer_cli.main import app; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_convert_inspect_generate(tiny_with_mtp, tmp_path):
+    art = tmp_path / "m.nfer"
+    r = runner.invoke(app, ["convert", str(tiny_with_mtp), str(art), "--recipe", "q5", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["version"] == 3 and report["components"] == ["mtp", "text"]
+    r = runner.invoke(app, ["inspect", str(art), "--json", "--verify"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["runnable"] and s["verify_failures"] == [] and s["identity"]["weights_id"] == "q5"
+    r = runner.invoke(app, ["inspect", str(art)])
+    assert "verdict: runnable" in r.stdout and "mtp:" in r.stdout
+    r = runner.invoke(app, ["generate", str(art), "--prompt", "hello", "--max-new-tokens", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert 1 <= len(json.loads(r.stdout)["tokens"]) <= 4
+
+
+def test_inspect_explains_why_not(tiny_with_mtp, tmp_path):
+    bad = tmp_path / "bad.nfer"
+    bad.write_bytes(b"NINFER\x00\x07" + bytes(64))
+    r = runner.invoke(app, ["inspect", str(bad)])
+    assert r.exit_code == 1 and "cannot run" in r.stdout and "unsupported .nfer version 7" in r.stdout
+    r = runner.invoke(app, ["inspect", str(tmp_path / "missing.nfer"), "--json"])
+    assert r.exit_code == 1 and "no such file" in json.loads(r.stdout)["problems"][0]
+
+
+def test_inspect_reports_missing_tensor(tiny_with_mtp, tmp_path):
+    """An artifact whose directory is valid but lacks a tensor the config needs."""
+    from format.container import Artifact, ArtifactPlan, ArtifactWriter
+
+    src = tmp_path / "src.nfer"
+    assert runner.invoke(app, ["convert", str(tiny_with_mtp), str(src), "--recipe", "bf16", "--no-mtp"]).exit_code == 0
+    dropped = "text/layers/2/gdn/norm"
+    with Artifact(src) as a:
+        plan = ArtifactPlan(3, "qwen3_5", "bf16")
+        for e in a.objects.values():
+            if e.name == dropped:
+                continue
+            if e.kind == "tensor":
+                plan.add_tensor(e.name, e.shape, e.format)
+            else:
+                plan.add_resource(e.name, e.nbytes)
+        out = tmp_path / "holey.nfer"
+        with ArtifactWriter(out, plan) as w:
+            for e in a.objects.values():
+                if e.name == dropped:
+                    continue
+                if e.kind == "tensor":
+                    w.write_direct(e.name, a.read_direct(e.name))
+                else:
+                    w.write_resource(e.name, a.resource_bytes(e.name))
+    r = runner.invoke(app, ["inspect", str(out)])
+    assert r.exit_code == 1
+    assert f"required artifact object is missing: {dropped}" in r.stdout
+    r = runner.invoke(app, ["generate", str(out)])
+    assert r.exit_code == 1 and "missing" in r.output and "Traceback" not in r.output
+
+
+def test_convert_errors_are_one_line(tmp_path):
+    r = runner.invoke(app, ["convert", str(tmp_path), str(tmp_path / "x.nfer")])
+    assert r.exit_code == 1
+    assert "has no config.json" in r.output and "Traceback" not in r.output
+
+
+def test_demo_runs(tmp_path):
+    r = runner.invoke(app, ["demo", "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "tiny-q4.nfer").exists()
