@@ -1,0 +1,1 @@
+"""Paged KV cache: codecs (reference encoders/decoders), page pools and block tables."""

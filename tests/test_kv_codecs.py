@@ -1,0 +1,130 @@
+"""KV codecs: byte sizes agree with specs/kv-codecs.md, round trips are exact where they must be,
+quality floors hold, and the E8 tables are what the spec says."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.kv.codecs import CODECS, get_codec
+from runtime.kv.e8 import e8_lattice_round, e8_root_decode, e8_root_encode, root_table
+from runtime.kv.hadamard import hadamard_matrix, rotate_groups
+from runtime.kv.quality import codec_quality
+
+SPEC = (Path(__file__).resolve().parent.parent / "specs" / "kv-codecs.md").read_text()
+
+
+def _registry_rows():
+    lines = SPEC.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("| `--kv-dtype`"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_spec_registry_matches_code():
+    rows = _registry_rows()
+    assert [r[0] for r in rows] == list(CODECS)
+    for name, key, value, rotation, nbytes, _ in rows:
+        c = CODECS[name]
+        assert (c.key, c.value) == (key, value)
+        assert c.rotate_keys == c.rotate_values == (rotation != "none")
+        assert c.bytes_per_token_head(256) == int(nbytes)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_planes_have_declared_shapes_and_decode_is_finite(name):
+    c = CODECS[name]
+    k, v = torch.randn(5, 3, 128) * 3, torch.randn(5, 3, 128)
+    k[0, 0] = 0  # an all-zero vector must survive every codec
+    planes = c.encode(k, v)
+    declared = {p.name: p for p in c.planes(128)}
+    assert set(planes) == set(declared)
+    for n, t in planes.items():
+        assert t.dtype == declared[n].dtype and t.shape == (5, 3, declared[n].width), n
+    kk, vv = c.decode_keys(planes), c.decode_values(planes)
+    assert torch.isfinite(kk).all() and torch.isfinite(vv).all()
+    assert (c.finish_output(kk)[0, 0] == 0).all() if c.rotate_keys else (kk[0, 0] == 0).all()
+
+
+def test_int8_and_bf16_exactness():
+    k = torch.randn(4, 2, 64).bfloat16().float()
+    assert torch.equal(CODECS["bf16"].decode_keys(CODECS["bf16"].encode(k, k)), k)
+    x = torch.arange(-127, 128, dtype=torch.float32)[:64].repeat(2, 1) / 127 * 3.0  # exact multiples
+    p = CODECS["int8"].encode(x, x)
+    assert torch.allclose(CODECS["int8"].decode_keys(p), x, rtol=1e-3, atol=1e-3)
+
+
+def test_hadamard_is_orthogonal_and_self_inverse():
+    h = hadamard_matrix(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6)
+    x = torch.randn(3, 256)
+    assert torch.allclose(rotate_groups(rotate_groups(x)), x, atol=1e-5)
+
+
+def test_rotation_preserves_scores():
+    c = CODECS["rk8v4"]
+    q, k = torch.randn(2, 256), torch.randn(2, 256)
+    assert torch.allclose(c.prepare_queries(q) @ rotate_groups(k).t(), q @ k.t(), atol=1e-4)
+
+
+def test_root_table():
+    t = root_table()
+    roots = t[:240] / 4
+    assert torch.allclose((roots * roots).sum(-1), torch.full((240,), 2.0))
+    assert len({tuple(r.tolist()) for r in roots}) == 240
+    assert ((roots[112:] < 0).sum(-1) % 2 == 0).all()
+    assert (t[240:] == 0).all()
+    assert t[0].tolist() == [4, 4, 0, 0, 0, 0, 0, 0] and t[3].tolist() == [-4, -4, 0, 0, 0, 0, 0, 0]
+    pairs = list(itertools.combinations(range(8), 2))
+    assert pairs.index((6, 7)) == 27
+
+
+def test_e8_nearest_point_is_in_e8_and_nearest():
+    from runtime.kv.e8 import _nearest_d8
+
+    x = torch.randn(2000, 8) * 3
+
+    d8 = _nearest_d8(x)
+    assert (d8.sum(-1) % 2 == 0).all()
+    # brute force against all D8 points near the rounded vector for a few samples
+    for row in x[:50]:
+        base = torch.floor(row)
+        best = min(((row - (base + torch.tensor(bits, dtype=torch.float32))) ** 2).sum().item()
+                   for bits in itertools.product((0, 1), repeat=8)
+                   if int((base + torch.tensor(bits, dtype=torch.float32)).sum()) % 2 == 0)
+        got = ((row - _nearest_d8(row[None])[0]) ** 2).sum().item()
+        assert got <= best + 1e-5
+    q = e8_lattice_round(x)
+    assert torch.equal(q, torch.round(q))
+
+
+def test_e8_root_round_trip_on_exact_roots():
+    t = root_table()
+    v = (t[:240] * 0.5).reshape(30, 8, 8)  # radius index 8 reproduces 0.5 × 4root
+    codes = e8_root_encode(v, torch.ones(30))
+    dec = e8_root_decode(codes.reshape(30, 8, 2))
+    cos = torch.nn.functional.cosine_similarity(dec.reshape(-1, 8), v.reshape(-1, 8), dim=-1)
+    assert (cos > 0.95).all()
+
+
+# Floors: upstream's published tile cosine for rk4v4-e8; our measured level for the others
+# (specs/kv-codecs.md §5 says where and why rk2v4-e8 falls short of upstream's figure).
+FLOORS = {"int8": (0.9999, 0.9995), "fp8": (0.9995, 0.997), "nvfp4": (0.995, 0.96), "k8v4": (0.9995, 0.99),
+          "rk8v4": (0.9999, 0.99), "rk4v4": (0.994, 0.985), "rk4v4-e8": (0.98678, 0.98), "rk2v4-e8": (0.92, 0.84)}
+
+
+@pytest.mark.parametrize("name", list(FLOORS))
+def test_quality_floors(name):
+    r = codec_quality(name, tokens=512, heads=2)
+    key_floor, out_floor = FLOORS[name]
+    assert r["key_tile_cosine"] >= key_floor and r["attention_output_cosine"] >= out_floor, r
+
+
+def test_unknown_codec_message():
+    with pytest.raises(ValueError, match="unknown --kv-dtype 'int3'"):
+        get_codec("int3")
