@@ -58,7 +58,7 @@ def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_laye
     text = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "vocab_size": vocab_size, "hidden_size": 64, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,

@@ -17,8 +17,15 @@ def user_errors():
     """Map the project's error types to one red line on stderr and exit code 1 (NINFER_DEBUG=1 re-raises)."""
     from format.errors import ArtifactError, BindingError, ConvertError, QuantizationError
 
-    return (ArtifactError, BindingError, ConvertError, QuantizationError, FileNotFoundError, IsADirectoryError,
-            PermissionError)
+    errors = (ArtifactError, BindingError, ConvertError, QuantizationError, FileNotFoundError, IsADirectoryError,
+              PermissionError)
+    try:
+        from runtime.memory_plan import MemoryPlanError
+
+        errors += (MemoryPlanError,)
+    except ImportError:  # torch missing: fit and the engine are unavailable anyway
+        pass
+    return errors
 
 
 def friendly(fn):

@@ -132,6 +132,104 @@ def _print_inspect(s: dict) -> None:
         out.print(f"  {comp}: {why}")
 
 
+class KvDtype(str, Enum):
+    bf16 = "bf16"
+    int8 = "int8"
+    fp8 = "fp8"
+    nvfp4 = "nvfp4"
+    k8v4 = "k8v4"
+    rk8v4 = "rk8v4"
+    rk4v4 = "rk4v4"
+    rk4v4_e8 = "rk4v4-e8"
+    rk2v4_e8 = "rk2v4-e8"
+
+
+class Spec(str, Enum):
+    none = "none"
+    mtp = "mtp"
+    dflash2 = "dflash2"
+
+
+@app.command()
+@friendly
+def fit(
+    artifact: Annotated[Path, typer.Argument(help="The .nfer file.")],
+    vram: Annotated[Optional[str], typer.Option(help="Card memory, e.g. 24G (GiB), 80GB (10^9).")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="A known card instead of --vram: rtx4090, rtx5090, h100, h200, ...")] = None,
+    vram_reserve: Annotated[str, typer.Option(help="Memory left unplanned (CUDA context, other processes).")] = "1.3G",
+    kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
+    max_concurrency: Annotated[int, typer.Option(min=1, max=8, help="Lanes (concurrent requests).")] = 1,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding backend.")] = Spec.none,
+    draft_tokens: Annotated[int, typer.Option(help="Draft tokens per round (1..15).")] = 3,
+    lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Keep the reduced draft head resident.")] = False,
+    vision: Annotated[bool, typer.Option("--vision", help="Keep the vision tower and its workspace resident.")] = False,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help="Count CUDA-graph pools.")] = True,
+    max_context: Annotated[Optional[int], typer.Option(help="Check this context instead of solving for the largest.")] = None,
+    as_json: JsonOpt = False,
+):
+    """Solve for the largest --max-context that fits a card, byte for byte (no GPU needed)."""
+    from format.container import Artifact
+    from runtime.memory_plan import GPU_VRAM_MIB, MemoryPlanError, PlanOptions, build_plan, fit as solve, parse_bytes
+
+    if (vram is None) == (gpu is None):
+        raise MemoryPlanError("give exactly one of --vram SIZE or --gpu NAME")
+    if gpu is not None:
+        key = gpu.lower().replace(" ", "").replace("_", "")
+        if key not in GPU_VRAM_MIB:
+            raise MemoryPlanError(f"unknown --gpu {gpu!r}; known: {', '.join(GPU_VRAM_MIB)} (or pass --vram)")
+        total = GPU_VRAM_MIB[key] << 20
+    else:
+        total = parse_bytes(vram)
+    reserve = parse_bytes(vram_reserve)
+    opts = PlanOptions(max_context=max_context or 64, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
+                       prefill_chunk=prefill_chunk, spec=spec.value, draft_tokens=draft_tokens,
+                       lm_head_draft=lm_head_draft, vision=vision, cuda_graphs=cuda_graphs)
+    with Artifact(artifact) as art:
+        if max_context is not None:
+            plan = build_plan(art, opts)
+            best = solve(art, opts, total, reserve)
+            fits = plan.total_bytes <= total - reserve
+        else:
+            best = solve(art, opts, total, reserve)
+            plan, fits = best.plan, best.max_context > 0
+    budget = total - reserve
+    result = {
+        "vram_bytes": total, "reserve_bytes": reserve, "budget_bytes": budget,
+        "max_context": best.max_context, "requested_context": max_context, "fits": fits,
+        "kv_dtype": kv_dtype.value, "max_concurrency": max_concurrency, "spec": spec.value,
+        "kv_bytes_per_token": plan.kv_bytes_per_token if plan else None,
+        "total_bytes": plan.total_bytes if plan else best.fixed_bytes,
+        "breakdown": plan.breakdown() if plan else {}, "bytes_per_64_tokens": best.bytes_per_page_group,
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _print_fit(result)
+    raise typer.Exit(0 if fits else 1)
+
+
+def _print_fit(r: dict) -> None:
+    from rich.table import Table
+
+    table = Table("region", "bytes", "", box=None)
+    for name, n in r["breakdown"].items():
+        table.add_row(name, f"{n:,}", human_bytes(n))
+    table.add_row("total", f"{r['total_bytes']:,}", human_bytes(r["total_bytes"]))
+    table.add_row("budget", f"{r['budget_bytes']:,}", f"{human_bytes(r['vram_bytes'])} - {human_bytes(r['reserve_bytes'])} reserve")
+    if r["breakdown"]:
+        out.print(table)
+    if r["requested_context"] is not None:
+        verdict = "fits" if r["fits"] else f"does NOT fit ({r['total_bytes'] - r['budget_bytes']:,} bytes short)"
+        out.print(f"--max-context {r['requested_context']} {verdict}; largest that fits: {r['max_context']}")
+    elif r["fits"]:
+        out.print(f"max context: {r['max_context']} tokens ({r['kv_dtype']} KV, {r['kv_bytes_per_token']:,} B/token, "
+                  f"{r['max_concurrency']} lane(s), spec {r['spec']})")
+    else:
+        out.print(f"[red]nothing fits[/red]: even 64 tokens need {r['total_bytes']:,} bytes of a "
+                  f"{r['budget_bytes']:,}-byte budget")
+
+
 @app.command()
 @friendly
 def generate(

@@ -1,0 +1,290 @@
+"""One memory plan for the engine's allocator and `ninfer fit` (byte-exact, no GPU needed).
+
+Every resident byte lives in a named region of one of a few arenas; the engine allocates each
+arena as a single device buffer of exactly the planned size, so what `fit` predicts is what the
+allocator takes. Regions are 256-byte aligned inside their arena.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from format.binding import load_config
+from format.container import Artifact
+from format.inventory import DRAFT_HEAD, DRAFT_TOKEN_IDS
+from format.layouts import align_up
+from format.model_config import ModelConfig
+
+from .kv.codecs import get_codec
+
+PAGE_TOKENS = 64
+REGION_ALIGN = 256
+NATIVE_CONTEXT = 262_144
+GRAPH_POOL_BYTES_PER_BATCH = 12 << 20  # CUDA-graph private pool allowance per captured batch size
+TORCH_BLOCK = 512  # the caching allocator rounds every allocation up to this
+
+# nvidia-smi totals (MiB) of common single cards; --vram overrides.
+GPU_VRAM_MIB = {
+    "rtx3090": 24576, "rtx4090": 24564, "rtx5090": 32607, "l40s": 46068, "rtx6000ada": 49140,
+    "a100-40g": 40960, "a100-80g": 81920, "h100": 81559, "h100-nvl": 95830, "h200": 143771, "b200": 183359,
+}
+SPECS = ("none", "mtp", "dflash2")
+
+
+class MemoryPlanError(ValueError):
+    """The requested configuration does not fit, or its options are inconsistent."""
+
+
+def parse_bytes(text: str) -> int:
+    """'24G' / '1.3GiB' = binary units, '24GB' = decimal; plain numbers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise MemoryPlanError(f"cannot read a byte size from {text!r}; write e.g. 24G, 1.3GiB, 80GB or 1048576")
+    number, unit, suffix = float(m.group(1)), m.group(2), m.group(3)
+    power = " kmgt".index(unit) if unit else 0
+    base = 1000 if suffix == "b" else 1024
+    return int(number * base ** power)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    max_context: int
+    max_concurrency: int = 1
+    kv_dtype: str = "bf16"
+    prefill_chunk: int = 1024
+    spec: str = "none"
+    draft_tokens: int = 3
+    lm_head_draft: bool = False
+    vision: bool = False
+    cuda_graphs: bool = True
+
+    def validate(self, cfg: ModelConfig, components: tuple[str, ...]) -> None:
+        if self.max_context < 1:
+            raise MemoryPlanError("--max-context must be at least 1")
+        if self.max_context > NATIVE_CONTEXT:
+            raise MemoryPlanError(f"--max-context {self.max_context} exceeds the native context of {NATIVE_CONTEXT}")
+        if not 1 <= self.max_concurrency <= 8:
+            raise MemoryPlanError("--max-concurrency must be in 1..8")
+        if self.prefill_chunk < 128 or self.prefill_chunk % 128:
+            raise MemoryPlanError("--prefill-chunk must be a positive multiple of 128")
+        if self.spec not in SPECS:
+            raise MemoryPlanError(f"--spec must be one of {', '.join(SPECS)}")
+        if self.spec != "none" and not 1 <= self.draft_tokens <= 15:
+            raise MemoryPlanError("--draft-tokens must be in 1..15")
+        if self.spec == "mtp" and "mtp" not in components:
+            raise MemoryPlanError("--spec mtp needs an artifact with the mtp component (convert --version 3 --mtp)")
+        if self.spec == "dflash2" and "dflash2" not in components:
+            raise MemoryPlanError("--spec dflash2 needs an artifact with the dflash2 component (convert --dflash2 DIR)")
+        if self.lm_head_draft and self.spec == "none":
+            raise MemoryPlanError("--lm-head-draft needs --spec mtp or --spec dflash2")
+        if self.lm_head_draft and "lm_head_draft" not in components:
+            raise MemoryPlanError("--lm-head-draft needs an artifact with the lm_head_draft component")
+        if self.vision and "vision" not in components:
+            raise MemoryPlanError("--vision needs an artifact that carries the vision tower")
+        get_codec(self.kv_dtype)
+        if cfg.head_dim % 64 and self.kv_dtype != "bf16":
+            raise MemoryPlanError(f"head_dim {cfg.head_dim} is not a multiple of 64, which every KV codec needs")
+
+
+@dataclass
+class Region:
+    name: str
+    nbytes: int
+    offset: int = 0
+
+
+@dataclass
+class Arena:
+    name: str
+    regions: list[Region] = field(default_factory=list)
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.regions.append(Region(name, int(nbytes)))
+
+    def layout(self) -> int:
+        cursor = 0
+        for r in self.regions:
+            cursor = align_up(cursor, REGION_ALIGN)
+            r.offset = cursor
+            cursor += r.nbytes
+        return cursor
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the torch caching allocator reports for one buffer of this arena."""
+        return align_up(self.nbytes, TORCH_BLOCK) if self.nbytes else 0
+
+
+@dataclass
+class MemoryPlan:
+    options: PlanOptions
+    pages_per_lane: int
+    pages: int
+    kv_bytes_per_token: int
+    arenas: dict[str, Arena]
+    graph_pool_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.allocated_bytes for a in self.arenas.values()) + self.graph_pool_bytes
+
+    def breakdown(self) -> dict[str, int]:
+        out = {name: a.allocated_bytes for name, a in self.arenas.items()}
+        out["cuda_graph_pools"] = self.graph_pool_bytes
+        return out
+
+
+def _resident_weight_names(art: Artifact, opts: PlanOptions) -> list[str]:
+    names = []
+    for name, e in art.objects.items():
+        if e.kind != "tensor":
+            continue
+        comp = e.component
+        keep = (comp == "text" or (comp == "mtp" and opts.spec == "mtp")
+                or (comp == "dflash2" and opts.spec == "dflash2")
+                or (comp == "lm_head_draft" and opts.lm_head_draft) or (comp == "vision" and opts.vision))
+        if keep:
+            names.append(name)
+    return names
+
+
+def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
+    """Activation buffers shared by all phases; the size of the largest phase."""
+    t = min(opts.prefill_chunk, opts.max_context)
+    rows = 1 + (opts.draft_tokens if opts.spec != "none" else 0)
+    lanes = opts.max_concurrency
+    h = cfg.hidden_size
+    proj = max(cfg.q_gate_rows + 2 * cfg.kv_rows, cfg.gdn_conv_dim + cfg.gdn_value_dim)
+    if cfg.is_moe:
+        mlp = max(2 * cfg.shared_expert_intermediate_size, 2 * cfg.moe_intermediate_size * cfg.experts_per_token)
+    else:
+        mlp = 2 * cfg.intermediate_size
+    inner = max(cfg.num_heads * cfg.head_dim, cfg.gdn_value_dim, mlp // 2)
+    hv, dk = cfg.linear_num_value_heads, cfg.linear_key_head_dim
+
+    def phase(tokens: int, logits_rows: int) -> dict[str, int]:
+        return {
+            "hidden": tokens * h * 2, "residual": tokens * h * 2, "normed": tokens * h * 2,
+            "projection": tokens * max(proj, mlp) * 2, "inner": tokens * inner * 2,
+            "gdn_fp32": tokens * hv * dk * 4 * 3,  # q, k (l2-normalized), gates in float32
+            "logits": logits_rows * cfg.vocab_size * 4,
+        }
+
+    prefill = phase(t, lanes)
+    decode = phase(lanes * rows, lanes * rows)
+    arena = Arena("workspace")
+    for key in prefill:
+        arena.add(key, max(prefill[key], decode[key]))
+    arena.add("sampling", lanes * rows * cfg.vocab_size * 4 + lanes * rows * 8)
+    return arena
+
+
+def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
+    cfg = load_config(art)
+    opts.validate(cfg, art.components)
+    codec = get_codec(opts.kv_dtype)
+    full_layers = sum(cfg.is_full_attention(i) for i in range(cfg.num_layers))
+    gdn_layers = cfg.num_layers - full_layers
+    per_layer_token = codec.bytes_per_token_head(cfg.head_dim) * cfg.num_kv_heads
+
+    weights = Arena("weights")
+    for name in _resident_weight_names(art, opts):
+        weights.add(name, art.objects[name].nbytes)
+
+    pages_per_lane = math.ceil(opts.max_context / PAGE_TOKENS)
+    pages = pages_per_lane * opts.max_concurrency
+    kv = Arena("kv_pool")
+    for i in range(cfg.num_layers):
+        if cfg.is_full_attention(i):
+            for plane in codec.planes(cfg.head_dim):
+                kv.add(f"layer{i}/{plane.name}", pages * PAGE_TOKENS * cfg.num_kv_heads * plane.width * plane.item_bytes)
+    mtp_layers = 0
+    if opts.spec == "mtp":
+        mtp_layers = 1 + max((int(n.split("/")[2]) for n in art.objects if n.startswith("mtp/layers/")), default=0)
+        extra = opts.max_concurrency * math.ceil(opts.draft_tokens / PAGE_TOKENS)  # drafted tail pages
+        for j in range(mtp_layers):
+            for plane in codec.planes(cfg.head_dim):
+                kv.add(f"mtp{j}/{plane.name}",
+                       (pages + extra) * PAGE_TOKENS * cfg.num_kv_heads * plane.width * plane.item_bytes)
+    kv.add("block_tables", opts.max_concurrency * pages_per_lane * 4)
+
+    state = Arena("sequence_state")
+    slots = 1 if opts.spec == "none" else opts.draft_tokens + 2  # rollback snapshots for verification
+    lanes = opts.max_concurrency
+    state.add("gdn_conv", gdn_layers * lanes * slots * (cfg.conv_kernel - 1) * cfg.gdn_conv_dim * 2)
+    state.add("gdn_recurrent", gdn_layers * lanes * slots * cfg.linear_num_value_heads
+              * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    state.add("lane_tokens", lanes * (opts.max_context + opts.draft_tokens + 1) * 4)
+    if opts.spec == "dflash2":
+        state.add("dflash2_context_cache", lanes * 5 * 2048 * 8 * 128 * 2 * 2)
+    if opts.spec == "mtp":
+        state.add("mtp_hidden_tail", lanes * (opts.draft_tokens + 1) * cfg.hidden_size * 2)
+
+    workspace = _workspace(cfg, opts)
+    if opts.vision:
+        workspace.add("vision", 16_384 * 1152 * 2 * 6)  # one 16K-patch image item through the tower
+    arenas = {"weights": weights, "kv_pool": kv, "sequence_state": state, "workspace": workspace}
+    batches = lanes * (2 if opts.spec != "none" else 1)
+    graphs = GRAPH_POOL_BYTES_PER_BATCH * batches if opts.cuda_graphs else 0
+    kv_token = per_layer_token * (full_layers + mtp_layers)
+    return MemoryPlan(opts, pages_per_lane, pages, kv_token, arenas, graphs)
+
+
+@dataclass
+class FitResult:
+    budget_bytes: int
+    max_context: int  # 0 when nothing fits
+    plan: MemoryPlan | None
+    fixed_bytes: int
+    bytes_per_page_group: int  # growth per 64 tokens of context (all lanes)
+
+
+def fit(art: Artifact, opts: PlanOptions, vram_bytes: int, reserve_bytes: int) -> FitResult:
+    """Largest max_context (a multiple of 64, at most the native context) whose plan fits."""
+    budget = vram_bytes - reserve_bytes
+    if budget <= 0:
+        raise MemoryPlanError(f"--vram-reserve {reserve_bytes} leaves nothing of {vram_bytes} bytes")
+
+    def total(ctx: int) -> int:
+        return build_plan(art, _with(opts, ctx)).total_bytes
+
+    small = total(PAGE_TOKENS)
+    far = max(opts.prefill_chunk, PAGE_TOKENS)  # past the chunk, growth is pure KV + token ids
+    step = total(far + PAGE_TOKENS) - total(far)
+    if small > budget:
+        return FitResult(budget, 0, None, small, step)
+    lo, hi = 1, NATIVE_CONTEXT // PAGE_TOKENS
+    if total(hi * PAGE_TOKENS) <= budget:
+        lo = hi
+    while lo < hi:  # the largest page count that fits; total() is monotone in pages
+        mid = (lo + hi + 1) // 2
+        if total(mid * PAGE_TOKENS) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    best = lo * PAGE_TOKENS
+    return FitResult(budget, best, build_plan(art, _with(opts, best)), small, step)
+
+
+def _with(opts: PlanOptions, ctx: int) -> PlanOptions:
+    from dataclasses import replace
+
+    return replace(opts, max_context=ctx)
+
+
+def require_fit(art: Artifact, opts: PlanOptions, available_bytes: int) -> MemoryPlan:
+    """Fail fast with exact numbers when the requested context does not fit."""
+    plan = build_plan(art, opts)
+    if plan.total_bytes > available_bytes:
+        best = fit(art, opts, available_bytes, 0).max_context
+        raise MemoryPlanError(
+            f"--max-context {opts.max_context} needs {plan.total_bytes} bytes but only {available_bytes} are available "
+            f"({plan.total_bytes - available_bytes} short); the largest context that fits is {best}"
+            + (" (none: lower --max-concurrency or use a smaller --kv-dtype)" if best == 0 else ""))
+    return plan

@@ -1,0 +1,114 @@
+"""The memory plan: solver optimality, allocator == plan, fail-fast numbers, CLI."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from format.container import Artifact
+from format.convert import ConvertOptions, convert_checkpoint
+from ninfer_cli.main import app
+from runtime.allocator import DeviceMemory
+from runtime.kv.codecs import CODECS
+from runtime.memory_plan import (
+    MemoryPlanError,
+    PlanOptions,
+    build_plan,
+    fit,
+    parse_bytes,
+    require_fit,
+)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_with_mtp, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "m.nfer"
+    convert_checkpoint(tiny_with_mtp, out, ConvertOptions(version=3, recipe="q4", lm_head_draft=64))
+    with Artifact(out) as art:
+        yield art
+
+
+def test_parse_bytes():
+    assert parse_bytes("24G") == 24 << 30 and parse_bytes("1.5GiB") == int(1.5 * (1 << 30))
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("4096") == 4096
+    with pytest.raises(MemoryPlanError, match="cannot read a byte size"):
+        parse_bytes("lots")
+
+
+@pytest.mark.parametrize("kv", list(CODECS))
+@pytest.mark.parametrize("lanes,spec", [(1, "none"), (3, "mtp")])
+def test_solver_is_exact_and_optimal(artifact, kv, lanes, spec):
+    opts = PlanOptions(max_context=64, max_concurrency=lanes, kv_dtype=kv, spec=spec,
+                       lm_head_draft=spec != "none", prefill_chunk=256)
+    small = build_plan(artifact, opts).total_bytes
+    budget = small + 3_000_000
+    r = fit(artifact, opts, budget, 0)
+    assert r.max_context % 64 == 0 and r.max_context > 64
+    assert r.plan.total_bytes <= budget
+    from dataclasses import replace
+
+    assert build_plan(artifact, replace(opts, max_context=r.max_context + 64)).total_bytes > budget
+
+
+def test_kv_bytes_per_token_follow_the_codec(artifact):
+    p = build_plan(artifact, PlanOptions(max_context=4096, kv_dtype="rk4v4-e8"))
+    # tiny model: 1 full-attention layer, 2 kv heads, head_dim 64
+    assert p.kv_bytes_per_token == CODECS["rk4v4-e8"].bytes_per_token_head(64) * 2 * 1
+    mtp = build_plan(artifact, PlanOptions(max_context=4096, kv_dtype="rk4v4-e8", spec="mtp"))
+    assert mtp.kv_bytes_per_token == 2 * p.kv_bytes_per_token
+
+
+def test_allocator_matches_plan_and_loads_weights(artifact):
+    plan = build_plan(artifact, PlanOptions(max_context=1000, max_concurrency=2, kv_dtype="int8"))
+    mem = DeviceMemory(plan, "cpu")
+    for name, arena in plan.arenas.items():
+        assert mem.buffers[name].numel() == arena.nbytes
+    mem.load_weights(artifact)
+    name = "text/layers/3/attention/query_gate_key_value"
+    assert bytes(mem.raw("weights", name).numpy()) == bytes(artifact.raw(name))
+    k = mem.view("kv_pool", "layer3/k_codes", torch.int8, (plan.pages, 64, 2, 64))
+    assert k.shape[0] == 2 * 16
+
+
+def test_features_change_resident_weights(artifact):
+    base = build_plan(artifact, PlanOptions(max_context=128)).arenas["weights"].nbytes
+    spec = build_plan(artifact, PlanOptions(max_context=128, spec="mtp")).arenas["weights"].nbytes
+    draft = build_plan(artifact, PlanOptions(max_context=128, spec="mtp", lm_head_draft=True)).arenas["weights"].nbytes
+    mtp_bytes = sum(e.nbytes for e in artifact.objects.values() if e.component == "mtp")
+    assert spec - base >= mtp_bytes and draft > spec
+
+
+@pytest.mark.parametrize("opts,message", [
+    (dict(max_concurrency=9), "1..8"), (dict(prefill_chunk=100), "multiple of 128"),
+    (dict(spec="dflash2"), "dflash2 component"), (dict(lm_head_draft=True), "needs --spec"),
+    (dict(vision=True), "vision tower"), (dict(kv_dtype="int3"), "unknown --kv-dtype"),
+    (dict(max_context=300_000), "native context"),
+])
+def test_bad_options(artifact, opts, message):
+    with pytest.raises((MemoryPlanError, ValueError), match=message):
+        build_plan(artifact, PlanOptions(**{"max_context": 128, **opts}))
+
+
+def test_require_fit_names_the_numbers(artifact):
+    opts = PlanOptions(max_context=8192, kv_dtype="bf16")
+    need = build_plan(artifact, opts).total_bytes
+    with pytest.raises(MemoryPlanError) as e:
+        require_fit(artifact, opts, need - 1)
+    msg = str(e.value)
+    assert f"needs {need} bytes" in msg and f"only {need - 1} are available (1 short)" in msg
+    assert "largest context that fits is 8128" in msg
+
+
+def test_fit_cli(artifact):
+    runner = CliRunner()
+    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--vram-reserve", "0", "--kv-dtype", "rk2v4-e8", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["fits"] and res["max_context"] > 0 and res["total_bytes"] <= res["budget_bytes"]
+    assert sum(res["breakdown"].values()) == res["total_bytes"]
+    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "20M", "--vram-reserve", "0", "--max-context", "200000"])
+    assert r.exit_code == 1 and "does NOT fit" in r.stdout
+    r = runner.invoke(app, ["fit", str(artifact.path), "--gpu", "voodoo2"])
+    assert r.exit_code == 1 and "unknown --gpu" in r.output
