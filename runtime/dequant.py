@@ -16,7 +16,7 @@ def _u8(view, device) -> torch.Tensor:
 
 def unpack_codes(base: torch.Tensor, high: torch.Tensor | None, rows: int, k_pad: int, fmt: GroupedFormat) -> torch.Tensor:
     """Row-split planes (uint8) -> signed codes int16 [rows, K_pad]."""
-    base = base.view(rows, -1)
+    base = base.reshape(rows, -1)
     if fmt.bits == 8:
         return base.view(torch.int8).to(torch.int16)
     u = torch.empty(rows, k_pad, dtype=torch.int16, device=base.device)

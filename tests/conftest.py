@@ -7,6 +7,13 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+try:  # no GPU: run every Triton kernel in the interpreter (must be set before triton is imported)
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 SEED = 42

@@ -1,0 +1,182 @@
+"""Causal GQA attention over a paged KV pool in any codec of specs/kv-codecs.md.
+
+Pool planes are [pages, 64, kv_heads, width]; a lane's block table maps its logical pages to
+physical ones. Each program takes BLOCK_M query rows of one (lane, query head), walks the lane's
+keys BLOCK_N at a time, decodes K and V tiles in registers and keeps an online softmax. Vectors
+are handled as even/odd element halves, so packed nibble codecs never interleave in registers.
+Rotations (rk codecs) happen outside: queries arrive rotated, outputs leave rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kv.codecs import Codec
+
+PAGE = 64
+KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
+
+
+@triton.jit
+def _e4m3(byte):
+    """Decode E4M3FN bits (int32) to float32 without relying on hardware fp8 support."""
+    sign = tl.where((byte & 0x80) != 0, -1.0, 1.0)
+    e = (byte >> 3) & 0xF
+    m = (byte & 0x7).to(tl.float32)
+    normal = (1.0 + m / 8.0) * tl.exp2(e.to(tl.float32) - 7.0)
+    sub = m / 8.0 * 0.015625
+    return sign * tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def _e2m1(nib):
+    """Decode E2M1 nibbles (int32, bit 3 = sign) to float32."""
+    sign = tl.where((nib & 0x8) != 0, -1.0, 1.0)
+    e = (nib >> 1) & 0x3
+    m = (nib & 0x1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e.to(tl.float32) - 1.0))
+    return sign * mag
+
+
+@triton.jit
+def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl.constexpr,
+                 D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32."""
+    d = 2 * dh + ODD
+    m = tok_ok[:, None]
+    if KIND == 0:
+        return tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0.0).to(tl.float32)
+    elif KIND == 1:
+        c = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+        return c * s
+    elif KIND == 2:
+        b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
+        n = (b >> (4 * ODD)) & 0xF
+        q = ((n ^ 8) - 8).to(tl.float32)
+        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+        return q * s
+    elif KIND == 3:
+        b = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int32)
+        s = tl.load(p1 + row * W1, mask=tok_ok, other=0.0).to(tl.float32)
+        return _e4m3(b) * s[:, None]
+    elif KIND == 4:
+        b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
+        n = (b >> (4 * ODD)) & 0xF
+        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 16, mask=m, other=0).to(tl.int32)
+        return _e2m1(n) * _e4m3(s)
+    else:
+        sv = d // 8
+        i = d % 8
+        root = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=240).to(tl.int32)
+        meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
+        val = tl.load(table_ptr + root * 8 + i[None, :])
+        axis = meta & 0xF
+        nudge = tl.where((axis >> 1) == i[None, :], tl.where((axis & 1) != 0, -2.0, 2.0), 0.0)
+        rad = meta >> 4
+        gain = tl.where(rad > 0, 0.5 * tl.exp2((rad.to(tl.float32) - 8.0) / 3.0), 0.0)
+        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+        return tl.where(root >= 240, 0.0, (val + nudge) * gain) * s
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, o_ptr, k0, k1, v0, v1, table_ptr, block_table_ptr, ctx_len_ptr,
+                            T, HQ, HKV, PAGES_PER_LANE, scale,
+                            D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
+                            KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    lane = tl.program_id(0)
+    qh = tl.program_id(1)
+    mblock = tl.program_id(2)
+    kvh = qh // (HQ // HKV)
+    dh = tl.arange(0, D // 2)
+    rows_m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rows_m < T
+    ctx = tl.load(ctx_len_ptr + lane)
+    q_pos = ctx - T + rows_m  # absolute position of each query row
+    q_base = q_ptr + ((lane * T + rows_m[:, None]) * HQ + qh) * D
+    q_even = tl.load(q_base + 2 * dh[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    last = tl.minimum(ctx, ctx - T + (mblock + 1) * BLOCK_M)  # keys past the block's last query are masked
+    for n0 in range(0, last, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < last
+        page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
+        row = (page * 64 + n % 64) * HKV + kvh
+        k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1)
+        k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1)
+        s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        s = s * scale
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1)
+        v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1)
+        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o_base = o_ptr + ((lane * T + rows_m[:, None]) * HQ + qh) * D
+    tl.store(o_base + 2 * dh[None, :], (acc_even / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    tl.store(o_base + 2 * dh[None, :] + 1, (acc_odd / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def _root_table(device) -> torch.Tensor:
+    from runtime.kv.e8 import root_table
+
+    return root_table().to(device=device, dtype=torch.float32).contiguous()
+
+
+def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
+                    ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [lanes, T, HQ, D] (rotated when the codec rotates keys); pool planes of one layer; block_table
+    [lanes, pages_per_lane] int32; ctx_len [lanes] int32 = tokens in the cache including the T new ones.
+    Returns [lanes, T, HQ, D] in the value storage basis."""
+    lanes, t, hq, d = q.shape
+    hkv = next(iter(pool.values())).shape[2]
+    k0, k1 = pool["k_" + _plane_names(codec.key)[0]], pool["k_" + _plane_names(codec.key)[-1]]
+    v0, v1 = pool["v_" + _plane_names(codec.value)[0]], pool["v_" + _plane_names(codec.value)[-1]]
+    o = out if out is not None else torch.empty_like(q)
+    block_m = 16 if t <= 16 else 64
+    block_n = 32
+    grid = (lanes, hq, triton.cdiv(t, block_m))
+    _paged_attention_kernel[grid](
+        q.contiguous(), o, k0, k1, v0, v1, _root_table(q.device), block_table, ctx_len,
+        t, hq, hkv, block_table.shape[1], scale,
+        D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
+        KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
+        BLOCK_M=block_m, BLOCK_N=block_n)
+    return o
+
+
+def _plane_names(kind: str) -> list[str]:
+    return ["data"] if kind == "bf16" else ["codes", "scales"]
+
+
+def paged_attention_reference(q, pool, codec: Codec, block_table, ctx_len, scale):
+    """Gather each lane's pages, decode with the reference codec, attend causally in float32."""
+    lanes, t, hq, d = q.shape
+    outs = []
+    for lane in range(lanes):
+        n = int(ctx_len[lane])
+        idx = torch.arange(n)
+        pages = block_table[lane, idx // PAGE].long()
+        planes = {name: p[pages, idx % PAGE] for name, p in pool.items()}
+        k, v = codec.decode_keys(planes), codec.decode_values(planes)  # [n, HKV, D]
+        groups = hq // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        s = torch.einsum("thd,nhd->htn", q[lane].float(), k) * scale
+        qpos = torch.arange(n - t, n)
+        s = s.masked_fill(idx[None, None, :] > qpos[None, :, None], float("-inf"))
+        outs.append(torch.einsum("htn,nhd->thd", s.softmax(-1), v))
+    return torch.stack(outs).to(q.dtype)

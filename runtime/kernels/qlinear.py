@@ -1,0 +1,104 @@
+"""y = x @ W^T with W in a row-split grouped format (Q4/Q5/Q6/W8), dequantized on the fly.
+
+One kernel serves decode (T = 1..16 rows of x, a GEMV in effect) and prefill (GEMM). Nibble
+formats are consumed as two half-width products, x[:, even] @ lo^T + x[:, odd] @ hi^T, so codes
+are never interleaved in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from format.numeric import GroupedFormat
+
+
+@triton.jit
+def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, stride_yt,
+                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < T
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
+            scale = tl.load(scale_ptr + rows[:, None] * GPR + ks[None, :] // GROUP, mask=row_ok[:, None], other=0.0)
+            w = (codes.to(tl.int8, bitcast=True).to(tl.float32) * scale.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_ptr + toks[:, None] * stride_xt + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
+            ke = 2 * half  # even lane of each byte
+            packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+            lo = packed & 0xF
+            hi = (packed >> 4) & 0xF
+            if BITS > 4:
+                hb: tl.constexpr = BITS - 4
+                per_byte: tl.constexpr = 8 // hb
+                row_high = rows[:, None] * (GPR * HIGH_BYTES)
+                he = tl.load(high_ptr + row_high + ke[None, :] // per_byte, mask=row_ok[:, None], other=0).to(tl.int32)
+                ho = tl.load(high_ptr + row_high + (ke[None, :] + 1) // per_byte, mask=row_ok[:, None], other=0).to(tl.int32)
+                mask_hb = (1 << hb) - 1
+                lo = lo | (((he >> ((ke[None, :] % per_byte) * hb)) & mask_hb) << 4)
+                hi = hi | (((ho >> (((ke[None, :] + 1) % per_byte) * hb)) & mask_hb) << 4)
+            sign: tl.constexpr = 1 << (BITS - 1)
+            lo = (lo ^ sign) - sign
+            hi = (hi ^ sign) - sign
+            scale = tl.load(scale_ptr + rows[:, None] * GPR + ke[None, :] // GROUP, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            w_even = (lo.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+            w_odd = (hi.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+            x_mask = tok_ok[:, None] & (ke[None, :] < K)
+            x_even = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :] + 1,
+                            mask=tok_ok[:, None] & (ke[None, :] + 1 < K), other=0.0)
+            acc += tl.dot(x_even, tl.trans(w_even))
+            acc += tl.dot(x_odd, tl.trans(w_odd))
+    tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tok_ok[:, None] & row_ok[None, :])
+
+
+class PackedLinear:
+    """A row-split weight resident on the device: its three planes and its geometry."""
+
+    def __init__(self, base: torch.Tensor, high: torch.Tensor | None, scale: torch.Tensor, rows: int, cols: int,
+                 fmt: GroupedFormat):
+        self.base, self.high, self.scale = base, high, scale.view(torch.float16)
+        self.rows, self.cols, self.fmt = rows, cols, fmt
+        self.k_pad = -(-cols // 128) * 128
+        self.groups_per_row = self.k_pad // fmt.group_size
+
+
+def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (bf16 on GPU, fp32 allowed under the interpreter) -> [T, N] in x's dtype."""
+    t, k = x.shape
+    if k != w.cols:
+        raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
+    x = x.contiguous()
+    y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
+    block_t = 16 if t <= 16 else 64
+    block_n = 64
+    block_k = 128
+    grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t))
+    high = w.high if w.high is not None else w.base
+    _qlinear_kernel[grid](x, w.base, high, w.scale, y, t, w.rows, k, x.stride(0), y.stride(0),
+                          GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+                          HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """Dequantize with the torch unpacker (checked bit-exact against numpy) and multiply in fp32."""
+    from runtime.dequant import unpack_codes
+
+    codes = unpack_codes(w.base.view(torch.uint8), None if w.high is None else w.high.view(torch.uint8),
+                         w.rows, w.k_pad, w.fmt)
+    s = w.scale.float().view(w.rows, -1, 1)
+    dense = (codes.view(w.rows, -1, w.fmt.group_size).float() * s).view(w.rows, w.k_pad)[:, : w.cols]
+    return (x.float() @ dense.t()).to(x.dtype)

@@ -1,0 +1,41 @@
+"""Zero-centred RMSNorm, optionally fused with the residual add: h = x + r; y = norm(h) * (1 + w)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, stride_x, stride_r, stride_y,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(res_out_ptr + row * stride_r + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
+    var = tl.sum(h * h, axis=0) / H
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = h * tl.rsqrt(var + eps) * (1.0 + w)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H]. With `residual`, returns (norm(x + residual), x + residual) and writes the sum in place
+    of `residual`. Without, returns (norm(x), None)."""
+    t, h = x.shape
+    y = out if out is not None else torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rmsnorm_kernel[(t,)](x, res, weight, y, res, h, eps, x.stride(0), res.stride(0), y.stride(0),
+                          HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h))
+    return y, residual
+
+
+def rmsnorm_reference(x, weight, eps, residual=None):
+    h = x.float() + (residual.float() if residual is not None else 0)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return y.to(x.dtype), (h.to(x.dtype) if residual is not None else None)

@@ -1,0 +1,31 @@
+"""SwiGLU on a fused [T, 2I] gate/up projection: y = silu(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, y_ptr, inter, stride_gu, stride_y, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    g = tl.load(gu_ptr + t * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * stride_y + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    y = out if out is not None else torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _swiglu_kernel[(t, triton.cdiv(inter, block))](gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block)
+    return y
+
+
+def swiglu_reference(gate_up):
+    g, u = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gate_up.dtype)

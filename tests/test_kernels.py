@@ -1,0 +1,129 @@
+"""Every Triton kernel against its torch reference: fresh random inputs, NaN-poisoned outputs, odd
+shapes, and a relative-error tolerance named per dtype. On CPU they run under TRITON_INTERPRET=1."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from format.numeric import FORMATS, GroupedFormat  # noqa: E402
+from format.quantize import encode_rows  # noqa: E402
+from runtime.kv.codecs import CODECS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# max |kernel - reference| / max |reference|
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def _check(got, want, dtype=DTYPE):
+    assert not torch.isnan(got).any(), "kernel left NaN-poisoned output unwritten"
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+    assert err <= REL_TOL[dtype], f"relative error {err:.2e} > {REL_TOL[dtype]:.0e}"
+
+
+def _poison(shape, dtype=DTYPE):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _packed(n, k, fmt, seed):
+    from runtime.kernels.qlinear import PackedLinear
+
+    g = torch.Generator().manual_seed(seed)
+    base, high, scale = encode_rows(torch.randn(n, k, generator=g), fmt)
+    u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).to(DEVICE) if b else None  # noqa: E731
+    return PackedLinear(u8(base), u8(high), u8(scale), n, k, fmt)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
+@pytest.mark.parametrize("t,n,k", [(1, 70, 200), (3, 33, 128), (16, 64, 130), (19, 65, 257)])
+def test_qlinear(fmt, t, n, k):
+    from runtime.kernels.qlinear import qlinear, qlinear_reference
+
+    w = _packed(n, k, fmt, seed=t * 1000 + n)
+    x = torch.randn(t, k, device=DEVICE).to(DTYPE)
+    _check(qlinear(x, w, out=_poison((t, n))), qlinear_reference(x, w))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("t,h", [(1, 64), (5, 100)])
+def test_rmsnorm(residual, t, h):
+    from runtime.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+
+    x = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
+    r = torch.randn(t, h, device=DEVICE).to(DTYPE) if residual else None
+    want, want_res = rmsnorm_reference(x, w, 1e-6, r)
+    got, got_res = rmsnorm(x, w, 1e-6, residual=r.clone() if r is not None else None, out=_poison((t, h)))
+    _check(got, want)
+    if residual:
+        _check(got_res, want_res)
+
+
+@pytest.mark.parametrize("t,heads,d,rot", [(1, 3, 64, 16), (7, 2, 256, 64)])
+def test_rope(t, heads, d, rot):
+    from runtime.kernels.rope import apply_rope_, rope_reference
+
+    x = torch.randn(t, heads, d, device=DEVICE).to(DTYPE)
+    pos = torch.randint(0, 100_000, (t,), device=DEVICE, dtype=torch.int32)
+    want = rope_reference(x.cpu(), pos.cpu().long(), rot, 1e7)
+    _check(apply_rope_(x.clone(), pos, rot, 1e7).cpu(), want)
+
+
+@pytest.mark.parametrize("t,inter", [(1, 96), (5, 1030)])
+def test_swiglu(t, inter):
+    from runtime.kernels.swiglu import swiglu, swiglu_reference
+
+    gu = torch.randn(t, 2 * inter, device=DEVICE).to(DTYPE)
+    _check(swiglu(gu, out=_poison((t, inter))), swiglu_reference(gu))
+
+
+@pytest.mark.parametrize("b,t,hv,dk,dv", [(1, 1, 2, 16, 32), (2, 5, 3, 32, 64)])
+def test_gdn_recurrent(b, t, hv, dk, dv):
+    from runtime.kernels.gdn_decode import gdn_recurrent, gdn_recurrent_reference
+    from runtime.reference_ops import l2_normalize
+
+    q = l2_normalize(torch.randn(b, t, hv, dk, device=DEVICE)) * dk ** -0.5
+    k = l2_normalize(torch.randn(b, t, hv, dk, device=DEVICE))
+    v = torch.randn(b, t, hv, dv, device=DEVICE)
+    g = -torch.rand(b, t, hv, device=DEVICE)
+    beta = torch.rand(b, t, hv, device=DEVICE)
+    state = torch.randn(b, hv, dk, dv, device=DEVICE)
+    want_o, want_s = gdn_recurrent_reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), state.cpu())
+    s = state.clone()
+    got = gdn_recurrent(q, k, v, g, beta, s, out=_poison((b, t, hv, dv), torch.float32))
+    _check(got.cpu(), want_o, torch.float32)
+    _check(s.cpu(), want_s, torch.float32)
+
+
+@pytest.mark.parametrize("b,t,c", [(1, 1, 40), (2, 2, 300), (1, 9, 64)])
+def test_causal_conv1d(b, t, c):
+    from runtime.kernels.conv1d import causal_conv1d, causal_conv1d_reference
+
+    x = torch.randn(b, t, c, device=DEVICE).to(DTYPE)
+    state = torch.randn(b, 3, c, device=DEVICE).to(DTYPE)
+    w = torch.randn(c, 4, device=DEVICE).to(DTYPE)
+    want_y, want_s = causal_conv1d_reference(x.cpu(), state.cpu(), w.cpu())
+    s = state.clone()
+    _check(causal_conv1d(x, s, w, out=_poison((b, t, c))).cpu(), want_y)
+    _check(s.cpu(), want_s)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("t", [1, 5])
+def test_paged_attention(codec, t):
+    from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference
+
+    c = CODECS[codec]
+    lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 3
+    g = torch.Generator().manual_seed(hash(codec) % 1000 + t)
+    total = lanes * per_lane + 1
+    pool = c.encode(torch.randn(total, PAGE, hkv, d, generator=g), torch.randn(total, PAGE, hkv, d, generator=g))
+    block_table = torch.randperm(total, generator=g)[: lanes * per_lane].view(lanes, per_lane).int()
+    ctx = torch.tensor([70, 150], dtype=torch.int32)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g))
+    want = paged_attention_reference(q, pool, c, block_table, ctx, d ** -0.5)
+    dev = {k: v.to(DEVICE) for k, v in pool.items()}
+    got = paged_attention(q.to(DEVICE), dev, c, block_table.to(DEVICE), ctx.to(DEVICE), d ** -0.5,
+                          out=_poison(q.shape, torch.float32))
+    _check(got.cpu(), want, torch.float32)
