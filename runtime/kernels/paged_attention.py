@@ -9,6 +9,8 @@ Rotations (rk codecs) happen outside: queries arrive rotated, outputs leave rota
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -131,7 +133,8 @@ def _paged_attention_kernel(q_ptr, o_ptr, k0, k1, v0, v1, table_ptr, block_table
     tl.store(o_base + 2 * dh[None, :] + 1, (acc_odd / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
-def _root_table(device) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _root_table(device: str) -> torch.Tensor:
     from runtime.kv.e8 import root_table
 
     return root_table().to(device=device, dtype=torch.float32).contiguous()
@@ -151,7 +154,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     block_n = 32
     grid = (lanes, hq, triton.cdiv(t, block_m))
     _paged_attention_kernel[grid](
-        q.contiguous(), o, k0, k1, v0, v1, _root_table(q.device), block_table, ctx_len,
+        q.contiguous(), o, k0, k1, v0, v1, _root_table(str(q.device)), block_table, ctx_len,
         t, hq, hkv, block_table.shape[1], scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],

@@ -102,3 +102,17 @@ def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     s = w.scale.float().view(w.rows, -1, 1)
     dense = (codes.view(w.rows, -1, w.fmt.group_size).float() * s).view(w.rows, w.k_pad)[:, : w.cols]
     return (x.float() @ dense.t()).to(x.dtype)
+
+
+def gather_rows(w: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
+    """Dequantize only rows `ids` (embedding lookup) -> float32 [len(ids), K]; pure tensor ops."""
+    from runtime.dequant import unpack_codes
+
+    n = ids.shape[0]
+    ids = ids.long()
+    base = w.base.view(w.rows, -1)[ids]
+    high = w.high.view(w.rows, -1)[ids] if w.high is not None else None
+    scale = w.scale.view(w.rows, -1)[ids].float()
+    codes = unpack_codes(base, high, n, w.k_pad, w.fmt)
+    dense = codes.view(n, -1, w.fmt.group_size).float() * scale[..., None]
+    return dense.view(n, w.k_pad)[:, : w.cols]

@@ -11,12 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import functools
+
 import torch
 
 from .e8 import e8_root_decode, e8_root_encode, e8_lattice_round
 from .hadamard import rotate_groups
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+@functools.lru_cache(maxsize=8)
+def _e2m1_on(device: str) -> torch.Tensor:
+    return E2M1_VALUES.to(device)
 FP8_MAX = 448.0
 NVFP4_SCALE_MIN, NVFP4_SCALE_MAX = 2.0 ** -9, 448.0
 
@@ -159,7 +166,7 @@ def _encode(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         raw = (g.abs().amax(-1) / 6.0).clamp(NVFP4_SCALE_MIN, NVFP4_SCALE_MAX)
         s8 = raw.to(torch.float8_e4m3fn)
         y = (g / s8.float()[..., None]).clamp(-6, 6)
-        values = E2M1_VALUES.to(x.device)
+        values = _e2m1_on(str(x.device))
         idx = (y.abs()[..., None] - values).abs().argmin(-1)  # nearest magnitude, ties to the smaller
         codes = (idx | ((y < 0) & (idx > 0)).to(idx.dtype) << 3).reshape(x.shape)
         return {"codes": _pack_nibbles(codes.to(torch.int16)), "scales": s8.view(torch.uint8)}
@@ -184,7 +191,7 @@ def _decode(kind: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
         return p["codes"].view(torch.float8_e4m3fn).float() * p["scales"].float()
     if kind == "nvfp4":
         c = _unpack_nibbles(p["codes"]) & 0xF
-        mag = E2M1_VALUES.to(c.device)[(c & 7).long()]
+        mag = _e2m1_on(str(c.device))[(c & 7).long()]
         val = torch.where(c >= 8, -mag, mag)
         s = p["scales"].view(torch.float8_e4m3fn).float()
         return (val.reshape(*val.shape[:-1], -1, 16) * s[..., None]).reshape(val.shape)

@@ -32,6 +32,14 @@ def root_table() -> torch.Tensor:
     return table
 
 
+@functools.lru_cache(maxsize=8)
+def _tables_on(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(4 × root table, candidate vectors [240, 16, 8], unit roots) cached per device (graph-safe)."""
+    table = root_table()
+    units = table[:240] / table[:240].norm(dim=-1, keepdim=True)
+    return table.to(device), _candidates(table).to(device), units.to(device)
+
+
 def radius_scale(idx: torch.Tensor) -> torch.Tensor:
     """0.5 · 2^((idx − 8) / 3); index 0 means a zero sub-vector."""
     return torch.where(idx > 0, 0.5 * torch.exp2((idx.float() - 8.0) / 3.0), torch.zeros_like(idx, dtype=torch.float32))
@@ -78,9 +86,7 @@ def e8_root_encode(v: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
     over the ROOT_CANDIDATES nearest roots. Radius: the least-squares gain along that vector,
     quantized on the log grid of `radius_scale`.
     """
-    table = root_table().to(v.device)
-    cands = _candidates(table).to(v.device)  # [240, 16, 8]
-    units = table[:240] / table[:240].norm(dim=-1, keepdim=True)
+    _, cands, units = _tables_on(str(v.device))  # cands [240, 16, 8]
     flat = v.reshape(-1, 8)
     norm = flat.norm(dim=-1).clamp_min(1e-30)
     top = (flat / norm[:, None] @ units.t()).topk(ROOT_CANDIDATES, -1).indices  # [N, C]
@@ -102,7 +108,7 @@ def e8_root_encode(v: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
 
 def e8_root_decode(codes: torch.Tensor) -> torch.Tensor:
     """codes uint8 [..., 8, 2] -> sub-vectors [..., 8, 8] in units of the group scale ks."""
-    table = root_table().to(codes.device)
+    table = _tables_on(str(codes.device))[0]
     root = codes[..., 0].long()
     rad = (codes[..., 1] >> 4).long()
     axis = (codes[..., 1] & 0xF).long()

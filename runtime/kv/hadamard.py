@@ -18,9 +18,15 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return h / n ** 0.5
 
 
+@functools.lru_cache(maxsize=16)
+def _on_device(n: int, device: str) -> torch.Tensor:
+    # cached per device so CUDA-graph capture never copies from the host
+    return hadamard_matrix(n).to(device)
+
+
 def rotate_groups(x: torch.Tensor, group: int = 64) -> torch.Tensor:
     """Apply H_group inside each consecutive group of the last dimension (H64 in the spec)."""
     shape = x.shape
-    h = hadamard_matrix(group).to(device=x.device, dtype=torch.float32)
+    h = _on_device(group, str(x.device))
     y = x.float().reshape(*shape[:-1], shape[-1] // group, group) @ h
     return y.reshape(shape)

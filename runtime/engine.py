@@ -1,0 +1,296 @@
+"""The fast runtime: packed weights, paged KV in any codec, Triton kernels, chunked prefill,
+CUDA-graph decode. Every resident byte comes from the memory plan's arenas.
+
+Lanes are fixed slots (1..8); lane i owns pages [i·P, (i+1)·P) of the pool, so its block table is
+static and decode can be captured once per batch shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from format.binding import load_config, require_runnable
+from format.container import Artifact
+from format.layouts import RowSplitGeometry
+from format.numeric import GroupedFormat, get_format
+
+from .allocator import DeviceMemory
+from .kernels.conv1d import causal_conv1d
+from .kernels.gdn_decode import gdn_recurrent
+from .kernels.paged_attention import PAGE, paged_attention
+from .kernels.qlinear import PackedLinear, gather_rows, qlinear
+from .kernels.rmsnorm import rmsnorm
+from .kernels.rope import apply_rope_
+from .kernels.swiglu import swiglu
+from .kv.codecs import get_codec
+from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
+from .reference_ops import l2_normalize
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+    def rows(self, begin: int, end: int) -> "DenseLinear":
+        return DenseLinear(self.weight[begin:end])
+
+
+class QuantLinear:
+    def __init__(self, packed: PackedLinear):
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x, self.packed)
+
+    def rows(self, begin: int, end: int) -> "QuantLinear":
+        p = self.packed
+        g = p.groups_per_row
+        f = p.fmt
+        base = p.base.view(p.rows, -1)[begin:end].reshape(-1)
+        high = p.high.view(p.rows, -1)[begin:end].reshape(-1) if p.high is not None else None
+        scale = p.scale.view(p.rows, g)[begin:end].reshape(-1)
+        return QuantLinear(PackedLinear(base, high, scale, end - begin, p.cols, f))
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, path, options: PlanOptions, device: str = "cuda", available_bytes: int | None = None,
+                 cuda_graphs: bool = True):
+        self.device = torch.device(device)
+        self.art = Artifact(path)
+        require_runnable(self.art)
+        self.cfg = load_config(self.art)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu and available_bytes is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            available_bytes = free
+        opts = options if on_gpu and cuda_graphs else _no_graphs(options)
+        self.plan = require_fit(self.art, opts, available_bytes) if available_bytes else build_plan(self.art, opts)
+        self.opts = opts
+        self.codec = get_codec(opts.kv_dtype)
+        self.mem = DeviceMemory(self.plan, self.device)
+        self.mem.load_weights(self.art)
+        self.act_dtype = torch.bfloat16 if on_gpu else torch.float32
+        self.lanes = opts.max_concurrency
+        self._bind_weights()
+        self._bind_state()
+        self.stats = EngineStats()
+        self.use_graphs = on_gpu and cuda_graphs
+        self._graphs: dict[int, tuple] = {}
+
+    # --- binding ------------------------------------------------------------------------
+
+    def _bind_weights(self) -> None:
+        self.lin: dict[str, DenseLinear | QuantLinear] = {}
+        self.vec: dict[str, torch.Tensor] = {}
+        for r in self.plan.arenas["weights"].regions:
+            e = self.art.objects[r.name]
+            raw = self.mem.raw("weights", r.name)
+            fmt = get_format(e.format)
+            if isinstance(fmt, GroupedFormat):
+                geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
+                base = raw[: geo.base_bytes]
+                high = raw[geo.high_offset : geo.high_offset + geo.high_bytes] if geo.high_bytes else None
+                scale = raw[geo.scale_offset : geo.scale_offset + geo.scale_bytes]
+                self.lin[r.name] = QuantLinear(PackedLinear(base, high, scale, geo.rows, geo.cols, fmt))
+                continue
+            dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "I32": torch.int32}[e.format]
+            t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
+            if e.format == "BF16" and self.act_dtype != torch.bfloat16:
+                t = t.to(self.act_dtype)  # CPU interpreter path computes in float32
+            if len(e.shape) == 2 and e.component == "text" and not r.name.endswith("convolution"):
+                self.lin[r.name] = DenseLinear(t)
+            self.vec[r.name] = t
+
+    def _bind_state(self) -> None:
+        c, lanes = self.cfg, self.lanes
+        ppl = self.plan.pages_per_lane
+        self.block_table = self.mem.view("kv_pool", "block_tables", torch.int32, (lanes, ppl))
+        self.block_table.copy_(torch.arange(lanes * ppl, dtype=torch.int32).view(lanes, ppl))
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}
+        for i in range(c.num_layers):
+            if c.is_full_attention(i):
+                self.pools[i] = {
+                    p.name: self.mem.view("kv_pool", f"layer{i}/{p.name}", p.dtype,
+                                          (self.plan.pages, PAGE, c.num_kv_heads, p.width))
+                    for p in self.codec.planes(c.head_dim)}
+        gdn = [i for i in range(c.num_layers) if not c.is_full_attention(i)]
+        slots = 1 if self.opts.spec == "none" else self.opts.draft_tokens + 2
+        conv = self.mem.view("sequence_state", "gdn_conv", torch.bfloat16,
+                             (len(gdn), lanes, slots, c.conv_kernel - 1, c.gdn_conv_dim))
+        rec = self.mem.view("sequence_state", "gdn_recurrent", torch.float32,
+                            (len(gdn), lanes, slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim))
+        self.conv_state = {layer: conv[j, :, 0] for j, layer in enumerate(gdn)}
+        self.rec_state = {layer: rec[j, :, 0] for j, layer in enumerate(gdn)}
+        self.ctx_len = torch.zeros(lanes, dtype=torch.int32, device=self.device)
+
+    def reset_lane(self, lane: int) -> None:
+        for t in self.conv_state.values():
+            t[lane].zero_()
+        for t in self.rec_state.values():
+            t[lane].zero_()
+        self.ctx_len[lane] = 0
+
+    # --- layers -------------------------------------------------------------------------
+
+    def _attention(self, i, h, lanes_idx, t, positions):
+        c, p = self.cfg, f"text/layers/{i}/attention/"
+        n = h.shape[0]
+        qgkv = self.lin[p + "query_gate_key_value"](h)
+        qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
+        qg = qg.reshape(n, c.num_heads, 2 * c.head_dim)
+        q = qg[..., : c.head_dim].contiguous()
+        gate = qg[..., c.head_dim:].reshape(n, -1)
+        q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
+        k, _ = rmsnorm(k.contiguous().view(-1, c.head_dim), self.vec[p + "key_norm"], c.rms_norm_eps)
+        q = apply_rope_(q.view(n, c.num_heads, c.head_dim), positions, c.rotary_dim, c.rope_theta)
+        k = apply_rope_(k.view(n, c.num_kv_heads, c.head_dim), positions, c.rotary_dim, c.rope_theta)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        # append K/V into the lanes' pages at their positions
+        lane_of_row = lanes_idx.repeat_interleave(t)
+        page = self.block_table[lane_of_row, (positions // PAGE).long()].long()
+        slot = (positions % PAGE).long()
+        planes = self.codec.encode(k.float(), v.float())
+        pool = self.pools[i]
+        for name, val in planes.items():
+            pool[name][page, slot] = val
+        qr = self.codec.prepare_queries(q.float()).to(self.act_dtype) if self.codec.rotate_keys else q
+        out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
+                              self.block_table[lanes_idx], self.ctx_len[lanes_idx], c.head_dim ** -0.5)
+        out = self.codec.finish_output(out.float()).to(self.act_dtype) if self.codec.rotate_values else out
+        out = out.reshape(n, -1) * torch.sigmoid(gate)
+        return self.lin[p + "output"](out.contiguous())
+
+    def _gdn(self, i, h, lanes_idx, t):
+        c, p = self.cfg, f"text/layers/{i}/gdn/"
+        b = len(lanes_idx)
+        qkvz = self.lin[p + "query_key_value_z"](h)
+        qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
+        conv_state = self.conv_state[i][lanes_idx]
+        weight = self.vec[p + "convolution"]
+        x = causal_conv1d(qkv.reshape(b, t, -1).to(conv_state.dtype), conv_state, weight.to(conv_state.dtype))
+        self.conv_state[i][lanes_idx] = conv_state
+        q, k, v = x.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        q = l2_normalize(q.reshape(b, t, hk, -1).float()).repeat_interleave(hv // hk, 2) * c.linear_key_head_dim ** -0.5
+        k = l2_normalize(k.reshape(b, t, hk, -1).float()).repeat_interleave(hv // hk, 2)
+        beta = torch.sigmoid(self.lin[p + "beta_projection"](h).float()).view(b, t, hv)
+        a = self.lin[p + "alpha_projection"](h).float().view(b, t, hv)
+        g = -self.vec[p + "a_log"].exp() * F.softplus(a + self.vec[p + "dt_bias"])
+        state = self.rec_state[i][lanes_idx]
+        o = gdn_recurrent(q, k, v.reshape(b, t, hv, -1).float(), g, beta, state)
+        self.rec_state[i][lanes_idx] = state
+        o = o.reshape(b * t, hv, -1)
+        norm = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        gated = (self.vec[p + "norm"].float() * norm.to(self.act_dtype).float()) * F.silu(z.reshape(b * t, hv, -1).float())
+        return self.lin[p + "output"](gated.reshape(b * t, -1).to(self.act_dtype).contiguous())
+
+    def _ffn(self, i, h):
+        c, p = self.cfg, f"text/layers/{i}/"
+        if not c.is_moe:
+            return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h)))
+        m = p + "moe/"
+        probs = torch.softmax(self.lin[m + "router"](h).float(), dim=-1)
+        weights, idx = torch.topk(probs, c.experts_per_token, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        inter, hid = c.moe_intermediate_size, c.hidden_size
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():  # TODO(issue 3): one grouped-GEMM launch for all experts
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            gu = self.lin[m + "experts_gate_up"].rows(e * 2 * inter, (e + 1) * 2 * inter)
+            dn = self.lin[m + "experts_down"].rows(e * hid, (e + 1) * hid)
+            y = dn(swiglu(gu(h[rows].contiguous())))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
+        return out + shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
+
+    # --- forward ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns last-position logits [B, V] fp32.
+        ctx_len of those lanes must already count the new tokens."""
+        c = self.cfg
+        b, t = tokens.shape
+        flat = tokens.reshape(-1)
+        emb = self.lin["text/token_embedding"]
+        if isinstance(emb, QuantLinear):
+            x = gather_rows(emb.packed, flat).to(self.act_dtype)
+        else:
+            x = emb.weight[flat].to(self.act_dtype)
+        pos = positions.reshape(-1).to(torch.int32)
+        residual = x
+        h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps)
+        for i in range(c.num_layers):
+            p = f"text/layers/{i}/"
+            if c.is_full_attention(i):
+                mixed = self._attention(i, h, lanes_idx, t, pos)
+            else:
+                mixed = self._gdn(i, h, lanes_idx, t)
+            h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual)
+            y = self._ffn(i, h)
+            nxt = self.vec[f"text/layers/{i + 1}/input_norm"] if i + 1 < c.num_layers else self.vec["text/final_norm"]
+            h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual)
+        last = h.view(b, t, -1)[:, -1].contiguous()
+        return self.lin["text/output_head"](last).float()
+
+    # --- generation ---------------------------------------------------------------------
+
+    def prefill(self, lane: int, prompt: list[int]) -> torch.Tensor:
+        """Chunked prefill of one lane from position 0; returns the last token's logits [V]."""
+        if len(prompt) > self.opts.max_context:
+            raise MemoryPlanError(f"prompt of {len(prompt)} tokens exceeds --max-context {self.opts.max_context}")
+        self.reset_lane(lane)
+        lane_t = torch.tensor([lane], device=self.device)
+        chunk = self.opts.prefill_chunk
+        logits = None
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            self.ctx_len[lane] = start + len(piece)
+            toks = torch.tensor([piece], device=self.device)
+            pos = torch.arange(start, start + len(piece), device=self.device)[None]
+            logits = self.forward(lane_t, toks, pos)
+        self.stats.prefill_tokens += len(prompt)
+        return logits[0]
+
+    def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for each listed lane; returns logits [B, V]."""
+        lanes_t = torch.tensor(lanes, device=self.device)
+        if int(self.ctx_len[lanes_t].max()) + 1 > self.opts.max_context:
+            raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
+        pos = self.ctx_len[lanes_t].clone().long()[:, None]
+        self.ctx_len[lanes_t] += 1
+        self.stats.decode_tokens += len(lanes)
+        return self.forward(lanes_t, torch.tensor(tokens, device=self.device)[:, None], pos)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0) -> list[int]:
+        logits = self.prefill(lane, prompt)
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = int(torch.argmax(logits))
+            out.append(nxt)
+            if nxt in stop_ids or len(prompt) + len(out) >= self.opts.max_context:
+                break
+            logits = self.decode_step([lane], [nxt])[0]
+        return out
+
+    def close(self) -> None:
+        self.art.close()
+
+
+def _no_graphs(o: PlanOptions) -> PlanOptions:
+    from dataclasses import replace
+
+    return replace(o, cuda_graphs=False)
