@@ -98,6 +98,8 @@ def plan_vs_allocated():
     write_tiny_checkpoint(d / "ck", moe=False, layers=8)
     art = convert_checkpoint(d / "ck", d / "m.nfer", ConvertOptions(recipe="q4")).output
     results = []
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     for kv, lanes, ctx, spec in [("bf16", 1, 8192, "none"), ("int8", 4, 30000, "none"), ("rk4v4-e8", 8, 65536, "mtp"),
                                  ("rk2v4-e8", 2, 262144, "none"), ("nvfp4", 3, 5000, "mtp")]:
         torch.cuda.synchronize()

@@ -134,7 +134,8 @@ class Engine:
                              c.linear_value_head_dim))
         self.conv_state = {layer: conv[j, :, 0] for j, layer in enumerate(gdn)}
         self.rec_state = {layer: rec[j, :, 0] for j, layer in enumerate(gdn)}
-        self.ctx_len = torch.zeros(lanes, dtype=torch.int32, device=self.device)
+        self.ctx_len = self.mem.view("sequence_state", "lane_context_lengths", torch.int32, (lanes,))
+        self.ctx_len.zero_()
 
     def reset_lane(self, lane: int) -> None:
         for t in self.conv_state.values():

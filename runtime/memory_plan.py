@@ -221,6 +221,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     state.add("gdn_recurrent", gdn_layers * lanes * slots * cfg.linear_num_value_heads
               * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
     state.add("lane_tokens", lanes * (opts.max_context + opts.draft_tokens + 1) * 4)
+    state.add("lane_context_lengths", lanes * 4)
     if opts.spec == "dflash2":
         state.add("dflash2_context_cache", lanes * 5 * 2048 * 8 * 128 * 2 * 2)
     if opts.spec == "mtp":

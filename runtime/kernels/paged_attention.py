@@ -1,8 +1,9 @@
 """Causal GQA attention over a paged KV pool in any codec of specs/kv-codecs.md.
 
 Pool planes are [pages, 64, kv_heads, width]; a lane's block table maps its logical pages to
-physical ones. Each program takes BLOCK_M query rows of one (lane, query head), walks the lane's
-keys BLOCK_N at a time, decodes K and V tiles in registers and keeps an online softmax. Vectors
+physical ones. Each program takes a block of query rows of one (lane, kv head) — every query head
+of the GQA group at once — and one split of SPLIT_TOKENS keys, decodes K and V tiles in registers
+and keeps an online softmax; a second kernel merges the splits. Vectors
 are handled as even/odd element halves, so packed nibble codecs never interleave in registers.
 Rotations (rk codecs) happen outside: queries arrive rotated, outputs leave rotated.
 """
@@ -18,6 +19,7 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 PAGE = 64
+SPLIT_TOKENS = 1024  # keys per program: long contexts spread over many programs (flash-decoding)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 
@@ -84,31 +86,41 @@ def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, o_ptr, k0, k1, v0, v1, table_ptr, block_table_ptr, ctx_len_ptr,
-                            T, HQ, HKV, PAGES_PER_LANE, scale,
+def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, table_ptr, block_table_ptr, ctx_len_ptr,
+                            T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_TOKENS, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                             KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    lane = tl.program_id(0)
-    qh = tl.program_id(1)
-    mblock = tl.program_id(2)
-    kvh = qh // (HQ // HKV)
+    """One (lane, kv head, row block, key split). Rows are (t, g) pairs of the kv head's query group,
+    so each key tile is decoded once for all of its G query heads (GQA packing)."""
+    lane_kvh = tl.program_id(0)
+    mblock = tl.program_id(1)
+    split = tl.program_id(2)
+    lane = lane_kvh // HKV
+    kvh = lane_kvh % HKV
+    group = HQ // HKV
     dh = tl.arange(0, D // 2)
-    rows_m = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rows_m < T
+    r = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_total = T * group
+    r_ok = r < rows_total
+    t_of = r // group
+    head = kvh * group + r % group
     ctx = tl.load(ctx_len_ptr + lane)
-    q_pos = ctx - T + rows_m  # absolute position of each query row
-    q_base = q_ptr + ((lane * T + rows_m[:, None]) * HQ + qh) * D
-    q_even = tl.load(q_base + 2 * dh[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-    q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    q_pos = ctx - T + t_of
+    q_base = q_ptr + ((lane * T + t_of[:, None]) * HQ + head[:, None]) * D
+    q_even = tl.load(q_base + 2 * dh[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=r_ok[:, None], other=0.0).to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
     acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
-    last = tl.minimum(ctx, ctx - T + (mblock + 1) * BLOCK_M)  # keys past the block's last query are masked
-    for n0 in range(0, last, BLOCK_N):
+    last_row_t = tl.minimum((mblock * BLOCK_M + BLOCK_M - 1) // group, T - 1)
+    visible_end = ctx - T + last_row_t + 1  # keys past the block's last query are never visible
+    begin = split * SPLIT_TOKENS
+    end = tl.minimum(begin + SPLIT_TOKENS, visible_end)
+    for n0 in range(begin, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < last
+        n_ok = n < end
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
         k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1)
@@ -127,10 +139,43 @@ def _paged_attention_kernel(q_ptr, o_ptr, k0, k1, v0, v1, table_ptr, block_table
         acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
         acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
         m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o_base = o_ptr + ((lane * T + rows_m[:, None]) * HQ + qh) * D
-    tl.store(o_base + 2 * dh[None, :], (acc_even / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
-    tl.store(o_base + 2 * dh[None, :] + 1, (acc_odd / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
+    part = ((lane_kvh * SPLITS + split) * rows_total + r)
+    tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
+    tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, T, HQ, HKV, SPLITS, D: tl.constexpr):
+    """Merge the splits of one (lane, kv head, row) with their log-sum-exp weights."""
+    lane_kvh = tl.program_id(0)
+    r = tl.program_id(1)
+    lane = lane_kvh // HKV
+    kvh = lane_kvh % HKV
+    group = HQ // HKV
+    rows_total = T * group
+    d = tl.arange(0, D)
+    m_all = tl.full((D,), float("-inf"), tl.float32)  # running max, replicated across lanes of d
+    l_all = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for s in range(SPLITS):
+        part = (lane_kvh * SPLITS + s) * rows_total + r
+        m = tl.load(part_ml_ptr + part * 2 + d * 0)
+        l = tl.load(part_ml_ptr + part * 2 + 1 + d * 0)
+        o = tl.load(part_o_ptr + part * D + d)
+        m_new = tl.maximum(m_all, m)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m_all - m_safe)
+        b = tl.exp(m - m_safe)
+        acc = acc * a + o * b
+        l_all = l_all * a + l * b
+        m_all = m_new
+    t = r // group
+    head = kvh * group + r % group
+    out = acc / tl.where(l_all > 0, l_all, 1.0)
+    tl.store(o_ptr + ((lane * T + t) * HQ + head) * D + d, out.to(o_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=8)
@@ -150,15 +195,23 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     k0, k1 = pool["k_" + _plane_names(codec.key)[0]], pool["k_" + _plane_names(codec.key)[-1]]
     v0, v1 = pool["v_" + _plane_names(codec.value)[0]], pool["v_" + _plane_names(codec.value)[-1]]
     o = out if out is not None else torch.empty_like(q)
-    block_m = 16 if t <= 16 else 64
+    group = hq // hkv
+    rows = t * group
+    block_m = 16 if rows <= 16 else 64
     block_n = 32
-    grid = (lanes, hq, triton.cdiv(t, block_m))
+    capacity = block_table.shape[1] * PAGE
+    split_tokens = max(block_n, min(SPLIT_TOKENS, capacity))
+    splits = triton.cdiv(capacity, split_tokens)
+    part_o = torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
+    grid = (lanes * hkv, triton.cdiv(rows, block_m), splits)
     _paged_attention_kernel[grid](
-        q.contiguous(), o, k0, k1, v0, v1, _root_table(str(q.device)), block_table, ctx_len,
-        t, hq, hkv, block_table.shape[1], scale,
+        q.contiguous(), part_o, part_ml, k0, k1, v0, v1, _root_table(str(q.device)), block_table, ctx_len,
+        t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n)
+    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, t, hq, hkv, splits, D=d)
     return o
 
 

@@ -2,7 +2,9 @@
 
 One kernel serves decode (T = 1..16 rows of x, a GEMV in effect) and prefill (GEMM). Nibble
 formats are consumed as two half-width products, x[:, even] @ lo^T + x[:, odd] @ hi^T, so codes
-are never interleaved in registers.
+are never interleaved in registers. Scales and high bits are loaded once per group / byte and
+broadcast. When the output has few row blocks, K is split across programs: each writes a float32
+partial and one deterministic sum finishes (no atomics, so results are reproducible).
 """
 
 from __future__ import annotations
@@ -13,24 +15,31 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
+TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
+
 
 @triton.jit
-def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, stride_yt,
-                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, K_PER_SPLIT,
+                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
+    split = tl.program_id(2)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < N
     tok_ok = toks < T
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_PAD, BLOCK_K):
+    gpb: tl.constexpr = BLOCK_K // GROUP  # groups per block
+    k_begin = split * K_PER_SPLIT
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        gidx = k0 // GROUP + tl.arange(0, gpb)
+        scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
-            scale = tl.load(scale_ptr + rows[:, None] * GPR + ks[None, :] // GROUP, mask=row_ok[:, None], other=0.0)
-            w = (codes.to(tl.int8, bitcast=True).to(tl.float32) * scale.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
+            w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             x = tl.load(x_ptr + toks[:, None] * stride_xt + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w))
         else:
@@ -39,29 +48,30 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
             packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
             lo = packed & 0xF
             hi = (packed >> 4) & 0xF
-            if BITS > 4:
-                hb: tl.constexpr = BITS - 4
-                per_byte: tl.constexpr = 8 // hb
-                row_high = rows[:, None] * (GPR * HIGH_BYTES)
-                he = tl.load(high_ptr + row_high + ke[None, :] // per_byte, mask=row_ok[:, None], other=0).to(tl.int32)
-                ho = tl.load(high_ptr + row_high + (ke[None, :] + 1) // per_byte, mask=row_ok[:, None], other=0).to(tl.int32)
-                mask_hb = (1 << hb) - 1
-                lo = lo | (((he >> ((ke[None, :] % per_byte) * hb)) & mask_hb) << 4)
-                hi = hi | (((ho >> (((ke[None, :] + 1) % per_byte) * hb)) & mask_hb) << 4)
+            if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
+                hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+                sh = 2 * tl.arange(0, 4)
+                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+            if BITS == 6:  # one high byte per 4 lanes: even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
+                hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+                sh = 4 * tl.arange(0, 2)
+                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
             sign: tl.constexpr = 1 << (BITS - 1)
-            lo = (lo ^ sign) - sign
-            hi = (hi ^ sign) - sign
-            scale = tl.load(scale_ptr + rows[:, None] * GPR + ke[None, :] // GROUP, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            w_even = (lo.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
-            w_odd = (hi.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
-            x_mask = tok_ok[:, None] & (ke[None, :] < K)
-            x_even = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :], mask=x_mask, other=0.0)
+            lo = tl.reshape(((lo ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+            hi = tl.reshape(((hi ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+            w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
+            w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
+            x_even = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :], mask=tok_ok[:, None] & (ke[None, :] < K), other=0.0)
             x_odd = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :] + 1,
                             mask=tok_ok[:, None] & (ke[None, :] + 1 < K), other=0.0)
             acc += tl.dot(x_even, tl.trans(w_even))
             acc += tl.dot(x_odd, tl.trans(w_odd))
-    tl.store(y_ptr + toks[:, None] * stride_yt + rows[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tok_ok[:, None] & row_ok[None, :])
+    out = y_ptr + split * T * N + toks[:, None] * N + rows[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
 
 
 class PackedLinear:
@@ -75,21 +85,36 @@ class PackedLinear:
         self.groups_per_row = self.k_pad // fmt.group_size
 
 
+def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_K, K splits)."""
+    block_t = 16 if t <= 16 else 64
+    block_n = 32 if t <= 16 else 64
+    block_k = 256 if k_pad % 256 == 0 else 128
+    n_blocks = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
+    chunks = k_pad // block_k
+    split = 1
+    if t <= 16:
+        while n_blocks * split * 2 <= TARGET_PROGRAMS and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4:
+            split *= 2
+    return block_t, block_n, block_k, split
+
+
 def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (bf16 on GPU, fp32 allowed under the interpreter) -> [T, N] in x's dtype."""
     t, k = x.shape
     if k != w.cols:
         raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
     x = x.contiguous()
+    block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
-    block_t = 16 if t <= 16 else 64
-    block_n = 64
-    block_k = 128
-    grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t))
+    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
     high = w.high if w.high is not None else w.base
-    _qlinear_kernel[grid](x, w.base, high, w.scale, y, t, w.rows, k, x.stride(0), y.stride(0),
+    _qlinear_kernel[grid](x, w.base, high, w.scale, target, t, w.rows, k, x.stride(0), w.k_pad // split,
                           GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
                           HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
+    if split > 1:
+        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
     return y
 
 
