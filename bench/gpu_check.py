@@ -134,6 +134,7 @@ def main(out_dir: str) -> None:
     info["copy_bandwidth_GBps"] = peak / 1e9
     print(json.dumps(info), flush=True)
     result = {"info": info, "plan_vs_allocated": plan_vs_allocated()}
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result["plan_vs_allocated"], indent=1), flush=True)
     result["qlinear"] = qlinear_rows(peak)
     for r in result["qlinear"]:
@@ -143,8 +144,69 @@ def main(out_dir: str) -> None:
     for r in result["attention"]:
         print(f"{r['codec']:<9} ctx={r['context']:<7} {r['ms_per_layer']*1e3:8.1f} us/layer  {r['GBps']:7.0f} GB/s  "
               f"{r['frac_of_copy']:.2f} of copy", flush=True)
+    result["engine"] = []
+    engine_decode(result["engine"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "out")
+
+
+def engine_decode(out_rows: list) -> None:
+    """Decode speed of the engine on a mid-size random model, graphs on and off."""
+    from format.convert import ConvertOptions, convert_checkpoint
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+
+    d = Path(tempfile.mkdtemp())
+    src = d / "ck"
+    _mid_checkpoint(src)
+    art = convert_checkpoint(src, d / "m.nfer", ConvertOptions(recipe="q4")).output
+    for graphs in (False, True):
+        for kv in ("bf16", "rk4v4-e8"):
+            e = Engine(art, PlanOptions(max_context=4096, kv_dtype=kv, prefill_chunk=1024), device="cuda", cuda_graphs=graphs)
+            prompt = list(range(1, 1025))
+            torch.cuda.synchronize()
+            t0 = time.time()
+            logits = e.prefill(0, prompt)
+            torch.cuda.synchronize()
+            t1 = time.time()
+            tok = int(logits.argmax())
+            for _ in range(3):  # warm-up (and capture)
+                tok = int(e.decode_step([0], [tok])[0].argmax())
+            torch.cuda.synchronize()
+            t2 = time.time()
+            n = 32
+            for _ in range(n):
+                tok = int(e.decode_step([0], [tok])[0].argmax())
+            torch.cuda.synchronize()
+            t3 = time.time()
+            out_rows.append({"graphs": graphs, "kv": kv, "prefill_tok_s": len(prompt) / (t1 - t0),
+                             "decode_tok_s": n / (t3 - t2)})
+            print(json.dumps(out_rows[-1]), flush=True)
+            e.close()
+
+
+def _mid_checkpoint(out: Path) -> None:
+    """hidden 2048, 8 layers (2 full attention), vocab 32768: small enough to build in seconds."""
+    from safetensors.torch import save_file
+
+    from format.tiny import _layer_tensors, write_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, 384)
+    text = {"model_type": "qwen3_5_text", "vocab_size": 32768, "hidden_size": 2048, "num_hidden_layers": 8,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "intermediate_size": 6144, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}, "eos_token_id": 2,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)]}
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    g = torch.Generator().manual_seed(0)
+    t = {"model.language_model.embed_tokens.weight": torch.randn(32768, 2048, generator=g),
+         "lm_head.weight": torch.randn(32768, 2048, generator=g) * 0.02,
+         "model.language_model.norm.weight": torch.zeros(2048)}
+    for i in range(8):
+        t.update(_layer_tensors(g, text, f"model.language_model.layers.{i}.", text["layer_types"][i] == "full_attention", False))
+    save_file({k: v.bfloat16().contiguous() for k, v in t.items()}, str(out / "model.safetensors"))

@@ -267,14 +267,42 @@ class Engine:
         return logits[0]
 
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each listed lane; returns logits [B, V]."""
+        """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""
         lanes_t = torch.tensor(lanes, device=self.device)
         if int(self.ctx_len[lanes_t].max()) + 1 > self.opts.max_context:
             raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
         pos = self.ctx_len[lanes_t].clone().long()[:, None]
         self.ctx_len[lanes_t] += 1
         self.stats.decode_tokens += len(lanes)
-        return self.forward(lanes_t, torch.tensor(tokens, device=self.device)[:, None], pos)
+        toks = torch.tensor(tokens, device=self.device)[:, None]
+        if not (self.use_graphs and not self.cfg.is_moe):  # MoE routing still syncs with the host
+            return self.forward(lanes_t, toks, pos)
+        key = tuple(lanes)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(lanes_t, toks, pos)
+        graph, static_tokens, static_pos, static_logits = self._graphs[key]
+        static_tokens.copy_(toks)
+        static_pos.copy_(pos)
+        graph.replay()
+        return static_logits.clone()
+
+    def _capture(self, lanes_t, toks, pos):
+        """Capture one decode step for this lane set. The warm-up run compiles every kernel; the lanes'
+        recurrent state is restored afterwards so the warm-up leaves no trace (its KV write lands in
+        the slot the real step overwrites)."""
+        saved = [(t, t[lanes_t].clone()) for t in list(self.conv_state.values()) + list(self.rec_state.values())]
+        static_tokens, static_pos = toks.clone(), pos.clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(lanes_t, static_tokens, static_pos)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for t, old in saved:
+            t[lanes_t] = old
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = self.forward(lanes_t, static_tokens, static_pos)
+        return graph, static_tokens, static_pos, static_logits
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0) -> list[int]:
         logits = self.prefill(lane, prompt)
