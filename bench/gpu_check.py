@@ -149,10 +149,6 @@ def main(out_dir: str) -> None:
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
 
 
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "out")
-
-
 def engine_decode(out_rows: list) -> None:
     """Decode speed of the engine on a mid-size random model, graphs on and off."""
     from format.convert import ConvertOptions, convert_checkpoint
@@ -210,3 +206,7 @@ def _mid_checkpoint(out: Path) -> None:
     for i in range(8):
         t.update(_layer_tensors(g, text, f"model.language_model.layers.{i}.", text["layer_types"][i] == "full_attention", False))
     save_file({k: v.bfloat16().contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "out")

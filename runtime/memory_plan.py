@@ -182,6 +182,13 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
     for key in prefill:
         arena.add(key, max(prefill[key], decode[key]))
     arena.add("sampling", lanes * rows * cfg.vocab_size * 4 + lanes * rows * 8)
+    # attention split partials: at most ~1024 programs x (rows x D + 2) floats, prefill or decode
+    group = cfg.num_heads // cfg.num_kv_heads
+    splits_rows = max(lanes * rows * group * 1024, t * group * max(1, -(-opts.max_context // 256)))
+    arena.add("attention_partials", min(splits_rows, 1024 * 64) * (cfg.head_dim + 2) * 4)
+    if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
+        widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
+        arena.add("gemm_dequant", min(64 << 20, widest * h * 2))
     return arena
 
 

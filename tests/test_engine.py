@@ -31,17 +31,40 @@ def _reference(path, prompt, n):
     return ReferenceModel(Artifact(path)).generate(prompt, n)
 
 
+def _assert_matches_reference(engine, path, prompt, n):
+    """CPU (float32 everywhere): greedy tokens must be identical. GPU (bf16 activations): teacher-force
+    the reference's tokens and require close logits, and the same argmax wherever the reference's
+    top-2 margin is clear of bf16 noise."""
+    ref_tokens = _reference(path, prompt, n)
+    if DEVICE == "cpu":
+        assert engine.generate(prompt, n) == ref_tokens
+        return
+    ref = ReferenceModel(Artifact(path))
+    state = ref.new_state()
+    want = [ref.forward(torch.tensor(prompt), state, 0)[-1]]
+    got = [engine.prefill(0, prompt).cpu()]
+    for i, tok in enumerate(ref_tokens[:-1]):
+        want.append(ref.forward(torch.tensor([tok]), state, len(prompt) + i)[-1])
+        got.append(engine.decode_step([0], [tok])[0].cpu())
+    for w, g in zip(want, got):
+        rel = ((g - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()).item()
+        assert rel < 0.03, f"relative RMS logit error {rel:.4f}"
+        top2 = w.topk(2).values
+        if (top2[0] - top2[1]).item() > 0.05 * w.std().item():
+            assert int(g.argmax()) == int(w.argmax())
+
+
 @pytest.mark.parametrize("name,kv", [("dense-q4", "bf16"), ("dense-q4", "int8"), ("dense-w8", "rk4v4-e8"),
                                      ("dense-q4", "fp8"), ("moe-q5", "bf16")])
 def test_greedy_tokens_equal_reference(artifacts, name, kv):
     engine = Engine(artifacts[name], PlanOptions(max_context=256, kv_dtype=kv, prefill_chunk=128), device=DEVICE)
-    assert engine.generate(PROMPT, NEW) == _reference(artifacts[name], PROMPT, NEW)
+    _assert_matches_reference(engine, artifacts[name], PROMPT, NEW)
 
 
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
-    assert engine.generate(prompt, 3) == _reference(artifacts["dense-q4"], prompt, 3)
+    _assert_matches_reference(engine, artifacts["dense-q4"], prompt, 3)
 
 
 def test_batched_lanes_do_not_mix(artifacts):
@@ -54,7 +77,11 @@ def test_batched_lanes_do_not_mix(artifacts):
         logits = engine.decode_step([0, 1], [ta[-1], tb[-1]])
         ta.append(int(logits[0].argmax()))
         tb.append(int(logits[1].argmax()))
-    assert ta == _reference(path, a, 4) and tb == _reference(path, b, 4)
+    if DEVICE == "cpu":
+        assert ta == _reference(path, a, 4) and tb == _reference(path, b, 4)
+    else:  # each lane must equal the same lane decoded alone on this device
+        solo = Engine(path, PlanOptions(max_context=128, max_concurrency=1, prefill_chunk=128), device=DEVICE)
+        assert ta == solo.generate(a, 4) and tb == solo.generate(b, 4)
 
 
 def test_prompt_longer_than_context_is_refused(artifacts):

@@ -12,7 +12,7 @@ from runtime.kv.codecs import CODECS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference| / max |reference|; on a GPU, float32 tl.dot runs as TF32 (10-bit mantissa)
-REL_TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
+REL_TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3, torch.bfloat16: 2e-2}
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
@@ -36,7 +36,7 @@ def _packed(n, k, fmt, seed):
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
-@pytest.mark.parametrize("t,n,k", [(1, 70, 200), (3, 33, 128), (16, 64, 130), (19, 65, 257), (1, 40, 2048)])
+@pytest.mark.parametrize("t,n,k", [(1, 70, 200), (3, 33, 128), (16, 64, 130), (19, 65, 257), (1, 40, 2048), (40, 33, 300)])
 def test_qlinear(fmt, t, n, k):
     from runtime.kernels.qlinear import qlinear, qlinear_reference
 
@@ -110,7 +110,7 @@ def test_causal_conv1d(b, t, c):
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-@pytest.mark.parametrize("t,split_tokens", [(1, 1024), (5, 1024), (3, 64)])
+@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64)])
 def test_paged_attention(codec, t, split_tokens, monkeypatch):
     from runtime.kernels import paged_attention as module
     from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference

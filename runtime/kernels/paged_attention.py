@@ -19,7 +19,9 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 PAGE = 64
-SPLIT_TOKENS = 1024  # keys per program: long contexts spread over many programs (flash-decoding)
+SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
+TARGET_PROGRAMS = 1024
+MIN_SPLIT = 256
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 
@@ -86,6 +88,30 @@ def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl
 
 
 @triton.jit
+def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+                 W1: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whole vectors [BLOCK_N, D] fp32. Byte-per-element codecs load rows directly (coalesced);
+    nibble codecs decode both halves and interleave them with join."""
+    d = tl.arange(0, D)
+    m = tok_ok[:, None]
+    if KIND == 0:
+        return tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0.0).to(tl.float32)
+    elif KIND == 1:
+        c = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+        return c * s
+    elif KIND == 3:
+        b = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int32)
+        s = tl.load(p1 + row * W1, mask=tok_ok, other=0.0).to(tl.float32)
+        return _e4m3(b) * s[:, None]
+    else:
+        dh = tl.arange(0, D // 2)
+        even = _decode_half(p0, p1, table_ptr, row, tok_ok, dh, 0, KIND, D, W0, W1)
+        odd = _decode_half(p0, p1, table_ptr, row, tok_ok, dh, 1, KIND, D, W0, W1)
+        return tl.reshape(tl.join(even, odd), (BLOCK_N, D))
+
+
+@triton.jit
 def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, table_ptr, block_table_ptr, ctx_len_ptr,
                             T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_TOKENS, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
@@ -99,7 +125,7 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
     lane = lane_kvh // HKV
     kvh = lane_kvh % HKV
     group = HQ // HKV
-    dh = tl.arange(0, D // 2)
+    dfull = tl.arange(0, D)
     r = mblock * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_total = T * group
     r_ok = r < rows_total
@@ -108,12 +134,10 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
     ctx = tl.load(ctx_len_ptr + lane)
     q_pos = ctx - T + t_of
     q_base = q_ptr + ((lane * T + t_of[:, None]) * HQ + head[:, None]) * D
-    q_even = tl.load(q_base + 2 * dh[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-    q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=r_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
-    acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
     last_row_t = tl.minimum((mblock * BLOCK_M + BLOCK_M - 1) // group, T - 1)
     visible_end = ctx - T + last_row_t + 1  # keys past the block's last query are never visible
     begin = split * SPLIT_TOKENS
@@ -123,10 +147,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         n_ok = n < end
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
-        k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1)
-        k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1)
-        s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
-        s = s * scale
+        k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
+        s = tl.dot(q, tl.trans(k)) * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -134,15 +156,12 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1)
-        v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1)
-        acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
     part = ((lane_kvh * SPLITS + split) * rows_total + r)
-    tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
-    tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
+    tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
 
@@ -200,7 +219,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     block_m = 16 if rows <= 16 else 64
     block_n = 32
     capacity = block_table.shape[1] * PAGE
-    split_tokens = max(block_n, min(SPLIT_TOKENS, capacity))
+    split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
     splits = triton.cdiv(capacity, split_tokens)
     part_o = torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
@@ -213,6 +232,16 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         BLOCK_M=block_m, BLOCK_N=block_n)
     _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, t, hq, hkv, splits, D=d)
     return o
+
+
+def split_size(capacity: int, programs: int, block_n: int) -> int:
+    """Keys per split: enough splits that ~TARGET_PROGRAMS programs stream the cache, each at least
+    MIN_SPLIT keys (a split beyond a lane's context exits at once)."""
+    if SPLIT_TOKENS:
+        return max(block_n, min(SPLIT_TOKENS, capacity))
+    splits = max(1, TARGET_PROGRAMS // max(1, programs))
+    size = max(MIN_SPLIT, -(-capacity // splits))
+    return -(-size // block_n) * block_n
 
 
 def _plane_names(kind: str) -> list[str]:

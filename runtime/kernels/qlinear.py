@@ -1,6 +1,7 @@
 """y = x @ W^T with W in a row-split grouped format (Q4/Q5/Q6/W8), dequantized on the fly.
 
-One kernel serves decode (T = 1..16 rows of x, a GEMV in effect) and prefill (GEMM). Nibble
+Decode (T = 1..16 rows of x) runs the fused GEMV kernel; prefill (T > 16) dequantizes row chunks
+to dense once per call and hands them to the vendor GEMM. Nibble
 formats are consumed as two half-width products, x[:, even] @ lo^T + x[:, odd] @ hi^T, so codes
 are never interleaved in registers. Scales and high bits are loaded once per group / byte and
 broadcast. When the output has few row blocks, K is split across programs: each writes a float32
@@ -74,6 +75,75 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
+                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [row0, row0 + N) of a packed matrix -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+    local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = row0 + local
+    row_ok = local < N
+    k0 = tl.program_id(1) * BLOCK_K
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    gidx = k0 // GROUP + tl.arange(0, gpb)
+    scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if BITS == 8:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
+        q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
+        w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
+        tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
+    else:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ke = 2 * half
+        packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+        if BITS == 5:
+            hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+            sh = 2 * tl.arange(0, 4)
+            lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+            hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+        if BITS == 6:
+            hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+            sh = 4 * tl.arange(0, 2)
+            lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+            hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+        sign: tl.constexpr = 1 << (BITS - 1)
+        lo = tl.reshape(((lo ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        hi = tl.reshape(((hi ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
+        w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
+        w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, BLOCK_K))
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
+
+
+GEMM_DEQUANT_BYTES = 64 << 20  # dense scratch per GEMM step (the memory plan reserves it)
+GEMV_MAX_T = 16
+
+
+def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
+    block_n, block_k = 32, 128
+    high = w.high if w.high is not None else w.base
+    _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
+        w.base, high, w.scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits,
+        GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k)
+    return dense
+
+
+def _gemm(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+    """Prefill: dequantize row chunks to dense once and let the vendor GEMM do the math."""
+    step = max(32, GEMM_DEQUANT_BYTES // (w.cols * x.element_size()) // 32 * 32)
+    for r in range(0, w.rows, step):
+        n = min(step, w.rows - r)
+        torch.matmul(x, dequantize_rows(w, r, n, x.dtype).t(), out=y[:, r : r + n])
+    return y
+
+
 class PackedLinear:
     """A row-split weight resident on the device: its three planes and its geometry."""
 
@@ -86,9 +156,9 @@ class PackedLinear:
 
 
 def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_N, BLOCK_K, K splits)."""
-    block_t = 16 if t <= 16 else 64
-    block_n = 32 if t <= 16 else 64
+    """(BLOCK_T, BLOCK_N, BLOCK_K, K splits) of the GEMV path (t <= GEMV_MAX_T)."""
+    block_t = 16
+    block_n = 32
     block_k = 256 if k_pad % 256 == 0 else 128
     n_blocks = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
     chunks = k_pad // block_k
@@ -105,8 +175,10 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     if k != w.cols:
         raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
     x = x.contiguous()
-    block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
+    if t > GEMV_MAX_T:
+        return _gemm(x, w, y)
+    block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
     high = w.high if w.high is not None else w.base
