@@ -216,7 +216,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     o = out if out is not None else torch.empty_like(q)
     group = hq // hkv
     rows = t * group
-    block_m = 16 if rows <= 16 else 64
+    block_m = 16  # larger row blocks hit a Hopper layout bug in triton 3.6 (see bench/RESULTS.md)
     block_n = 32
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
