@@ -15,6 +15,8 @@ from runtime.model import ReferenceModel  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128]
 NEW = 6
+# bf16 activations (and a lossy KV codec) against the float32 reference on a random tiny model
+GPU_LOGIT_REL_RMS = 0.08
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def _assert_matches_reference(engine, path, prompt, n):
         got.append(engine.decode_step([0], [tok])[0].cpu())
     for w, g in zip(want, got):
         rel = ((g - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()).item()
-        assert rel < 0.03, f"relative RMS logit error {rel:.4f}"
+        assert rel < GPU_LOGIT_REL_RMS, f"relative RMS logit error {rel:.4f}"
         top2 = w.topk(2).values
         if (top2[0] - top2[1]).item() > 0.05 * w.std().item():
             assert int(g.argmax()) == int(w.argmax())

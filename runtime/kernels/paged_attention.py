@@ -22,6 +22,7 @@ PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 TARGET_PROGRAMS = 1024
 MIN_SPLIT = 256
+ATTENTION_TUNING = {"block_n": 32, "num_warps": 4}
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 
@@ -217,7 +218,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     group = hq // hkv
     rows = t * group
     block_m = 16  # larger row blocks hit a Hopper layout bug in triton 3.6 (see bench/RESULTS.md)
-    block_n = 32
+    block_n = ATTENTION_TUNING["block_n"]
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
     splits = triton.cdiv(capacity, split_tokens)
@@ -229,7 +230,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=ATTENTION_TUNING["num_warps"])
     _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, t, hq, hkv, splits, D=d)
     return o
 

@@ -17,6 +17,7 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
+GEMV_TUNING = {"block_n": 32, "block_k": 256, "num_warps": 4}  # measured on the H200 (bench/RESULTS.md)
 
 
 @triton.jit
@@ -158,8 +159,10 @@ class PackedLinear:
 def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, BLOCK_K, K splits) of the GEMV path (t <= GEMV_MAX_T)."""
     block_t = 16
-    block_n = 32
-    block_k = 256 if k_pad % 256 == 0 else 128
+    block_n = GEMV_TUNING["block_n"]
+    block_k = GEMV_TUNING["block_k"]
+    while k_pad % block_k:
+        block_k //= 2
     n_blocks = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
     chunks = k_pad // block_k
     split = 1
@@ -184,7 +187,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     high = w.high if w.high is not None else w.base
     _qlinear_kernel[grid](x, w.base, high, w.scale, target, t, w.rows, k, x.stride(0), w.k_pad // split,
                           GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-                          HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
+                          HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+                          num_warps=GEMV_TUNING["num_warps"])
     if split > 1:
         torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
     return y
