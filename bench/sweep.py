@@ -20,8 +20,8 @@ def main():
         w, nbytes = random_packed(n, k, fmt)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         best = None
-        for bn, bk, nw in itertools.product((16, 32, 64), (256, 512, 1024), (4, 8)):
-            ql.GEMV_TUNING.update(block_n=bn, block_k=bk, num_warps=nw)
+        for bn, bk, nw in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8)):
+            ql.VEC_TUNING.update(block_n=bn, block_k=bk, num_warps=nw)
             try:
                 ms = bench_ms(lambda: ql.qlinear(x, w), reps=20)
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is just skipped
@@ -32,6 +32,10 @@ def main():
             if best is None or frac > best[0]:
                 best = (frac, bn, bk, nw, ms * 1e3)
         print("GEMV", label, "best", best, flush=True)
+    with open(sys.argv[1] + "/sweep.json", "w") as f:
+        json.dump(out, f, indent=1)
+    if len(sys.argv) > 2 and sys.argv[2] == "gemv-only":
+        return
     hq, hkv, d, ctx = 24, 4, 256, 65536
     pages = ctx // 64
     for name in ("int8", "rk4v4-e8", "rk2v4-e8", "nvfp4"):

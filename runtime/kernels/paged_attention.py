@@ -22,7 +22,7 @@ PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 TARGET_PROGRAMS = 1024
 MIN_SPLIT = 256
-ATTENTION_TUNING = {"block_n": 32, "num_warps": 4}
+ATTENTION_TUNING = {"block_n": 16, "num_warps": 4}  # best of the H200 sweep (bench/RESULTS.md)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 

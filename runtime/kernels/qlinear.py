@@ -17,7 +17,8 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
-GEMV_TUNING = {"block_n": 32, "block_k": 256, "num_warps": 4}  # measured on the H200 (bench/RESULTS.md)
+GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
+VEC_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4}  # FMA path, T = 1  # measured on the H200 (bench/RESULTS.md)
 
 
 @triton.jit
@@ -145,6 +146,75 @@ def _gemm(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@triton.jit
+def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
+                      GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """T = 1: multiply-accumulate in registers and reduce along K (no tensor-core layouts)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_ok = rows < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32) if BITS != 8 else tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    k_begin = split * K_PER_SPLIT
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        gidx = k0 // GROUP + tl.arange(0, gpb)
+        scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
+            q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
+            w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+        else:
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ke = 2 * half
+            packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+            lo = packed & 0xF
+            hi = (packed >> 4) & 0xF
+            if BITS == 5:
+                hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+                sh = 2 * tl.arange(0, 4)
+                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+            if BITS == 6:
+                hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+                sh = 4 * tl.arange(0, 2)
+                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+            sign: tl.constexpr = 1 << (BITS - 1)
+            x_even = tl.load(x_ptr + ke, mask=ke < K, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
+            # codes times x, then one scale per group: fewer multiplies than scaling every weight
+            prod = ((lo ^ sign) - sign).to(tl.float32) * x_even[None, :] + ((hi ^ sign) - sign).to(tl.float32) * x_odd[None, :]
+            acc += tl.reshape(tl.reshape(prod, (BLOCK_N, gpb, GROUP // 2)) * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
+    y = tl.sum(acc, axis=1)
+    tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+    block_n, block_k = VEC_TUNING["block_n"], VEC_TUNING["block_k"]
+    while w.k_pad % block_k:
+        block_k //= 2
+    blocks = triton.cdiv(w.rows, block_n)
+    chunks = w.k_pad // block_k
+    split = 1
+    while blocks * split * 2 <= TARGET_PROGRAMS and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
+        split *= 2
+    target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
+    high = w.high if w.high is not None else w.base
+    _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
+                                       GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+                                       HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       num_warps=VEC_TUNING["num_warps"])
+    if split > 1:
+        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
+    return y
+
+
 class PackedLinear:
     """A row-split weight resident on the device: its three planes and its geometry."""
 
@@ -181,6 +251,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
         return _gemm(x, w, y)
+    if t == 1:
+        return _gemv_vec(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
