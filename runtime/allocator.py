@@ -17,7 +17,7 @@ class DeviceMemory:
         self.buffers: dict[str, torch.Tensor] = {}
         self.regions = {}
         for name, arena in plan.arenas.items():
-            self.buffers[name] = torch.empty(arena.nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers[name] = torch.empty(arena.allocated_bytes, dtype=torch.uint8, device=self.device)
             for r in arena.regions:
                 self.regions[(name, r.name)] = r
 

@@ -23,7 +23,9 @@ PAGE_TOKENS = 64
 REGION_ALIGN = 256
 NATIVE_CONTEXT = 262_144
 GRAPH_POOL_BYTES_PER_BATCH = 12 << 20  # CUDA-graph private pool allowance per captured batch size
-TORCH_BLOCK = 512  # the caching allocator rounds every allocation up to this
+# Arenas are padded to 2 MiB: torch's caching allocator then hands out exactly the requested size
+# (its large-segment rounding is 2 MiB), so planned bytes == torch.cuda.memory_allocated().
+ARENA_ALIGN = 2 << 20
 
 # nvidia-smi totals (MiB) of common single cards; --vram overrides.
 GPU_VRAM_MIB = {
@@ -117,8 +119,8 @@ class Arena:
 
     @property
     def allocated_bytes(self) -> int:
-        """What the torch caching allocator reports for one buffer of this arena."""
-        return align_up(self.nbytes, TORCH_BLOCK) if self.nbytes else 0
+        """The arena's buffer size, and what the torch caching allocator reports for it."""
+        return align_up(self.nbytes, ARENA_ALIGN) if self.nbytes else 0
 
 
 @dataclass

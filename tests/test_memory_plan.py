@@ -64,7 +64,7 @@ def test_allocator_matches_plan_and_loads_weights(artifact):
     plan = build_plan(artifact, PlanOptions(max_context=1000, max_concurrency=2, kv_dtype="int8"))
     mem = DeviceMemory(plan, "cpu")
     for name, arena in plan.arenas.items():
-        assert mem.buffers[name].numel() == arena.nbytes
+        assert mem.buffers[name].numel() == arena.allocated_bytes >= arena.nbytes
     mem.load_weights(artifact)
     name = "text/layers/3/attention/query_gate_key_value"
     assert bytes(mem.raw("weights", name).numpy()) == bytes(artifact.raw(name))
