@@ -18,7 +18,7 @@ from format.numeric import GroupedFormat
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
-VEC_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4}  # FMA path, T = 1  # measured on the H200 (bench/RESULTS.md)
+VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
 
 
 @triton.jit
