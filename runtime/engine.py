@@ -21,7 +21,8 @@ from .allocator import DeviceMemory
 from .kernels.conv1d import causal_conv1d
 from .kernels.gdn_decode import gdn_recurrent
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.qlinear import PackedLinear, gather_rows, qlinear
+from .kernels.moe import expert_gemv, route
+from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
 from .kernels.rmsnorm import rmsnorm
 from .kernels.rope import apply_rope_
 from .kernels.swiglu import swiglu
@@ -203,19 +204,29 @@ class Engine:
         if not c.is_moe:
             return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h)))
         m = p + "moe/"
-        probs = torch.softmax(self.lin[m + "router"](h).float(), dim=-1)
-        weights, idx = torch.topk(probs, c.experts_per_token, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        n, k = h.shape[0], c.experts_per_token
         inter, hid = c.moe_intermediate_size, c.hidden_size
-        out = torch.zeros_like(h)
-        for e in idx.unique().tolist():  # TODO(issue 3): one grouped-GEMM launch for all experts
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            gu = self.lin[m + "experts_gate_up"].rows(e * 2 * inter, (e + 1) * 2 * inter)
-            dn = self.lin[m + "experts_down"].rows(e * hid, (e + 1) * hid)
-            y = dn(swiglu(gu(h[rows].contiguous())))
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
         shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
-        return out + shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
+        shared = shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
+        if n <= GEMV_MAX_T and isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
+            # decode / verify: every (token, expert) pair in one launch per matrix, no host sync
+            ids, weights = route(self.lin[m + "router"](h), k)
+            pairs = ids.reshape(-1)
+            x_rows = torch.arange(n, device=h.device, dtype=torch.int32).repeat_interleave(k)
+            act = swiglu(expert_gemv(h, x_rows, pairs, gate_up.packed, 2 * inter))
+            own = torch.arange(n * k, device=h.device, dtype=torch.int32)
+            y = expert_gemv(act, own, pairs, down.packed, hid)
+            return (y.view(n, k, hid).float() * weights[..., None]).sum(1).to(h.dtype) + shared
+        probs = torch.softmax(self.lin[m + "router"](h).float(), dim=-1)
+        weights, idx = torch.topk(probs, k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():  # prefill: one dense GEMM per active expert
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            y = down.rows(e * hid, (e + 1) * hid)(swiglu(gate_up.rows(e * 2 * inter, (e + 1) * 2 * inter)(h[rows].contiguous())))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out + shared
 
     # --- forward ------------------------------------------------------------------------
 
@@ -275,7 +286,7 @@ class Engine:
         self.ctx_len[lanes_t] += 1
         self.stats.decode_tokens += len(lanes)
         toks = torch.tensor(tokens, device=self.device)[:, None]
-        if not (self.use_graphs and not self.cfg.is_moe):  # MoE routing still syncs with the host
+        if not self.use_graphs:
             return self.forward(lanes_t, toks, pos)
         key = tuple(lanes)
         if key not in self._graphs:

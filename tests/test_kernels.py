@@ -130,3 +130,32 @@ def test_paged_attention(codec, t, split_tokens, monkeypatch):
     got = paged_attention(q.to(DEVICE), dev, c, block_table.to(DEVICE), ctx.to(DEVICE), d ** -0.5,
                           out=_poison(q.shape, torch.float32))
     _check(got.cpu(), want, torch.float32)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 37, 4), (3, 256, 8)])
+def test_moe_routing(t, e, k):
+    from runtime.kernels.moe import route, route_reference
+
+    logits = torch.randn(t, e, device=DEVICE)
+    ids, w = route(logits, k)
+    want_ids, want_w = route_reference(logits.cpu(), k)
+    assert torch.equal(ids.cpu(), want_ids)
+    _check(w.cpu(), want_w, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
+def test_expert_gemv(fmt):
+    from runtime.kernels.moe import expert_gemv, expert_gemv_reference
+
+    experts, rows_per_expert, k = 5, 24, 136
+    w = _packed(experts * rows_per_expert, k, fmt, seed=11)
+    x = torch.randn(3, k, device=DEVICE).to(DTYPE)
+    x_rows = torch.tensor([0, 0, 1, 2, 2, 1], dtype=torch.int32, device=DEVICE)
+    ex = torch.tensor([4, 0, 2, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    _check(expert_gemv(x, x_rows, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), x_rows.cpu(), ex.cpu(), _to_cpu(w), rows_per_expert))
+
+
+def _to_cpu(w):
+    from runtime.kernels.qlinear import PackedLinear
+
+    return PackedLinear(w.base.cpu(), None if w.high is None else w.high.cpu(), w.scale.view(torch.uint8).cpu(), w.rows, w.cols, w.fmt)

@@ -22,6 +22,31 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 
 
 @triton.jit
+def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR: tl.constexpr,
+                  HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
+    ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats."""
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
+    packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
+        hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        sh = 2 * tl.arange(0, 4)
+        lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+        hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+    if BITS == 6:  # one high byte per 4 lanes: even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
+        hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        sh = 4 * tl.arange(0, 2)
+        lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+        hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
+    sign: tl.constexpr = 1 << (BITS - 1)
+    return (lo ^ sign) - sign, (hi ^ sign) - sign
+
+
+@triton.jit
 def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, K_PER_SPLIT,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -46,26 +71,10 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
             x = tl.load(x_ptr + toks[:, None] * stride_xt + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w))
         else:
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
-            ke = 2 * half  # even lane of each byte
-            packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-            lo = packed & 0xF
-            hi = (packed >> 4) & 0xF
-            if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
-                hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 2 * tl.arange(0, 4)
-                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-            if BITS == 6:  # one high byte per 4 lanes: even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
-                hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 4 * tl.arange(0, 2)
-                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-            sign: tl.constexpr = 1 << (BITS - 1)
-            lo = tl.reshape(((lo ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
-            hi = tl.reshape(((hi ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
+            lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
+            lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+            hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
             w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
             w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
             x_even = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :], mask=tok_ok[:, None] & (ke[None, :] < K), other=0.0)
@@ -96,26 +105,9 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
         w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
         tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
     else:
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ke = 2 * half
-        packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-        lo = packed & 0xF
-        hi = (packed >> 4) & 0xF
-        if BITS == 5:
-            hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-            sh = 2 * tl.arange(0, 4)
-            lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-            hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-        if BITS == 6:
-            hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-            sh = 4 * tl.arange(0, 2)
-            lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-            hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-        sign: tl.constexpr = 1 << (BITS - 1)
-        lo = tl.reshape(((lo ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
-        hi = tl.reshape(((hi ^ sign) - sign).to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
+        lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
         w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
         w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, BLOCK_K))
@@ -147,17 +139,16 @@ def _gemm(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
-                      GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                      HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """T = 1: multiply-accumulate in registers and reduce along K (no tensor-core layouts)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    row_ok = rows < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32) if BITS != 8 else tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+def _dot_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
+              GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+              HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] * x[k] over [k_begin, k_end) with FMAs in registers -> [BLOCK_N] float32."""
+    if BITS == 8:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     gpb: tl.constexpr = BLOCK_K // GROUP
-    k_begin = split * K_PER_SPLIT
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         gidx = k0 // GROUP + tl.arange(0, gpb)
         scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         if BITS == 8:
@@ -165,33 +156,28 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
             codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
             q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
             w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
+            acc += w * tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
         else:
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            ke = 2 * half
-            packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-            lo = packed & 0xF
-            hi = (packed >> 4) & 0xF
-            if BITS == 5:
-                hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 2 * tl.arange(0, 4)
-                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-            if BITS == 6:
-                hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 4 * tl.arange(0, 2)
-                lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-                hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 2)) & 3) << 4, (BLOCK_N, BLOCK_K // 2))
-            sign: tl.constexpr = 1 << (BITS - 1)
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
+            lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
             x_even = tl.load(x_ptr + ke, mask=ke < K, other=0.0).to(tl.float32)
             x_odd = tl.load(x_ptr + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
             # codes times x, then one scale per group: fewer multiplies than scaling every weight
-            prod = ((lo ^ sign) - sign).to(tl.float32) * x_even[None, :] + ((hi ^ sign) - sign).to(tl.float32) * x_odd[None, :]
+            prod = lo.to(tl.float32) * x_even[None, :] + hi.to(tl.float32) * x_odd[None, :]
             acc += tl.reshape(tl.reshape(prod, (BLOCK_N, gpb, GROUP // 2)) * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
+                      GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """T = 1: multiply-accumulate in registers and reduce along K (no tensor-core layouts)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_ok = rows < N
+    y = _dot_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT,
+                  GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
