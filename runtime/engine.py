@@ -25,6 +25,7 @@ from .kernels.moe import expert_gemv, route
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
 from .kernels.rmsnorm import rmsnorm
 from .kernels.rope import apply_rope_
+from .kernels.sampling import SamplingParams, sample
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
@@ -315,11 +316,18 @@ class Engine:
             static_logits = self.forward(lanes_t, static_tokens, static_pos)
         return graph, static_tokens, static_pos, static_logits
 
-    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0) -> list[int]:
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,
+                 params: SamplingParams | None = None, generator: torch.Generator | None = None) -> list[int]:
+        """Greedy by default; with `params`, the device sampler (penalties count this lane's output)."""
         logits = self.prefill(lane, prompt)
         out = []
+        counts = torch.zeros(1, self.cfg.vocab_size, dtype=torch.int32, device=self.device) if params else None
         for _ in range(max_new_tokens):
-            nxt = int(torch.argmax(logits))
+            if params is None:
+                nxt = int(torch.argmax(logits))
+            else:
+                nxt = int(sample(logits[None], params, counts, generator)[0])
+                counts[0, nxt] += 1
             out.append(nxt)
             if nxt in stop_ids or len(prompt) + len(out) >= self.opts.max_context:
                 break

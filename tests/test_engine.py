@@ -95,3 +95,12 @@ def test_prompt_longer_than_context_is_refused(artifacts):
 def test_engine_fails_fast_when_memory_is_short(artifacts):
     with pytest.raises(MemoryPlanError, match=r"short\); the largest context that fits is"):
         Engine(artifacts["dense-q4"], PlanOptions(max_context=4096), device=DEVICE, available_bytes=1_000_000)
+
+
+def test_seeded_sampling_is_reproducible(artifacts):
+    from runtime.kernels.sampling import SamplingParams
+
+    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
+    params = SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.1)
+    runs = [engine.generate(PROMPT, 4, params=params, generator=torch.Generator(DEVICE).manual_seed(3)) for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 4

@@ -159,3 +159,31 @@ def _to_cpu(w):
     from runtime.kernels.qlinear import PackedLinear
 
     return PackedLinear(w.base.cpu(), None if w.high is None else w.high.cpu(), w.scale.view(torch.uint8).cpu(), w.rows, w.cols, w.fmt)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.0, top_p=0.5),
+    dict(temperature=0.9, min_p=0.2), dict(temperature=1.0, top_k=20, top_p=0.8, min_p=0.05),
+    dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+    dict(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.3),
+], ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_sampling(params):
+    from runtime.kernels.sampling import SamplingParams, sample, sample_reference
+
+    sp = SamplingParams(**params)
+    g = torch.Generator().manual_seed(7)
+    b, v = 3, 1500
+    logits = torch.randn(b, v, generator=g) * 3
+    counts = torch.randint(0, 3, (b, v), generator=g, dtype=torch.int32)
+    noise = torch.rand(b, v, generator=g).clamp(1e-20, 1 - 1e-7)
+    want = sample_reference(logits, sp, counts, noise)
+    got = sample(logits.to(DEVICE), sp, counts.to(DEVICE), noise=noise.to(DEVICE)).cpu()
+    assert torch.equal(got, want)
+
+
+def test_sampling_respects_top_k_statistically():
+    from runtime.kernels.sampling import SamplingParams, sample
+
+    logits = torch.tensor([[5.0, 4.0, 3.0, -1.0, -2.0] + [-9.0] * 59], device=DEVICE).repeat(200, 1)
+    ids = sample(logits, SamplingParams(temperature=1.0, top_k=2), generator=None)
+    assert set(ids.cpu().tolist()) <= {0, 1} and len(set(ids.cpu().tolist())) == 2
