@@ -91,8 +91,9 @@ def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl
 @triton.jit
 def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
                  W1: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whole vectors [BLOCK_N, D] fp32. Byte-per-element codecs load rows directly (coalesced);
-    nibble codecs decode both halves and interleave them with join."""
+    """Whole vectors [BLOCK_N, D] fp32 for the byte-per-element codecs (coalesced row loads).
+    Nibble codecs stay as even/odd halves: interleaving them with join + reshape before a dot
+    miscompiled on Hopper with triton 3.6 (wrong results, seen on the H200)."""
     d = tl.arange(0, D)
     m = tok_ok[:, None]
     if KIND == 0:
@@ -106,10 +107,7 @@ def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.const
         s = tl.load(p1 + row * W1, mask=tok_ok, other=0.0).to(tl.float32)
         return _e4m3(b) * s[:, None]
     else:
-        dh = tl.arange(0, D // 2)
-        even = _decode_half(p0, p1, table_ptr, row, tok_ok, dh, 0, KIND, D, W0, W1)
-        odd = _decode_half(p0, p1, table_ptr, row, tok_ok, dh, 1, KIND, D, W0, W1)
-        return tl.reshape(tl.join(even, odd), (BLOCK_N, D))
+        tl.static_assert(False, "nibble codecs are decoded as even/odd halves")
 
 
 @triton.jit
@@ -135,10 +133,21 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
     ctx = tl.load(ctx_len_ptr + lane)
     q_pos = ctx - T + t_of
     q_base = q_ptr + ((lane * T + t_of[:, None]) * HQ + head[:, None]) * D
-    q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+    K_HALVES: tl.constexpr = (KK == 2) or (KK == 4) or (KK == 5)
+    V_HALVES: tl.constexpr = (VK == 2) or (VK == 4) or (VK == 5)
+    dh = tl.arange(0, D // 2)
+    if K_HALVES:
+        q_even = tl.load(q_base + 2 * dh[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=r_ok[:, None], other=0.0).to(tl.float32)
+    else:
+        q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+    if V_HALVES:
+        acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
     last_row_t = tl.minimum((mblock * BLOCK_M + BLOCK_M - 1) // group, T - 1)
     visible_end = ctx - T + last_row_t + 1  # keys past the block's last query are never visible
     begin = split * SPLIT_TOKENS
@@ -148,8 +157,14 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         n_ok = n < end
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
-        k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if K_HALVES:
+            k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1)
+            k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1)
+            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        else:
+            k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -157,12 +172,22 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        if V_HALVES:
+            v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1)
+            v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+        else:
+            v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
     part = ((lane_kvh * SPLITS + split) * rows_total + r)
-    tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
+    if V_HALVES:
+        tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
+        tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
+    else:
+        tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
 
