@@ -292,7 +292,7 @@ class Engine:
         key = tuple(lanes)
         if key not in self._graphs:
             self._graphs[key] = self._capture(lanes_t, toks, pos)
-        graph, static_tokens, static_pos, static_logits = self._graphs[key]
+        graph, _, static_tokens, static_pos, static_logits = self._graphs[key]
         static_tokens.copy_(toks)
         static_pos.copy_(pos)
         graph.replay()
@@ -302,6 +302,9 @@ class Engine:
         """Capture one decode step for this lane set. The warm-up run compiles every kernel; the lanes'
         recurrent state is restored afterwards so the warm-up leaves no trace (its KV write lands in
         the slot the real step overwrites)."""
+        # every tensor the graph reads must outlive it: a freed input's memory would be reused and the
+        # replay would read garbage (seen on the H200 as out-of-bounds lane indices)
+        lanes_t = lanes_t.clone()
         saved = [(t, t[lanes_t].clone()) for t in list(self.conv_state.values()) + list(self.rec_state.values())]
         static_tokens, static_pos = toks.clone(), pos.clone()
         stream = torch.cuda.Stream(self.device)
@@ -314,7 +317,7 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_logits = self.forward(lanes_t, static_tokens, static_pos)
-        return graph, static_tokens, static_pos, static_logits
+        return graph, lanes_t, static_tokens, static_pos, static_logits
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,
                  params: SamplingParams | None = None, generator: torch.Generator | None = None) -> list[int]:
