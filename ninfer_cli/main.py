@@ -230,6 +230,11 @@ def _print_fit(r: dict) -> None:
                   f"{r['budget_bytes']:,}-byte budget")
 
 
+class Runtime(str, Enum):
+    reference = "reference"
+    triton = "triton"
+
+
 @app.command()
 @friendly
 def generate(
@@ -238,22 +243,44 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 32,
     raw: Annotated[bool, typer.Option("--raw", help="Tokenize the prompt as is, without the chat template.")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    runtime: Annotated[Runtime, typer.Option(help="reference (plain torch) or triton (paged KV, kernels, graphs).")] = Runtime.reference,
+    kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec (triton runtime).")] = KvDtype.bf16,
+    max_context: Annotated[int, typer.Option(help="Context the triton runtime plans memory for.")] = 4096,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (triton runtime samples on the device).")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus mass to keep.")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
     as_json: JsonOpt = False,
 ):
-    """Greedy generation with the torch reference runtime."""
+    """Generate with the reference runtime (greedy) or the Triton runtime (greedy or sampled)."""
     import time
 
     from runtime.generate import TextSession
 
-    session = TextSession.load(artifact, device)
+    options = params = None
+    if runtime == Runtime.triton:
+        from runtime.kernels.sampling import SamplingParams
+        from runtime.memory_plan import PlanOptions
+
+        options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=prefill_chunk)
+        if temperature > 0:
+            params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    elif temperature > 0:
+        from runtime.memory_plan import MemoryPlanError
+
+        raise MemoryPlanError("sampling needs --runtime triton; the reference runtime is greedy only")
+    session = TextSession.load(artifact, device, options)
     t0 = time.monotonic()
-    result = session.complete(prompt, max_new_tokens, chat=not raw)
+    result = session.complete(prompt, max_new_tokens, chat=not raw, params=params, seed=seed)
     dt = time.monotonic() - t0
     if as_json:
         print(json.dumps({**result, "seconds": round(dt, 3)}))
         return
     print(result["text"])
-    err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device}")
+    err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device} "
+              f"({runtime.value} runtime)")
 
 
 @app.command()

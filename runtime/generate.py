@@ -20,7 +20,8 @@ class TextSession:
     stop_ids: tuple[int, ...]
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu") -> "TextSession":
+    def load(cls, path: str | Path, device: str = "cpu", engine_options=None) -> "TextSession":
+        """The reference model, or the Triton engine when `engine_options` (a PlanOptions) is given."""
         import torch
         from tokenizers import Tokenizer
 
@@ -29,7 +30,12 @@ class TextSession:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BindingError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
         art = Artifact(path)
-        model = ReferenceModel(art, device)
+        if engine_options is not None:
+            from .engine import Engine
+
+            model = Engine(path, engine_options, device=device)
+        else:
+            model = ReferenceModel(art, device)
         cfg = load_config(art)
         tok = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
         template = None
@@ -54,9 +60,16 @@ class TextSession:
             messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, tools=None,
             enable_thinking=False)
 
-    def complete(self, prompt: str, max_new_tokens: int, chat: bool = True) -> dict:
+    def complete(self, prompt: str, max_new_tokens: int, chat: bool = True, params=None, seed: int | None = None) -> dict:
         text = self.render(prompt) if chat else prompt
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        new = self.model.generate(ids, max_new_tokens, self.stop_ids)
+        if params is None:
+            new = self.model.generate(ids, max_new_tokens, self.stop_ids)
+        else:
+            import torch
+
+            gen = torch.Generator(getattr(self.model, "device", "cpu"))
+            gen.manual_seed(seed if seed is not None else torch.seed())
+            new = self.model.generate(ids, max_new_tokens, self.stop_ids, params=params, generator=gen)
         shown = [t for t in new if t not in self.stop_ids]
         return {"text": self.tokenizer.decode(shown), "tokens": new, "prompt_tokens": len(ids)}

@@ -85,3 +85,23 @@ def test_demo_runs(tmp_path):
     r = runner.invoke(app, ["demo", "--workdir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "tiny-q4.nfer").exists()
+
+
+def test_generate_on_the_triton_runtime(tiny_with_mtp, tmp_path):
+    import pytest
+
+    pytest.importorskip("triton")
+    art = tmp_path / "m.nfer"
+    assert runner.invoke(app, ["convert", str(tiny_with_mtp), str(art), "--recipe", "q4"]).exit_code == 0
+    ref = runner.invoke(app, ["generate", str(art), "--raw", "--prompt", "hello world", "--max-new-tokens", "3", "--json"])
+    fast = runner.invoke(app, ["generate", str(art), "--raw", "--prompt", "hello world", "--max-new-tokens", "3",
+                               "--runtime", "triton", "--kv-dtype", "int8", "--max-context", "128", "--prefill-chunk", "128",
+                               "--json"])
+    assert ref.exit_code == 0 and fast.exit_code == 0, fast.output
+    assert json.loads(fast.stdout)["tokens"] == json.loads(ref.stdout)["tokens"]
+    sampled = runner.invoke(app, ["generate", str(art), "--raw", "--max-new-tokens", "3", "--runtime", "triton",
+                                  "--max-context", "128", "--prefill-chunk", "128", "--temperature", "0.8", "--seed", "1",
+                                  "--json"])
+    assert sampled.exit_code == 0, sampled.output
+    bad = runner.invoke(app, ["generate", str(art), "--temperature", "0.5"])
+    assert bad.exit_code == 1 and "needs --runtime triton" in bad.output
