@@ -2,7 +2,6 @@
 quality floors hold, and the E8 tables are what the spec says."""
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,18 +11,13 @@ from runtime.kv.e8 import e8_lattice_round, e8_root_decode, e8_root_encode, root
 from runtime.kv.hadamard import hadamard_matrix, rotate_groups
 from runtime.kv.quality import codec_quality
 
-SPEC = (Path(__file__).resolve().parent.parent / "specs" / "kv-codecs.md").read_text()
+from .spec_tables import SPECS, table_rows
+
+SPEC = (SPECS / "kv-codecs.md").read_text()
 
 
 def _registry_rows():
-    lines = SPEC.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith("| `--kv-dtype`"))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
-    return rows
+    return table_rows(SPEC, "| `--kv-dtype`")
 
 
 def test_spec_registry_matches_code():

@@ -1,24 +1,12 @@
 """specs/ tables and the code registries must say the same thing."""
 
 import re
-from pathlib import Path
 
 from format import container
 from format.layouts import LAYOUTS
 from format.numeric import FORMAT_LAYOUT, FORMATS, GroupedFormat
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
-
-
-def _table_rows(text: str, header_start: str):
-    lines = text.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith(header_start))
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().strip("`") for c in line.strip("|").split("|")])
-    return rows
+from .spec_tables import SPECS, table_rows as _table_rows
 
 
 def test_format_table_matches_registry():

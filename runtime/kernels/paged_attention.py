@@ -50,25 +50,16 @@ def _e2m1(nib):
 @triton.jit
 def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl.constexpr,
                  D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
-    """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32."""
+    """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32.
+    Nibble codecs only (int4 groups, nvfp4, E8 roots); byte codecs go through _decode_rows."""
     d = 2 * dh + ODD
     m = tok_ok[:, None]
-    if KIND == 0:
-        return tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0.0).to(tl.float32)
-    elif KIND == 1:
-        c = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-        return c * s
-    elif KIND == 2:
+    if KIND == 2:
         b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
         n = (b >> (4 * ODD)) & 0xF
         q = ((n ^ 8) - 8).to(tl.float32)
         s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
         return q * s
-    elif KIND == 3:
-        b = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int32)
-        s = tl.load(p1 + row * W1, mask=tok_ok, other=0.0).to(tl.float32)
-        return _e4m3(b) * s[:, None]
     elif KIND == 4:
         b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
         n = (b >> (4 * ODD)) & 0xF

@@ -22,6 +22,16 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 
 
 @triton.jit
+def _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dequantized W8 tile [BLOCK_N, BLOCK_K] fp32 of lanes [k0, k0 + BLOCK_K); `scale` is [BLOCK_N, groups]."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
+    q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    return tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR: tl.constexpr,
                   HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
@@ -65,9 +75,7 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
         scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
-            codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
-            q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
-            w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
             x = tl.load(x_ptr + toks[:, None] * stride_xt + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w))
         else:
@@ -100,9 +108,7 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
     scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     if BITS == 8:
         ks = k0 + tl.arange(0, BLOCK_K)
-        codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
-        q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
-        w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
+        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K)
         tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
     else:
         lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
@@ -153,9 +159,7 @@ def _dot_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_
         scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
-            codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
-            q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, gpb, GROUP))
-            w = tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
+            w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K)
             acc += w * tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
         else:
             ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
