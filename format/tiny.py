@@ -19,12 +19,51 @@ CORPUS = [
     "user: What is the capital of France? assistant: Paris is the capital of France.",
     "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Berlin\"}}",
 ]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# A Qwen3.5-style template written for the tiny test models: system-first rule, a tools block,
+# reasoning kept only after the last real user query (or always with preserve_thinking), qwen3_coder
+# XML tool calls, grouped tool responses, and the thinking on/off generation prompt.
+CHAT_TEMPLATE = """{%- if messages[0].role == 'system' %}{%- set system_text = messages[0].content | trim %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system_text = '' %}{%- set rest = messages %}{%- endif %}
+{%- if tools %}
+{{- '<|im_start|>system\n# Tools\n\nFunctions you may call:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nTo call one, reply with <tool_call>, then <function=NAME>, one <parameter=KEY> block per argument, and the closing tags.' }}
+{%- if system_text %}{{- '\n\n' + system_text }}{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- elif system_text %}{{- '<|im_start|>system\n' + system_text + '<|im_end|>\n' }}{%- endif %}
+{%- set ns = namespace(last_query=-1) %}
+{%- for m in rest %}{%- if m.role == 'user' %}{%- set c = m.content | trim %}
+{%- if not (c.startswith('<tool_response>') and c.endswith('</tool_response>')) %}{%- set ns.last_query = loop.index0 %}{%- endif %}
+{%- endif %}{%- endfor %}
+{%- if ns.last_query < 0 %}{{- raise_exception('No user query found in messages.') }}{%- endif %}
+{%- for m in rest %}
+{%- if m.role == 'system' %}{{- raise_exception('System message must be at the beginning.') }}
+{%- elif m.role == 'user' %}{{- '<|im_start|>user\n' + (m.content | trim) + '<|im_end|>\n' }}
+{%- elif m.role == 'assistant' %}
+{%- set content = m.content or '' %}
+{%- if m.reasoning_content is string %}{%- set reasoning = m.reasoning_content %}
+{%- elif '</think>' in content %}{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}{%- set content = content.split('</think>')[-1] %}
+{%- else %}{%- set reasoning = '' %}{%- endif %}
+{%- set content = content | trim %}
+{%- if loop.index0 > ns.last_query or preserve_thinking %}
+{{- '<|im_start|>assistant\n<think>\n' + (reasoning | trim) + '\n</think>\n\n' + content }}
+{%- else %}{{- '<|im_start|>assistant\n' + content }}{%- endif %}
+{%- for call in m.tool_calls or [] %}
+{%- if loop.first %}{%- if content %}{{- '\n\n' }}{%- endif %}{%- else %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n<function=' + call.function.name + '>\n' }}
+{%- for key, value in call.function.arguments.items() %}
+{{- '<parameter=' + key + '>\n' }}{%- if value is mapping or (value is sequence and value is not string) %}{{- value | tojson }}{%- else %}{{- value | string }}{%- endif %}{{- '\n</parameter>\n' }}
+{%- endfor %}
+{{- '</function>\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}
+{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n<think>\n' }}{%- if enable_thinking is defined and not enable_thinking %}{{- '\n</think>\n\n' }}{%- endif %}{%- endif %}"""
 
 
 def build_tokenizer(vocab_size: int):

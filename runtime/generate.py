@@ -53,12 +53,12 @@ class TextSession:
     def render(self, prompt: str) -> str:
         if self.chat_template is None:
             raise BindingError("the artifact carries no chat template; use --raw")
-        import jinja2
+        from .serve.chat_template import ChatTemplate, RequestError
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, tools=None,
-            enable_thinking=False)
+        try:
+            return ChatTemplate(self.chat_template).render([{"role": "user", "content": prompt}], enable_thinking=False)
+        except RequestError as exc:
+            raise BindingError(str(exc)) from None
 
     def complete(self, prompt: str, max_new_tokens: int, chat: bool = True, params=None, seed: int | None = None) -> dict:
         text = self.render(prompt) if chat else prompt

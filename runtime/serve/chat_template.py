@@ -1,0 +1,204 @@
+"""Render OpenAI- or Anthropic-shaped conversations with the artifact's own Jinja chat template.
+
+Requests are first normalized to one canonical message list (HF shape: role, content string,
+optional reasoning_content, tool_calls with *mapping* arguments), so every API renders the same
+prompt for the same conversation — which is what makes prefix reuse across turns possible.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class RequestError(ValueError):
+    """The request cannot be rendered; the message is safe to return to the client (HTTP 400)."""
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+    # HF semantics: json.dumps defaults (", " and ": "), key order kept, non-ASCII kept
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _raise(message):
+    raise RequestError(f"chat template rejected the conversation: {message}")
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    def __init__(self, source: str):
+        try:
+            self.template = make_environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise RequestError(f"the artifact's chat template does not parse: {exc}") from None
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               enable_thinking: bool = True, preserve_thinking: bool = False, **extra) -> str:
+        try:
+            return self.template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                        enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, **extra)
+        except RequestError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"chat template failed: {exc}") from None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise RequestError(f"chat template failed on this conversation: {exc}") from None
+
+
+# --- normalization ------------------------------------------------------------------------
+
+
+def _text_of(content, where: str, vision: bool) -> str:
+    """String content as is; a list of parts concatenated without separators (text only here)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"{where}: content must be a string or a list of parts")
+    out = []
+    for part in content:
+        if not isinstance(part, dict) or "type" not in part:
+            raise RequestError(f"{where}: every content part needs a 'type'")
+        kind = part["type"]
+        if kind in ("text", "input_text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}: a text part needs a string 'text'")
+            out.append(part["text"])
+        elif kind in ("image_url", "input_image", "image"):
+            if not vision:
+                raise RequestError("vision_disabled: this server was started without --vision; remove image parts")
+            raise RequestError("image input is not supported by this build yet")
+        else:
+            raise RequestError(f"{where}: unsupported content part type {kind!r}")
+    return "".join(out)
+
+
+def _arguments(raw, where: str) -> dict:
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{where}: tool call arguments are not valid JSON ({exc.msg})") from None
+        if isinstance(value, dict):
+            return value
+    raise RequestError(f"{where}: tool call arguments must be a JSON object")
+
+
+def normalize_openai_tools(tools) -> list[dict] | None:
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if fn is None and isinstance(t, dict) and t.get("type") == "function" and "name" in t:
+            fn = t  # Responses API flattens the function into the tool
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
+                                                     "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}})
+    return out
+
+
+def normalize_anthropic_tools(tools) -> list[dict] | None:
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{i}] needs a string 'name'")
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    return out
+
+
+def normalize_openai_messages(messages, vision: bool = False) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"{where} needs a string 'role'")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise RequestError(f"{where}: unknown role {m['role']!r}")
+        msg = {"role": role, "content": _text_of(m.get("content"), where, vision)}
+        if role == "assistant":
+            if isinstance(m.get("reasoning_content"), str):
+                msg["reasoning_content"] = m["reasoning_content"]
+            calls = []
+            for j, c in enumerate(m.get("tool_calls") or []):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise RequestError(f"{where}.tool_calls[{j}] needs function.name")
+                calls.append({"id": c.get("id"), "type": "function",
+                              "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}]")}})
+            if calls:
+                msg["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def normalize_anthropic_messages(system, messages, vision: bool = False) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    out = []
+    if system:
+        out.append({"role": "system", "content": _text_of(system, "system", vision)})
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(f"{where}: role must be 'user' or 'assistant'")
+        blocks = m.get("content")
+        if isinstance(blocks, str):
+            out.append({"role": m["role"], "content": blocks})
+            continue
+        if not isinstance(blocks, list):
+            raise RequestError(f"{where}: content must be a string or a list of blocks")
+        text, calls, reasoning = [], [], None
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(b.get("text", ""))
+            elif kind == "thinking":
+                reasoning = (reasoning or "") + b.get("thinking", "")
+            elif kind == "redacted_thinking":
+                continue
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b.get("name"), "arguments": _arguments(b.get("input", {}), f"{where}.content[{j}]")}})
+            elif kind == "tool_result" and m["role"] == "user":
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text_of(b.get("content"), f"{where}.content[{j}]", vision)})
+            elif kind == "image":
+                _text_of([{"type": "image"}], where, vision)
+            else:
+                raise RequestError(f"{where}.content[{j}]: unsupported block type {kind!r}")
+        if text or calls or reasoning is not None or m["role"] == "assistant":
+            msg = {"role": m["role"], "content": "".join(text)}
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out

@@ -1,0 +1,156 @@
+"""Chat-template rendering and the streaming output parser (reasoning, content, tool calls)."""
+
+import random
+
+import pytest
+
+from format.tiny import CHAT_TEMPLATE
+from runtime.serve.chat_template import (
+    ChatTemplate,
+    RequestError,
+    normalize_anthropic_messages,
+    normalize_anthropic_tools,
+    normalize_openai_messages,
+    normalize_openai_tools,
+)
+from runtime.serve.output_parser import OutputParser, coerce
+
+TOOLS = normalize_openai_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "tags": {"type": "array"},
+                                     "note": {"type": ["string", "null"]}}}}}])
+
+
+def _run(text, pieces, **kw):
+    """Feed `text` in random pieces; return (events, parser)."""
+    rng = random.Random(pieces)
+    parser = OutputParser(**kw)
+    events, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 7)
+        events += parser.feed(text[i : i + n])
+        i += n
+    events += parser.finish()
+    return events, parser
+
+
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n"
+        "<parameter=note>\nNone\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reasoning_content_and_typed_tool_call_in_any_chunking(seed):
+    text = "Let me check the weather.\n</think>\n\nI'll look it up.\n\n" + CALL
+    events, parser = _run(text, seed, tools=TOOLS, thinking=True)
+    r = parser.result
+    assert r.reasoning == "Let me check the weather.\n"
+    assert r.content == "I'll look it up."
+    assert len(r.tool_calls) == 1
+    assert r.tool_calls[0].name == "get_weather"
+    assert r.tool_calls[0].arguments == {"city": "New York", "days": 3, "metric": True, "tags": ["a", "b"], "note": None}
+    streamed = "".join(e.text for e in events if e.kind == "content")
+    assert streamed == r.content and "<" not in streamed
+
+
+def test_tool_call_inside_thinking_ends_reasoning():
+    _, parser = _run("I should call it " + CALL, 1, tools=TOOLS, thinking=True)
+    assert parser.result.reasoning == "I should call it "
+    assert parser.result.tool_calls and parser.result.content == ""
+
+
+def test_string_parameter_keeps_digits_and_whitespace():
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\n  123\n\n</parameter>\n</function>\n</tool_call>"
+    _, parser = _run(call, 2, tools=TOOLS)
+    assert parser.result.tool_calls[0].arguments == {"city": "  123\n"}
+
+
+def test_malformed_and_undeclared_calls_come_back_as_text():
+    bad = "<tool_call>\n<function=launch_missiles>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+    _, parser = _run("ok " + bad, 3, tools=TOOLS)
+    assert parser.result.tool_calls == [] and "launch_missiles" in parser.result.content
+    dup = "<tool_call>\n<function=get_weather>\n<parameter=city>\na\n</parameter>\n<parameter=city>\nb\n</parameter>\n</function>\n</tool_call>"
+    _, parser = _run(dup, 4, tools=TOOLS)
+    assert parser.result.tool_calls == [] and "<parameter=city>" in parser.result.content
+
+
+def test_unclosed_call_at_end_is_still_parsed():
+    _, parser = _run(CALL[: -len("</tool_call>")], 5, tools=TOOLS)
+    assert parser.result.tool_calls and parser.result.tool_calls[0].arguments["days"] == 3
+
+
+def test_hermes_json_fallback():
+    _, parser = _run('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', 6, tools=TOOLS)
+    assert parser.result.tool_calls[0].arguments == {"city": "Oslo"}
+
+
+def test_no_tools_declared_means_text():
+    _, parser = _run(CALL, 7)
+    assert parser.result.tool_calls == [] and parser.result.content.startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stop_strings_are_held_back_and_cut(seed):
+    events, parser = _run("alpha beta STOP gamma", seed, stop=["STOP"])
+    assert parser.result.content == "alpha beta" and parser.result.stopped_by == "STOP"
+    assert "".join(e.text for e in events) == "alpha beta"
+
+
+def test_length_stop_inside_thinking_leaves_all_reasoning():
+    _, parser = _run("still thinking about it", 8, thinking=True)
+    assert parser.result.reasoning == "still thinking about it" and parser.result.content == ""
+
+
+@pytest.mark.parametrize("raw,schema,want", [
+    ("42", {"type": "integer"}, 42), ("4.5", {"type": "number"}, 4.5), ("FALSE", {"type": "boolean"}, False),
+    ('{"a": 1}', {"type": "object"}, {"a": 1}), ("{'a': True}", {"type": "object"}, {"a": True}),
+    ("abc", {"type": "integer"}, "abc"), ("007", {"type": "string"}, "007"), ("[1, 2]", None, [1, 2]),
+    ("hello", None, "hello"), ("null", {"type": ["integer", "null"]}, None),
+])
+def test_coerce(raw, schema, want):
+    assert coerce(raw, schema) == want
+
+
+def test_render_openai_and_anthropic_conversations_identically():
+    t = ChatTemplate(CHAT_TEMPLATE)
+    openai = normalize_openai_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ])
+    anthropic = normalize_anthropic_messages("Be brief.", [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "rain"}]},
+    ])
+    a_tools = normalize_anthropic_tools([{"name": "get_weather", "description": "",
+                                          "input_schema": TOOLS[0]["function"]["parameters"]}])
+    one = t.render(openai, TOOLS, enable_thinking=False)
+    assert one == t.render(anthropic, a_tools, enable_thinking=False)
+    assert "<tool_response>\nrain\n</tool_response>" in one and one.endswith("<think>\n\n</think>\n\n")
+    assert t.render(openai, TOOLS, enable_thinking=True).endswith("<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([], "non-empty"),
+    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], "System message must be at the beginning"),
+    ([{"role": "wizard", "content": "a"}], "unknown role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "vision_disabled"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}], "not valid JSON"),
+])
+def test_bad_conversations_get_request_errors(messages, match):
+    t = ChatTemplate(CHAT_TEMPLATE)
+    with pytest.raises(RequestError, match=match):
+        t.render(normalize_openai_messages(messages))
+
+
+def test_reasoning_dropped_before_last_query_unless_preserved():
+    t = ChatTemplate(CHAT_TEMPLATE)
+    msgs = normalize_openai_messages([
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+        {"role": "user", "content": "q2"}])
+    assert "r1" not in t.render(msgs)
+    assert "<think>\nr1\n</think>\n\na1" in t.render(msgs, preserve_thinking=True)
