@@ -285,6 +285,39 @@ def generate(
 
 @app.command()
 @friendly
+def serve(
+    artifact: Annotated[Path, typer.Argument(help="The .nfer file.")],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
+    model_id: Annotated[Optional[str], typer.Option(help="Model name clients send (default: the file name).")] = None,
+    device: Annotated[str, typer.Option(help="cuda or cpu (cpu runs the Triton interpreter: tests only).")] = "cuda",
+    max_context: Annotated[int, typer.Option(help="Tokens per lane.")] = 8192,
+    max_concurrency: Annotated[int, typer.Option(min=1, max=8, help="Lanes decoding together.")] = 1,
+    max_pending_requests: Annotated[int, typer.Option(min=0, help="Waiting requests before 429 / 529.")] = 64,
+    pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
+    kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
+    api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
+    cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
+):
+    """OpenAI Chat Completions + Anthropic Messages server over the Triton runtime."""
+    import uvicorn
+
+    from runtime.memory_plan import PlanOptions
+    from runtime.serve.launch import build_server
+
+    options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
+                          prefill_chunk=prefill_chunk)
+    app, summary = build_server(artifact, options, device=device, model_id=model_id, api_key=api_key, cors=cors,
+                                preserve_thinking=preserve_thinking, max_pending=max_pending_requests,
+                                pending_timeout_ms=pending_timeout_ms)
+    err.print(summary)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@app.command()
+@friendly
 def demo(
     workdir: Annotated[Optional[Path], typer.Option(help="Where to write the tiny checkpoint and artifact.")] = None,
     moe: Annotated[bool, typer.Option("--moe", help="Use the tiny MoE (qwen3_5_moe) shape.")] = False,

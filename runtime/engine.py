@@ -263,20 +263,29 @@ class Engine:
 
     def prefill(self, lane: int, prompt: list[int]) -> torch.Tensor:
         """Chunked prefill of one lane from position 0; returns the last token's logits [V]."""
-        if len(prompt) > self.opts.max_context:
-            raise MemoryPlanError(f"prompt of {len(prompt)} tokens exceeds --max-context {self.opts.max_context}")
+        logits = None
+        for logits in self.prefill_chunks(lane, prompt):
+            pass
+        return logits
+
+    def prefill_chunks(self, lane: int, prompt: list[int]):
+        """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
+        yields None after each chunk but the last, then the last token's logits [V]."""
+        if not prompt:
+            raise MemoryPlanError("the prompt is empty")
+        if len(prompt) >= self.opts.max_context:
+            raise MemoryPlanError(f"prompt of {len(prompt)} tokens leaves no room in --max-context {self.opts.max_context}")
         self.reset_lane(lane)
         lane_t = torch.tensor([lane], device=self.device)
         chunk = self.opts.prefill_chunk
-        logits = None
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
             logits = self.forward(lane_t, toks, pos)
-        self.stats.prefill_tokens += len(prompt)
-        return logits[0]
+            self.stats.prefill_tokens += len(piece)
+            yield logits[0] if start + chunk >= len(prompt) else None
 
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""

@@ -88,8 +88,8 @@ def test_batched_lanes_do_not_mix(artifacts):
 
 def test_prompt_longer_than_context_is_refused(artifacts):
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=64, prefill_chunk=128), device=DEVICE)
-    with pytest.raises(MemoryPlanError, match="exceeds --max-context 64"):
-        engine.prefill(0, list(range(65)))
+    with pytest.raises(MemoryPlanError, match="leaves no room in --max-context 64"):
+        engine.prefill(0, list(range(64)))
 
 
 def test_engine_fails_fast_when_memory_is_short(artifacts):

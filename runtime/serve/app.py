@@ -1,0 +1,405 @@
+"""HTTP server: OpenAI Chat Completions + Responses, Anthropic Messages, health, models, metrics.
+
+Every generation goes through the lane scheduler; request bodies are validated by hand so each API
+answers malformed input in its own error shape, and nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..kernels.sampling import SamplingParams
+from .chat_template import (
+    ChatTemplate,
+    RequestError,
+    normalize_anthropic_messages,
+    normalize_anthropic_tools,
+    normalize_openai_messages,
+    normalize_openai_tools,
+)
+from .output_parser import OutputParser
+from .scheduler import GenerationRequest, QueueFull, Scheduler
+
+
+@dataclass
+class ServerConfig:
+    model_id: str
+    max_context: int
+    api_key: str | None = None
+    preserve_thinking: bool = False
+    vision: bool = False
+    default_max_tokens: int = 4096
+    stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+def _openai_error(e: ApiError) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.kind}}, e.status)
+
+
+def _anthropic_error(e: ApiError) -> JSONResponse:
+    return JSONResponse({"type": "error", "error": {"type": e.kind, "message": e.message}}, e.status)
+
+
+class Generation:
+    """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
+
+    def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
+                 seed: int | None):
+        self.server = server
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+        self.request = GenerationRequest(prompt, max_tokens, on_token=lambda t: put(("token", t)),
+                                         on_done=lambda r, e: put(("done", r, e)), params=params,
+                                         stop_ids=frozenset(server.stop_ids), seed=seed)
+        self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self.prompt_tokens = len(prompt)
+        self.finish_reason = None
+        try:
+            server.scheduler.submit(self.request)
+        except QueueFull as exc:
+            raise ApiError(429, "rate_limit_error", f"server overloaded: {exc}; retry later") from None
+
+    async def events(self):
+        """Yields parser events; sets finish_reason ('stop', 'length', 'tool_calls', ...) at the end."""
+        try:
+            while True:
+                item = await self.queue.get()
+                if item[0] == "token":
+                    self.ids.append(item[1])
+                    text = self.server.tokenizer.decode(self.ids)
+                    if text.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                    delta, self.text = text[len(self.text):], text
+                    for ev in self.parser.feed(delta):
+                        yield ev
+                    if self.parser.result.stopped_by is not None:
+                        self.server.scheduler.cancel(self.request)
+                        self.finish_reason = "stop"
+                        break
+                    continue
+                _, reason, error = item
+                if reason == "error":
+                    raise ApiError(500, "server_error", error or "generation failed")
+                if reason == "timeout":
+                    raise ApiError(503, "overloaded_error", f"request timed out in the queue: {error}")
+                self.finish_reason = reason
+                break
+            for ev in self.parser.finish():
+                yield ev
+            if self.parser.result.tool_calls and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        finally:
+            if self.finish_reason is None:  # the client went away: free the lane
+                self.server.scheduler.cancel(self.request)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.ids)
+
+
+def _sse(data: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    def __init__(self, engine, tokenizer, template: ChatTemplate, config: ServerConfig, stop_ids, scheduler: Scheduler):
+        self.engine, self.tokenizer, self.template, self.config = engine, tokenizer, template, config
+        self.stop_ids, self.scheduler = set(stop_ids), scheduler
+
+    # --- shared helpers -------------------------------------------------------------------
+
+    def tokenize(self, messages, tools, thinking: bool) -> list[int]:
+        prompt = self.template.render(messages, tools, enable_thinking=thinking,
+                                      preserve_thinking=self.config.preserve_thinking)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if len(ids) >= self.config.max_context:
+            raise ApiError(400, "context_length_exceeded",
+                           f"the prompt has {len(ids)} tokens but --max-context is {self.config.max_context}; "
+                           "shorten the conversation or restart the server with a larger --max-context")
+        return ids
+
+    def max_tokens(self, value, prompt_len: int) -> int:
+        room = self.config.max_context - prompt_len
+        if value is None:
+            return min(self.config.default_max_tokens, room)
+        if type(value) is not int or value < 1:
+            raise ApiError(400, "invalid_request_error", "max_tokens must be a positive integer")
+        return min(value, room)
+
+    @staticmethod
+    def sampling(body: dict) -> tuple[SamplingParams | None, int | None]:
+        def num(key, default, lo=None, hi=None):
+            v = body.get(key, default)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ApiError(400, "invalid_request_error", f"{key} must be a number")
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                raise ApiError(400, "invalid_request_error", f"{key} must be in [{lo}, {hi}]")
+            return v
+
+        temperature = num("temperature", 1.0, 0, 2)
+        params = SamplingParams(temperature=float(temperature), top_k=int(num("top_k", 0, 0)), top_p=float(num("top_p", 1.0, 0, 1)),
+                                min_p=float(num("min_p", 0.0, 0, 1)), presence_penalty=float(num("presence_penalty", 0.0, -2, 2)),
+                                frequency_penalty=float(num("frequency_penalty", 0.0, -2, 2)),
+                                repetition_penalty=float(num("repetition_penalty", 1.0, 0.01, 10)))
+        seed = body.get("seed")
+        if seed is not None and type(seed) is not int:
+            raise ApiError(400, "invalid_request_error", "seed must be an integer")
+        return (None if params.temperature == 0 else params), seed
+
+    @staticmethod
+    def stops(value) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings")
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.model_id:
+            raise ApiError(404, "not_found_error", f"model {model!r} is not served here; use {self.config.model_id!r}")
+
+
+def build_app(server: Server, cors: bool = False) -> FastAPI:
+    app = FastAPI(title="ninfer", docs_url=None, redoc_url=None)
+    cfg = server.config
+    if cors:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+
+    async def body_of(request: Request) -> dict:
+        if cfg.api_key:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+            if key != cfg.api_key:
+                raise ApiError(401, "authentication_error", "missing or wrong API key")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, "invalid_request_error", f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid_request_error", "request body must be a JSON object")
+        cfg.stats["requests"] += 1
+        return body
+
+    def guarded(shape):
+        def wrap(fn):
+            async def handler(request: Request):
+                try:
+                    return await fn(request)
+                except ApiError as e:
+                    cfg.stats["errors"] += 1
+                    return shape(e)
+                except RequestError as e:
+                    cfg.stats["errors"] += 1
+                    kind = "vision_disabled" if str(e).startswith("vision_disabled") else "invalid_request_error"
+                    return shape(ApiError(400, kind, str(e)))
+            handler.__name__ = fn.__name__
+            return handler
+        return wrap
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": cfg.model_id, "active_lanes": server.scheduler.active_lanes,
+                "queued": server.scheduler.queue_depth}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0, "owned_by": "ninfer",
+                                            "context_length": cfg.max_context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = server.scheduler.stats
+        lines = [
+            "# TYPE ninfer_requests_total counter", f"ninfer_requests_total {cfg.stats['requests']}",
+            "# TYPE ninfer_request_errors_total counter", f"ninfer_request_errors_total {cfg.stats['errors']}",
+            "# TYPE ninfer_generated_tokens_total counter", f"ninfer_generated_tokens_total {s['generated_tokens']}",
+            "# TYPE ninfer_rejected_total counter", f"ninfer_rejected_total {s['rejected_queue_full']}",
+            "# TYPE ninfer_queue_depth gauge", f"ninfer_queue_depth {server.scheduler.queue_depth}",
+            "# TYPE ninfer_active_lanes gauge", f"ninfer_active_lanes {server.scheduler.active_lanes}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    # --- OpenAI Chat Completions -----------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    @guarded(_openai_error)
+    async def chat_completions(request: Request):
+        body = await body_of(request)
+        server.check_model(body)
+        tools = normalize_openai_tools(body.get("tools"))
+        messages = normalize_openai_messages(body.get("messages"), cfg.vision)
+        kwargs = body.get("chat_template_kwargs") or {}
+        thinking = bool(kwargs.get("enable_thinking", body.get("reasoning_effort") != "none"))
+        prompt = server.tokenize(messages, tools, thinking)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        params, seed = server.sampling(body)
+        gen = Generation(server, prompt, server.max_tokens(limit, len(prompt)), params, server.stops(body.get("stop")),
+                         tools, thinking, seed)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
+                         "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+        if not body.get("stream"):
+            async for _ in gen.events():
+                pass
+            r = gen.parser.result
+            message = {"role": "assistant", "content": r.content or (None if r.tool_calls else ""),
+                       "reasoning_content": r.reasoning or None}
+            if r.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments_json}} for c in r.tool_calls]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_id,
+                    "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason, "logprobs": None}],
+                    "usage": usage()}
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(delta, finish=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_id,
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+        async def stream():
+            yield chunk({"role": "assistant", "content": ""})
+            try:
+                async for ev in gen.events():
+                    if ev.kind == "reasoning":
+                        yield chunk({"reasoning_content": ev.text})
+                    elif ev.kind == "content":
+                        yield chunk({"content": ev.text})
+                    else:
+                        c = ev.call
+                        yield chunk({"tool_calls": [{"index": c.index, "id": c.id, "type": "function",
+                                                     "function": {"name": c.name, "arguments": ""}}]})
+                        yield chunk({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments_json}}]})
+            except ApiError as e:
+                yield _sse({"error": {"message": e.message, "type": e.kind}})
+                return
+            yield chunk({}, gen.finish_reason)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_id,
+                            "choices": [], "usage": usage()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    # --- Anthropic Messages ---------------------------------------------------------------
+
+    def anthropic_prompt(body: dict):
+        server.check_model(body)
+        tools = normalize_anthropic_tools(body.get("tools"))
+        messages = normalize_anthropic_messages(body.get("system"), body.get("messages"), cfg.vision)
+        thinking = (body.get("thinking") or {}).get("type") == "enabled"
+        return tools, thinking, server.tokenize(messages, tools, thinking)
+
+    @app.post("/v1/messages/count_tokens")
+    @guarded(_anthropic_error)
+    async def count_tokens(request: Request):
+        body = await body_of(request)
+        _, _, prompt = anthropic_prompt(body)
+        return {"input_tokens": len(prompt)}
+
+    @app.post("/v1/messages")
+    @guarded(_anthropic_error)
+    async def messages(request: Request):
+        body = await body_of(request)
+        if body.get("max_tokens") is None:
+            raise ApiError(400, "invalid_request_error", "max_tokens is required")
+        tools, thinking, prompt = anthropic_prompt(body)
+        params, seed = server.sampling(body)
+        stops = server.stops(body.get("stop_sequences"))
+        try:
+            gen = Generation(server, prompt, server.max_tokens(body["max_tokens"], len(prompt)), params, stops, tools,
+                             thinking, seed)
+        except ApiError as e:
+            if e.status == 429:  # Anthropic's overload status
+                raise ApiError(529, "overloaded_error", e.message) from None
+            raise
+        mid = f"msg_{uuid.uuid4().hex}"
+        stop_reason = lambda: {"length": "max_tokens", "tool_calls": "tool_use"}.get(  # noqa: E731
+            gen.finish_reason, "stop_sequence" if gen.parser.result.stopped_by else "end_turn")
+
+        if not body.get("stream"):
+            async for _ in gen.events():
+                pass
+            r = gen.parser.result
+            content = []
+            if r.reasoning:
+                content.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
+            if r.content:
+                content.append({"type": "text", "text": r.content})
+            content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.tool_calls]
+            return {"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id, "content": content,
+                    "stop_reason": stop_reason(), "stop_sequence": r.stopped_by,
+                    "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}}
+
+        async def stream():
+            yield _sse({"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": cfg.model_id, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}}, "message_start")
+            index, open_kind = -1, None
+
+            def close():
+                return _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+            try:
+                async for ev in gen.events():
+                    if ev.kind in ("reasoning", "content"):
+                        kind = "thinking" if ev.kind == "reasoning" else "text"
+                        if open_kind != kind:
+                            if open_kind is not None:
+                                if open_kind == "thinking":
+                                    yield _sse({"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
+                                yield close()
+                            index, open_kind = index + 1, kind
+                            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+                            yield _sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
+                        delta = {"type": "thinking_delta", "thinking": ev.text} if kind == "thinking" else {"type": "text_delta", "text": ev.text}
+                        yield _sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+                    else:
+                        if open_kind is not None:
+                            yield close()
+                        c = ev.call
+                        index, open_kind = index + 1, None
+                        yield _sse({"type": "content_block_start", "index": index, "content_block": {
+                            "type": "tool_use", "id": c.id, "name": c.name, "input": {}}}, "content_block_start")
+                        yield _sse({"type": "content_block_delta", "index": index, "delta": {
+                            "type": "input_json_delta", "partial_json": c.arguments_json}}, "content_block_delta")
+                        yield close()
+            except ApiError as e:
+                yield _sse({"type": "error", "error": {"type": e.kind, "message": e.message}}, "error")
+                return
+            if open_kind is not None:
+                yield close()
+            yield _sse({"type": "message_delta", "delta": {"stop_reason": stop_reason(), "stop_sequence": gen.parser.result.stopped_by},
+                        "usage": {"output_tokens": gen.completion_tokens}}, "message_delta")
+            yield _sse({"type": "message_stop"}, "message_stop")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app

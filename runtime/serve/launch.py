@@ -1,0 +1,43 @@
+"""Builds the whole server (engine, tokenizer, template, scheduler, app) from an artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from format.binding import load_config
+from format.container import Artifact
+from format.inventory import RESOURCE_NAMES
+
+from ..engine import Engine
+from ..memory_plan import MemoryPlanError, PlanOptions
+from .app import Server, ServerConfig, build_app
+from .chat_template import ChatTemplate
+from .scheduler import Scheduler
+
+
+def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str | None = None, api_key: str | None = None,
+                 cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0):
+    from tokenizers import Tokenizer
+
+    with Artifact(path) as art:
+        if not art.has(RESOURCE_NAMES["chat_template"]):
+            raise MemoryPlanError("the artifact carries no chat template, which the chat APIs need; re-convert it")
+        template = ChatTemplate(art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8"))
+        tokenizer = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
+        cfg = load_config(art)
+        stop = set(cfg.eos_token_ids)
+        if art.has(RESOURCE_NAMES["tokenizer_config"]):
+            eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+                stop.add(tokenizer.token_to_id(eos))
+    engine = Engine(path, options, device=device)
+    scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms)
+    config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
+                          preserve_thinking=preserve_thinking)
+    server = Server(engine, tokenizer, template, config, stop, scheduler)
+    plan = engine.plan
+    summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "
+               f"KV {options.kv_dtype}, {plan.total_bytes / 2**30:.2f} GiB planned")
+    return build_app(server, cors=cors), summary
