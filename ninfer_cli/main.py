@@ -300,8 +300,9 @@ def serve(
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
+    request_log_jsonl: Annotated[Optional[Path], typer.Option(help="Append one JSON line per finished request.")] = None,
 ):
-    """OpenAI Chat Completions + Anthropic Messages server over the Triton runtime."""
+    """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
     import uvicorn
 
     from runtime.memory_plan import PlanOptions
@@ -311,7 +312,8 @@ def serve(
                           prefill_chunk=prefill_chunk)
     app, summary = build_server(artifact, options, device=device, model_id=model_id, api_key=api_key, cors=cors,
                                 preserve_thinking=preserve_thinking, max_pending=max_pending_requests,
-                                pending_timeout_ms=pending_timeout_ms)
+                                pending_timeout_ms=pending_timeout_ms,
+                                request_log=str(request_log_jsonl) if request_log_jsonl else None)
     err.print(summary)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

@@ -27,11 +27,15 @@ def _free_port():
 
 
 class _Server:
-    def __init__(self, artifact, lanes, max_pending=8, max_context=256):
+    def __init__(self, artifact, lanes, max_pending=8, max_context=256, pending_timeout_ms=0):
         import uvicorn
 
+        import tempfile
+
+        self.log = tempfile.mktemp(suffix=".jsonl")
         app, _ = build_server(artifact, PlanOptions(max_context=max_context, max_concurrency=lanes, prefill_chunk=128),
-                              device=DEVICE, model_id="tiny", max_pending=max_pending)
+                              device=DEVICE, model_id="tiny", max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
+                              request_log=self.log)
         self.port = _free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -85,6 +89,20 @@ def test_openai_chat_nonstream_and_stream_agree(server):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_openai_responses_nonstream_and_stream(server):
+    client = _oa(server)
+    kw = dict(model="tiny", input="hello", instructions="be brief", max_output_tokens=3, temperature=0,
+              reasoning={"effort": "none"})
+    full = client.responses.create(**kw)
+    assert full.status in ("completed", "incomplete") and full.usage.output_tokens <= 3
+    events = list(client.responses.create(stream=True, **kw))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == full.output_text
+    with client.responses.stream(**kw) as stream:
+        assert stream.get_final_response().output_text == full.output_text
+
+
 def test_thinking_output_is_reasoning(server):
     r = _oa(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "think"}], max_tokens=3,
                                             temperature=0)
@@ -102,6 +120,9 @@ def test_anthropic_messages_and_stream(server):
     assert final.usage.output_tokens == msg.usage.output_tokens
     count = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hi"}], system="be brief")
     assert count.input_tokens == msg.usage.input_tokens
+    with open(server.log) as f:
+        records = [json.loads(line) for line in f]
+    assert records and {"prompt_tokens", "completion_tokens", "finish_reason"} <= set(records[-1])
 
 
 @pytest.mark.parametrize("path,body,status,text", [
@@ -158,5 +179,34 @@ def test_overload_gives_429_and_loses_nothing(artifact):
             results = list(pool.map(ask, range(5)))
         assert results.count("ok") >= 2 and "429" in results and len(results) == 5
         assert ask(99) == "ok"  # still serving
+    finally:
+        s.stop()
+
+
+def test_client_disconnect_frees_the_lane(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 200,
+            "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the role chunk: the request holds a lane now
+    deadline = time.time() + 60
+    while httpx.get(server.url + "/health").json()["active_lanes"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(server.url + "/health").json()["active_lanes"] == 0
+
+
+def test_queue_timeout_gives_503(artifact):
+    s = _Server(artifact, lanes=1, max_pending=4, pending_timeout_ms=1)
+    try:
+        def ask(i):
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2,
+                "chat_template_kwargs": {"enable_thinking": False}})
+            return r.status_code, r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(ask, range(3)))
+        codes = sorted(c for c, _ in results)
+        assert codes[0] == 200 and 503 in codes
+        assert all("timed out" in j["error"]["message"] for c, j in results if c == 503)
     finally:
         s.stop()

@@ -23,6 +23,7 @@ from .chat_template import (
     normalize_anthropic_tools,
     normalize_openai_messages,
     normalize_openai_tools,
+    normalize_responses_input,
 )
 from .output_parser import OutputParser
 from .scheduler import GenerationRequest, QueueFull, Scheduler
@@ -36,6 +37,7 @@ class ServerConfig:
     preserve_thinking: bool = False
     vision: bool = False
     default_max_tokens: int = 4096
+    request_log: str | None = None  # JSON lines: one record per finished generation
     stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
 
@@ -107,6 +109,17 @@ class Generation:
         finally:
             if self.finish_reason is None:  # the client went away: free the lane
                 self.server.scheduler.cancel(self.request)
+            self._log()
+
+    def _log(self) -> None:
+        path = self.server.config.request_log
+        if not path:
+            return
+        record = {"time": time.time(), "seconds": round(time.monotonic() - self.request.enqueued_at, 4),
+                  "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                  "finish_reason": self.finish_reason or "cancelled", "tool_calls": len(self.parser.result.tool_calls)}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     @property
     def completion_tokens(self) -> int:
@@ -399,6 +412,132 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             yield _sse({"type": "message_delta", "delta": {"stop_reason": stop_reason(), "stop_sequence": gen.parser.result.stopped_by},
                         "usage": {"output_tokens": gen.completion_tokens}}, "message_delta")
             yield _sse({"type": "message_stop"}, "message_stop")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    # --- OpenAI Responses ------------------------------------------------------------------
+
+    @app.post("/v1/responses")
+    @guarded(_openai_error)
+    async def responses(request: Request):
+        body = await body_of(request)
+        server.check_model(body)
+        tools = normalize_openai_tools(body.get("tools"))
+        messages = normalize_responses_input(body.get("instructions"), body.get("input"), cfg.vision)
+        effort = (body.get("reasoning") or {}).get("effort")
+        thinking = effort not in ("none", "minimal")
+        prompt = server.tokenize(messages, tools, thinking)
+        params, seed = server.sampling(body)
+        gen = Generation(server, prompt, server.max_tokens(body.get("max_output_tokens"), len(prompt)), params, [],
+                         tools, thinking, seed)
+        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
+                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+                "parallel_tool_calls": True, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
+                "reasoning": body.get("reasoning"), "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "usage": None, "incomplete_details": None}
+
+        def usage():
+            return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                    "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+        def final(output):
+            incomplete = gen.finish_reason == "length"
+            return {**base, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage(),
+                    "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+
+        def reasoning_item(text):
+            return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": text}]}
+
+        def message_item(mid, text, status="completed"):
+            return {"type": "message", "id": mid, "status": status, "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" or text else []}
+
+        def call_item(c):
+            return {"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
+                    "arguments": c.arguments_json, "status": "completed"}
+
+        if not body.get("stream"):
+            async for _ in gen.events():
+                pass
+            r = gen.parser.result
+            output = ([reasoning_item(r.reasoning)] if r.reasoning else []) + \
+                     ([message_item(f"msg_{uuid.uuid4().hex}", r.content)] if r.content or not r.tool_calls else []) + \
+                     [call_item(c) for c in r.tool_calls]
+            return final(output)
+
+        async def stream():
+            seq = 0
+
+            def ev(kind, **fields):
+                nonlocal seq
+                seq += 1
+                return _sse({"type": kind, "sequence_number": seq - 1, **fields}, kind)
+
+            yield ev("response.created", response={**base, "status": "in_progress", "output": []})
+            yield ev("response.in_progress", response={**base, "status": "in_progress", "output": []})
+            output, open_item, text = [], None, ""
+
+            def close_open():
+                nonlocal open_item, text
+                item, idx = open_item, len(output)
+                events = []
+                if item["type"] == "reasoning":
+                    item["content"] = [{"type": "reasoning_text", "text": text}]
+                    events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
+                else:
+                    part = {"type": "output_text", "text": text, "annotations": []}
+                    item["content"], item["status"] = [part], "completed"
+                    events.append(ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
+                    events.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part))
+                events.append(ev("response.output_item.done", output_index=idx, item=item))
+                output.append(item)
+                open_item, text = None, ""
+                return events
+
+            try:
+                async for e in gen.events():
+                    if e.kind in ("reasoning", "content"):
+                        want = "reasoning" if e.kind == "reasoning" else "message"
+                        if open_item is not None and open_item["type"] != want:
+                            for x in close_open():
+                                yield x
+                        if open_item is None:
+                            open_item = reasoning_item("") if want == "reasoning" else message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+                            if want == "reasoning":
+                                open_item["content"] = []
+                            yield ev("response.output_item.added", output_index=len(output), item=dict(open_item))
+                            if want == "message":
+                                yield ev("response.content_part.added", item_id=open_item["id"], output_index=len(output),
+                                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        text += e.text
+                        kind = "response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta"
+                        yield ev(kind, item_id=open_item["id"], output_index=len(output), content_index=0, delta=e.text)
+                    else:
+                        if open_item is not None:
+                            for x in close_open():
+                                yield x
+                        item = call_item(e.call)
+                        idx = len(output)
+                        yield ev("response.output_item.added", output_index=idx, item={**item, "arguments": "", "status": "in_progress"})
+                        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=item["arguments"])
+                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=item["arguments"])
+                        yield ev("response.output_item.done", output_index=idx, item=item)
+                        output.append(item)
+            except ApiError as err:
+                yield ev("response.failed", response={**base, "status": "failed", "output": output,
+                                                      "error": {"code": err.kind, "message": err.message}})
+                return
+            if open_item is not None:
+                for x in close_open():
+                    yield x
+            # always `response.completed` as the last event (the SDK's stream helper waits for it);
+            # a length stop shows as status "incomplete" with incomplete_details inside it
+            yield ev("response.completed", response=final(output))
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 

@@ -202,3 +202,40 @@ def normalize_anthropic_messages(system, messages, vision: bool = False) -> list
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def normalize_responses_input(instructions, items, vision: bool = False) -> list[dict]:
+    """OpenAI Responses `input` (a string or a list of items) -> canonical messages."""
+    out = []
+    if instructions:
+        out.append({"role": "system", "content": _text_of(instructions, "instructions", vision)})
+    if isinstance(items, str):
+        return out + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("input must be a string or a non-empty list of items")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise RequestError(f"{where} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role")
+            if role not in ("system", "user", "assistant"):
+                raise RequestError(f"{where}: unknown role {item.get('role')!r}")
+            out.append({"role": role, "content": _text_of(item.get("content"), where, vision)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": _arguments(item.get("arguments"), where)}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "reasoning":
+            continue  # the template decides which turns keep reasoning; clients' summaries are not replayed
+        else:
+            raise RequestError(f"{where}: unsupported item type {kind!r}")
+    return out

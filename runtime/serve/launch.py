@@ -17,7 +17,8 @@ from .scheduler import Scheduler
 
 
 def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str | None = None, api_key: str | None = None,
-                 cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0):
+                 cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0,
+                 request_log: str | None = None):
     from tokenizers import Tokenizer
 
     with Artifact(path) as art:
@@ -35,7 +36,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
     engine = Engine(path, options, device=device)
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
-                          preserve_thinking=preserve_thinking)
+                          preserve_thinking=preserve_thinking, request_log=request_log)
     server = Server(engine, tokenizer, template, config, stop, scheduler)
     plan = engine.plan
     summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "
