@@ -84,7 +84,8 @@ class Generation:
                 item = await self.queue.get()
                 if item[0] == "token":
                     self.ids.append(item[1])
-                    text = self.server.tokenizer.decode(self.ids)
+                    # markers like <tool_call> and </think> may be special tokens: keep them in the text
+                    text = self.server.tokenizer.decode(self.ids, skip_special_tokens=False)
                     if text.endswith("\ufffd"):
                         continue  # an incomplete UTF-8 sequence: wait for the next token
                     delta, self.text = text[len(self.text):], text
