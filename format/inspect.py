@@ -12,7 +12,7 @@ from .numeric import GroupedFormat, get_format
 from .layouts import unpack_row_split
 
 # What this build can execute, per component.
-SUPPORTED_FEATURES = {"text": "greedy text generation (torch reference runtime)"}
+SUPPORTED_FEATURES = {"text": "text generation (reference and Triton runtimes), serve, fit"}
 NOT_YET = {
     "mtp": "MTP speculative decoding is not in this build yet; the head is carried, not used",
     "lm_head_draft": "the lm-head draft needs speculative decoding, which is not in this build yet",
