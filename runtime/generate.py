@@ -12,6 +12,17 @@ from format.errors import BindingError
 from format.inventory import RESOURCE_NAMES
 
 
+def stop_token_ids(art: Artifact, tokenizer) -> set[int]:
+    """The config's EOS ids plus the tokenizer config's eos_token (Qwen3.5 stops on either)."""
+    stop = set(load_config(art).eos_token_ids)
+    if art.has(RESOURCE_NAMES["tokenizer_config"]):
+        eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
+            stop.add(tokenizer.token_to_id(eos))
+    return stop
+
+
 @dataclass
 class TextSession:
     model: object
@@ -36,17 +47,11 @@ class TextSession:
             model = Engine(path, engine_options, device=device)
         else:
             model = ReferenceModel(art, device)
-        cfg = load_config(art)
         tok = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
         template = None
         if art.has(RESOURCE_NAMES["chat_template"]):
             template = art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8")
-        stop = set(cfg.eos_token_ids)
-        if art.has(RESOURCE_NAMES["tokenizer_config"]):
-            eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if isinstance(eos, str) and tok.token_to_id(eos) is not None:
-                stop.add(tok.token_to_id(eos))
+        stop = stop_token_ids(art, tok)
         art.close()
         return cls(model, tok, template, tuple(sorted(stop)))
 

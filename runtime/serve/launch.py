@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from format.binding import load_config
 from format.container import Artifact
 from format.inventory import RESOURCE_NAMES
 
 from ..engine import Engine
+from ..generate import stop_token_ids
 from ..memory_plan import MemoryPlanError, PlanOptions
 from .app import Server, ServerConfig, build_app
 from .chat_template import ChatTemplate
@@ -26,13 +25,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
             raise MemoryPlanError("the artifact carries no chat template, which the chat APIs need; re-convert it")
         template = ChatTemplate(art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8"))
         tokenizer = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
-        cfg = load_config(art)
-        stop = set(cfg.eos_token_ids)
-        if art.has(RESOURCE_NAMES["tokenizer_config"]):
-            eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
-                stop.add(tokenizer.token_to_id(eos))
+        stop = stop_token_ids(art, tokenizer)
     engine = Engine(path, options, device=device)
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
