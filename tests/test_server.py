@@ -111,7 +111,7 @@ def test_thinking_output_is_reasoning(server):
 
 def test_anthropic_messages_and_stream(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    kw = dict(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}], system="be brief")
+    kw = dict(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}], system="be brief", temperature=0)
     msg = client.messages.create(**kw)
     assert msg.role == "assistant" and msg.stop_reason in ("max_tokens", "end_turn")
     with client.messages.stream(**kw) as stream:
