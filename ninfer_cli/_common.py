@@ -53,3 +53,9 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def prepare_device(device: str) -> None:
+    """Before triton is imported: on a CPU run the kernels through Triton's interpreter."""
+    if not device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")

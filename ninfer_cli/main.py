@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import err, friendly, human_bytes, out
+from ._common import err, friendly, human_bytes, out, prepare_device
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run one Qwen3.5-family model on one GPU at its physical limit.")
@@ -257,6 +257,7 @@ def generate(
     """Generate with the reference runtime (greedy) or the Triton runtime (greedy or sampled)."""
     import time
 
+    prepare_device(device)
     from runtime.generate import TextSession
 
     options = params = None
@@ -305,6 +306,7 @@ def serve(
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
     import uvicorn
 
+    prepare_device(device)
     from runtime.memory_plan import PlanOptions
     from runtime.serve.launch import build_server
 

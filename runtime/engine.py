@@ -70,6 +70,9 @@ class Engine:
     def __init__(self, path, options: PlanOptions, device: str = "cuda", available_bytes: int | None = None,
                  cuda_graphs: bool = True):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise MemoryPlanError(f"--device {device} was requested but no CUDA GPU is visible; use --device cpu "
+                                  "(the Triton interpreter: correct but very slow)")
         self.art = Artifact(path)
         require_runnable(self.art)
         self.cfg = load_config(self.art)
