@@ -64,6 +64,7 @@ class QuantLinear:
 class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    reused_tokens: int = 0
 
 
 class Engine:
@@ -141,6 +142,8 @@ class Engine:
         self.rec_state = {layer: rec[j, :, 0] for j, layer in enumerate(gdn)}
         self.ctx_len = self.mem.view("sequence_state", "lane_context_lengths", torch.int32, (lanes,))
         self.ctx_len.zero_()
+        # the tokens whose KV and recurrent state each lane holds, for prefix reuse across requests
+        self.lane_tokens: list[list[int]] = [[] for _ in range(lanes)]
 
     def reset_lane(self, lane: int) -> None:
         for t in self.conv_state.values():
@@ -148,6 +151,15 @@ class Engine:
         for t in self.rec_state.values():
             t[lane].zero_()
         self.ctx_len[lane] = 0
+        self.lane_tokens[lane] = []
+
+    def reusable_prefix(self, lane: int, prompt: list[int]) -> int:
+        """Tokens of `prompt` this lane already holds. Recurrent (GDN) state cannot be rewound, so only
+        a lane whose *whole* history is a strict prefix of the prompt can continue from it."""
+        held = self.lane_tokens[lane]
+        if held and len(held) < len(prompt) and prompt[: len(held)] == held:
+            return len(held)
+        return 0
 
     # --- layers -------------------------------------------------------------------------
 
@@ -271,17 +283,22 @@ class Engine:
             pass
         return logits
 
-    def prefill_chunks(self, lane: int, prompt: list[int]):
+    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False):
         """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
-        yields None after each chunk but the last, then the last token's logits [V]."""
+        yields None after each chunk but the last, then the last token's logits [V]. With `reuse`, a
+        prefix the lane already holds (see reusable_prefix) is not computed again."""
         if not prompt:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
             raise MemoryPlanError(f"prompt of {len(prompt)} tokens leaves no room in --max-context {self.opts.max_context}")
-        self.reset_lane(lane)
+        held = self.reusable_prefix(lane, prompt) if reuse else 0
+        if held == 0:
+            self.reset_lane(lane)
+        self.stats.reused_tokens += held
+        self.lane_tokens[lane] = list(prompt)
         lane_t = torch.tensor([lane], device=self.device)
         chunk = self.opts.prefill_chunk
-        for start in range(0, len(prompt), chunk):
+        for start in range(held, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
@@ -298,6 +315,8 @@ class Engine:
         pos = self.ctx_len[lanes_t].clone().long()[:, None]
         self.ctx_len[lanes_t] += 1
         self.stats.decode_tokens += len(lanes)
+        for lane, token in zip(lanes, tokens):
+            self.lane_tokens[lane].append(token)
         toks = torch.tensor(tokens, device=self.device)[:, None]
         if not self.use_graphs:
             return self.forward(lanes_t, toks, pos)

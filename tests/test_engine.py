@@ -104,3 +104,20 @@ def test_seeded_sampling_is_reproducible(artifacts):
     params = SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.1)
     runs = [engine.generate(PROMPT, 4, params=params, generator=torch.Generator(DEVICE).manual_seed(3)) for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 4
+
+
+def test_returning_conversation_reuses_the_lane_prefix(artifacts):
+    path = artifacts["dense-q4"]
+    engine = Engine(path, PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
+    first = engine.generate(PROMPT, 3)
+    history = PROMPT + first  # generate() feeds every token it returns back into the lane
+    follow_up = history + [21, 22, 23]
+    assert engine.reusable_prefix(0, follow_up) == len(history)
+    chunks = list(engine.prefill_chunks(0, follow_up, reuse=True))
+    assert engine.stats.reused_tokens == len(history)
+    fresh = Engine(path, PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
+    want = fresh.prefill(0, follow_up)
+    got = chunks[-1]
+    assert int(got.argmax()) == int(want.argmax())
+    assert torch.allclose(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3 if DEVICE == "cpu" else 5e-2)
+    assert engine.reusable_prefix(0, [999] + follow_up) == 0  # a different conversation starts over

@@ -252,6 +252,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             "# TYPE ninfer_request_errors_total counter", f"ninfer_request_errors_total {cfg.stats['errors']}",
             "# TYPE ninfer_generated_tokens_total counter", f"ninfer_generated_tokens_total {s['generated_tokens']}",
             "# TYPE ninfer_rejected_total counter", f"ninfer_rejected_total {s['rejected_queue_full']}",
+            "# TYPE ninfer_prefix_reused_tokens_total counter",
+            f"ninfer_prefix_reused_tokens_total {getattr(getattr(server.engine, 'stats', None), 'reused_tokens', 0)}",
             "# TYPE ninfer_queue_depth gauge", f"ninfer_queue_depth {server.scheduler.queue_depth}",
             "# TYPE ninfer_active_lanes gauge", f"ninfer_active_lanes {server.scheduler.active_lanes}",
         ]

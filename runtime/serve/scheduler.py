@@ -120,9 +120,11 @@ class Scheduler:
         free = [i for i in range(self.engine.lanes) if i not in self.lanes]
         while free and self.pending:
             req = self.pending.popleft()
-            lane = free.pop(0)
+            # a returning conversation goes back to the lane that still holds its prefix
+            lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
+            free.remove(lane)
             try:
-                chunks = self.engine.prefill_chunks(lane, req.prompt)
+                chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=True)
             except Exception as exc:  # noqa: BLE001
                 req.on_done("error", str(exc))
                 continue
