@@ -286,10 +286,7 @@ class Artifact:
         if not isinstance(fmt, GroupedFormat):
             raise ArtifactError(f"tensor {name} is {e.format}, not a grouped format")
         geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
-        buf = self.raw(name)
-        base = buf[: geo.base_bytes]
-        high = buf[geo.high_offset : geo.high_offset + geo.high_bytes] if geo.high_bytes else None
-        scale = buf[geo.scale_offset : geo.scale_offset + geo.scale_bytes]
+        base, high, scale = geo.split(self.raw(name))
         return base, high, scale, geo
 
     def read_direct(self, name: str) -> np.ndarray:

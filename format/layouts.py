@@ -77,6 +77,11 @@ class RowSplitGeometry:
     def total_bytes(self) -> int:
         return self.scale_offset + self.scale_bytes
 
+    def split(self, buf):
+        """(base, high or None, scale) slices of a whole object's bytes (memoryview, array or tensor)."""
+        high = buf[self.high_offset : self.high_offset + self.high_bytes] if self.high_bytes else None
+        return buf[: self.base_bytes], high, buf[self.scale_offset : self.scale_offset + self.scale_bytes]
+
     def row_spans(self, row_begin: int, row_end: int) -> list[tuple[int, int]]:
         """(offset within the object, length) of the three plane spans holding rows [begin, end)."""
         g = self.groups_per_row

@@ -32,17 +32,24 @@ def unpack_codes(base: torch.Tensor, high: torch.Tensor | None, rows: int, k_pad
     return (u ^ sign) - sign
 
 
+def dense_rows(base: torch.Tensor, high: torch.Tensor | None, scale: torch.Tensor, rows: int, cols: int,
+               fmt: GroupedFormat) -> torch.Tensor:
+    """Packed planes of `rows` rows (uint8 tensors, scales as float16 bits) -> float32 [rows, cols]."""
+    k_pad = -(-cols // 128) * 128
+    codes = unpack_codes(base, high, rows, k_pad, fmt)
+    s = scale.reshape(rows, -1, 1).to(torch.float32)
+    return (codes.view(rows, -1, fmt.group_size).to(torch.float32) * s).view(rows, k_pad)[:, :cols]
+
+
 def load_tensor(art: Artifact, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """Decode one artifact tensor to `dtype` on `device` (w = f32(scale) * f32(code), then cast)."""
     e = art.entry(name)
     fmt = get_format(e.format)
     if isinstance(fmt, GroupedFormat):
         base, high, scale, geo = art.planes(name)
-        codes = unpack_codes(_u8(base, device), _u8(high, device) if high is not None else None,
-                             geo.rows, geo.k_pad, fmt)
-        s = _u8(scale, device).view(torch.float16).to(torch.float32).view(geo.rows, -1, 1)
-        w = codes.view(geo.rows, -1, fmt.group_size).to(torch.float32) * s
-        return w.view(geo.rows, geo.k_pad)[:, : geo.cols].to(dtype).contiguous()
+        w = dense_rows(_u8(base, device), _u8(high, device) if high is not None else None,
+                       _u8(scale, device).view(torch.float16), geo.rows, geo.cols, fmt)
+        return w.to(dtype).contiguous()
     words = torch.from_numpy(art.read_direct(name).copy())
     if e.format == "BF16":
         return words.view(torch.bfloat16).to(device=device, dtype=dtype)

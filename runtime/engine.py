@@ -25,7 +25,7 @@ from .kernels.moe import expert_gemv, route
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
 from .kernels.rmsnorm import rmsnorm
 from .kernels.rope import apply_rope_
-from .kernels.sampling import SamplingParams, sample
+from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
@@ -106,10 +106,7 @@ class Engine:
             fmt = get_format(e.format)
             if isinstance(fmt, GroupedFormat):
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
-                base = raw[: geo.base_bytes]
-                high = raw[geo.high_offset : geo.high_offset + geo.high_bytes] if geo.high_bytes else None
-                scale = raw[geo.scale_offset : geo.scale_offset + geo.scale_bytes]
-                self.lin[r.name] = QuantLinear(PackedLinear(base, high, scale, geo.rows, geo.cols, fmt))
+                self.lin[r.name] = QuantLinear(PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt))
                 continue
             dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "I32": torch.int32}[e.format]
             t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
@@ -152,6 +149,10 @@ class Engine:
             t[lane].zero_()
         self.ctx_len[lane] = 0
         self.lane_tokens[lane] = []
+
+    def held_tokens(self, lane: int) -> int:
+        """Tokens in the lane's cache once its prefill is done (== ctx_len, read without a device sync)."""
+        return len(self.lane_tokens[lane])
 
     def reusable_prefix(self, lane: int, prompt: list[int]) -> int:
         """Tokens of `prompt` this lane already holds. Recurrent (GDN) state cannot be rewound, so only
@@ -310,7 +311,7 @@ class Engine:
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""
         lanes_t = torch.tensor(lanes, device=self.device)
-        if int(self.ctx_len[lanes_t].max()) + 1 > self.opts.max_context:
+        if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
             raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
         pos = self.ctx_len[lanes_t].clone().long()[:, None]
         self.ctx_len[lanes_t] += 1
@@ -357,11 +358,7 @@ class Engine:
         out = []
         counts = torch.zeros(1, self.cfg.vocab_size, dtype=torch.int32, device=self.device) if params else None
         for _ in range(max_new_tokens):
-            if params is None:
-                nxt = int(torch.argmax(logits))
-            else:
-                nxt = int(sample(logits[None], params, counts, generator)[0])
-                counts[0, nxt] += 1
+            nxt = pick_token(logits, params, counts, generator)
             out.append(nxt)
             if nxt in stop_ids or len(prompt) + len(out) >= self.opts.max_context:
                 break

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from format.binding import load_config
 from format.container import Artifact
-from format.inventory import DRAFT_HEAD, DRAFT_TOKEN_IDS
 from format.layouts import align_up
 from format.model_config import ModelConfig
 

@@ -258,24 +258,17 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
 
 def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """Dequantize with the torch unpacker (checked bit-exact against numpy) and multiply in fp32."""
-    from runtime.dequant import unpack_codes
+    from runtime.dequant import dense_rows
 
-    codes = unpack_codes(w.base.view(torch.uint8), None if w.high is None else w.high.view(torch.uint8),
-                         w.rows, w.k_pad, w.fmt)
-    s = w.scale.float().view(w.rows, -1, 1)
-    dense = (codes.view(w.rows, -1, w.fmt.group_size).float() * s).view(w.rows, w.k_pad)[:, : w.cols]
+    dense = dense_rows(w.base.view(torch.uint8), None if w.high is None else w.high.view(torch.uint8), w.scale,
+                       w.rows, w.cols, w.fmt)
     return (x.float() @ dense.t()).to(x.dtype)
 
 
 def gather_rows(w: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
     """Dequantize only rows `ids` (embedding lookup) -> float32 [len(ids), K]; pure tensor ops."""
-    from runtime.dequant import unpack_codes
+    from runtime.dequant import dense_rows
 
-    n = ids.shape[0]
     ids = ids.long()
-    base = w.base.view(w.rows, -1)[ids]
     high = w.high.view(w.rows, -1)[ids] if w.high is not None else None
-    scale = w.scale.view(w.rows, -1)[ids].float()
-    codes = unpack_codes(base, high, n, w.k_pad, w.fmt)
-    dense = codes.view(n, -1, w.fmt.group_size).float() * scale[..., None]
-    return dense.view(n, w.k_pad)[:, : w.cols]
+    return dense_rows(w.base.view(w.rows, -1)[ids], high, w.scale.view(w.rows, -1)[ids], ids.shape[0], w.cols, w.fmt)

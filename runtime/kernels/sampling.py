@@ -40,6 +40,29 @@ def _adjusted(logits_ptr, counts_ptr, row, v, ok, V, inv_temp, rep, presence, fr
 
 
 @triton.jit
+def _bisect(logits_ptr, counts_ptr, row, V, m, z, lo, target, inv_temp, rep, presence, frequency,
+            HAS_PENALTY: tl.constexpr, MASS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """The largest probability threshold t in [lo, 1/z] whose kept tokens (p >= t) still number
+    (MASS false) or weigh (MASS true) at least `target`."""
+    hi = 1.0 / z
+    for _ in range(STEPS):
+        mid = (lo + hi) * 0.5
+        kept = tl.zeros((BLOCK,), tl.float32)
+        for v0 in range(0, V, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            x = _adjusted(logits_ptr, counts_ptr, row, v, v < V, V, inv_temp, rep, presence, frequency, HAS_PENALTY)
+            p = tl.exp(x - m) / z
+            if MASS:
+                kept += tl.where(p >= mid, p, 0.0)
+            else:
+                kept += (p >= mid).to(tl.float32)  # counts stay exact in float32 below 2^24
+        enough = tl.sum(kept, axis=0) >= target
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, counts_ptr, noise_ptr, out_ptr, V, inv_temp, top_k, top_p, min_p, rep, presence,
                    frequency, GREEDY: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_TOPK: tl.constexpr,
                    HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
@@ -67,34 +90,11 @@ def _sample_kernel(logits_ptr, counts_ptr, noise_ptr, out_ptr, V, inv_temp, top_
     # keep p >= threshold; min-p gives the first threshold (relative to the top probability 1/z)
     threshold = min_p / z
     if HAS_TOPK:  # the largest t with count(p >= t) >= top_k
-        lo = threshold
-        hi = 1.0 / z
-        for _ in range(STEPS):
-            mid = (lo + hi) * 0.5
-            cnt = tl.zeros((BLOCK,), tl.int32)
-            for v0 in range(0, V, BLOCK):
-                v = v0 + tl.arange(0, BLOCK)
-                x = _adjusted(logits_ptr, counts_ptr, row, v, v < V, V, inv_temp, rep, presence, frequency, HAS_PENALTY)
-                cnt += (tl.exp(x - m) / z >= mid).to(tl.int32)
-            enough = tl.sum(cnt, axis=0) >= top_k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-        threshold = tl.maximum(threshold, lo)
+        threshold = tl.maximum(threshold, _bisect(logits_ptr, counts_ptr, row, V, m, z, threshold, top_k, inv_temp, rep,
+                                                  presence, frequency, HAS_PENALTY, False, BLOCK, STEPS))
     if HAS_TOPP:  # the largest t whose kept mass is still >= top_p
-        lo = threshold
-        hi = 1.0 / z
-        for _ in range(STEPS):
-            mid = (lo + hi) * 0.5
-            mass = tl.zeros((BLOCK,), tl.float32)
-            for v0 in range(0, V, BLOCK):
-                v = v0 + tl.arange(0, BLOCK)
-                x = _adjusted(logits_ptr, counts_ptr, row, v, v < V, V, inv_temp, rep, presence, frequency, HAS_PENALTY)
-                p = tl.exp(x - m) / z
-                mass += tl.where(p >= mid, p, 0.0)
-            enough = tl.sum(mass, axis=0) >= top_p
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-        threshold = tl.maximum(threshold, lo)
+        threshold = tl.maximum(threshold, _bisect(logits_ptr, counts_ptr, row, V, m, z, threshold, top_p, inv_temp, rep,
+                                                  presence, frequency, HAS_PENALTY, True, BLOCK, STEPS))
     # pass 3: Gumbel-max over the kept tokens
     g_best = tl.full((BLOCK,), float("-inf"), tl.float32)
     g_id = tl.zeros((BLOCK,), tl.int32)
@@ -130,6 +130,17 @@ def sample(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
                          GREEDY=greedy, HAS_PENALTY=has_penalty, HAS_TOPK=has_topk, HAS_TOPP=params.top_p < 1.0,
                          BLOCK=1024, STEPS=BISECT_STEPS)
     return out
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams | None, counts: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> int:
+    """One token from one row of logits [V]: argmax without params, else the sampler; counts the pick."""
+    if params is None:
+        return int(torch.argmax(logits))
+    token = int(sample(logits[None].float(), params, counts, generator)[0])
+    if counts is not None:
+        counts[0, token] += 1
+    return token
 
 
 def sample_reference(logits, params: SamplingParams, counts=None, noise=None):

@@ -189,6 +189,12 @@ class Server:
             return value
         raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings")
 
+    def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop) -> Generation:
+        """Validate the sampling fields, length limit and stop strings, then queue the generation."""
+        params, seed = self.sampling(body)
+        max_tokens = self.max_tokens(limit, len(prompt))
+        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed)
+
     def check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.config.model_id:
@@ -272,9 +278,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         thinking = bool(kwargs.get("enable_thinking", body.get("reasoning_effort") != "none"))
         prompt = server.tokenize(messages, tools, thinking)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        params, seed = server.sampling(body)
-        gen = Generation(server, prompt, server.max_tokens(limit, len(prompt)), params, server.stops(body.get("stop")),
-                         tools, thinking, seed)
+        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens}
@@ -345,11 +349,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         if body.get("max_tokens") is None:
             raise ApiError(400, "invalid_request_error", "max_tokens is required")
         tools, thinking, prompt = anthropic_prompt(body)
-        params, seed = server.sampling(body)
-        stops = server.stops(body.get("stop_sequences"))
         try:
-            gen = Generation(server, prompt, server.max_tokens(body["max_tokens"], len(prompt)), params, stops, tools,
-                             thinking, seed)
+            gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"))
         except ApiError as e:
             if e.status == 429:  # Anthropic's overload status
                 raise ApiError(529, "overloaded_error", e.message) from None
@@ -430,9 +431,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         effort = (body.get("reasoning") or {}).get("effort")
         thinking = effort not in ("none", "minimal")
         prompt = server.tokenize(messages, tools, thinking)
-        params, seed = server.sampling(body)
-        gen = Generation(server, prompt, server.max_tokens(body.get("max_output_tokens"), len(prompt)), params, [],
-                         tools, thinking, seed)
+        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},

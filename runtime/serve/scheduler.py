@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.sampling import SamplingParams, sample
+from ..kernels.sampling import SamplingParams, pick_token
 
 
 class QueueFull(RuntimeError):
@@ -138,11 +138,7 @@ class Scheduler:
             self.stats["admitted"] += 1
 
     def _pick(self, state: _Lane, logits: torch.Tensor) -> int:
-        if state.request.params is None:
-            return int(torch.argmax(logits))
-        token = int(sample(logits[None].float(), state.request.params, state.counts, state.generator)[0])
-        state.counts[0, token] += 1
-        return token
+        return pick_token(logits, state.request.params, state.counts, state.generator)
 
     def _emit(self, lane: int, token: int) -> None:
         state = self.lanes[lane]
@@ -153,7 +149,7 @@ class Scheduler:
             self._finish(lane, "stop", None)
             return
         state.request.on_token(token)
-        full = int(self.engine.ctx_len[lane]) + 1 >= self.engine.opts.max_context
+        full = self.engine.held_tokens(lane) + 1 >= self.engine.opts.max_context
         if state.generated >= state.request.max_tokens or full:
             self._finish(lane, "length", None)
 
