@@ -524,6 +524,14 @@ class ArtifactWriter:
             self._pwrite(data, self.payload_offset + o.offset + off)
         o.written += rows
 
+    def leave_zero(self, name: str) -> None:
+        """Declare a tensor's payload all-zero: the bytes are the file's sparse hole (the file is
+        sized up front), so shape-only artifacts for benchmarks cost no disk and no write time."""
+        o = self._obj(name, "tensor")
+        if o.written:
+            raise ArtifactError(f"tensor {name} already has payload written")
+        o.written = o.shape[0] if isinstance(get_format(o.format), GroupedFormat) else o.nbytes
+
     def _complete(self, o: PlannedObject) -> bool:
         if o.kind == "tensor" and isinstance(get_format(o.format), GroupedFormat):
             return o.written == o.shape[0]

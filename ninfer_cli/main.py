@@ -252,6 +252,9 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus mass to keep.")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding (triton runtime): mtp drafts from the MTP head.")] = Spec.none,
+    draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
+    lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     as_json: JsonOpt = False,
 ):
     """Generate with the reference runtime (greedy) or the Triton runtime (greedy or sampled)."""
@@ -265,13 +268,18 @@ def generate(
         from runtime.kernels.sampling import SamplingParams
         from runtime.memory_plan import PlanOptions
 
-        options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=prefill_chunk)
+        options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=prefill_chunk,
+                              spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
+        if spec == Spec.dflash2:
+            from runtime.memory_plan import MemoryPlanError
+
+            raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
         if temperature > 0:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    elif temperature > 0:
+    elif temperature > 0 or spec != Spec.none:
         from runtime.memory_plan import MemoryPlanError
 
-        raise MemoryPlanError("sampling needs --runtime triton; the reference runtime is greedy only")
+        raise MemoryPlanError("sampling and --spec need --runtime triton; the reference runtime is plain greedy")
     session = TextSession.load(artifact, device, options)
     t0 = time.monotonic()
     result = session.complete(prompt, max_new_tokens, chat=not raw, params=params, seed=seed)
@@ -282,6 +290,96 @@ def generate(
     print(result["text"])
     err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device} "
               f"({runtime.value} runtime)")
+    mtp = getattr(session.model, "mtp", None)
+    if mtp is not None and mtp.stats.rounds:
+        st = mtp.stats.as_dict()
+        err.print(f"MTP: {st['rounds']} rounds, acceptance {st['acceptance']:.1%}, {st['tokens_per_round']:.2f} tokens/round")
+
+
+@app.command()
+@friendly
+def bench(
+    artifact: Annotated[Optional[Path], typer.Argument(help="The .nfer file (omit with --random-weights).")] = None,
+    random_weights: Annotated[Optional[str], typer.Option(help="Benchmark a full-size shape with random weights made on the GPU: qwen3.6-27b, qwen3.6-35b-a3b.")] = None,
+    recipe: Annotated[str, typer.Option(help="Weight recipe of the --random-weights artifact (q4, q5, q6, w8, bf16).")] = "q4",
+    depths: Annotated[str, typer.Option(help="Context depths, e.g. 8k,32k,200k.")] = "8k,32k",
+    kv_dtype: Annotated[str, typer.Option(help="Comma-separated KV codecs, e.g. bf16,int8,rk4v4-e8.")] = "bf16",
+    decode_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded at each depth.")] = 64,
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding backend.")] = Spec.none,
+    draft_tokens: Annotated[int, typer.Option(help="Draft tokens per round (1..15).")] = 3,
+    accepted_drafts: Annotated[Optional[int], typer.Option(help="Force this many accepted drafts per round (random weights have no real acceptance).")] = None,
+    lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced head.")] = False,
+    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 2048,
+    prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
+    plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option(help="Also write the results JSON to this file.")] = None,
+    as_json: JsonOpt = False,
+):
+    """Prefill and decode speed per depth against the bandwidth roofline (needs a CUDA GPU)."""
+    import tempfile
+
+    import torch
+
+    from runtime.bench import BenchOptions, plot, run_bench
+    from runtime.memory_plan import MemoryPlanError
+
+    if not torch.cuda.is_available():
+        raise MemoryPlanError("ninfer bench measures GPU speed and needs a CUDA GPU; use `ninfer fit` for memory on CPU")
+    if (artifact is None) == (random_weights is None):
+        raise MemoryPlanError("give exactly one of ARTIFACT or --random-weights SHAPE")
+    if spec == Spec.dflash2:
+        raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
+    if accepted_drafts is not None and not 0 <= accepted_drafts <= draft_tokens:
+        raise MemoryPlanError(f"--accepted-drafts must be in 0..{draft_tokens} (--draft-tokens)")
+    seed = None
+    if random_weights is not None:
+        from format.shapes import write_shape_artifact
+
+        workdir = Path(tempfile.mkdtemp(prefix="ninfer-bench-"))
+        artifact = write_shape_artifact(random_weights, workdir / f"{random_weights}-{recipe}.nfer", recipe,
+                                        mtp=True, lm_head_draft=32768 if lm_head_draft else 0)
+        seed = 0
+    opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
+                        decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
+                        accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, prefill_chunk=prefill_chunk,
+                        prefill_limit=_tokens(prefill_limit), random_weights_seed=seed)
+    results = run_bench(artifact, opts, log=lambda m: err.print(m))
+    if random_weights is not None:
+        results["shape"], results["recipe"] = random_weights, recipe
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=1))
+    if plot_png and not plot(results, plot_png):
+        err.print("--plot skipped: matplotlib is not installed (pip install matplotlib)")
+    if as_json:
+        print(json.dumps(results))
+        return
+    _print_bench(results)
+
+
+def _tokens(text: str) -> int:
+    from runtime.memory_plan import MemoryPlanError
+
+    t = text.strip().lower()
+    try:
+        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        raise MemoryPlanError(f"cannot read a token count from {text!r}; write e.g. 8k, 32768 or 200k") from None
+
+
+def _print_bench(r: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{r['artifact']} on {r['device']} (copy {r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
+    for col in ("KV", "depth", "context", "prefill tok/s", "decode tok/s", "roofline tok/s", "of roofline",
+                "tokens/round", "peak GiB"):
+        t.add_column(col, justify="right")
+    for row in r["rows"]:
+        st = row.get("spec_stats")
+        t.add_row(row["kv_dtype"], str(row["depth"]), row["context"],
+                  f"{row['prefill_tok_s']:.0f}" if row["prefill_tok_s"] else "-", f"{row['decode_tok_s']:.1f}",
+                  f"{row.get('roofline_tok_s', 0):.1f}", f"{row.get('of_roofline', 0):.2f}",
+                  f"{st['tokens_per_round']:.2f}" if st else "-", f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f}")
+    out.print(t)
 
 
 @app.command()

@@ -38,3 +38,40 @@ class DeviceMemory:
         for r in self.plan.arenas["weights"].regions:
             host = torch.from_numpy(np.frombuffer(art.raw(r.name), dtype=np.uint8).copy())
             self.raw("weights", r.name).copy_(host)
+
+    def fill_random(self, art: Artifact, seed: int = 0) -> None:
+        """Random weights of plausible scale, generated on the device (benchmarks of full-size shapes
+        without real weights): random codes with scales giving ~1/sqrt(cols) weights, random bf16
+        matrices, unit norms, GDN decay controls in their trained range; integer tensors are read."""
+        from format.layouts import RowSplitGeometry
+        from format.numeric import GroupedFormat, get_format
+
+        gen = torch.Generator(self.device).manual_seed(seed)
+        for r in self.plan.arenas["weights"].regions:
+            e = art.objects[r.name]
+            raw = self.raw("weights", r.name)
+            fmt = get_format(e.format)
+            if isinstance(fmt, GroupedFormat):
+                geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
+                base, high, scale = geo.split(raw)
+                for plane in (base, high):
+                    if plane is not None and plane.numel():
+                        plane.view(torch.uint8).copy_(torch.randint(0, 256, plane.view(torch.uint8).shape, generator=gen,
+                                                                    device=self.device, dtype=torch.uint8))
+                code_std = 2 ** fmt.bits / 12 ** 0.5
+                scale.view(torch.float16).fill_(1.0 / (e.shape[1] ** 0.5 * code_std))
+            elif e.format == "BF16":
+                t = raw.view(torch.bfloat16)
+                if len(e.shape) == 2:
+                    t.copy_(torch.randn(t.shape, generator=gen, device=self.device) * e.shape[1] ** -0.5)
+                else:
+                    t.zero_()  # norms are (1 + w)
+            elif e.format == "FP32":
+                t = raw.view(torch.float32)
+                if r.name.endswith("a_log"):
+                    t.copy_(torch.empty(t.shape, device=self.device).uniform_(1.0, 16.0, generator=gen).log())
+                else:
+                    t.zero_()
+            else:
+                host = torch.from_numpy(np.frombuffer(art.raw(r.name), dtype=np.uint8).copy())
+                raw.copy_(host)

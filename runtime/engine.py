@@ -69,7 +69,7 @@ class EngineStats:
 
 class Engine:
     def __init__(self, path, options: PlanOptions, device: str = "cuda", available_bytes: int | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, random_weights_seed: int | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MemoryPlanError(f"--device {device} was requested but no CUDA GPU is visible; use --device cpu "
@@ -86,14 +86,18 @@ class Engine:
         self.opts = opts
         self.codec = get_codec(opts.kv_dtype)
         self.mem = DeviceMemory(self.plan, self.device)
-        self.mem.load_weights(self.art)
+        if random_weights_seed is None:
+            self.mem.load_weights(self.art)
+        else:  # benchmark of a shape-only artifact: weights are generated on the device
+            self.mem.fill_random(self.art, random_weights_seed)
         self.act_dtype = torch.bfloat16 if on_gpu else torch.float32
         self.lanes = opts.max_concurrency
         self._bind_weights()
         self._bind_state()
         self.stats = EngineStats()
         self.use_graphs = on_gpu and cuda_graphs
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple, tuple] = {}
+        self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
 
     # --- binding ------------------------------------------------------------------------
 
@@ -112,7 +116,7 @@ class Engine:
             t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
             if e.format == "BF16" and self.act_dtype != torch.bfloat16:
                 t = t.to(self.act_dtype)  # CPU interpreter path computes in float32
-            if len(e.shape) == 2 and e.component == "text" and not r.name.endswith("convolution"):
+            if len(e.shape) == 2 and e.component in ("text", "mtp", "lm_head_draft") and not r.name.endswith("convolution"):
                 self.lin[r.name] = DenseLinear(t)
             self.vec[r.name] = t
 
@@ -129,26 +133,30 @@ class Engine:
                                           (self.plan.pages, PAGE, c.num_kv_heads, p.width))
                     for p in self.codec.planes(c.head_dim)}
         gdn = [i for i in range(c.num_layers) if not c.is_full_attention(i)]
-        slots = 1 if self.opts.spec == "none" else self.opts.draft_tokens + 2
-        conv = self.mem.view("sequence_state", "gdn_conv", torch.bfloat16,
-                             (len(gdn), lanes, slots, c.conv_kernel - 1, c.gdn_conv_dim))
-        rec = self.mem.view("sequence_state", "gdn_recurrent", torch.float32,
-                            (len(gdn), lanes, slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim))
-        self.conv_state = {layer: conv[j, :, 0] for j, layer in enumerate(gdn)}
-        self.rec_state = {layer: rec[j, :, 0] for j, layer in enumerate(gdn)}
+        self.slots = 1 if self.opts.spec == "none" else self.opts.draft_tokens + 2
+        # slot stacks [gdn layers, lanes, slots, ...]: slot 0 is committed, slots 1.. hold verify snapshots
+        self.conv_stack = self.mem.view("sequence_state", "gdn_conv", torch.bfloat16,
+                                        (len(gdn), lanes, self.slots, c.conv_kernel - 1, c.gdn_conv_dim))
+        self.rec_stack = self.mem.view("sequence_state", "gdn_recurrent", torch.float32,
+                                       (len(gdn), lanes, self.slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                                        c.linear_value_head_dim))
+        self.gdn_slot = {layer: j for j, layer in enumerate(gdn)}
         self.ctx_len = self.mem.view("sequence_state", "lane_context_lengths", torch.int32, (lanes,))
         self.ctx_len.zero_()
         # the tokens whose KV and recurrent state each lane holds, for prefix reuse across requests
         self.lane_tokens: list[list[int]] = [[] for _ in range(lanes)]
+        if self.opts.spec == "mtp":
+            from .mtp import MtpState
+
+            self.mtp = MtpState.bind(self)
 
     def reset_lane(self, lane: int) -> None:
-        for t in self.conv_state.values():
-            t[lane].zero_()
-        for t in self.rec_state.values():
-            t[lane].zero_()
+        self.conv_stack[:, lane, 0].zero_()
+        self.rec_stack[:, lane, 0].zero_()
         self.ctx_len[lane] = 0
         self.lane_tokens[lane] = []
+        if self.opts.spec == "mtp":
+            self.mtp.reset_lane(lane)
 
     def held_tokens(self, lane: int) -> int:
         """Tokens in the lane's cache once its prefill is done (== ctx_len, read without a device sync)."""
@@ -158,14 +166,18 @@ class Engine:
         """Tokens of `prompt` this lane already holds. Recurrent (GDN) state cannot be rewound, so only
         a lane whose *whole* history is a strict prefix of the prompt can continue from it."""
         held = self.lane_tokens[lane]
+        if self.opts.spec == "mtp" and not self.mtp.is_current(lane):
+            return 0  # the MTP cache would have a gap; start over
         if held and len(held) < len(prompt) and prompt[: len(held)] == held:
             return len(held)
         return 0
 
     # --- layers -------------------------------------------------------------------------
 
-    def _attention(self, i, h, lanes_idx, t, positions):
-        c, p = self.cfg, f"text/layers/{i}/attention/"
+    def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions):
+        """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
+        The query row j of a lane sits at position ctx_len - t + j."""
+        c = self.cfg
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h)
         qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
@@ -179,28 +191,34 @@ class Engine:
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         # append K/V into the lanes' pages at their positions
         lane_of_row = lanes_idx.repeat_interleave(t)
-        page = self.block_table[lane_of_row, (positions // PAGE).long()].long()
+        page = block_table[lane_of_row, (positions // PAGE).long()].long()
         slot = (positions % PAGE).long()
         planes = self.codec.encode(k.float(), v.float())
-        pool = self.pools[i]
         for name, val in planes.items():
             pool[name][page, slot] = val
         qr = self.codec.prepare_queries(q.float()).to(self.act_dtype) if self.codec.rotate_keys else q
         out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
-                              self.block_table[lanes_idx], self.ctx_len[lanes_idx], c.head_dim ** -0.5)
+                              block_table[lanes_idx], ctx_len[lanes_idx], c.head_dim ** -0.5)
         out = self.codec.finish_output(out.float()).to(self.act_dtype) if self.codec.rotate_values else out
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.lin[p + "output"](out.contiguous())
 
-    def _gdn(self, i, h, lanes_idx, t):
+    def _gdn(self, i, h, lanes_idx, t, snapshot=False):
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
+        j = self.gdn_slot[i]
         qkvz = self.lin[p + "query_key_value_z"](h)
         qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
-        conv_state = self.conv_state[i][lanes_idx]
+        conv_stack = self.conv_stack[j]
+        conv_state = conv_stack[lanes_idx, 0]  # a small copy: W-1 rows per lane
+        x_in = qkv.reshape(b, t, -1).to(conv_state.dtype)
+        if snapshot:  # the conv window after each step, for rollback to any accepted prefix
+            seq = torch.cat([conv_state, x_in], dim=1)
+            w = c.conv_kernel - 1
+            conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
         weight = self.vec[p + "convolution"]
-        x = causal_conv1d(qkv.reshape(b, t, -1).to(conv_state.dtype), conv_state, weight.to(conv_state.dtype))
-        self.conv_state[i][lanes_idx] = conv_state
+        x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
+        conv_stack[lanes_idx, 0] = conv_state
         q, k, v = x.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
         q = l2_normalize(q.reshape(b, t, hk, -1).float()).repeat_interleave(hv // hk, 2) * c.linear_key_head_dim ** -0.5
@@ -208,16 +226,16 @@ class Engine:
         beta = torch.sigmoid(self.lin[p + "beta_projection"](h).float()).view(b, t, hv)
         a = self.lin[p + "alpha_projection"](h).float().view(b, t, hv)
         g = -self.vec[p + "a_log"].exp() * F.softplus(a + self.vec[p + "dt_bias"])
-        state = self.rec_state[i][lanes_idx]
-        o = gdn_recurrent(q, k, v.reshape(b, t, hv, -1).float(), g, beta, state)
-        self.rec_state[i][lanes_idx] = state
+        o = gdn_recurrent(q, k, v.reshape(b, t, hv, -1).float(), g, beta, self.rec_stack[j], lanes=lanes_idx,
+                          snapshot=snapshot)
         o = o.reshape(b * t, hv, -1)
         norm = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
         gated = (self.vec[p + "norm"].float() * norm.to(self.act_dtype).float()) * F.silu(z.reshape(b * t, hv, -1).float())
         return self.lin[p + "output"](gated.reshape(b * t, -1).to(self.act_dtype).contiguous())
 
-    def _ffn(self, i, h):
-        c, p = self.cfg, f"text/layers/{i}/"
+    def _ffn(self, p, h):
+        """The MLP (dense) or MoE block of the layer under prefix `p`."""
+        c = self.cfg
         if not c.is_moe:
             return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h)))
         m = p + "moe/"
@@ -247,33 +265,42 @@ class Engine:
 
     # --- forward ------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns last-position logits [B, V] fp32.
-        ctx_len of those lanes must already count the new tokens."""
-        c = self.cfg
-        b, t = tokens.shape
-        flat = tokens.reshape(-1)
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         emb = self.lin["text/token_embedding"]
         if isinstance(emb, QuantLinear):
-            x = gather_rows(emb.packed, flat).to(self.act_dtype)
-        else:
-            x = emb.weight[flat].to(self.act_dtype)
+            return gather_rows(emb.packed, tokens).to(self.act_dtype)
+        return emb.weight[tokens].to(self.act_dtype)
+
+    @torch.no_grad()
+    def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False):
+        """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
+        [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
+        [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
+        `snapshot`, GDN layers also keep the state after every step (speculative verification)."""
+        c = self.cfg
+        b, t = tokens.shape
+        x = self.embed(tokens.reshape(-1))
         pos = positions.reshape(-1).to(torch.int32)
         residual = x
         h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps)
         for i in range(c.num_layers):
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
-                mixed = self._attention(i, h, lanes_idx, t, pos)
+                mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
+                                        lanes_idx, t, pos)
             else:
-                mixed = self._gdn(i, h, lanes_idx, t)
+                mixed = self._gdn(i, h, lanes_idx, t, snapshot)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual)
-            y = self._ffn(i, h)
+            y = self._ffn(p, h)
             nxt = self.vec[f"text/layers/{i + 1}/input_norm"] if i + 1 < c.num_layers else self.vec["text/final_norm"]
             h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual)
-        last = h.view(b, t, -1)[:, -1].contiguous()
-        return self.lin["text/output_head"](last).float()
+        hidden = h.view(b, t, -1)
+        if all_logits:
+            logits = self.lin["text/output_head"](h).float().view(b, t, -1)
+        else:
+            logits = self.lin["text/output_head"](hidden[:, -1].contiguous()).float()
+        return (logits, hidden) if with_hidden else logits
 
     # --- generation ---------------------------------------------------------------------
 
@@ -287,7 +314,8 @@ class Engine:
     def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False):
         """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
         yields None after each chunk but the last, then the last token's logits [V]. With `reuse`, a
-        prefix the lane already holds (see reusable_prefix) is not computed again."""
+        prefix the lane already holds (see reusable_prefix) is not computed again. With MTP on, each
+        chunk's hidden states also run through the MTP layer, so drafting starts with a filled MTP cache."""
         if not prompt:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
@@ -299,12 +327,17 @@ class Engine:
         self.lane_tokens[lane] = list(prompt)
         lane_t = torch.tensor([lane], device=self.device)
         chunk = self.opts.prefill_chunk
+        mtp = self.opts.spec == "mtp"
         for start in range(held, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
-            logits = self.forward(lane_t, toks, pos)
+            if mtp:
+                logits, hidden = self.forward(lane_t, toks, pos, with_hidden=True)
+                self.mtp.absorb_prefill(lane, prompt, start, hidden[0])
+            else:
+                logits = self.forward(lane_t, toks, pos)
             self.stats.prefill_tokens += len(piece)
             yield logits[0] if start + chunk >= len(prompt) else None
 
@@ -313,56 +346,68 @@ class Engine:
         lanes_t = torch.tensor(lanes, device=self.device)
         if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
             raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
-        pos = self.ctx_len[lanes_t].clone().long()[:, None]
+        pos = torch.tensor([self.held_tokens(lane) for lane in lanes], device=self.device)[:, None]
         self.ctx_len[lanes_t] += 1
         self.stats.decode_tokens += len(lanes)
         for lane, token in zip(lanes, tokens):
             self.lane_tokens[lane].append(token)
         toks = torch.tensor(tokens, device=self.device)[:, None]
-        if not self.use_graphs:
-            return self.forward(lanes_t, toks, pos)
-        key = tuple(lanes)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(lanes_t, toks, pos)
-        graph, _, static_tokens, static_pos, static_logits = self._graphs[key]
-        static_tokens.copy_(toks)
-        static_pos.copy_(pos)
-        graph.replay()
-        return static_logits.clone()
+        if self.opts.spec == "mtp":  # a plain step leaves the MTP cache behind: no more drafting here
+            for lane in lanes:
+                self.mtp.mark_stale(lane)
+        logits = self.run_step(("decode", tuple(lanes)), self.forward, lanes_t, toks, pos)
+        return logits.clone()
 
-    def _capture(self, lanes_t, toks, pos):
-        """Capture one decode step for this lane set. The warm-up run compiles every kernel; the lanes'
-        recurrent state is restored afterwards so the warm-up leaves no trace (its KV write lands in
-        the slot the real step overwrites)."""
+    def run_step(self, key, fn, lanes_t, *inputs):
+        """Run `fn(lanes_t, *inputs)`: eagerly, or as a CUDA graph captured on first use for `key`
+        (fixed lanes and shapes). Returns fn's outputs (static buffers when graphed)."""
+        if not self.use_graphs or key in self._eager_keys:
+            return fn(lanes_t, *inputs)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(fn, lanes_t, inputs)
+        graph, _, static_inputs, outputs = self._graphs[key]
+        for dst, src in zip(static_inputs, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return outputs
+
+    def _capture(self, fn, lanes_t, inputs):
+        """Capture one step for this lane set. The warm-up run compiles every kernel; the lanes'
+        committed GDN state is restored afterwards so the warm-up leaves no trace (its KV writes land
+        in slots the real step overwrites)."""
         # every tensor the graph reads must outlive it: a freed input's memory would be reused and the
         # replay would read garbage (seen on the H200 as out-of-bounds lane indices)
         lanes_t = lanes_t.clone()
-        saved = [(t, t[lanes_t].clone()) for t in list(self.conv_state.values()) + list(self.rec_state.values())]
-        static_tokens, static_pos = toks.clone(), pos.clone()
+        saved = [(stack, stack[:, lanes_t, 0].clone()) for stack in (self.conv_stack, self.rec_stack)]
+        static_inputs = [x.clone() for x in inputs]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.forward(lanes_t, static_tokens, static_pos)
+            fn(lanes_t, *static_inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        for t, old in saved:
-            t[lanes_t] = old
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_logits = self.forward(lanes_t, static_tokens, static_pos)
-        return graph, lanes_t, static_tokens, static_pos, static_logits
+            outputs = fn(lanes_t, *static_inputs)
+        for stack, old in saved:
+            stack[:, lanes_t, 0] = old
+        return graph, lanes_t, static_inputs, outputs  # lanes_t too: the graph reads it on every replay
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,
                  params: SamplingParams | None = None, generator: torch.Generator | None = None) -> list[int]:
-        """Greedy by default; with `params`, the device sampler (penalties count this lane's output)."""
+        """Greedy by default; with `params`, the device sampler (penalties count this lane's output).
+        With --spec mtp, tokens come in speculative rounds; the output is the same as without."""
         logits = self.prefill(lane, prompt)
-        out = []
         counts = torch.zeros(1, self.cfg.vocab_size, dtype=torch.int32, device=self.device) if params else None
-        for _ in range(max_new_tokens):
-            nxt = pick_token(logits, params, counts, generator)
-            out.append(nxt)
-            if nxt in stop_ids or len(prompt) + len(out) >= self.opts.max_context:
-                break
-            logits = self.decode_step([lane], [nxt])[0]
+        nxt = pick_token(logits, params, counts, generator)
+        out = [nxt]
+        while nxt not in stop_ids and len(out) < max_new_tokens and len(prompt) + len(out) < self.opts.max_context:
+            budget = min(max_new_tokens - len(out), self.opts.max_context - len(prompt) - len(out))
+            if self.opts.spec == "mtp" and self.mtp.can_speculate(lane):
+                new = self.mtp.round([lane], [nxt], [budget], stop_ids, params, counts, generator)[0]
+            else:
+                new = [pick_token(self.decode_step([lane], [nxt])[0], params, counts, generator)]
+            out += new
+            nxt = new[-1]
         return out
 
     def close(self) -> None:

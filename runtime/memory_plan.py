@@ -220,6 +220,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
             for plane in codec.planes(cfg.head_dim):
                 kv.add(f"mtp{j}/{plane.name}",
                        (pages + extra) * PAGE_TOKENS * cfg.num_kv_heads * plane.width * plane.item_bytes)
+        kv.add("mtp_block_tables", (pages + extra) * 4)
     kv.add("block_tables", opts.max_concurrency * pages_per_lane * 4)
 
     state = Arena("sequence_state")
@@ -234,6 +235,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
         state.add("dflash2_context_cache", lanes * 5 * 2048 * 8 * 128 * 2 * 2)
     if opts.spec == "mtp":
         state.add("mtp_hidden_tail", lanes * (opts.draft_tokens + 1) * cfg.hidden_size * 2)
+        state.add("mtp_context_lengths", lanes * 4)
 
     workspace = _workspace(cfg, opts)
     if opts.vision:

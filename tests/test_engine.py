@@ -110,8 +110,8 @@ def test_returning_conversation_reuses_the_lane_prefix(artifacts):
     path = artifacts["dense-q4"]
     engine = Engine(path, PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
     first = engine.generate(PROMPT, 3)
-    history = PROMPT + first  # generate() feeds every token it returns back into the lane
-    follow_up = history + [21, 22, 23]
+    history = PROMPT + first[:-1]  # the last token returned was sampled but not yet fed to the lane
+    follow_up = history + [first[-1], 21, 22, 23]
     assert engine.reusable_prefix(0, follow_up) == len(history)
     chunks = list(engine.prefill_chunks(0, follow_up, reuse=True))
     assert engine.stats.reused_tokens == len(history)

@@ -1,0 +1,89 @@
+"""Full-size Qwen3.5-family shapes for benchmarks without real weights.
+
+`write_shape_artifact` writes a genuine .nfer (same inventory, recipe formats and binder checks
+as a converted checkpoint) whose tensor payloads are sparse zero holes: a 27B artifact costs a
+few kilobytes of disk. The benchmark fills the resident weights with random values on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .container import ArtifactPlan, ArtifactWriter
+from .convert import ConvertError
+from .inventory import DRAFT_HEAD, DRAFT_TOKEN_IDS, RESOURCE_NAMES, SourceNames, mtp_inventory, text_inventory
+from .model_config import ModelConfig
+from .recipes import RECIPES, format_for
+
+_COMMON = {
+    "vocab_size": 248320, "num_attention_heads": None, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "mtp_num_hidden_layers": 1, "eos_token_id": [248044, 248046],
+}
+
+
+def _layers(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+NAMED_SHAPES: dict[str, dict] = {
+    "qwen3.6-27b": {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+                    "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
+                    "linear_num_value_heads": 48, "intermediate_size": 17408},
+    "qwen3.6-35b-a3b": {**_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+                        "layer_types": _layers(40), "num_attention_heads": 16, "num_key_value_heads": 2,
+                        "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+}
+
+
+def shape_config(name: str) -> dict:
+    try:
+        return dict(NAMED_SHAPES[name])
+    except KeyError:
+        raise ConvertError(f"unknown shape {name!r}; choose one of {', '.join(NAMED_SHAPES)}") from None
+
+
+def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", mtp: bool = True,
+                         lm_head_draft: int = 0) -> Path:
+    """A v3 artifact of the named shape with zero payloads (see module doc)."""
+    if recipe not in RECIPES:
+        raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    text = shape_config(name)
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": text["model_type"].removesuffix("_text"),
+              "text_config": text}
+    cfg = ModelConfig.from_hf_dict(config)
+    names = SourceNames("", "", False)
+    specs = text_inventory(cfg, names) + (mtp_inventory(cfg, names, 1) if mtp else [])
+    plan = ArtifactPlan(3, cfg.model_type, recipe, metadata={"converter": "ninfer", "recipe": recipe,
+                                                              "source": f"shape:{name} (zero payload)"})
+    from .tiny import build_tokenizer  # a small stand-in: benchmarks feed token ids, never text
+
+    resources = {RESOURCE_NAMES["config"]: json.dumps(config).encode(),
+                 RESOURCE_NAMES["tokenizer"]: build_tokenizer(512).to_str().encode()}
+    for rname, data in resources.items():
+        plan.add_resource(rname, len(data), "text")
+    tensors = [(s.name, s.shape, format_for(recipe, s.role), s.component) for s in specs]
+    if lm_head_draft:
+        tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), format_for(recipe, "draft_head"), "lm_head_draft"))
+        tensors.append((DRAFT_TOKEN_IDS, (lm_head_draft,), "I32", "lm_head_draft"))
+    for tname, shape, fmt, comp in tensors:
+        plan.add_tensor(tname, shape, fmt, comp)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with ArtifactWriter(out, plan, checksums=False) as writer:
+        for rname, data in resources.items():
+            writer.write_resource(rname, data)
+        for tname, *_ in tensors:
+            if tname == DRAFT_TOKEN_IDS:
+                writer.write_direct(tname, np.arange(lm_head_draft, dtype="<i4"))
+            else:
+                writer.leave_zero(tname)
+    return out
