@@ -356,6 +356,32 @@ def bench(
     _print_bench(results)
 
 
+def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str, device: str):
+    """--kv-capacity N: N tokens shared by the lanes (per-lane context N // lanes); auto: the largest
+    per-lane context the plan fits into this GPU's free memory minus --vram-reserve."""
+    from dataclasses import replace
+
+    from format.container import Artifact
+    from runtime.memory_plan import MemoryPlanError, fit as solve, parse_bytes
+
+    lanes = options.max_concurrency
+    if kv_capacity.strip().lower() != "auto":
+        total = _tokens(kv_capacity)
+        if total < lanes:
+            raise MemoryPlanError(f"--kv-capacity {kv_capacity} leaves no tokens for {lanes} lane(s)")
+        return replace(options, max_context=min(total // lanes, 262_144))
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise MemoryPlanError("--kv-capacity auto sizes the cache from free GPU memory; give a number on CPU")
+    free, _ = torch.cuda.mem_get_info()
+    with Artifact(artifact) as art:
+        best = solve(art, options, free, parse_bytes(vram_reserve))
+    if best.max_context == 0:
+        raise MemoryPlanError("nothing fits the free GPU memory; lower --max-concurrency or pick a smaller --kv-dtype")
+    return replace(options, max_context=best.max_context)
+
+
 def _tokens(text: str) -> int:
     from runtime.memory_plan import MemoryPlanError
 
@@ -396,6 +422,12 @@ def serve(
     pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
     prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
+    vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head.")] = Spec.none,
+    draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
+    lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
+    vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
@@ -408,8 +440,17 @@ def serve(
     from runtime.memory_plan import PlanOptions
     from runtime.serve.launch import build_server
 
+    from runtime.memory_plan import MemoryPlanError
+
+    if spec == Spec.dflash2:
+        raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
+    if vision:
+        raise MemoryPlanError("--vision: the vision runtime is not implemented in this build; serve text only")
     options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, spec=spec.value, draft_tokens=draft_tokens,
+                          lm_head_draft=lm_head_draft)
+    if kv_capacity is not None:
+        options = _kv_capacity_options(artifact, options, kv_capacity, vram_reserve, device)
     app, summary = build_server(artifact, options, device=device, model_id=model_id, api_key=api_key, cors=cors,
                                 preserve_thinking=preserve_thinking, max_pending=max_pending_requests,
                                 pending_timeout_ms=pending_timeout_ms,

@@ -155,7 +155,8 @@ class MtpState:
               counts=None, generator=None) -> list[list[int]]:
         """Draft K tokens per lane, verify them in one target forward, keep the longest agreeing prefix
         plus the target's own next token. Returns each lane's new tokens (1..K+1; the last one is not
-        yet in the cache, like a sampled token after decode_step)."""
+        yet in the cache, like a sampled token after decode_step). stop_ids, params, counts and
+        generator are shared, or lists with one entry per lane."""
         e, k = self.e, self.k
         dev = e.device
         held = [e.held_tokens(lane) for lane in lanes]
@@ -177,18 +178,20 @@ class MtpState:
         e.ctx_len[lanes_t] = torch.tensor([L + k + 1 for L in held], device=dev, dtype=torch.int32)
         logits, hidden = e.run_step(("verify", key), self._verify, lanes_t, verify_tokens, positions)
         draft_rows = drafts.tolist()
-        greedy = torch.argmax(logits, dim=-1).tolist() if params is None else None
+        greedy = torch.argmax(logits, dim=-1).tolist()
         results = []
         for b, lane in enumerate(lanes):
+            stops, p, cnt, g = (_per_lane(stop_ids, b), _per_lane(params, b), _per_lane(counts, b),
+                                _per_lane(generator, b))
             emitted = []
             for i in range(k + 1):
-                tok = greedy[b][i] if greedy is not None else pick_token(logits[b, i], params, counts, generator)
+                tok = greedy[b][i] if greedy is not None and p is None else pick_token(logits[b, i], p, cnt, g)
                 if self.forced_accept is not None:
                     if i < k:
                         d = draft_rows[b][i]
                         tok = d if i < self.forced_accept else (d + 1) % e.cfg.vocab_size
                 emitted.append(tok)
-                if tok in stop_ids or len(emitted) >= budgets[b] or i == k or tok != draft_rows[b][i]:
+                if tok in stops or len(emitted) >= budgets[b] or i == k or tok != draft_rows[b][i]:
                     break
             keep = len(emitted)  # verify rows now in the cache: next_token and the agreeing drafts
             self._commit(lane, held[b], keep, [next_tokens[b]] + emitted[:-1], hidden[b])
@@ -210,3 +213,7 @@ class MtpState:
             e.rec_stack[:, lane, 0] = e.rec_stack[:, lane, keep]
         self.tail[lane, :keep] = hidden[:keep].to(self.tail.dtype)
         self.start[lane] = held
+
+
+def _per_lane(value, b: int):
+    return value[b] if isinstance(value, list) else value

@@ -27,13 +27,13 @@ def _free_port():
 
 
 class _Server:
-    def __init__(self, artifact, lanes, max_pending=8, max_context=256, pending_timeout_ms=0):
+    def __init__(self, artifact, lanes, max_pending=8, max_context=256, pending_timeout_ms=0, **plan):
         import uvicorn
 
         import tempfile
 
         self.log = tempfile.mktemp(suffix=".jsonl")
-        app, _ = build_server(artifact, PlanOptions(max_context=max_context, max_concurrency=lanes, prefill_chunk=128),
+        app, _ = build_server(artifact, PlanOptions(max_context=max_context, max_concurrency=lanes, prefill_chunk=128, **plan),
                               device=DEVICE, model_id="tiny", max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
                               request_log=self.log)
         self.port = _free_port()
@@ -159,6 +159,25 @@ def test_concurrent_clients_get_their_own_tokens(server):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         together = list(pool.map(ask, prompts))
     assert together == alone
+
+
+def test_speculative_server_answers_like_the_plain_one(server, artifact):
+    """--spec mtp: two lanes speculate in one batched round; greedy text equals the plain server's."""
+    prompts = ["alpha beta", "def add(a, b):"]
+
+    def ask(srv, p):
+        r = _oa(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=6,
+                                             temperature=0, extra_body=NO_THINK)
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    plain = [ask(server, p) for p in prompts]
+    spec = _Server(artifact, lanes=2, spec="mtp", draft_tokens=2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: ask(spec, p), prompts))
+        assert together == plain
+    finally:
+        spec.stop()
 
 
 def test_overload_gives_429_and_loses_nothing(artifact):

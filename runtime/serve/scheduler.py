@@ -159,6 +159,23 @@ class Scheduler:
             self.stats[f"finished_{reason}"] += 1
             state.request.on_done(reason, error)
 
+    def _speculate(self, decoding: list[int]) -> list[int]:
+        """One MTP round for every lane that can draft (batched); returns the lanes left for a plain step."""
+        eng = self.engine
+        spec = [lane for lane in decoding if eng.mtp.can_speculate(lane)]
+        if spec:
+            states = [self.lanes[lane] for lane in spec]
+            budgets = [max(1, min(s.request.max_tokens - s.generated, eng.opts.max_context - eng.held_tokens(lane) - 1))
+                       for lane, s in zip(spec, states)]
+            new = eng.mtp.round(spec, [s.last_token for s in states], budgets, [s.request.stop_ids for s in states],
+                                [s.request.params for s in states], [s.counts for s in states],
+                                [s.generator for s in states])
+            for lane, tokens in zip(spec, new):
+                for tok in tokens:
+                    if lane in self.lanes:
+                        self._emit(lane, tok)
+        return [lane for lane in decoding if lane not in spec]
+
     def _step(self) -> None:
         for lane, state in list(self.lanes.items()):
             if state.request.cancelled:
@@ -175,6 +192,10 @@ class Scheduler:
         decoding = [lane for lane, s in self.lanes.items() if s.last_token is not None]
         if not decoding:
             return
+        if self.engine.opts.spec == "mtp":
+            decoding = self._speculate(decoding)
+            if not decoding:
+                return
         logits = self.engine.decode_step(decoding, [self.lanes[lane].last_token for lane in decoding])
         for row, lane in enumerate(decoding):
             self._emit(lane, self._pick(self.lanes[lane], logits[row]))
