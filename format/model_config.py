@@ -38,6 +38,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     has_vision: bool = False
+    mrope_section: tuple[int, ...] = (11, 11, 10)  # frequency pairs per (t, h, w) axis, interleaved
 
     @property
     def is_moe(self) -> bool:
@@ -124,6 +125,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             eos_token_ids=eos_ids,
             has_vision=isinstance(cfg.get("vision_config"), dict),
+            mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
         )
         if model_type == "qwen3_5_moe":
             return cls(

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-                  "<tool_call>", "</tool_call>"]
+                  "<tool_call>", "</tool_call>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+# ids of the vision placeholders in tiny tokenizers (special tokens come first, in this order)
+TINY_VISION_IDS = {"vision_start_token_id": 7, "vision_end_token_id": 8, "image_token_id": 9}
 CORPUS = [
     "ninfer runs one Qwen3.5 model on one GPU at its physical limit.",
     "The quick brown fox jumps over the lazy dog while the cache grows to two hundred thousand tokens.",

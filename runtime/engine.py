@@ -29,7 +29,7 @@ from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
-from .reference_ops import l2_normalize
+from .reference_ops import apply_partial_rope, l2_normalize, rope_cos_sin
 
 
 class DenseLinear:
@@ -94,6 +94,11 @@ class Engine:
         self.lanes = opts.max_concurrency
         self._bind_weights()
         self._bind_state()
+        self.vision = None
+        if opts.vision:
+            from .vision import VisionTower
+
+            self.vision = VisionTower.from_artifact(self.art, self.device, self.act_dtype, resident=self.vec)
         self.stats = EngineStats()
         self.use_graphs = on_gpu and cuda_graphs
         self._graphs: dict[tuple, tuple] = {}
@@ -145,6 +150,9 @@ class Engine:
         self.ctx_len.zero_()
         # the tokens whose KV and recurrent state each lane holds, for prefix reuse across requests
         self.lane_tokens: list[list[int]] = [[] for _ in range(lanes)]
+        # MRoPE: after an image the rotary position of token i is i + rope_delta (text-only lanes: 0)
+        self.rope_delta = [0] * lanes
+        self.lane_has_images = [False] * lanes
         if self.opts.spec == "mtp":
             from .mtp import MtpState
 
@@ -155,6 +163,8 @@ class Engine:
         self.rec_stack[:, lane, 0].zero_()
         self.ctx_len[lane] = 0
         self.lane_tokens[lane] = []
+        self.rope_delta[lane] = 0
+        self.lane_has_images[lane] = False
         if self.opts.spec == "mtp":
             self.mtp.reset_lane(lane)
 
@@ -166,6 +176,8 @@ class Engine:
         """Tokens of `prompt` this lane already holds. Recurrent (GDN) state cannot be rewound, so only
         a lane whose *whole* history is a strict prefix of the prompt can continue from it."""
         held = self.lane_tokens[lane]
+        if self.lane_has_images[lane]:
+            return 0  # placeholder ids do not identify the image they stood for
         if self.opts.spec == "mtp" and not self.mtp.is_current(lane):
             return 0  # the MTP cache would have a gap; start over
         if held and len(held) < len(prompt) and prompt[: len(held)] == held:
@@ -174,9 +186,10 @@ class Engine:
 
     # --- layers -------------------------------------------------------------------------
 
-    def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions):
+    def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None):
         """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
-        The query row j of a lane sits at position ctx_len - t + j."""
+        The query row j of a lane sits at position ctx_len - t + j. `rope_positions` (shifted [n] or
+        MRoPE [3, n]) replace `positions` for the rotary embedding only."""
         c = self.cfg
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h)
@@ -186,8 +199,14 @@ class Engine:
         gate = qg[..., c.head_dim:].reshape(n, -1)
         q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
         k, _ = rmsnorm(k.contiguous().view(-1, c.head_dim), self.vec[p + "key_norm"], c.rms_norm_eps)
-        q = apply_rope_(q.view(n, c.num_heads, c.head_dim), positions, c.rotary_dim, c.rope_theta)
-        k = apply_rope_(k.view(n, c.num_kv_heads, c.head_dim), positions, c.rotary_dim, c.rope_theta)
+        rope = positions if rope_positions is None else rope_positions
+        if rope.dim() == 1:
+            q = apply_rope_(q.view(n, c.num_heads, c.head_dim), rope.to(torch.int32), c.rotary_dim, c.rope_theta)
+            k = apply_rope_(k.view(n, c.num_kv_heads, c.head_dim), rope.to(torch.int32), c.rotary_dim, c.rope_theta)
+        else:  # 3-axis MRoPE (prefill chunks holding images): torch ops, once per image prompt
+            cos, sin = rope_cos_sin(rope, c.rotary_dim, c.rope_theta, torch.float32, c.mrope_section)
+            q = apply_partial_rope(q.view(n, c.num_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
+            k = apply_partial_rope(k.view(n, c.num_kv_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         # append K/V into the lanes' pages at their positions
         lane_of_row = lanes_idx.repeat_interleave(t)
@@ -273,14 +292,19 @@ class Engine:
 
     @torch.no_grad()
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False):
+                all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False,
+                rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None):
         """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
         [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
         [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
-        `snapshot`, GDN layers also keep the state after every step (speculative verification)."""
+        `snapshot`, GDN layers also keep the state after every step (speculative verification).
+        `image_rows` = (row mask [B*T], embeddings) puts vision-tower output in place of placeholders;
+        `rope_positions` ([B*T] or [3, B*T]) are the rotary positions when they differ from `positions`."""
         c = self.cfg
         b, t = tokens.shape
         x = self.embed(tokens.reshape(-1))
+        if image_rows is not None:
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         pos = positions.reshape(-1).to(torch.int32)
         residual = x
         h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps)
@@ -288,7 +312,7 @@ class Engine:
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
-                                        lanes_idx, t, pos)
+                                        lanes_idx, t, pos, rope_positions)
             else:
                 mixed = self._gdn(i, h, lanes_idx, t, snapshot)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual)
@@ -311,7 +335,7 @@ class Engine:
             pass
         return logits
 
-    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False):
+    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None):
         """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
         yields None after each chunk but the last, then the last token's logits [V]. With `reuse`, a
         prefix the lane already holds (see reusable_prefix) is not computed again. With MTP on, each
@@ -320,7 +344,7 @@ class Engine:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
             raise MemoryPlanError(f"prompt of {len(prompt)} tokens leaves no room in --max-context {self.opts.max_context}")
-        held = self.reusable_prefix(lane, prompt) if reuse else 0
+        held = self.reusable_prefix(lane, prompt) if reuse and not images else 0
         if held == 0:
             self.reset_lane(lane)
         self.stats.reused_tokens += held
@@ -328,16 +352,39 @@ class Engine:
         lane_t = torch.tensor([lane], device=self.device)
         chunk = self.opts.prefill_chunk
         mtp = self.opts.spec == "mtp"
+        rope3 = embeds = None
+        if images:
+            if self.vision is None:
+                raise MemoryPlanError("this prompt has images but the engine was started without --vision")
+            image_token = self.vision.ids.image
+            embeds = torch.cat([self.vision.encode(img) for img in images])
+            if embeds.shape[0] != sum(1 for tok in prompt if tok == image_token):
+                raise MemoryPlanError("image placeholders do not match the images' token counts")
+            from .vision import mrope_positions
+
+            rope3, self.rope_delta[lane] = mrope_positions(prompt, images, image_token, self.vision.cfg.spatial_merge_size)
+            rope3 = rope3.to(self.device)
+            self.lane_has_images[lane] = True
+        used = 0
         for start in range(held, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
+            extra = {}
+            if rope3 is not None:
+                mask = toks.reshape(-1) == image_token
+                count = int(mask.sum())
+                extra = {"rope_positions": rope3[:, start : start + len(piece)],
+                         "image_rows": (mask, embeds[used : used + count]) if count else None}
+                used += count
+            elif self.rope_delta[lane]:
+                extra = {"rope_positions": pos.reshape(-1) + self.rope_delta[lane]}
             if mtp:
-                logits, hidden = self.forward(lane_t, toks, pos, with_hidden=True)
+                logits, hidden = self.forward(lane_t, toks, pos, with_hidden=True, **extra)
                 self.mtp.absorb_prefill(lane, prompt, start, hidden[0])
             else:
-                logits = self.forward(lane_t, toks, pos)
+                logits = self.forward(lane_t, toks, pos, **extra)
             self.stats.prefill_tokens += len(piece)
             yield logits[0] if start + chunk >= len(prompt) else None
 
@@ -355,8 +402,15 @@ class Engine:
         if self.opts.spec == "mtp":  # a plain step leaves the MTP cache behind: no more drafting here
             for lane in lanes:
                 self.mtp.mark_stale(lane)
-        logits = self.run_step(("decode", tuple(lanes)), self.forward, lanes_t, toks, pos)
+        if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
+            shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
+            logits = self.run_step(("decode-shifted", tuple(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
+        else:
+            logits = self.run_step(("decode", tuple(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()
+
+    def _shifted_forward(self, lanes_t, toks, pos, rope_pos):
+        return self.forward(lanes_t, toks, pos, rope_positions=rope_pos.reshape(-1))
 
     def run_step(self, key, fn, lanes_t, *inputs):
         """Run `fn(lanes_t, *inputs)`: eagerly, or as a CUDA graph captured on first use for `key`
@@ -393,10 +447,14 @@ class Engine:
         return graph, lanes_t, static_inputs, outputs  # lanes_t too: the graph reads it on every replay
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,
-                 params: SamplingParams | None = None, generator: torch.Generator | None = None) -> list[int]:
+                 params: SamplingParams | None = None, generator: torch.Generator | None = None,
+                 images=None) -> list[int]:
         """Greedy by default; with `params`, the device sampler (penalties count this lane's output).
-        With --spec mtp, tokens come in speculative rounds; the output is the same as without."""
-        logits = self.prefill(lane, prompt)
+        With --spec mtp, tokens come in speculative rounds; the output is the same as without.
+        `images` (runtime.vision.ImageInput, in placeholder order) need --vision."""
+        logits = None
+        for logits in self.prefill_chunks(lane, prompt, images=images):
+            pass
         counts = torch.zeros(1, self.cfg.vocab_size, dtype=torch.int32, device=self.device) if params else None
         nxt = pick_token(logits, params, counts, generator)
         out = [nxt]

@@ -52,7 +52,8 @@ class ReferenceModel:
                                           dtype=torch.float32, device=self.device)))
         return states
 
-    def _attention(self, i: int, x: torch.Tensor, st: LayerState, positions: torch.Tensor) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, st: LayerState, positions: torch.Tensor,
+                   rope_positions: torch.Tensor) -> torch.Tensor:
         c, w, p = self.cfg, self.w, f"text/layers/{i}/attention/"
         t = x.shape[0]
         qgkv = x @ w[p + "query_gate_key_value"].t()
@@ -62,7 +63,7 @@ class ReferenceModel:
         q = ops.rms_norm_1p(q, w[p + "query_norm"], c.rms_norm_eps)
         k = ops.rms_norm_1p(k.view(t, c.num_kv_heads, c.head_dim), w[p + "key_norm"], c.rms_norm_eps)
         v = v.view(t, c.num_kv_heads, c.head_dim)
-        cos, sin = ops.rope_cos_sin(positions, c.rotary_dim, c.rope_theta, x.dtype)
+        cos, sin = ops.rope_cos_sin(rope_positions, c.rotary_dim, c.rope_theta, x.dtype, c.mrope_section)
         q, k = ops.apply_partial_rope(q, cos, sin), ops.apply_partial_rope(k, cos, sin)
         st.k, st.v = torch.cat([st.k, k]), torch.cat([st.v, v])
         out = ops.attention(q, st.k, st.v, positions, c.head_dim ** -0.5).reshape(t, -1)
@@ -96,15 +97,24 @@ class ReferenceModel:
                        w[m + "shared_gate_up"], w[m + "shared_down"], c.experts_per_token)
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, state: list[LayerState], start: int) -> torch.Tensor:
-        """Run tokens at positions start.. through the decoder; returns float32 logits [T, vocab]."""
+    def forward(self, token_ids: torch.Tensor, state: list[LayerState], start: int,
+                image_embeds: torch.Tensor | None = None, image_token: int | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run tokens at positions start.. through the decoder; returns float32 logits [T, vocab].
+        Rows holding `image_token` take `image_embeds` (in order); `rope_positions` ([3, T], MRoPE)
+        replace the token positions for rotary embedding only."""
         c, w = self.cfg, self.w
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
-        x = w["text/token_embedding"][token_ids.to(self.device)]
+        token_ids = token_ids.to(self.device)
+        x = w["text/token_embedding"][token_ids]
+        if image_embeds is not None:
+            x = x.clone()
+            x[token_ids == image_token] = image_embeds.to(x.dtype)
+        rope = positions if rope_positions is None else rope_positions.to(self.device)
         for i in range(c.num_layers):
             p = f"text/layers/{i}/"
             h = ops.rms_norm_1p(x, w[p + "input_norm"], c.rms_norm_eps)
-            mixed = self._attention(i, h, state[i], positions) if c.is_full_attention(i) else self._gdn(i, h, state[i])
+            mixed = self._attention(i, h, state[i], positions, rope) if c.is_full_attention(i) else self._gdn(i, h, state[i])
             x = x + mixed
             x = x + self._ffn(i, ops.rms_norm_1p(x, w[p + "post_attention_norm"], c.rms_norm_eps))
         x = ops.rms_norm_1p(x, w["text/final_norm"], c.rms_norm_eps)

@@ -87,7 +87,9 @@ class MtpState:
     def can_speculate(self, lane: int) -> bool:
         """Drafting needs a current MTP cache and room for K+1 verified positions in the lane's pages."""
         held = self.e.held_tokens(lane)
-        return self.is_current(lane) and held + self.k + 1 <= self.e.plan.pages_per_lane * PAGE
+        # lanes with images use shifted (MRoPE) positions, which the draft and verify graphs do not take
+        return (self.is_current(lane) and not self.e.rope_delta[lane]
+                and held + self.k + 1 <= self.e.plan.pages_per_lane * PAGE)
 
     # --- the MTP layer -----------------------------------------------------------------
 

@@ -20,9 +20,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * y * F.silu(gate.float())).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype,
+                 mrope_section: tuple[int, ...] = (11, 11, 10)) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (text), or [3, T] (t, h, w) for interleaved MRoPE: frequency pair j follows the
+    h axis when j % 3 == 1 and j < 3 * sections[1], the w axis when j % 3 == 2 and j < 3 * sections[2],
+    else the t axis. Equal axes reduce to plain RoPE."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    if positions.dim() == 2:
+        pairs = torch.arange(rotary_dim // 2, device=positions.device)
+        axis = torch.zeros_like(pairs)
+        axis[(pairs % 3 == 1) & (pairs < 3 * mrope_section[1])] = 1
+        axis[(pairs % 3 == 2) & (pairs < 3 * mrope_section[2])] = 2
+        per_axis = positions.float().t()  # [T, 3]
+        freqs = per_axis[:, axis] * inv_freq[None, :]
+    else:
+        freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

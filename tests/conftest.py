@@ -22,7 +22,7 @@ SEED = 42
 def _hf_checkpoint(path, moe: bool):
     import torch
     import transformers
-    from format.tiny import tiny_text_config, write_tokenizer
+    from format.tiny import TINY_VISION_IDS, tiny_text_config, write_tokenizer
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(SEED)
@@ -32,10 +32,10 @@ def _hf_checkpoint(path, moe: bool):
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
     if moe:
-        cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+        cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **TINY_VISION_IDS)
         model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
     else:
-        cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+        cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **TINY_VISION_IDS)
         model = transformers.Qwen3_5ForConditionalGeneration(cfg)
     with torch.no_grad():  # HF zero-inits the (1 + w) norms; random values exercise them
         for name, p in model.named_parameters():

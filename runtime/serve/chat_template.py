@@ -58,7 +58,83 @@ class ChatTemplate:
 # --- normalization ------------------------------------------------------------------------
 
 
-def _text_of(content, where: str, vision: bool) -> str:
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+MAX_IMAGE_BYTES = 20 << 20
+
+
+class ImageSink:
+    """Collects the images of one request (raw bytes, in prompt order) while messages are normalized;
+    passed where a `vision` flag is expected (truthy = vision on)."""
+
+    def __init__(self, allow_files: bool = False, allow_remote: bool = False, max_bytes: int = MAX_IMAGE_BYTES):
+        self.images: list[bytes] = []
+        self.allow_files, self.allow_remote, self.max_bytes = allow_files, allow_remote, max_bytes
+
+    def __bool__(self) -> bool:
+        return True
+
+    def add(self, data: bytes, where: str) -> str:
+        if len(data) > self.max_bytes:
+            raise RequestError(f"{where}: image of {len(data)} bytes exceeds the {self.max_bytes}-byte limit")
+        self.images.append(data)
+        return IMAGE_PLACEHOLDER
+
+    def from_url(self, url, where: str) -> str:
+        import base64
+        import binascii
+
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where}: an image needs a url string")
+        if url.startswith("data:"):
+            head, _, payload = url.partition(",")
+            if ";base64" not in head:
+                raise RequestError(f"{where}: data URLs must be base64 encoded")
+            try:
+                return self.add(base64.b64decode(payload, validate=True), where)
+            except (binascii.Error, ValueError):
+                raise RequestError(f"{where}: the data URL is not valid base64") from None
+        if url.startswith(("http://", "https://")):
+            if not self.allow_remote:
+                raise RequestError(f"{where}: remote image URLs are off; send a data: URL (or start with --allow-remote-images)")
+            import httpx
+
+            try:
+                r = httpx.get(url, timeout=10, follow_redirects=True)
+                r.raise_for_status()
+            except httpx.HTTPError as exc:
+                raise RequestError(f"{where}: cannot fetch the image ({exc})") from None
+            return self.add(r.content, where)
+        path = url[len("file://"):] if url.startswith("file://") else url
+        if not self.allow_files:
+            raise RequestError(f"{where}: local image files are off; send a data: URL (or start with --allow-local-images)")
+        try:
+            with open(path, "rb") as f:
+                return self.add(f.read(self.max_bytes + 1), where)
+        except OSError as exc:
+            raise RequestError(f"{where}: cannot read image file {path} ({exc.strerror})") from None
+
+
+def _image_part(part: dict, where: str, vision) -> str:
+    """An OpenAI image_url / Responses input_image / Anthropic image block -> placeholder text."""
+    if not vision:
+        raise RequestError("vision_disabled: this server was started without --vision; remove image parts")
+    if not isinstance(vision, ImageSink):
+        raise RequestError(f"{where}: image parts are not accepted here")
+    kind = part.get("type")
+    if kind == "image_url":
+        ref = part.get("image_url")
+        return vision.from_url(ref.get("url") if isinstance(ref, dict) else ref, where)
+    if kind == "input_image":
+        return vision.from_url(part.get("image_url"), where)
+    source = part.get("source") if isinstance(part.get("source"), dict) else {}
+    if source.get("type") == "base64":
+        return vision.from_url(f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}", where)
+    if source.get("type") == "url":
+        return vision.from_url(source.get("url"), where)
+    raise RequestError(f"{where}: an image block needs a base64 or url source")
+
+
+def _text_of(content, where: str, vision) -> str:
     """String content as is; a list of parts concatenated without separators (text only here)."""
     if content is None:
         return ""
@@ -76,9 +152,7 @@ def _text_of(content, where: str, vision: bool) -> str:
                 raise RequestError(f"{where}: a text part needs a string 'text'")
             out.append(part["text"])
         elif kind in ("image_url", "input_image", "image"):
-            if not vision:
-                raise RequestError("vision_disabled: this server was started without --vision; remove image parts")
-            raise RequestError("image input is not supported by this build yet")
+            out.append(_image_part(part, where, vision))
         else:
             raise RequestError(f"{where}: unsupported content part type {kind!r}")
     return "".join(out)
@@ -191,7 +265,7 @@ def normalize_anthropic_messages(system, messages, vision: bool = False) -> list
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                             "content": _text_of(b.get("content"), f"{where}.content[{j}]", vision)})
             elif kind == "image":
-                _text_of([{"type": "image"}], where, vision)
+                text.append(_image_part(b, f"{where}.content[{j}]", vision))
             else:
                 raise RequestError(f"{where}.content[{j}]: unsupported block type {kind!r}")
         if text or calls or reasoning is not None or m["role"] == "assistant":

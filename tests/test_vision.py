@@ -1,0 +1,127 @@
+"""Vision: our tower + MRoPE against transformers' qwen3_5 on a tiny random config, preprocessing,
+placeholder expansion, the Triton engine on an image prompt, and images through the server."""
+
+import base64
+import io
+
+import pytest
+import torch
+
+from format.container import Artifact
+from format.convert import ConvertOptions, convert_checkpoint
+from runtime.model import ReferenceModel
+from runtime.vision import (ImageInput, VisionConfig, VisionTower, expand_image_tokens, mrope_positions, patchify,
+                            preprocess)
+
+IMAGE_TOKEN, VS, VE = 9, 7, 8
+
+
+@pytest.fixture(scope="module")
+def vision_artifact(hf_dense, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vision") / "v.nfer"
+    return convert_checkpoint(hf_dense, out, ConvertOptions(recipe="bf16")).output
+
+
+def _image(cfg: VisionConfig, h_patches=8, w_patches=12, seed=0) -> ImageInput:
+    g = torch.Generator().manual_seed(seed)
+    return patchify(torch.randn(3, h_patches * cfg.patch_size, w_patches * cfg.patch_size, generator=g), cfg)
+
+
+def _prompt(images):
+    ids = [1, 20, 30]
+    for _ in images:
+        ids += [VS, IMAGE_TOKEN, VE, 40]
+    return expand_image_tokens(ids + [50, 60], images, IMAGE_TOKEN)
+
+
+def test_reference_logits_match_transformers_on_an_image_prompt(hf_dense, vision_artifact):
+    import transformers
+
+    art = Artifact(vision_artifact)
+    cfg = VisionConfig.from_artifact(art)
+    images = [_image(cfg), _image(cfg, 4, 4, seed=1)]
+    ids = _prompt(images)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(hf_dense, dtype=torch.float32).eval()
+    with torch.no_grad():
+        types = torch.tensor([[1 if t == IMAGE_TOKEN else 0 for t in ids]])
+        want = hf(input_ids=torch.tensor([ids]), mm_token_type_ids=types, pixel_values=torch.cat([i.pixel_values for i in images]),
+                  image_grid_thw=torch.tensor([list(i.grid_thw) for i in images])).logits[0]
+    ref = ReferenceModel(art)
+    tower = VisionTower.from_artifact(art, "cpu", torch.float32)
+    embeds = torch.cat([tower.encode(i) for i in images])
+    rope, delta = mrope_positions(ids, images, IMAGE_TOKEN)
+    got = ref.forward(torch.tensor(ids), ref.new_state(), 0, image_embeds=embeds, image_token=IMAGE_TOKEN,
+                      rope_positions=rope)
+    assert delta == int(rope.max()) + 1 - len(ids) and delta < 0
+    err = (got - want).abs().max().item()
+    assert err < 2e-3 * want.abs().max().item(), f"max abs logit diff {err}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_preprocess_resizes_to_the_merge_grid_and_rejects_garbage(vision_artifact):
+    from PIL import Image
+
+    cfg = VisionConfig.from_artifact(Artifact(vision_artifact))
+    buf = io.BytesIO()
+    Image.new("RGB", (50, 30), (255, 0, 0)).save(buf, format="PNG")
+    img = preprocess(buf.getvalue(), cfg)
+    t, h, w = img.grid_thw
+    factor = cfg.spatial_merge_size
+    assert t == 1 and h % factor == 0 and w % factor == 0 and w > h
+    assert img.pixel_values.shape == (h * w, 3 * cfg.temporal_patch_size * cfg.patch_size ** 2)
+    # pure red after normalization: channel 0 is +1, channels 1 and 2 are -1
+    per_channel = img.pixel_values.view(h * w, 3, -1)
+    assert torch.allclose(per_channel[:, 0], torch.ones(1)) and torch.allclose(per_channel[:, 1:], -torch.ones(1))
+    with pytest.raises(ValueError, match="cannot decode"):
+        preprocess(b"not an image", cfg)
+
+
+def test_placeholder_counts_must_match():
+    cfg = VisionConfig(1, 8, 2, 2, 2, 2, 16, 8)
+    img = patchify(torch.zeros(3, 8, 8), cfg)
+    with pytest.raises(ValueError, match="more image placeholders"):
+        expand_image_tokens([IMAGE_TOKEN, IMAGE_TOKEN], [img], IMAGE_TOKEN)
+    with pytest.raises(ValueError, match="fewer image placeholders"):
+        expand_image_tokens([1], [img], IMAGE_TOKEN)
+
+
+def png_data_url(size=(40, 24), color=(10, 200, 30)) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _reference_greedy(art, ids, images, n):
+    ref = ReferenceModel(art)
+    tower = VisionTower.from_artifact(art, "cpu", torch.float32)
+    embeds = torch.cat([tower.encode(i) for i in images])
+    rope, delta = mrope_positions(ids, images, IMAGE_TOKEN)
+    state = ref.new_state()
+    logits = ref.forward(torch.tensor(ids), state, 0, image_embeds=embeds, image_token=IMAGE_TOKEN, rope_positions=rope)
+    out = [int(logits[-1].argmax())]
+    for i in range(n - 1):
+        pos = len(ids) + i
+        logits = ref.forward(torch.tensor([out[-1]]), state, pos, rope_positions=torch.tensor([pos + delta]))
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exact token equality is asserted in float32 on CPU")
+def test_engine_image_prompt_equals_reference(vision_artifact):
+    pytest.importorskip("triton")
+    from runtime.engine import Engine
+    from runtime.memory_plan import MemoryPlanError, PlanOptions
+
+    art = Artifact(vision_artifact)
+    cfg = VisionConfig.from_artifact(art)
+    images = [_image(cfg), _image(cfg, 4, 4, seed=1)]
+    ids = _prompt(images)
+    want = _reference_greedy(art, ids, images, 5)
+    engine = Engine(vision_artifact, PlanOptions(max_context=256, prefill_chunk=128, vision=True), device="cpu")
+    assert engine.generate(ids, 5, images=images) == want
+    assert engine.reusable_prefix(0, ids + want + [5]) == 0  # image lanes never reuse by token ids
+    plain = Engine(vision_artifact, PlanOptions(max_context=256, prefill_chunk=128), device="cpu")
+    with pytest.raises(MemoryPlanError, match="without --vision"):
+        plain.generate(ids, 2, images=images)
