@@ -12,12 +12,14 @@ from .numeric import GroupedFormat, get_format
 from .layouts import unpack_row_split
 
 # What this build can execute, per component.
-SUPPORTED_FEATURES = {"text": "text generation (reference and Triton runtimes), serve, fit"}
+SUPPORTED_FEATURES = {
+    "text": "text generation (reference and Triton runtimes), serve, fit, bench",
+    "mtp": "MTP speculative decoding (--spec mtp, Triton runtime)",
+    "lm_head_draft": "reduced lm-head drafting (--spec mtp --lm-head-draft)",
+    "vision": "image input (--vision: generate --image, serve image parts)",
+}
 NOT_YET = {
-    "mtp": "MTP speculative decoding is not in this build yet; the head is carried, not used",
-    "lm_head_draft": "the lm-head draft needs speculative decoding, which is not in this build yet",
     "dflash2": "DFlash2 drafting is not in this build yet; the drafter is carried, not used",
-    "vision": "image input is not in this build yet; the vision tower is carried, not used",
 }
 
 
@@ -36,7 +38,12 @@ def summarize(art: Artifact) -> dict:
     if report.ok:
         features.append(SUPPORTED_FEATURES["text"])
     for comp, status in report.companions.items():
-        unused[comp] = NOT_YET[comp] if status == "complete" else f"malformed: {status}"
+        if status != "complete":
+            unused[comp] = f"malformed: {status}"
+        elif comp in NOT_YET:
+            unused[comp] = NOT_YET[comp]
+        elif report.ok:
+            features.append(SUPPORTED_FEATURES[comp])
     model = None
     if cfg is not None:
         model = {"model_type": cfg.model_type, "layers": cfg.num_layers,

@@ -255,6 +255,8 @@ def generate(
     spec: Annotated[Spec, typer.Option(help="Speculative decoding (triton runtime): mtp drafts from the MTP head.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
+    vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower (needed for --image).")] = False,
+    image: Annotated[Optional[list[Path]], typer.Option(help="An image file placed before the prompt (repeatable; needs --vision).")] = None,
     as_json: JsonOpt = False,
 ):
     """Generate with the reference runtime (greedy) or the Triton runtime (greedy or sampled)."""
@@ -269,7 +271,7 @@ def generate(
         from runtime.memory_plan import PlanOptions
 
         options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=prefill_chunk,
-                              spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft)
+                              spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
         if spec == Spec.dflash2:
             from runtime.memory_plan import MemoryPlanError
 
@@ -279,10 +281,15 @@ def generate(
     elif temperature > 0 or spec != Spec.none:
         from runtime.memory_plan import MemoryPlanError
 
-        raise MemoryPlanError("sampling and --spec need --runtime triton; the reference runtime is plain greedy")
-    session = TextSession.load(artifact, device, options)
+        raise MemoryPlanError("sampling or --spec needs --runtime triton; the reference runtime is plain greedy")
+    if image and not vision:
+        from runtime.memory_plan import MemoryPlanError
+
+        raise MemoryPlanError("--image needs --vision")
+    session = TextSession.load(artifact, device, options, vision=vision)
     t0 = time.monotonic()
-    result = session.complete(prompt, max_new_tokens, chat=not raw, params=params, seed=seed)
+    result = session.complete(prompt, max_new_tokens, chat=not raw, params=params, seed=seed,
+                              image_files=tuple(image or ()))
     dt = time.monotonic() - t0
     if as_json:
         print(json.dumps({**result, "seconds": round(dt, 3)}))
@@ -428,6 +435,8 @@ def serve(
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
+    allow_local_images: Annotated[bool, typer.Option("--allow-local-images", help="With --vision: accept image_url paths / file:// URLs on this machine.")] = False,
+    allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="With --vision: fetch http(s) image URLs.")] = False,
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
@@ -444,17 +453,16 @@ def serve(
 
     if spec == Spec.dflash2:
         raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
-    if vision:
-        raise MemoryPlanError("--vision: the vision runtime is not implemented in this build; serve text only")
     options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
                           prefill_chunk=prefill_chunk, spec=spec.value, draft_tokens=draft_tokens,
-                          lm_head_draft=lm_head_draft)
+                          lm_head_draft=lm_head_draft, vision=vision)
     if kv_capacity is not None:
         options = _kv_capacity_options(artifact, options, kv_capacity, vram_reserve, device)
     app, summary = build_server(artifact, options, device=device, model_id=model_id, api_key=api_key, cors=cors,
                                 preserve_thinking=preserve_thinking, max_pending=max_pending_requests,
                                 pending_timeout_ms=pending_timeout_ms,
-                                request_log=str(request_log_jsonl) if request_log_jsonl else None)
+                                request_log=str(request_log_jsonl) if request_log_jsonl else None,
+                                allow_local_images=allow_local_images, allow_remote_images=allow_remote_images)
     err.print(summary)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

@@ -29,9 +29,10 @@ class TextSession:
     tokenizer: object
     chat_template: str | None
     stop_ids: tuple[int, ...]
+    vision: object = None  # runtime.vision.VisionTower when the session was loaded with vision
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", engine_options=None) -> "TextSession":
+    def load(cls, path: str | Path, device: str = "cpu", engine_options=None, vision: bool = False) -> "TextSession":
         """The reference model, or the Triton engine when `engine_options` (a PlanOptions) is given."""
         import torch
         from tokenizers import Tokenizer
@@ -45,36 +46,73 @@ class TextSession:
             from .engine import Engine
 
             model = Engine(path, engine_options, device=device)
+            tower = model.vision
         else:
             model = ReferenceModel(art, device)
+            tower = None
+            if vision:
+                from .vision import VisionTower
+
+                tower = VisionTower.from_artifact(art, model.device, model.dtype)
         tok = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
         template = None
         if art.has(RESOURCE_NAMES["chat_template"]):
             template = art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8")
         stop = stop_token_ids(art, tok)
         art.close()
-        return cls(model, tok, template, tuple(sorted(stop)))
+        return cls(model, tok, template, tuple(sorted(stop)), tower)
 
-    def render(self, prompt: str) -> str:
+    def render(self, prompt: str, images: int = 0) -> str:
         if self.chat_template is None:
             raise BindingError("the artifact carries no chat template; use --raw")
-        from .serve.chat_template import ChatTemplate, RequestError
+        from .serve.chat_template import IMAGE_PLACEHOLDER, ChatTemplate, RequestError
 
         try:
-            return ChatTemplate(self.chat_template).render([{"role": "user", "content": prompt}], enable_thinking=False)
+            return ChatTemplate(self.chat_template).render([{"role": "user", "content": IMAGE_PLACEHOLDER * images + prompt}],
+                                                           enable_thinking=False)
         except RequestError as exc:
             raise BindingError(str(exc)) from None
 
-    def complete(self, prompt: str, max_new_tokens: int, chat: bool = True, params=None, seed: int | None = None) -> dict:
-        text = self.render(prompt) if chat else prompt
+    def complete(self, prompt: str, max_new_tokens: int, chat: bool = True, params=None, seed: int | None = None,
+                 image_files: tuple = ()) -> dict:
+        images = self._images(image_files)
+        if images and not chat:
+            raise BindingError("--image needs the chat template (drop --raw)")
+        text = self.render(prompt, len(images)) if chat else prompt
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        extra = {}
+        if images:
+            from .vision import expand_image_tokens
+
+            ids = expand_image_tokens(ids, images, self.vision.ids.image)
+            extra = {"images": images} if hasattr(self.model, "opts") else {"images": images, "vision": self.vision}
         if params is None:
-            new = self.model.generate(ids, max_new_tokens, self.stop_ids)
+            new = self.model.generate(ids, max_new_tokens, self.stop_ids, **extra)
         else:
             import torch
 
             gen = torch.Generator(getattr(self.model, "device", "cpu"))
             gen.manual_seed(seed if seed is not None else torch.seed())
-            new = self.model.generate(ids, max_new_tokens, self.stop_ids, params=params, generator=gen)
+            new = self.model.generate(ids, max_new_tokens, self.stop_ids, params=params, generator=gen, **extra)
         shown = [t for t in new if t not in self.stop_ids]
         return {"text": self.tokenizer.decode(shown), "tokens": new, "prompt_tokens": len(ids)}
+
+
+    def _images(self, files) -> list:
+        if not files:
+            return []
+        if self.vision is None:
+            raise BindingError("--image needs --vision (and an artifact that carries the vision tower)")
+        from .vision import preprocess
+
+        out = []
+        for f in files:
+            try:
+                data = Path(f).read_bytes()
+            except OSError as exc:
+                raise BindingError(f"cannot read image {f}: {exc.strerror}") from None
+            try:
+                out.append(preprocess(data, self.vision.cfg))
+            except ValueError as exc:
+                raise BindingError(f"image {f}: {exc}") from None
+        return out

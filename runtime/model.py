@@ -120,12 +120,21 @@ class ReferenceModel:
         x = ops.rms_norm_1p(x, w["text/final_norm"], c.rms_norm_eps)
         return (x @ w["text/output_head"].t()).float()
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-        """Greedy decoding; returns only the new tokens."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
+                 images=None, vision=None) -> list[int]:
+        """Greedy decoding; returns only the new tokens. `images` (ImageInput, placeholders already
+        expanded in `prompt_ids`) go through `vision` (a runtime.vision.VisionTower)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
         state = self.new_state()
-        logits = self.forward(torch.tensor(prompt_ids), state, 0)
+        delta, extra = 0, {}
+        if images:
+            from .vision import mrope_positions
+
+            rope, delta = mrope_positions(prompt_ids, images, vision.ids.image, vision.cfg.spatial_merge_size)
+            extra = {"image_embeds": torch.cat([vision.encode(i) for i in images]), "image_token": vision.ids.image,
+                     "rope_positions": rope}
+        logits = self.forward(torch.tensor(prompt_ids), state, 0, **extra)
         out: list[int] = []
         pos = len(prompt_ids)
         for _ in range(max_new_tokens):
@@ -133,6 +142,7 @@ class ReferenceModel:
             out.append(nxt)
             if nxt in stop_ids:
                 break
-            logits = self.forward(torch.tensor([nxt]), state, pos)
+            rope = {"rope_positions": torch.tensor([pos + delta])} if delta else {}
+            logits = self.forward(torch.tensor([nxt]), state, pos, **rope)
             pos += 1
         return out

@@ -28,7 +28,7 @@ def test_convert_inspect_generate(tiny_with_mtp, tmp_path):
     s = json.loads(r.stdout)
     assert s["runnable"] and s["verify_failures"] == [] and s["identity"]["weights_id"] == "q5"
     r = runner.invoke(app, ["inspect", str(art)])
-    assert "verdict: runnable" in r.stdout and "mtp:" in r.stdout
+    assert "verdict: runnable" in r.stdout and "MTP speculative decoding" in r.stdout
     r = runner.invoke(app, ["generate", str(art), "--prompt", "hello", "--max-new-tokens", "4", "--json"])
     assert r.exit_code == 0, r.output
     assert 1 <= len(json.loads(r.stdout)["tokens"]) <= 4

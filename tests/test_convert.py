@@ -150,7 +150,8 @@ def test_v3_carries_companions_and_v2_refuses_them(tiny_with_mtp, tmp_path):
         from format.inspect import summarize
 
         s = summarize(art)
-        assert s["runnable"] and set(s["companions"]) == {"mtp", "lm_head_draft", "dflash2"}
+        assert s["runnable"] and set(s["companions"]) == {"dflash2"}  # carried, not runnable yet
+        assert any("MTP" in f for f in s["features"]) and any("lm-head" in f for f in s["features"])
 
     for opts, word in [(dict(mtp=True), "MTP head"), (dict(lm_head_draft=8), "lm-head draft"),
                        (dict(dflash2=drafter), "DFlash2")]:

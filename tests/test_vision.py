@@ -125,3 +125,101 @@ def test_engine_image_prompt_equals_reference(vision_artifact):
     plain = Engine(vision_artifact, PlanOptions(max_context=256, prefill_chunk=128), device="cpu")
     with pytest.raises(MemoryPlanError, match="without --vision"):
         plain.generate(ids, 2, images=images)
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision_artifact):
+    pytest.importorskip("triton")
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from runtime.memory_plan import PlanOptions
+    from runtime.serve.launch import build_server
+
+    servers = {}
+    for name, vision in (("on", True), ("off", False)):
+        app, _ = build_server(vision_artifact, PlanOptions(max_context=512, prefill_chunk=128, vision=vision), device="cpu",
+                              model_id="tiny")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        threading.Thread(target=srv.run, daemon=True).start()
+        deadline = time.time() + 30
+        while not srv.started and time.time() < deadline:
+            time.sleep(0.05)
+        servers[name] = (srv, f"http://127.0.0.1:{port}")
+    yield {k: v[1] for k, v in servers.items()}
+    for srv, _ in servers.values():
+        srv.should_exit = True
+
+
+def test_server_answers_image_requests_on_all_three_apis(vision_server):
+    import anthropic
+    import openai
+
+    url = vision_server["on"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    text_only = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, extra_body=no_think,
+                                               messages=[{"role": "user", "content": "what is this?"}])
+    r = client.chat.completions.create(
+        model="tiny", max_tokens=2, temperature=0, extra_body=no_think,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                               {"type": "image_url", "image_url": {"url": png_data_url()}}]}])
+    # 40x24 px -> a 40x24 grid rounded to multiples of 8 -> 5x3 merged tokens at patch 4 (x2 merge)
+    extra = r.usage.prompt_tokens - text_only.usage.prompt_tokens
+    assert extra > 3 and r.choices[0].finish_reason in ("length", "stop")
+    resp = client.responses.create(model="tiny", max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": png_data_url()}]}])
+    assert resp.usage.input_tokens > 3
+    ac = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    m = ac.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": png_data_url().split(",", 1)[1]}},
+        {"type": "text", "text": "what is this?"}]}])
+    assert m.usage.input_tokens > 3
+
+
+def test_image_errors_are_clear_400s(vision_server):
+    import httpx
+
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url()}}]}]}
+    off = httpx.post(vision_server["off"] + "/v1/chat/completions", json=body, timeout=60)
+    assert off.status_code == 400 and off.json()["error"]["type"] == "vision_disabled"
+    bad = dict(body, messages=[{"role": "user", "content": [{"type": "image_url",
+                                                             "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    r = httpx.post(vision_server["on"] + "/v1/chat/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "cannot decode" in r.json()["error"]["message"]
+    remote = dict(body, messages=[{"role": "user", "content": [{"type": "image_url",
+                                                                "image_url": {"url": "https://example.com/x.png"}}]}])
+    r = httpx.post(vision_server["on"] + "/v1/chat/completions", json=remote, timeout=60)
+    assert r.status_code == 400 and "remote image URLs are off" in r.json()["error"]["message"]
+    assert httpx.get(vision_server["on"] + "/health").json()["status"] == "ok"
+
+
+def test_cli_generate_with_an_image_on_both_runtimes(vision_artifact, tmp_path):
+    import json
+
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from ninfer_cli.main import app
+
+    img = tmp_path / "green.png"
+    Image.new("RGB", (40, 24), (10, 200, 30)).save(img)
+    runner = CliRunner()
+    base = ["generate", str(vision_artifact), "--prompt", "what is this", "--max-new-tokens", "3", "--json",
+            "--vision", "--image", str(img)]
+    ref = runner.invoke(app, base)
+    fast = runner.invoke(app, base + ["--runtime", "triton"])
+    assert ref.exit_code == 0 and fast.exit_code == 0, ref.output + fast.output
+    assert json.loads(fast.stdout)["tokens"] == json.loads(ref.stdout)["tokens"]
+    text_only = runner.invoke(app, base[:-3])
+    assert json.loads(ref.stdout)["prompt_tokens"] > json.loads(text_only.stdout)["prompt_tokens"] + 3
+    missing = runner.invoke(app, base[:-3] + ["--image", str(img)])
+    assert missing.exit_code == 1 and "--image needs --vision" in missing.output

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ..kernels.sampling import SamplingParams
 from .chat_template import (
     ChatTemplate,
+    ImageSink,
     RequestError,
     normalize_anthropic_messages,
     normalize_anthropic_tools,
@@ -36,9 +37,17 @@ class ServerConfig:
     api_key: str | None = None
     preserve_thinking: bool = False
     vision: bool = False
+    allow_local_images: bool = False
+    allow_remote_images: bool = False
     default_max_tokens: int = 4096
     request_log: str | None = None  # JSON lines: one record per finished generation
     stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
+
+
+class TokenizedPrompt(list):
+    """Token ids (image placeholders already expanded) plus the images those placeholders stand for."""
+
+    images: list = []
 
 
 class ApiError(Exception):
@@ -66,7 +75,8 @@ class Generation:
         put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
         self.request = GenerationRequest(prompt, max_tokens, on_token=lambda t: put(("token", t)),
                                          on_done=lambda r, e: put(("done", r, e)), params=params,
-                                         stop_ids=frozenset(server.stop_ids), seed=seed)
+                                         stop_ids=frozenset(server.stop_ids), seed=seed,
+                                         images=getattr(prompt, "images", None) or None)
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -139,10 +149,30 @@ class Server:
 
     # --- shared helpers -------------------------------------------------------------------
 
-    def tokenize(self, messages, tools, thinking: bool) -> list[int]:
+    def image_sink(self):
+        """What normalization collects images into: an ImageSink with --vision, else False."""
+        cfg = self.config
+        return ImageSink(cfg.allow_local_images, cfg.allow_remote_images) if cfg.vision else False
+
+    def tokenize(self, messages, tools, thinking: bool, sink=None) -> list[int]:
         prompt = self.template.render(messages, tools, enable_thinking=thinking,
                                       preserve_thinking=self.config.preserve_thinking)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if sink and sink.images:
+            from ..vision import expand_image_tokens, preprocess
+
+            tower = self.engine.vision
+            images = []
+            for n, data in enumerate(sink.images):
+                try:
+                    images.append(preprocess(data, tower.cfg))
+                except ValueError as exc:
+                    raise ApiError(400, "invalid_request_error", f"image {n + 1}: {exc}") from None
+            try:
+                ids = TokenizedPrompt(expand_image_tokens(ids, images, tower.ids.image))
+            except ValueError as exc:
+                raise ApiError(400, "invalid_request_error", f"{exc}; do not type image placeholder tokens") from None
+            ids.images = images
         if len(ids) >= self.config.max_context:
             raise ApiError(400, "context_length_exceeded",
                            f"the prompt has {len(ids)} tokens but --max-context is {self.config.max_context}; "
@@ -273,10 +303,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         body = await body_of(request)
         server.check_model(body)
         tools = normalize_openai_tools(body.get("tools"))
-        messages = normalize_openai_messages(body.get("messages"), cfg.vision)
+        sink = server.image_sink()
+        messages = normalize_openai_messages(body.get("messages"), sink)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = bool(kwargs.get("enable_thinking", body.get("reasoning_effort") != "none"))
-        prompt = server.tokenize(messages, tools, thinking)
+        prompt = server.tokenize(messages, tools, thinking, sink)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -331,9 +362,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     def anthropic_prompt(body: dict):
         server.check_model(body)
         tools = normalize_anthropic_tools(body.get("tools"))
-        messages = normalize_anthropic_messages(body.get("system"), body.get("messages"), cfg.vision)
+        sink = server.image_sink()
+        messages = normalize_anthropic_messages(body.get("system"), body.get("messages"), sink)
         thinking = (body.get("thinking") or {}).get("type") == "enabled"
-        return tools, thinking, server.tokenize(messages, tools, thinking)
+        return tools, thinking, server.tokenize(messages, tools, thinking, sink)
 
     @app.post("/v1/messages/count_tokens")
     @guarded(_anthropic_error)
@@ -427,10 +459,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         body = await body_of(request)
         server.check_model(body)
         tools = normalize_openai_tools(body.get("tools"))
-        messages = normalize_responses_input(body.get("instructions"), body.get("input"), cfg.vision)
+        sink = server.image_sink()
+        messages = normalize_responses_input(body.get("instructions"), body.get("input"), sink)
         effort = (body.get("reasoning") or {}).get("effort")
         thinking = effort not in ("none", "minimal")
-        prompt = server.tokenize(messages, tools, thinking)
+        prompt = server.tokenize(messages, tools, thinking, sink)
         gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,

@@ -17,7 +17,7 @@ from .scheduler import Scheduler
 
 def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str | None = None, api_key: str | None = None,
                  cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0,
-                 request_log: str | None = None):
+                 request_log: str | None = None, allow_local_images: bool = False, allow_remote_images: bool = False):
     from tokenizers import Tokenizer
 
     with Artifact(path) as art:
@@ -29,10 +29,12 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
     engine = Engine(path, options, device=device)
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
-                          preserve_thinking=preserve_thinking, request_log=request_log)
+                          preserve_thinking=preserve_thinking, request_log=request_log, vision=options.vision,
+                          allow_local_images=allow_local_images, allow_remote_images=allow_remote_images)
     server = Server(engine, tokenizer, template, config, stop, scheduler)
     plan = engine.plan
     summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "
                f"KV {options.kv_dtype}, {plan.total_bytes / 2**30:.2f} GiB planned"
-               + (f", MTP with {options.draft_tokens} draft tokens" if options.spec == "mtp" else ""))
+               + (f", MTP with {options.draft_tokens} draft tokens" if options.spec == "mtp" else "")
+               + (", vision on" if options.vision else ""))
     return build_app(server, cors=cors), summary

@@ -32,6 +32,7 @@ class GenerationRequest:
     params: SamplingParams | None = None  # None = greedy
     stop_ids: frozenset = frozenset()
     seed: int | None = None
+    images: list | None = None  # runtime.vision.ImageInput per placeholder run, in order
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -124,7 +125,7 @@ class Scheduler:
             lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
             free.remove(lane)
             try:
-                chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=True)
+                chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images)
             except Exception as exc:  # noqa: BLE001
                 req.on_done("error", str(exc))
                 continue
