@@ -138,7 +138,8 @@ class Engine:
                                           (self.plan.pages, PAGE, c.num_kv_heads, p.width))
                     for p in self.codec.planes(c.head_dim)}
         gdn = [i for i in range(c.num_layers) if not c.is_full_attention(i)]
-        self.slots = 1 if self.opts.spec == "none" else self.opts.draft_tokens + 2
+        self.slots = (1 if self.opts.spec == "none" else self.opts.draft_tokens + 2) + 1
+        self.checkpoint_slot = self.slots - 1  # GDN state at the lane's turn checkpoint
         # slot stacks [gdn layers, lanes, slots, ...]: slot 0 is committed, slots 1.. hold verify snapshots
         self.conv_stack = self.mem.view("sequence_state", "gdn_conv", torch.bfloat16,
                                         (len(gdn), lanes, self.slots, c.conv_kernel - 1, c.gdn_conv_dim))
@@ -153,6 +154,9 @@ class Engine:
         # MRoPE: after an image the rotary position of token i is i + rope_delta (text-only lanes: 0)
         self.rope_delta = [0] * lanes
         self.lane_has_images = [False] * lanes
+        # tokens covered by the lane's turn checkpoint (0 = none): its KV prefix plus the GDN state
+        # saved in checkpoint_slot, so a prompt that diverges later can resume there
+        self.checkpoint_at = [0] * lanes
         if self.opts.spec == "mtp":
             from .mtp import MtpState
 
@@ -165,6 +169,7 @@ class Engine:
         self.lane_tokens[lane] = []
         self.rope_delta[lane] = 0
         self.lane_has_images[lane] = False
+        self.checkpoint_at[lane] = 0
         if self.opts.spec == "mtp":
             self.mtp.reset_lane(lane)
 
@@ -173,8 +178,12 @@ class Engine:
         return len(self.lane_tokens[lane])
 
     def reusable_prefix(self, lane: int, prompt: list[int]) -> int:
-        """Tokens of `prompt` this lane already holds. Recurrent (GDN) state cannot be rewound, so only
-        a lane whose *whole* history is a strict prefix of the prompt can continue from it."""
+        """Tokens of `prompt` this lane can skip. Recurrent (GDN) state cannot be rewound, so either the
+        lane's *whole* history is a strict prefix of the prompt, or the prompt agrees with it up to the
+        lane's turn checkpoint, whose GDN state was saved."""
+        return max(self._continuation(lane, prompt), self._checkpoint_match(lane, prompt))
+
+    def _continuation(self, lane: int, prompt: list[int]) -> int:
         held = self.lane_tokens[lane]
         if self.lane_has_images[lane]:
             return 0  # placeholder ids do not identify the image they stood for
@@ -183,6 +192,12 @@ class Engine:
         if held and len(held) < len(prompt) and prompt[: len(held)] == held:
             return len(held)
         return 0
+
+    def _checkpoint_match(self, lane: int, prompt: list[int]) -> int:
+        c = self.checkpoint_at[lane]
+        if c == 0 or self.lane_has_images[lane] or len(prompt) <= c:
+            return 0
+        return c if prompt[:c] == self.lane_tokens[lane][:c] else 0
 
     # --- layers -------------------------------------------------------------------------
 
@@ -335,18 +350,33 @@ class Engine:
             pass
         return logits
 
-    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None):
+    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None,
+                       checkpoint_at: int | None = None):
         """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
         yields None after each chunk but the last, then the last token's logits [V]. With `reuse`, a
-        prefix the lane already holds (see reusable_prefix) is not computed again. With MTP on, each
+        prefix the lane already holds (see reusable_prefix) is not computed again. With `checkpoint_at`
+        (a token count, e.g. where the final assistant header starts), the GDN state there is saved so
+        the next turn, whose rendering may differ after that point, resumes from it. With MTP on, each
         chunk's hidden states also run through the MTP layer, so drafting starts with a filled MTP cache."""
         if not prompt:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
             raise MemoryPlanError(f"prompt of {len(prompt)} tokens leaves no room in --max-context {self.opts.max_context}")
-        held = self.reusable_prefix(lane, prompt) if reuse and not images else 0
-        if held == 0:
+        held = self._continuation(lane, prompt) if reuse and not images else 0
+        restore = self._checkpoint_match(lane, prompt) if reuse and not images else 0
+        if restore > held:
+            held = restore
+            c = self.checkpoint_slot
+            self.conv_stack[:, lane, 0] = self.conv_stack[:, lane, c]
+            self.rec_stack[:, lane, 0] = self.rec_stack[:, lane, c]
+            if self.opts.spec == "mtp":
+                self.mtp.restore_checkpoint(lane, held)
+        elif held == 0:
             self.reset_lane(lane)
+        if images or not checkpoint_at or checkpoint_at > len(prompt) or checkpoint_at <= held:
+            checkpoint_at = None
+        if checkpoint_at is None and held < self.checkpoint_at[lane]:
+            self.checkpoint_at[lane] = 0  # the old checkpoint's tokens are about to be overwritten
         self.stats.reused_tokens += held
         self.lane_tokens[lane] = list(prompt)
         lane_t = torch.tensor([lane], device=self.device)
@@ -366,8 +396,11 @@ class Engine:
             rope3 = rope3.to(self.device)
             self.lane_has_images[lane] = True
         used = 0
-        for start in range(held, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
+        bounds = list(range(held, len(prompt), chunk)) + [len(prompt)]
+        if checkpoint_at is not None and checkpoint_at not in bounds:
+            bounds = sorted(bounds + [checkpoint_at])
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            piece = prompt[start:stop]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
@@ -386,7 +419,14 @@ class Engine:
             else:
                 logits = self.forward(lane_t, toks, pos, **extra)
             self.stats.prefill_tokens += len(piece)
-            yield logits[0] if start + chunk >= len(prompt) else None
+            if stop == checkpoint_at:
+                c = self.checkpoint_slot
+                self.conv_stack[:, lane, c] = self.conv_stack[:, lane, 0]
+                self.rec_stack[:, lane, c] = self.rec_stack[:, lane, 0]
+                self.checkpoint_at[lane] = stop
+                if mtp:
+                    self.mtp.save_checkpoint(lane)
+            yield logits[0] if stop == len(prompt) else None
 
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""

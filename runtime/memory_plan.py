@@ -224,7 +224,9 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     kv.add("block_tables", opts.max_concurrency * pages_per_lane * 4)
 
     state = Arena("sequence_state")
-    slots = 1 if opts.spec == "none" else opts.draft_tokens + 2  # rollback snapshots for verification
+    # slot 0 committed, slots 1..K+1 verify snapshots (speculation), last slot: the turn checkpoint that
+    # lets a returning conversation resume from the end of its previous prompt's history
+    slots = (1 if opts.spec == "none" else opts.draft_tokens + 2) + 1
     lanes = opts.max_concurrency
     state.add("gdn_conv", gdn_layers * lanes * slots * (cfg.conv_kernel - 1) * cfg.gdn_conv_dim * 2)
     state.add("gdn_recurrent", gdn_layers * lanes * slots * cfg.linear_num_value_heads
@@ -234,7 +236,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     if opts.spec == "dflash2":
         state.add("dflash2_context_cache", lanes * 5 * 2048 * 8 * 128 * 2 * 2)
     if opts.spec == "mtp":
-        state.add("mtp_hidden_tail", lanes * (opts.draft_tokens + 1) * cfg.hidden_size * 2)
+        state.add("mtp_hidden_tail", lanes * (opts.draft_tokens + 2) * cfg.hidden_size * 2)  # + checkpoint row
         state.add("mtp_context_lengths", lanes * 4)
 
     workspace = _workspace(cfg, opts)

@@ -64,7 +64,8 @@ class MtpState:
         self.block_table.copy_(torch.tensor(table, dtype=torch.int32))
         self.ctx = mem.view("sequence_state", "mtp_context_lengths", torch.int32, (lanes,))
         self.ctx.zero_()
-        self.tail = mem.view("sequence_state", "mtp_hidden_tail", torch.bfloat16, (lanes, self.k + 1, c.hidden_size))
+        # rows 0..K: hidden rows waiting for the MTP layer; row K+1: the turn checkpoint's pending row
+        self.tail = mem.view("sequence_state", "mtp_hidden_tail", torch.bfloat16, (lanes, self.k + 2, c.hidden_size))
         self.tail.zero_()  # padded catch-up rows read it: keep them finite
         # first position whose hidden row still waits for the MTP layer (its rows sit in the tail);
         # None when plain decode steps left the MTP cache behind
@@ -77,6 +78,15 @@ class MtpState:
     def reset_lane(self, lane: int) -> None:
         self.start[lane] = 0
         self.ctx[lane] = 0
+
+    def save_checkpoint(self, lane: int) -> None:
+        """Called when the lane's prefill reaches its turn checkpoint: right after a chunk, exactly one
+        hidden row (the chunk's last) waits for its next token."""
+        self.tail[lane, self.k + 1] = self.tail[lane, 0]
+
+    def restore_checkpoint(self, lane: int, held: int) -> None:
+        self.tail[lane, 0] = self.tail[lane, self.k + 1]
+        self.start[lane] = held - 1
 
     def mark_stale(self, lane: int) -> None:
         self.start[lane] = None
@@ -138,7 +148,7 @@ class MtpState:
         b, t = tail_tokens.shape
         ar = torch.arange(t, device=tail_tokens.device)
         self.ctx[lanes_t] = (first + t).to(torch.int32)
-        out = self._forward(0, lanes_t, tail_tokens, self.tail[lanes_t], first[:, None] + ar[None])
+        out = self._forward(0, lanes_t, tail_tokens, self.tail[lanes_t, :t], first[:, None] + ar[None])
         last = out[torch.arange(b, device=out.device), rows - 1]
         drafts = [self._propose(last)]
         for j in range(1, self.k):

@@ -121,3 +121,25 @@ def test_returning_conversation_reuses_the_lane_prefix(artifacts):
     assert int(got.argmax()) == int(want.argmax())
     assert torch.allclose(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3 if DEVICE == "cpu" else 5e-2)
     assert engine.reusable_prefix(0, [999] + follow_up) == 0  # a different conversation starts over
+
+
+def test_turn_checkpoint_resumes_a_conversation_whose_tail_changed(artifacts):
+    """Turn 2 re-renders turn 1's reply differently (reasoning dropped): the lane's history is no longer
+    a prefix, but the prompt agrees with it up to the turn checkpoint, so only the rest is computed."""
+    path = artifacts["dense-q4"]
+    opts = PlanOptions(max_context=128, prefill_chunk=128)
+    engine = Engine(path, opts, device=DEVICE)
+    shared = PROMPT + [33, 44]
+    turn1 = shared + [1, 2, 3]  # [1, 2, 3] = the generation header, rendered differently next turn
+    list(engine.prefill_chunks(0, turn1, reuse=True, checkpoint_at=len(shared)))
+    engine.decode_step([0], [7])
+    turn2 = shared + [1, 9, 9, 50, 51]
+    assert engine.reusable_prefix(0, turn2) == len(shared)
+    got = list(engine.prefill_chunks(0, turn2, reuse=True))[-1]
+    assert engine.stats.reused_tokens == len(shared)
+    want = Engine(path, opts, device=DEVICE).prefill(0, turn2)
+    assert int(got.argmax()) == int(want.argmax())
+    assert torch.allclose(got.float().cpu(), want.float().cpu(), rtol=1e-3, atol=1e-3 if DEVICE == "cpu" else 5e-2)
+    # the checkpoint is gone once the lane holds a different prefix
+    list(engine.prefill_chunks(0, [5, 6, 7], reuse=True))
+    assert engine.reusable_prefix(0, turn2) == 0

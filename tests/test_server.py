@@ -234,3 +234,28 @@ def test_queue_timeout_gives_503(artifact):
         assert all("timed out" in j["error"]["message"] for c, j in results if c == 503)
     finally:
         s.stop()
+
+
+def test_thinking_conversation_resumes_at_the_turn_checkpoint(artifact):
+    """With thinking on, the next turn drops the previous reply's reasoning from the prompt, so the lane's
+    history is no longer a prefix; the turn checkpoint still saves recomputing everything before it."""
+    import re
+
+    srv = _Server(artifact, lanes=1)
+    try:
+        client = _oa(srv)
+
+        def reused():
+            text = httpx.get(srv.url + "/metrics").text
+            return int(re.search(r"^ninfer_prefix_reused_tokens_total (\d+)", text, re.M).group(1))
+
+        history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
+        r1 = client.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0)
+        before = reused()
+        history += [{"role": "assistant", "content": r1.choices[0].message.content or "ok"},
+                    {"role": "user", "content": "and then?"}]
+        r2 = client.chat.completions.create(model="tiny", messages=history, max_tokens=2, temperature=0)
+        assert r2.choices[0].finish_reason in ("length", "stop")
+        assert reused() - before >= 8  # at least the system turn and the first user turn
+    finally:
+        srv.stop()

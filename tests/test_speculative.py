@@ -132,3 +132,24 @@ def test_speculation_needs_the_mtp_component(artifacts, tmp_path, hf_dense):
         _engine(plain, spec="mtp")
     with pytest.raises(MemoryPlanError, match="lm_head_draft component"):
         _engine(artifacts["dense"], spec="mtp", lm_head_draft=True)
+
+
+@exact_only_on_cpu
+def test_turn_checkpoint_with_speculation(artifacts):
+    """Resuming at a turn checkpoint restores the MTP layer's pending row too: generation then equals
+    a fresh lane's."""
+    path = artifacts["dense"]
+    eng = _engine(path, spec="mtp", draft_tokens=2)
+    shared = PROMPT + [33, 44]
+    list(eng.prefill_chunks(0, shared + [1, 2, 3], reuse=True, checkpoint_at=len(shared)))
+    turn2 = shared + [1, 9, 9, 50]
+    assert eng.reusable_prefix(0, turn2) == len(shared)
+    logits = list(eng.prefill_chunks(0, turn2, reuse=True))[-1]
+    first = int(logits.argmax())
+    rest = []
+    nxt = first
+    while len(rest) < 6:
+        new = eng.mtp.round([0], [nxt], [6 - len(rest)])[0]
+        rest += new
+        nxt = new[-1]
+    assert [first] + rest == _plain(path, prompt=turn2, n=7)

@@ -45,9 +45,12 @@ class ServerConfig:
 
 
 class TokenizedPrompt(list):
-    """Token ids (image placeholders already expanded) plus the images those placeholders stand for."""
+    """Token ids (image placeholders already expanded), the images those placeholders stand for, and
+    the turn checkpoint: where the final assistant header starts. Everything before it renders the
+    same in the next turn, while the header and the reply may not (reasoning is dropped from history)."""
 
     images: list = []
+    checkpoint_at: int | None = None
 
 
 class ApiError(Exception):
@@ -76,7 +79,8 @@ class Generation:
         self.request = GenerationRequest(prompt, max_tokens, on_token=lambda t: put(("token", t)),
                                          on_done=lambda r, e: put(("done", r, e)), params=params,
                                          stop_ids=frozenset(server.stop_ids), seed=seed,
-                                         images=getattr(prompt, "images", None) or None)
+                                         images=getattr(prompt, "images", None) or None,
+                                         checkpoint_at=getattr(prompt, "checkpoint_at", None))
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -157,7 +161,7 @@ class Server:
     def tokenize(self, messages, tools, thinking: bool, sink=None) -> list[int]:
         prompt = self.template.render(messages, tools, enable_thinking=thinking,
                                       preserve_thinking=self.config.preserve_thinking)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = TokenizedPrompt(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
         if sink and sink.images:
             from ..vision import expand_image_tokens, preprocess
 
@@ -173,6 +177,9 @@ class Server:
             except ValueError as exc:
                 raise ApiError(400, "invalid_request_error", f"{exc}; do not type image placeholder tokens") from None
             ids.images = images
+        turn_start = self.tokenizer.token_to_id("<|im_start|>")
+        if turn_start is not None and turn_start in ids:
+            ids.checkpoint_at = len(ids) - 1 - ids[::-1].index(turn_start)
         if len(ids) >= self.config.max_context:
             raise ApiError(400, "context_length_exceeded",
                            f"the prompt has {len(ids)} tokens but --max-context is {self.config.max_context}; "

@@ -33,6 +33,7 @@ class GenerationRequest:
     stop_ids: frozenset = frozenset()
     seed: int | None = None
     images: list | None = None  # runtime.vision.ImageInput per placeholder run, in order
+    checkpoint_at: int | None = None  # save GDN state here for the next turn (see Engine.prefill_chunks)
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -125,7 +126,8 @@ class Scheduler:
             lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
             free.remove(lane)
             try:
-                chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images)
+                chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
+                                                    checkpoint_at=req.checkpoint_at)
             except Exception as exc:  # noqa: BLE001
                 req.on_done("error", str(exc))
                 continue
