@@ -69,9 +69,11 @@ def test_malformed_and_undeclared_calls_come_back_as_text():
     bad = "<tool_call>\n<function=launch_missiles>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
     _, parser = _run("ok " + bad, 3, tools=TOOLS)
     assert parser.result.tool_calls == [] and "launch_missiles" in parser.result.content
+    # a declared tool is committed (and streamed) once its name arrives: a repeated parameter keeps its
+    # first value rather than turning the whole call back into text
     dup = "<tool_call>\n<function=get_weather>\n<parameter=city>\na\n</parameter>\n<parameter=city>\nb\n</parameter>\n</function>\n</tool_call>"
     _, parser = _run(dup, 4, tools=TOOLS)
-    assert parser.result.tool_calls == [] and "<parameter=city>" in parser.result.content
+    assert [c.arguments for c in parser.result.tool_calls] == [{"city": "a"}] and parser.result.content == ""
 
 
 def test_unclosed_call_at_end_is_still_parsed():
@@ -154,3 +156,31 @@ def test_reasoning_dropped_before_last_query_unless_preserved():
         {"role": "user", "content": "q2"}])
     assert "r1" not in t.render(msgs)
     assert "<think>\nr1\n</think>\n\na1" in t.render(msgs, preserve_thinking=True)
+
+
+def test_arguments_stream_while_the_call_arrives():
+    """Deltas start before </tool_call>: a long string value streams character by character, and the
+    concatenated deltas equal the final arguments JSON for any split of the text."""
+    import random
+
+    long_text = "line one\nline \"two\"\n" * 5
+    call = (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{long_text}\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    rng = random.Random(0)
+    for _ in range(50):
+        p = OutputParser(tools=TOOLS)
+        events, i, before_close = [], 0, 0
+        while i < len(call):
+            n = rng.randint(1, 7)
+            new = p.feed(call[i : i + n])
+            i += n
+            if i < len(call) - len("</tool_call>"):
+                before_close += sum(1 for e in new if e.kind == "tool_call_delta")
+            events += new
+        events += p.finish()
+        kinds = [e.kind for e in events]
+        assert kinds[0] == "tool_call_begin" and kinds[-1] == "tool_call"
+        final = events[-1].call
+        assert "".join(e.text for e in events if e.kind == "tool_call_delta") == final.arguments_json
+        assert final.arguments == {"city": long_text, "days": 3}
+        assert before_close >= 3  # the value arrived in pieces, not in one block at the end

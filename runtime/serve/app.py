@@ -348,11 +348,12 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                         yield chunk({"reasoning_content": ev.text})
                     elif ev.kind == "content":
                         yield chunk({"content": ev.text})
-                    else:
+                    elif ev.kind == "tool_call_begin":
                         c = ev.call
                         yield chunk({"tool_calls": [{"index": c.index, "id": c.id, "type": "function",
                                                      "function": {"name": c.name, "arguments": ""}}]})
-                        yield chunk({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments_json}}]})
+                    elif ev.kind == "tool_call_delta":
+                        yield chunk({"tool_calls": [{"index": ev.call.index, "function": {"arguments": ev.text}}]})
             except ApiError as e:
                 yield _sse({"error": {"message": e.message, "type": e.kind}})
                 return
@@ -437,16 +438,22 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                             yield _sse({"type": "content_block_start", "index": index, "content_block": block}, "content_block_start")
                         delta = {"type": "thinking_delta", "thinking": ev.text} if kind == "thinking" else {"type": "text_delta", "text": ev.text}
                         yield _sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
-                    else:
+                    elif ev.kind == "tool_call_begin":
                         if open_kind is not None:
+                            if open_kind == "thinking":
+                                yield _sse({"type": "content_block_delta", "index": index,
+                                            "delta": {"type": "signature_delta", "signature": ""}}, "content_block_delta")
                             yield close()
                         c = ev.call
-                        index, open_kind = index + 1, None
+                        index, open_kind = index + 1, "tool_use"
                         yield _sse({"type": "content_block_start", "index": index, "content_block": {
                             "type": "tool_use", "id": c.id, "name": c.name, "input": {}}}, "content_block_start")
+                    elif ev.kind == "tool_call_delta":
                         yield _sse({"type": "content_block_delta", "index": index, "delta": {
-                            "type": "input_json_delta", "partial_json": c.arguments_json}}, "content_block_delta")
+                            "type": "input_json_delta", "partial_json": ev.text}}, "content_block_delta")
+                    else:  # the call is complete
                         yield close()
+                        open_kind = None
             except ApiError as e:
                 yield _sse({"type": "error", "error": {"type": e.kind, "message": e.message}}, "error")
                 return
@@ -559,14 +566,19 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                         text += e.text
                         kind = "response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta"
                         yield ev(kind, item_id=open_item["id"], output_index=len(output), content_index=0, delta=e.text)
-                    else:
+                    elif e.kind == "tool_call_begin":
                         if open_item is not None:
                             for x in close_open():
                                 yield x
                         item = call_item(e.call)
+                        yield ev("response.output_item.added", output_index=len(output),
+                                 item={**item, "arguments": "", "status": "in_progress"})
+                    elif e.kind == "tool_call_delta":
+                        yield ev("response.function_call_arguments.delta", item_id=call_item(e.call)["id"],
+                                 output_index=len(output), delta=e.text)
+                    else:  # the call is complete
+                        item = call_item(e.call)
                         idx = len(output)
-                        yield ev("response.output_item.added", output_index=idx, item={**item, "arguments": "", "status": "in_progress"})
-                        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=item["arguments"])
                         yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=item["arguments"])
                         yield ev("response.output_item.done", output_index=idx, item=item)
                         output.append(item)

@@ -20,7 +20,11 @@ THINK_END = "</think>"
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_FUNCTION_OPEN = re.compile(r"<function=([^>\n]+)>")
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_PARAM_OPEN = re.compile(r"<parameter=([^>\n]+)>")
+PARAM_CLOSE = "</parameter>"
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
 @dataclass
@@ -37,9 +41,28 @@ class ToolCall:
 
 @dataclass
 class Event:
-    kind: str  # "reasoning" | "content" | "tool_call"
+    """kind: "reasoning" | "content" | "tool_call_begin" (id and name known) | "tool_call_delta" (`text`
+    is the next piece of the arguments JSON) | "tool_call" (the call is complete; its arguments_json
+    equals the concatenated deltas)."""
+
+    kind: str
     text: str = ""
     call: ToolCall | None = None
+
+
+@dataclass
+class _CallStream:
+    """Progress through one qwen3_coder block while it is still arriving."""
+
+    call: ToolCall | None = None
+    pos: int = 0  # scan position in the block
+    param: str | None = None  # the parameter being read
+    value_start: int = 0
+    streamed: int = 0  # block index up to which a string value has been sent
+    as_string: bool = False
+    skip: bool = False  # a repeated parameter: the first one wins
+    first: bool = True
+    args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -70,6 +93,19 @@ def _literal(text: str):
         return ast.literal_eval(text)  # Python reprs the template writes: True, None, 1.0, {'a': 1}
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         raise ValueError(text) from None
+
+
+def _is_text(schema) -> bool:
+    """Values that `coerce` keeps as raw text (and that can therefore stream character by character)."""
+    types = _types(schema)
+    return "string" in types or (not types and isinstance(schema, dict) and "enum" in schema)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
 
 
 def coerce(raw: str, schema) -> object:
@@ -117,6 +153,7 @@ class OutputParser:
         self.result = ParsedOutput()
         self.strip_leading = False  # after </think>, the answer's leading whitespace is framing
         self.done = False
+        self.stream = _CallStream()
 
     # --- public ------------------------------------------------------------------------
 
@@ -169,14 +206,15 @@ class OutputParser:
                     i, _ = min(hits)
                     block = self.buffer[:i]
                     self.buffer = self.buffer[i + len(CALL_CLOSE):]
-                    self._close_call(block, CALL_CLOSE, events)
+                    self._advance_call(block, CALL_CLOSE, True, events)
                     self.state = "content"
                     continue
-                if final:  # never closed: parse what is there, or give it back as text
+                if final:  # never closed: finish what is there, or give it back as text
                     block, self.buffer = self.buffer, ""
-                    self._close_call(block, "", events)
+                    self._advance_call(block, "", True, events)
                     self.state = "content"
                     continue
+                self._advance_call(self.buffer, "", False, events)
                 return events
             if hits:
                 i, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
@@ -193,6 +231,7 @@ class OutputParser:
                     self.state, self.strip_leading = "content", True
                 else:  # <tool_call>, also inside reasoning
                     self.state = "tool"
+                    self.stream = _CallStream()
                 continue
             keep = 0 if final else self._hold_back(markers)
             text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
@@ -213,13 +252,84 @@ class OutputParser:
                 keep += 1
         return keep
 
-    def _close_call(self, block: str, closer: str, events: list[Event]) -> None:
+    def _advance_call(self, block: str, closer: str, closed: bool, events: list[Event]) -> None:
+        """Stream a qwen3_coder call as it arrives: begin once `<function=NAME>` names a declared tool,
+        then arguments JSON pieces (string values character by character, others when their parameter
+        closes). Other blocks (Hermes JSON, unknown tools, garbage) are decided when they close."""
+        st = self.stream
+        if st.call is None:
+            m = _FUNCTION_OPEN.search(block)
+            name = m.group(1).strip() if m else None
+            if m is None or not block[: m.start()].strip() == "" or name not in self.schemas \
+                    or not _NAME.fullmatch(name):
+                if closed:
+                    self._close_whole(block, closer, events)
+                return
+            st.call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name, {})
+            st.pos = m.end()
+            events.append(Event("tool_call_begin", call=st.call))
+        schema = self.schemas.get(st.call.name, {})
+
+        def piece(text: str) -> None:
+            if events and events[-1].kind == "tool_call_delta":
+                events[-1].text += text
+            else:
+                events.append(Event("tool_call_delta", text, st.call))
+
+        while True:
+            if st.param is None:
+                m = _PARAM_OPEN.search(block, st.pos)
+                if m is None or (m.end() >= len(block) and not closed):
+                    break  # no parameter yet, or not yet known whether a newline follows its tag
+                start = m.end() + (1 if block.startswith("\n", m.end()) else 0)
+                st.param, st.value_start, st.streamed, st.pos = m.group(1).strip(), start, start, start
+                st.as_string = _is_text(schema.get(st.param))
+                st.skip = st.param in st.args
+                if not st.skip:
+                    piece(("{" if st.first else ", ") + json.dumps(st.param, ensure_ascii=False) + ": "
+                          + ('"' if st.as_string else ""))
+                    st.first = False
+            end = block.find(PARAM_CLOSE, st.pos)
+            if end < 0 and not closed:
+                if st.as_string and not st.skip:  # stream what can no longer become the closing tag
+                    safe = len(block) - _partial_suffix(block, PARAM_CLOSE)
+                    if safe > st.streamed and block[safe - 1] == "\n":
+                        safe -= 1  # a newline right before </parameter> is framing
+                    if safe > st.streamed:
+                        piece(json.dumps(block[st.streamed:safe], ensure_ascii=False)[1:-1])
+                        st.streamed = safe
+                break
+            stop = len(block) if end < 0 else end
+            raw = block[st.value_start:stop]
+            if raw.endswith("\n"):
+                raw = raw[:-1]
+            if not st.skip:
+                value = coerce(raw, schema.get(st.param))
+                if st.as_string:
+                    piece(json.dumps(raw[st.streamed - st.value_start:], ensure_ascii=False)[1:-1] + '"')
+                else:
+                    piece(json.dumps(value, ensure_ascii=False))
+                st.args[st.param] = value
+            st.param, st.pos = None, (stop + len(PARAM_CLOSE) if end >= 0 else len(block))
+            if end < 0:
+                break
+        if closed:
+            piece("{}" if st.first else "}")
+            st.call.arguments = st.args
+            self.calls.append(st.call)
+            self.result.tool_calls.append(st.call)
+            events.append(Event("tool_call", call=st.call))
+            self.stream = _CallStream()
+
+    def _close_whole(self, block: str, closer: str, events: list[Event]) -> None:
         call = self._parse_block(block)
         if call is None:  # not a call we can trust: the text goes back to the answer verbatim
             self._emit("content", CALL_OPEN + block + closer, events)
             return
         self.calls.append(call)
         self.result.tool_calls.append(call)
+        events.append(Event("tool_call_begin", call=call))
+        events.append(Event("tool_call_delta", call.arguments_json, call))
         events.append(Event("tool_call", call=call))
 
     def _parse_block(self, block: str) -> ToolCall | None:
