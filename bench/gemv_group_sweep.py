@@ -20,22 +20,17 @@ SHAPES = [("mlp/gate_up", 34816, 5120, "Q4G64_F16S"), ("mlp/down", 5120, 17408, 
           ("output_head", 248320, 5120, "Q6G64_F16S")]
 
 
-def weight_bytes(w) -> int:
-    return sum(t.numel() * t.element_size() for t in (w.base, w.high, w.scale) if t is not None)
-
-
 def main(out: str) -> None:
     peak = copy_bandwidth()
     rows = []
     for name, n, k, fmt in SHAPES:
-        w = random_packed(n, k, fmt)
+        w, nbytes = random_packed(n, k, fmt)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = q.qlinear_reference(x, w).float()
-        nbytes = weight_bytes(w)
         q.T1_NIBBLE_PATH = "vec"
         vec_ms = bench_ms(lambda: q.qlinear(x, w))
         best = None
-        for block_n, unroll, warps, programs in itertools.product((16, 32, 64, 128), (1, 2, 4), (4, 8), (512, 1024)):
+        for block_n, unroll, warps, programs in itertools.product((32, 64, 128), (1, 2, 4), (4, 8), (512,)):
             q.T1_NIBBLE_PATH = "group"
             q.GROUP_TUNING.update(block_n=block_n, unroll=unroll, num_warps=warps)
             q.TARGET_PROGRAMS = programs
