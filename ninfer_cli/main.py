@@ -435,7 +435,7 @@ def serve(
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
-    allow_local_images: Annotated[bool, typer.Option("--allow-local-images", help="With --vision: accept image_url paths / file:// URLs on this machine.")] = False,
+    allow_local_images: Annotated[bool, typer.Option("--allow-local-images/--no-local-images", help="With --vision: accept image_url paths / file:// URLs on this machine.")] = True,
     allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="With --vision: fetch http(s) image URLs.")] = False,
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,

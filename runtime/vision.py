@@ -103,6 +103,8 @@ def preprocess(data: bytes, cfg: VisionConfig, max_pixels: int = MAX_PIXELS) -> 
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
+    except Image.DecompressionBombError:
+        raise ValueError("the image has too many pixels to decode safely; downscale it first") from None
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"cannot decode the image ({exc}); send PNG, JPEG, GIF or WebP") from None
     img = img.convert("RGB")

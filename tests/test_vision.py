@@ -223,3 +223,25 @@ def test_cli_generate_with_an_image_on_both_runtimes(vision_artifact, tmp_path):
     assert json.loads(ref.stdout)["prompt_tokens"] > json.loads(text_only.stdout)["prompt_tokens"] + 3
     missing = runner.invoke(app, base[:-3] + ["--image", str(img)])
     assert missing.exit_code == 1 and "--image needs --vision" in missing.output
+
+
+def test_image_sink_sources_and_limits(tmp_path):
+    from runtime.serve.chat_template import IMAGE_PLACEHOLDER, ImageSink, RequestError, normalize_openai_messages
+
+    png = base64.b64decode(png_data_url().split(",", 1)[1])
+    f = tmp_path / "a.png"
+    f.write_bytes(png)
+    sink = ImageSink(allow_files=True)
+    msgs = normalize_openai_messages([{"role": "user", "content": [
+        {"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": png_data_url()}},
+        {"type": "image_url", "image_url": {"url": f"file://{f}"}}]}], sink)
+    assert msgs[0]["content"] == "compare " + IMAGE_PLACEHOLDER * 2 and sink.images == [png, png]
+    with pytest.raises(RequestError, match="local image files are off"):
+        normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(f)}}]}],
+                                  ImageSink(allow_files=False))
+    with pytest.raises(RequestError, match="exceeds the 10-byte limit"):
+        normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}],
+                                  ImageSink(max_bytes=10))
+    with pytest.raises(RequestError, match="vision_disabled"):
+        normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}],
+                                  False)

@@ -90,9 +90,10 @@ class ImageSink:
             if ";base64" not in head:
                 raise RequestError(f"{where}: data URLs must be base64 encoded")
             try:
-                return self.add(base64.b64decode(payload, validate=True), where)
+                data = base64.b64decode(payload, validate=True)
             except (binascii.Error, ValueError):
                 raise RequestError(f"{where}: the data URL is not valid base64") from None
+            return self.add(data, where)
         if url.startswith(("http://", "https://")):
             if not self.allow_remote:
                 raise RequestError(f"{where}: remote image URLs are off; send a data: URL (or start with --allow-remote-images)")
@@ -106,7 +107,7 @@ class ImageSink:
             return self.add(r.content, where)
         path = url[len("file://"):] if url.startswith("file://") else url
         if not self.allow_files:
-            raise RequestError(f"{where}: local image files are off; send a data: URL (or start with --allow-local-images)")
+            raise RequestError(f"{where}: local image files are off (--no-local-images); send a data: URL")
         try:
             with open(path, "rb") as f:
                 return self.add(f.read(self.max_bytes + 1), where)
