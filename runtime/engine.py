@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from format.binding import load_config, require_runnable
 from format.container import Artifact
@@ -19,7 +18,8 @@ from format.numeric import GroupedFormat, get_format
 
 from .allocator import DeviceMemory
 from .kernels.conv1d import causal_conv1d
-from .kernels.gdn_decode import gdn_recurrent
+from .kernels.gated_norm import gated_norm
+from .kernels.gdn_fused import gdn_fused
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import expert_gemv, route
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
@@ -29,7 +29,7 @@ from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
-from .reference_ops import apply_partial_rope, l2_normalize, rope_cos_sin
+from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
 class DenseLinear:
@@ -253,19 +253,11 @@ class Engine:
         weight = self.vec[p + "convolution"]
         x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
         conv_stack[lanes_idx, 0] = conv_state
-        q, k, v = x.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        q = l2_normalize(q.reshape(b, t, hk, -1).float()).repeat_interleave(hv // hk, 2) * c.linear_key_head_dim ** -0.5
-        k = l2_normalize(k.reshape(b, t, hk, -1).float()).repeat_interleave(hv // hk, 2)
-        beta = torch.sigmoid(self.lin[p + "beta_projection"](h).float()).view(b, t, hv)
-        a = self.lin[p + "alpha_projection"](h).float().view(b, t, hv)
-        g = -self.vec[p + "a_log"].exp() * F.softplus(a + self.vec[p + "dt_bias"])
-        o = gdn_recurrent(q, k, v.reshape(b, t, hv, -1).float(), g, beta, self.rec_stack[j], lanes=lanes_idx,
-                          snapshot=snapshot)
-        o = o.reshape(b * t, hv, -1)
-        norm = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-        gated = (self.vec[p + "norm"].float() * norm.to(self.act_dtype).float()) * F.silu(z.reshape(b * t, hv, -1).float())
-        return self.lin[p + "output"](gated.reshape(b * t, -1).to(self.act_dtype).contiguous())
+        hv = c.linear_num_value_heads
+        o = gdn_fused(x, self.lin[p + "alpha_projection"](h), self.lin[p + "beta_projection"](h), self.vec[p + "a_log"],
+                      self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx, c.linear_num_key_heads, snapshot)
+        gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype)
+        return self.lin[p + "output"](gated)
 
     def _ffn(self, p, h):
         """The MLP (dense) or MoE block of the layer under prefix `p`."""

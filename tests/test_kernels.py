@@ -134,6 +134,42 @@ def test_gdn_recurrent_lane_slots_and_snapshots():
     assert torch.equal(stack[:, t + 1], before[:, t + 1])
 
 
+@pytest.mark.parametrize("b,t,hk,ratio,dk,dv", [(1, 1, 2, 2, 16, 32), (2, 3, 1, 3, 32, 64)])
+def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv):
+    """Preparation folded into the recurrence (l2 norm, key-head sharing, decay, beta) == the separate
+    torch ops + recurrent reference; snapshots into slots 1..T of a lane-indexed stack."""
+    from runtime.kernels.gdn_fused import gdn_fused, gdn_fused_reference
+
+    hv = hk * ratio
+    x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)
+    alpha, beta = torch.randn(b * t, hv, device=DEVICE).to(DTYPE), torch.randn(b * t, hv, device=DEVICE).to(DTYPE)
+    a_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.randn(hv, device=DEVICE) * 0.5
+    stack = torch.randn(b + 1, t + 2, hv, dk, dv, device=DEVICE)
+    lanes = torch.arange(b, 0, -1, device=DEVICE, dtype=torch.int32)  # lanes b..1, lane 0 untouched
+    before = stack.clone()
+    want_o, want_steps = gdn_fused_reference(x.cpu(), alpha.cpu(), beta.cpu(), a_log.cpu(), dt_bias.cpu(),
+                                             before[lanes.long(), 0].cpu(), hk)
+    got = gdn_fused(x, alpha, beta, a_log, dt_bias, stack, lanes, hk, snapshot=True,
+                    out=_poison((b, t, hv, dv), torch.float32))
+    _check(got.cpu(), want_o, torch.float32)
+    for j, lane in enumerate(lanes.tolist()):
+        _check(stack[lane, 0].cpu(), want_steps[j, -1], torch.float32)
+        for step in range(t):
+            _check(stack[lane, step + 1].cpu(), want_steps[j, step], torch.float32)
+    assert torch.equal(stack[0], before[0])
+
+
+@pytest.mark.parametrize("tokens,hv,d", [(1, 3, 32), (5, 2, 128)])
+def test_gated_norm(tokens, hv, d):
+    from runtime.kernels.gated_norm import gated_norm, gated_norm_reference
+
+    o = torch.randn(tokens, hv, d, device=DEVICE)
+    z_wide = torch.randn(tokens, hv * d + 7, device=DEVICE).to(DTYPE)  # a strided view, as split() gives
+    z = z_wide[:, 7:]
+    w = torch.randn(d, device=DEVICE).to(DTYPE)
+    _check(gated_norm(o, z, w, 1e-6, DTYPE, out=_poison((tokens, hv * d))), gated_norm_reference(o, z, w, 1e-6, DTYPE))
+
+
 @pytest.mark.parametrize("b,t,c", [(1, 1, 40), (2, 2, 300), (1, 9, 64)])
 def test_causal_conv1d(b, t, c):
     from runtime.kernels.conv1d import causal_conv1d, causal_conv1d_reference

@@ -1,0 +1,102 @@
+"""Gated delta rule for decode / verify with its preparation folded in: reads the conv output and the
+raw alpha/beta projections, l2-normalizes q and k of the key head that serves each value head, forms
+the decay g = -exp(A_log) * softplus(alpha + dt_bias) and beta = sigmoid(b), then runs the recurrence
+(slot stack, lane index and snapshots as in gdn_decode). One launch replaces about fifteen small ones
+per GDN layer, which matter inside a decode step of 48 such layers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+L2_EPS = 1e-6
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
+                      T, HV, SLOTS, stride_x, stride_ab, key_dim, q_scale, eps,
+                      RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                      SNAPSHOT: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // RATIO
+    lane = tl.load(lanes_ptr + b).to(tl.int64)
+    dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    slot_elems = HV * DK * DV
+    tile = (h * DK) * DV + dk[:, None] * DV + dv[None, :]
+    base = state_ptr + lane * SLOTS * slot_elems
+    s = tl.load(base + tile)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    for t in range(T):
+        row = b * T + t
+        xr = x_ptr + row * stride_x
+        q = tl.load(xr + hk * DK + dk).to(tl.float32)
+        k = tl.load(xr + key_dim + hk * DK + dk).to(tl.float32)
+        v = tl.load(xr + 2 * key_dim + h * DV + dv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * q_scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        alpha = tl.load(alpha_ptr + row * stride_ab + h).to(tl.float32)
+        g = -tl.exp(a_log) * _softplus(alpha + dt_bias)
+        beta = tl.sigmoid(tl.load(beta_ptr + row * stride_ab + h).to(tl.float32))
+        s = s * tl.exp(g)
+        remembered = tl.sum(s * k[:, None], axis=0)
+        delta = (v - remembered) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + (row * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
+        if SNAPSHOT:
+            tl.store(base + (t + 1) * slot_elems + tile, s)
+    tl.store(base + tile, s)
+
+
+def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapshot: bool = False, out=None):
+    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV];
+    a_log, dt_bias [HV] fp32; state: slot stack [N, S, HV, DK, DV] fp32 (slot 0 updated in place, slots
+    1..T get per-step snapshots with `snapshot`); lanes int [B]. Returns o [B, T, HV, DV] fp32."""
+    bsz, t, width = x.shape
+    _, slots, hv, dk, dv = state.shape
+    key_dim = heads_k * dk
+    if width != 2 * key_dim + hv * dv:
+        raise ValueError(f"gdn_fused: x has {width} columns, expected {2 * key_dim + hv * dv}")
+    if snapshot and slots < t + 1:
+        raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {slots}")
+    x = x.reshape(bsz * t, width)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
+    o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
+    block_v = dv if os.environ.get("TRITON_INTERPRET") == "1" else min(32, dv)
+    _gdn_fused_kernel[(bsz, hv, dv // block_v)](
+        x, alpha, beta, a_log, dt_bias, state, lanes, o, t, hv, slots, x.stride(0), hv, key_dim, dk ** -0.5, L2_EPS,
+        RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot)
+    return o
+
+
+def gdn_fused_reference(x, alpha, beta, a_log, dt_bias, state, heads_k: int):
+    """Plain torch: the separate preparation ops, then the recurrent reference. state [B, HV, DK, DV]."""
+    import torch.nn.functional as F
+
+    from runtime.kernels.gdn_decode import gdn_recurrent_reference
+    from runtime.reference_ops import l2_normalize
+
+    bsz, t, _ = x.shape
+    hv, dk, dv = state.shape[1:]
+    key_dim = heads_k * dk
+    q, k, v = x.float().split([key_dim, key_dim, hv * dv], dim=-1)
+    q = l2_normalize(q.reshape(bsz, t, heads_k, dk)).repeat_interleave(hv // heads_k, 2) * dk ** -0.5
+    k = l2_normalize(k.reshape(bsz, t, heads_k, dk)).repeat_interleave(hv // heads_k, 2)
+    g = -a_log.exp() * F.softplus(alpha.float().reshape(bsz, t, hv) + dt_bias)
+    b = torch.sigmoid(beta.float().reshape(bsz, t, hv))
+    return gdn_recurrent_reference(q, k, v.reshape(bsz, t, hv, dv), g, b, state)
