@@ -45,19 +45,6 @@ def test_qlinear(fmt, t, n, k):
     _check(qlinear(x, w, out=_poison((t, n))), qlinear_reference(x, w))
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits < 8],
-                         ids=lambda f: f.name)
-@pytest.mark.parametrize("n,k", [(70, 200), (40, 2048)])
-def test_qlinear_group_step_gemv(fmt, n, k, monkeypatch):
-    """The one-group-per-step T=1 kernel (odd K padded to whole groups, split K, partial row blocks)."""
-    from runtime.kernels import qlinear as module
-
-    monkeypatch.setattr(module, "T1_NIBBLE_PATH", "group")
-    w = _packed(n, k, fmt, seed=n + k)
-    x = torch.randn(1, k, device=DEVICE).to(DTYPE)
-    _check(module.qlinear(x, w, out=_poison((1, n))), module.qlinear_reference(x, w))
-
-
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("t,h", [(1, 64), (5, 100)])
 def test_rmsnorm(residual, t, h):

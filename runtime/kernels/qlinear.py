@@ -21,9 +21,6 @@ from format.numeric import GroupedFormat
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
 VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
-# Group-step GEMV for T = 1 nibble formats (_qgemv_group_kernel); "vec" keeps the older FMA kernel.
-GROUP_TUNING = {"block_n": 64, "unroll": 2, "num_warps": 4}
-T1_NIBBLE_PATH = "vec"  # "vec" | "group": chosen by the H200 sweep (bench/RESULTS.md)
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
 INTERPRETER_PROGRAMS = 4
 INTERPRETER_BLOCK_N = 64
@@ -197,72 +194,6 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-@triton.jit
-def _qgemv_group_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, GROUPS_PER_SPLIT,
-                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
-    """T = 1, nibble formats, one quantization group per step: codes [BLOCK_N, GROUP/2] times x, times
-    the row's scale, accumulated in a 2-D register tile and reduced once at the end. No reshapes, so
-    no layout conversions through shared memory; UNROLL groups per iteration keep loads in flight."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    row_ok = rows < N
-    pair = tl.arange(0, GROUP // 2)
-    acc = tl.zeros((BLOCK_N, GROUP // 2), dtype=tl.float32)
-    g_begin = split * GROUPS_PER_SPLIT
-    for g0 in range(g_begin, g_begin + GROUPS_PER_SPLIT, UNROLL):
-        for u in tl.static_range(UNROLL):
-            g = g0 + u
-            byte = g * (GROUP // 2) + pair
-            packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + byte[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-            lo = packed & 0xF
-            hi = (packed >> 4) & 0xF
-            if BITS == 5:  # high byte j // 4 of the group: even lane bit 2*(j%4), odd lane the next bit
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + (pair // 4)[None, :],
-                             mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 2 * (pair % 4)
-                lo = lo | (((hb >> sh[None, :]) & 1) << 4)
-                hi = hi | (((hb >> (sh[None, :] + 1)) & 1) << 4)
-            if BITS == 6:  # high byte j // 2: even lane bits 4*(j%2)..+1, odd lane the next two
-                hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + (pair // 2)[None, :],
-                             mask=row_ok[:, None], other=0).to(tl.int32)
-                sh = 4 * (pair % 2)
-                lo = lo | (((hb >> sh[None, :]) & 3) << 4)
-                hi = hi | (((hb >> (sh[None, :] + 2)) & 3) << 4)
-            sign: tl.constexpr = 1 << (BITS - 1)
-            lo = (lo ^ sign) - sign
-            hi = (hi ^ sign) - sign
-            ke = g * GROUP + 2 * pair
-            x_even = tl.load(x_ptr + ke, mask=ke < K, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + ke + 1, mask=ke + 1 < K, other=0.0).to(tl.float32)
-            scale = tl.load(scale_ptr + rows * GPR + g, mask=row_ok, other=0.0).to(tl.float32)
-            acc += (lo.to(tl.float32) * x_even[None, :] + hi.to(tl.float32) * x_odd[None, :]) * scale[:, None]
-    tl.store(y_ptr + split * N + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
-
-
-def _gemv_group(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
-    block_n, unroll, warps = GROUP_TUNING["block_n"], GROUP_TUNING["unroll"], GROUP_TUNING["num_warps"]
-    programs = TARGET_PROGRAMS
-    if _interpreted():
-        block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
-    groups = w.groups_per_row
-    while groups % unroll:
-        unroll //= 2
-    blocks = triton.cdiv(w.rows, block_n)
-    split = 1
-    while blocks * split * 2 <= programs and groups % (split * 2 * unroll) == 0 and groups // (split * 2) >= 2 * unroll:
-        split *= 2
-    target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
-    high = w.high if w.high is not None else w.base
-    _qgemv_group_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, groups // split,
-                                         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-                                         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, UNROLL=unroll,
-                                         num_warps=warps)
-    if split > 1:
-        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
-    return y
-
-
 def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     block_n, block_k = VEC_TUNING["block_n"], VEC_TUNING["block_k"]
     programs = TARGET_PROGRAMS
@@ -324,8 +255,6 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     if t > GEMV_MAX_T:
         return _gemm(x, w, y)
     if t == 1:
-        if T1_NIBBLE_PATH == "group" and w.fmt.bits < 8:
-            return _gemv_group(x, w, y)
         return _gemv_vec(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
