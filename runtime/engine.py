@@ -17,7 +17,7 @@ from format.layouts import RowSplitGeometry
 from format.numeric import GroupedFormat, get_format
 
 from .allocator import DeviceMemory
-from .kernels.conv1d import causal_conv1d
+from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_fused import gdn_fused
 from .kernels.paged_attention import PAGE, paged_attention
@@ -244,15 +244,20 @@ class Engine:
         qkvz = self.lin[p + "query_key_value_z"](h)
         qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
         conv_stack = self.conv_stack[j]
-        conv_state = conv_stack[lanes_idx, 0]  # a small copy: W-1 rows per lane
-        x_in = qkv.reshape(b, t, -1).to(conv_state.dtype)
-        if snapshot:  # the conv window after each step, for rollback to any accepted prefix
-            seq = torch.cat([conv_state, x_in], dim=1)
-            w = c.conv_kernel - 1
-            conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
         weight = self.vec[p + "convolution"]
-        x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
-        conv_stack[lanes_idx, 0] = conv_state
+        if c.conv_kernel == 4:
+            # lane-indexed kernel: reads and writes the slot stack in place, snapshots included
+            # inputs in the state's dtype (a no-op on the GPU), so carried and fresh rows round alike
+            x = causal_conv1d_lanes(qkv.reshape(b, t, -1).to(conv_stack.dtype), conv_stack, lanes_idx, weight, snapshot)
+        else:
+            conv_state = conv_stack[lanes_idx, 0]  # a small copy: W-1 rows per lane
+            x_in = qkv.reshape(b, t, -1).to(conv_state.dtype)
+            if snapshot:  # the conv window after each step, for rollback to any accepted prefix
+                seq = torch.cat([conv_state, x_in], dim=1)
+                w = c.conv_kernel - 1
+                conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
+            x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
+            conv_stack[lanes_idx, 0] = conv_state
         hv = c.linear_num_value_heads
         o = gdn_fused(x, self.lin[p + "alpha_projection"](h), self.lin[p + "beta_projection"](h), self.vec[p + "a_log"],
                       self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx, c.linear_num_key_heads, snapshot)

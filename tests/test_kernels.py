@@ -157,6 +157,30 @@ def test_gated_norm(tokens, hv, d):
     _check(gated_norm(o, z, w, 1e-6, DTYPE, out=_poison((tokens, hv * d))), gated_norm_reference(o, z, w, 1e-6, DTYPE))
 
 
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_causal_conv1d_lanes(t):
+    """Lane-indexed width-4 conv on a slot stack: equals the reference per lane, snapshots hold each
+    step's window, other lanes and slots stay untouched; x may be a strided column slice."""
+    from runtime.kernels.conv1d import causal_conv1d_lanes, causal_conv1d_reference
+
+    b, c = 2, 300
+    wide = torch.randn(b, t, c + 9, device=DEVICE).to(DTYPE)
+    x = wide[..., :c]
+    stack = torch.randn(3, t + 2, 3, c, device=DEVICE).to(DTYPE)
+    lanes = torch.tensor([2, 0], device=DEVICE, dtype=torch.int32)
+    w = torch.randn(c, 4, device=DEVICE).to(DTYPE)
+    before = stack.clone()
+    got = causal_conv1d_lanes(x, stack, lanes, w, snapshot=True, out=_poison((b, t, c)))
+    for j, lane in enumerate(lanes.tolist()):
+        want_y, want_s = causal_conv1d_reference(x[j : j + 1].cpu(), before[lane, 0][None].cpu(), w.cpu())
+        _check(got[j : j + 1].cpu(), want_y)
+        _check(stack[lane, 0].cpu(), want_s[0])
+        seq = torch.cat([before[lane, 0].cpu(), x[j].cpu()])
+        for step in range(t):
+            _check(stack[lane, step + 1].cpu(), seq[step + 1 : step + 4])
+    assert torch.equal(stack[1], before[1]) and torch.equal(stack[:, t + 1], before[:, t + 1])
+
+
 @pytest.mark.parametrize("b,t,c", [(1, 1, 40), (2, 2, 300), (1, 9, 64)])
 def test_causal_conv1d(b, t, c):
     from runtime.kernels.conv1d import causal_conv1d, causal_conv1d_reference

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -57,3 +59,55 @@ def causal_conv1d_reference(x, state, weight):
         ys.append(y)
         states.append(s)
     return torch.stack(ys).to(x.dtype), torch.stack(states)
+
+
+@triton.jit
+def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, stride_x,
+                        BLOCK_C: tl.constexpr, SNAPSHOT: tl.constexpr):
+    """Width-4 causal conv + SiLU for one lane's channel block. The three carried inputs live in
+    registers across the steps, so the lane's slot-0 state is read once and written once (no copies);
+    with SNAPSHOT, the window after step t also goes to slot t+1 (speculative rollback)."""
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < C
+    lane = tl.load(lanes_ptr + b).to(tl.int64)
+    slot = 3 * C
+    st = state_ptr + lane * SLOTS * slot
+    p0 = tl.load(st + cols, mask=ok, other=0.0).to(tl.float32)
+    p1 = tl.load(st + C + cols, mask=ok, other=0.0).to(tl.float32)
+    p2 = tl.load(st + 2 * C + cols, mask=ok, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + cols * 4 + 0, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + cols * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + cols * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + cols * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    for t in range(T):
+        xt = tl.load(x_ptr + (b * T + t) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        acc = w0 * p0 + w1 * p1 + w2 * p2 + w3 * xt
+        tl.store(y_ptr + (b * T + t) * C + cols, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=ok)
+        p0, p1, p2 = p1, p2, xt
+        if SNAPSHOT:
+            snap = st + (t + 1) * slot
+            tl.store(snap + cols, p0.to(state_ptr.dtype.element_ty), mask=ok)
+            tl.store(snap + C + cols, p1.to(state_ptr.dtype.element_ty), mask=ok)
+            tl.store(snap + 2 * C + cols, p2.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(st + cols, p0.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(st + C + cols, p1.to(state_ptr.dtype.element_ty), mask=ok)
+    tl.store(st + 2 * C + cols, p2.to(state_ptr.dtype.element_ty), mask=ok)
+
+
+def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tensor, weight: torch.Tensor,
+                        snapshot: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Width-4 conv over x [B, T, C] (rows may be strided) for lanes `lanes` of a state stack
+    [N, S, 3, C]: slot 0 in place, snapshots of each step's window in slots 1..T. Returns [B, T, C]."""
+    bsz, t, c = x.shape
+    if weight.shape[1] != 4 or stack.shape[2] != 3:
+        raise ValueError("causal_conv1d_lanes handles width-4 convolutions only")
+    if snapshot and stack.shape[1] < t + 1:
+        raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {stack.shape[1]}")
+    if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
+        x = x.contiguous()
+    y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
+    block = 1024 if os.environ.get("TRITON_INTERPRET") == "1" else 256
+    _conv4_lanes_kernel[(bsz, triton.cdiv(c, block))](x, stack, lanes, weight, y, t, c, stack.shape[1], x.stride(1),
+                                                       BLOCK_C=block, SNAPSHOT=snapshot)
+    return y
