@@ -18,6 +18,7 @@ from format.numeric import GroupedFormat, get_format
 
 from .allocator import DeviceMemory
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
+from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_fused import gdn_fused
 from .kernels.paged_attention import PAGE, paged_attention
@@ -259,8 +260,13 @@ class Engine:
             x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
             conv_stack[lanes_idx, 0] = conv_state
         hv = c.linear_num_value_heads
-        o = gdn_fused(x, self.lin[p + "alpha_projection"](h), self.lin[p + "beta_projection"](h), self.vec[p + "a_log"],
-                      self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx, c.linear_num_key_heads, snapshot)
+        alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
+        if h.shape[0] <= PAIR_MAX_ROWS and isinstance(alpha_w, DenseLinear) and isinstance(beta_w, DenseLinear):
+            alpha, beta = dense_pair(h, alpha_w.weight, beta_w.weight)  # one launch instead of two GEMMs
+        else:
+            alpha, beta = alpha_w(h), beta_w(h)
+        o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx,
+                      c.linear_num_key_heads, snapshot)
         gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype)
         return self.lin[p + "output"](gated)
 

@@ -157,6 +157,17 @@ def test_gated_norm(tokens, hv, d):
     _check(gated_norm(o, z, w, 1e-6, DTYPE, out=_poison((tokens, hv * d))), gated_norm_reference(o, z, w, 1e-6, DTYPE))
 
 
+@pytest.mark.parametrize("t,n,k", [(1, 48, 320), (4, 20, 200)])
+def test_dense_pair(t, n, k):
+    from runtime.kernels.dense_pair import dense_pair, dense_pair_reference
+
+    x = torch.randn(t, k, device=DEVICE).to(DTYPE)
+    w1, w2 = torch.randn(n, k, device=DEVICE).to(DTYPE), torch.randn(n, k, device=DEVICE).to(DTYPE)
+    got, want = dense_pair(x, w1, w2), dense_pair_reference(x, w1, w2)
+    _check(got[0], want[0])
+    _check(got[1], want[1])
+
+
 @pytest.mark.parametrize("t", [1, 2, 5])
 def test_causal_conv1d_lanes(t):
     """Lane-indexed width-4 conv on a slot stack: equals the reference per lane, snapshots hold each

@@ -1,0 +1,54 @@
+"""Two small bf16 projections of the same rows in one launch: y1 = x @ W1^T, y2 = x @ W2^T, for the GDN
+alpha and beta heads (N = value heads, a few dozen rows each). cuBLAS spends two split-K GEMMs plus
+two reductions on these per layer; here each program streams a [BLOCK_N, K] slice of one matrix."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PAIR_MAX_ROWS = 16  # decode and verify blocks; prefill keeps cuBLAS
+
+
+@triton.jit
+def _dense_pair_kernel(x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr, N, K, stride_x,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    which = tl.program_id(2)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_ptr = w1_ptr if which == 0 else w2_ptr
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + t * stride_x + ks, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if which == 0:
+        tl.store(y1_ptr + t * N + rows, y.to(y1_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        tl.store(y2_ptr + t * N + rows, y.to(y2_ptr.dtype.element_ty), mask=row_ok)
+
+
+def dense_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K]; w1, w2 [N, K] contiguous, same shape -> (x @ w1.T, x @ w2.T), each [T, N] in x's dtype."""
+    t, k = x.shape
+    n = w1.shape[0]
+    if w2.shape != w1.shape or w1.shape[1] != k:
+        raise ValueError(f"dense_pair: shapes {tuple(w1.shape)}, {tuple(w2.shape)} do not match x [{t}, {k}]")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y1 = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    y2 = torch.empty_like(y1)
+    block_n = 16
+    _dense_pair_kernel[(t, triton.cdiv(n, block_n), 2)](x, w1, w2, y1, y2, n, k, x.stride(0), BLOCK_N=block_n,
+                                                         BLOCK_K=256)
+    return y1, y2
+
+
+def dense_pair_reference(x, w1, w2):
+    return (x.float() @ w1.float().t()).to(x.dtype), (x.float() @ w2.float().t()).to(x.dtype)
