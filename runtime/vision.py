@@ -38,6 +38,11 @@ class VisionConfig:
     out_hidden_size: int
     in_channels: int = 3
     rope_theta: float = 10000.0
+    # preprocessing, from the checkpoint's preprocessor_config.json when it has one
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+    image_mean: tuple = IMAGE_MEAN
+    image_std: tuple = IMAGE_STD
 
     @classmethod
     def from_artifact(cls, art: Artifact) -> "VisionConfig":
@@ -45,12 +50,20 @@ class VisionConfig:
         v = cfg.get("vision_config")
         if not isinstance(v, dict):
             raise BindingError("the artifact's config has no vision_config; it cannot run images")
+        pre = {}
+        if art.has(RESOURCE_NAMES["preprocessor_config"]):
+            pre = json.loads(art.resource_bytes(RESOURCE_NAMES["preprocessor_config"]))
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
         return cls(depth=v["depth"], hidden_size=v["hidden_size"], num_heads=v["num_heads"],
                    patch_size=v["patch_size"], temporal_patch_size=v.get("temporal_patch_size", 2),
                    spatial_merge_size=v.get("spatial_merge_size", 2),
                    num_position_embeddings=v["num_position_embeddings"], out_hidden_size=v["out_hidden_size"],
                    in_channels=v.get("in_channels", 3),
-                   rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+                   rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+                   min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
+                   max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
+                   image_mean=tuple(pre.get("image_mean") or IMAGE_MEAN),
+                   image_std=tuple(pre.get("image_std") or IMAGE_STD))
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ def fit_size(height: int, width: int, factor: int, min_pixels: int = MIN_PIXELS,
     return h, w
 
 
-def preprocess(data: bytes, cfg: VisionConfig, max_pixels: int = MAX_PIXELS) -> ImageInput:
+def preprocess(data: bytes, cfg: VisionConfig) -> ImageInput:
     """Decode (Pillow), resize to the patch grid, normalize, and cut merge-ordered patches."""
     from PIL import Image, UnidentifiedImageError
 
@@ -109,10 +122,10 @@ def preprocess(data: bytes, cfg: VisionConfig, max_pixels: int = MAX_PIXELS) -> 
         raise ValueError(f"cannot decode the image ({exc}); send PNG, JPEG, GIF or WebP") from None
     img = img.convert("RGB")
     p, m = cfg.patch_size, cfg.spatial_merge_size
-    h, w = fit_size(img.height, img.width, p * m, max_pixels=max_pixels)
+    h, w = fit_size(img.height, img.width, p * m, cfg.min_pixels, cfg.max_pixels)
     img = img.resize((w, h), Image.Resampling.BICUBIC)
     x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, 3).float() / 255.0
-    x = (x - torch.tensor(IMAGE_MEAN)) / torch.tensor(IMAGE_STD)
+    x = (x - torch.tensor(cfg.image_mean)) / torch.tensor(cfg.image_std)
     return patchify(x.permute(2, 0, 1), cfg)
 
 

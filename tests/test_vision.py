@@ -245,3 +245,27 @@ def test_image_sink_sources_and_limits(tmp_path):
     with pytest.raises(RequestError, match="vision_disabled"):
         normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}],
                                   False)
+
+
+@pytest.mark.parametrize("h,w,min_pixels,max_pixels", [(30, 50, 64, 64 * 64), (300, 200, 64, 64 * 64),
+                                                        (17, 90, 3136, 100_000)])
+def test_preprocess_equals_transformers_image_processor(h, w, min_pixels, max_pixels):
+    """Resize (round / shrink / grow to the merge grid), normalization and patch order bit-identical to
+    transformers' PIL image processor for Qwen2-VL-family models."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    proc_cls = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+    if proc_cls is None:
+        pytest.skip("this transformers has no Qwen2VLImageProcessorPil")
+    proc = proc_cls(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels,
+                    image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    img = Image.fromarray((np.random.RandomState(h + w).rand(h, w, 3) * 255).astype("uint8"))
+    want = proc(images=[img], return_tensors="pt")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    cfg = VisionConfig(1, 8, 2, 4, 2, 2, 16, 8, min_pixels=min_pixels, max_pixels=max_pixels)
+    got = preprocess(buf.getvalue(), cfg)
+    assert [list(got.grid_thw)] == want["image_grid_thw"].tolist()
+    assert torch.equal(got.pixel_values, want["pixel_values"].float())
