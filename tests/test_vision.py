@@ -34,14 +34,18 @@ def _prompt(images):
     return expand_image_tokens(ids + [50, 60], images, IMAGE_TOKEN)
 
 
-def test_reference_logits_match_transformers_on_an_image_prompt(hf_dense, vision_artifact):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_reference_logits_match_transformers_on_an_image_prompt(hf_dense, hf_moe, vision_artifact, moe, tmp_path):
     import transformers
 
-    art = Artifact(vision_artifact)
+    src = hf_moe if moe else hf_dense
+    path = convert_checkpoint(src, tmp_path / "m.nfer", ConvertOptions(recipe="bf16")).output if moe else vision_artifact
+    art = Artifact(path)
     cfg = VisionConfig.from_artifact(art)
     images = [_image(cfg), _image(cfg, 4, 4, seed=1)]
     ids = _prompt(images)
-    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(hf_dense, dtype=torch.float32).eval()
+    cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
+    hf = cls.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():
         types = torch.tensor([[1 if t == IMAGE_TOKEN else 0 for t in ids]])
         want = hf(input_ids=torch.tensor([ids]), mm_token_type_ids=types, pixel_values=torch.cat([i.pixel_values for i in images]),
