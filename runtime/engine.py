@@ -447,9 +447,9 @@ class Engine:
                 self.mtp.mark_stale(lane)
         if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
             shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
-            logits = self.run_step(("decode-shifted", tuple(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
+            logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
         else:
-            logits = self.run_step(("decode", tuple(lanes)), self.forward, lanes_t, toks, pos)
+            logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()
 
     def _shifted_forward(self, lanes_t, toks, pos, rope_pos):
@@ -457,12 +457,16 @@ class Engine:
 
     def run_step(self, key, fn, lanes_t, *inputs):
         """Run `fn(lanes_t, *inputs)`: eagerly, or as a CUDA graph captured on first use for `key`
-        (fixed lanes and shapes). Returns fn's outputs (static buffers when graphed)."""
+        (a step kind and batch size: fixed shapes). Every kernel reads its lanes from the lanes tensor
+        on the device, so one graph per batch size serves any set of lanes: their indices are copied
+        into the graph's lanes tensor like any other input. Returns fn's outputs (static buffers when
+        graphed)."""
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
             self._graphs[key] = self._capture(fn, lanes_t, inputs)
-        graph, _, static_inputs, outputs = self._graphs[key]
+        graph, static_lanes, static_inputs, outputs = self._graphs[key]
+        static_lanes.copy_(lanes_t)
         for dst, src in zip(static_inputs, inputs):
             dst.copy_(src)
         graph.replay()

@@ -180,7 +180,7 @@ class MtpState:
         lanes_t = torch.tensor(lanes, device=dev)
         first_t = torch.tensor(first, device=dev)
         rows_t = torch.tensor([L - m for L, m in zip(held, first)], device=dev)
-        key = tuple(lanes)
+        key = len(lanes)  # graphs are per batch size; the lane indices are a graph input
         moe_sync = e.cfg.is_moe and len(lanes) * (k + 1) > 16  # the MoE prefill path syncs the host
         if moe_sync:
             e._eager_keys.update({("draft", key), ("verify", key)})
