@@ -197,7 +197,7 @@ class MtpState:
                                 _per_lane(generator, b))
             emitted = []
             for i in range(k + 1):
-                tok = greedy[b][i] if greedy is not None and p is None else pick_token(logits[b, i], p, cnt, g)
+                tok = greedy[b][i] if p is None else pick_token(logits[b, i], p, cnt, g)
                 if self.forced_accept is not None:
                     if i < k:
                         d = draft_rows[b][i]
