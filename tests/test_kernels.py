@@ -40,9 +40,35 @@ def _packed(n, k, fmt, seed):
 def test_qlinear(fmt, t, n, k):
     from runtime.kernels.qlinear import qlinear, qlinear_reference
 
+    from runtime.kernels.qgemv_int8 import INT8_BITS, qgemv_int8_reference
+    from runtime.kernels.qlinear import GEMV_PATH
+
     w = _packed(n, k, fmt, seed=t * 1000 + n)
     x = torch.randn(t, k, device=DEVICE).to(DTYPE)
-    _check(qlinear(x, w, out=_poison((t, n))), qlinear_reference(x, w))
+    # one row of x with 4- / 8-bit codes takes the dp4a path: 14-bit activations, its own reference
+    int8 = t == 1 and fmt.bits in INT8_BITS and GEMV_PATH == "int8"
+    _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(70, 200), (33, 1024), (5, 128)])
+def test_qgemv_int8(bits, n, k):
+    """The dp4a GEMV (emulated under the interpreter) == its integer reference to float rounding,
+    and within the 14-bit activation rounding of the exact float product."""
+    from runtime.kernels.qgemv_int8 import qgemv_int8, qgemv_int8_reference
+    from runtime.kernels.qlinear import qlinear_reference
+
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(n, k, fmt, seed=n + k + bits)
+    x = torch.randn(1, k, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 4  # uneven magnitudes per group
+    x[0, :7] = 0.0  # an all-but-zero stretch
+    got = qgemv_int8(x.float(), w, _poison((1, n), torch.float32), block_n=16, block_k=128,
+                     split=1 if k <= 128 else 2, num_warps=4)
+    assert not torch.isnan(got).any()
+    want = qgemv_int8_reference(x.float(), w)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    exact = qlinear_reference(x.float(), w)
+    assert ((got - exact).abs().max() / exact.abs().max()).item() < 5e-4
 
 
 @pytest.mark.parametrize("residual", [False, True])

@@ -1,0 +1,182 @@
+"""Decode GEMV (one row of x) for the 4- and 8-bit row-split formats with integer dot products.
+
+Why: converting every 4-bit code to float (one I2F per weight, a quarter-rate instruction on Hopper)
+made the float GEMV compute-bound at a fifth of the copy bandwidth. Here x is quantized per weight
+group to 14 bits, split into a high and a low signed byte (x = 128 * hi + lo), and each 32-bit word
+of codes meets x in `dp4a` instructions: four byte products per instruction, integer accumulation,
+one float conversion per group. Nibble codes are made unsigned (q + 8) with one logic op per word;
+the offset comes back as 8 * sum(x) per group.
+
+Numerics: x is rounded to 14 bits relative to its group's largest magnitude (relative error of a
+group's dot product <= ~1e-4); weights are exact. `qgemv_int8_reference` computes the same integer
+sums in int64. Under TRITON_INTERPRET the dp4a instruction is emulated with shifts (same integers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
+ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
+ROUND_MAGIC_BITS = 0x4B400000
+INT8_BITS = (4, 8)  # formats this path serves; others keep the float GEMV
+
+
+def _use_asm() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _dp4a(a, b, c, A_SIGNED: tl.constexpr, USE_ASM: tl.constexpr):
+    """c + sum over the four bytes of a * b (b signed; a signed or unsigned), elementwise int32."""
+    if USE_ASM:
+        if A_SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = c
+        for i in tl.static_range(4):
+            if A_SIGNED:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 255
+            out += ai * ((b << (24 - 8 * i)) >> 24)
+        return out
+
+
+@triton.jit
+def _pack4(b0, b1, b2, b3):
+    """Four signed byte values -> one int32 word, b0 in the lowest byte."""
+    return (b0 & 255) | ((b1 & 255) << 8) | ((b2 & 255) << 16) | ((b3 & 255) << 24)
+
+
+@triton.jit
+def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x lanes [k0, k0 + BLOCK_K) as dp4a words. Returns (hi_a, lo_a, hi_b, lo_b, x_scale [groups],
+    x_sum [groups]): for 4-bit codes a = even lanes and b = odd lanes, BLOCK_K / 8 words each; for
+    8-bit codes a = all lanes in order (BLOCK_K / 4 words) and b is unused."""
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    ks = k0 + tl.arange(0, BLOCK_K)
+    xg = tl.reshape(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), (gpb, GROUP))
+    amax = tl.max(tl.abs(xg), axis=1)
+    x_scale = tl.where(amax > 0, amax / X_LEVELS, 1.0)
+    r = ((xg / x_scale[:, None]) + ROUND_MAGIC).to(tl.int32, bitcast=True) - ROUND_MAGIC_BITS
+    x_sum = tl.sum(r, axis=1)
+    hi = (r + 64) >> 7
+    lo = r - (hi << 7)
+    if BITS == 4:  # flat lane = word * 8 + byte * 2 + parity, byte = 2 * b1 + b0
+        hi_e, hi_o = tl.split(tl.reshape(hi, (BLOCK_K // 8, 2, 2, 2)))
+        lo_e, lo_o = tl.split(tl.reshape(lo, (BLOCK_K // 8, 2, 2, 2)))
+    else:  # flat lane = word * 4 + byte; a dummy parity axis keeps one code path
+        hi_e = tl.reshape(hi, (BLOCK_K // 4, 2, 2))
+        lo_e = tl.reshape(lo, (BLOCK_K // 4, 2, 2))
+        hi_o, lo_o = hi_e, lo_e
+    a0, a1 = tl.split(hi_e)  # [words, b1] for b0 = 0, 1
+    h00, h10 = tl.split(a0)
+    h01, h11 = tl.split(a1)
+    a0, a1 = tl.split(lo_e)
+    l00, l10 = tl.split(a0)
+    l01, l11 = tl.split(a1)
+    a0, a1 = tl.split(hi_o)
+    o00, o10 = tl.split(a0)
+    o01, o11 = tl.split(a1)
+    a0, a1 = tl.split(lo_o)
+    p00, p10 = tl.split(a0)
+    p01, p11 = tl.split(a1)
+    return (_pack4(h00, h01, h10, h11), _pack4(l00, l01, l10, l11), _pack4(o00, o01, o10, o11),
+            _pack4(p00, p01, p10, p11), x_scale, x_sum)
+
+
+@triton.jit
+def _dot_rows_int8(x_ptr, base_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
+                   GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32. `base_ptr` points at the
+    code plane as int32 words (row stride K_PAD * BITS / 32 words)."""
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    wpb: tl.constexpr = BLOCK_K * BITS // 32  # words per block and row
+    wpg: tl.constexpr = GROUP * BITS // 32  # words per group
+    row_words: tl.constexpr = K_PAD * BITS // 32
+    acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
+        widx = k0 * BITS // 32 + tl.arange(0, wpb)
+        words = tl.load(base_ptr + rows[:, None] * row_words + widx[None, :], mask=row_ok[:, None], other=0)
+        zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
+        if BITS == 4:
+            even = (words ^ -2004318072) & 0x0F0F0F0F  # 0x88888888: two's-complement nibble -> q + 8
+            odd = ((words >> 4) ^ 0x08080808) & 0x0F0F0F0F
+            d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, False, USE_ASM)
+            d = _dp4a(odd, tl.broadcast_to(hi_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM) << 7
+            d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
+            d = _dp4a(odd, tl.broadcast_to(lo_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
+        else:
+            d = _dp4a(words, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
+            d = _dp4a(words, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
+        dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
+        if BITS == 4:
+            dg -= 8 * x_sum[None, :]
+        gidx = k0 // GROUP + tl.arange(0, gpb)
+        w_scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0)
+        acc += dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _qgemv_int8_kernel(x_ptr, base_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
+                       GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    row_ok = rows < N
+    y = _dot_rows_int8(x_ptr, base_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT,
+                       GPR, K_PAD, BITS, GROUP, BLOCK_N, BLOCK_K, USE_ASM)
+    tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def code_words(base: torch.Tensor) -> torch.Tensor:
+    """The code plane as int32 words (a view; planes are 4-byte aligned and whole words per row)."""
+    return base.view(torch.int32) if base.dtype != torch.int32 else base
+
+
+def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int):
+    """y[0] = W @ x[0] for a 4- or 8-bit PackedLinear; `split` K-splits write float32 partials first."""
+    if w.k_pad % (split * block_k):
+        raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
+    target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
+    _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
+        x, code_words(w.base), w.scale, target, w.rows, w.cols, w.k_pad // split, GPR=w.groups_per_row,
+        K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        USE_ASM=_use_asm(), num_warps=num_warps)
+    if split > 1:
+        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
+    return y
+
+
+def quantize_x_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K_pad] float32 -> (integer codes [K_pad] int64 in [-X_LEVELS, X_LEVELS], scale per group)."""
+    xg = x.float().view(-1, group)
+    amax = xg.abs().amax(1)
+    scale = torch.where(amax > 0, amax / X_LEVELS, torch.ones_like(amax))
+    return torch.round(xg / scale[:, None]).long().view(-1), scale
+
+
+def qgemv_int8_reference(x: torch.Tensor, w) -> torch.Tensor:
+    """The same arithmetic in plain torch: exact integer group sums, then float scales. x [1, K]."""
+    from runtime.dequant import unpack_codes
+
+    g = w.fmt.group_size
+    xp = torch.zeros(w.k_pad, dtype=torch.float32, device=x.device)
+    xp[: w.cols] = x[0].float()
+    codes, x_scale = quantize_x_reference(xp, g)
+    q = unpack_codes(w.base.view(torch.uint8), None, w.rows, w.k_pad, w.fmt).long()
+    sums = (q.view(w.rows, -1, g) * codes.view(1, -1, g)).sum(-1)  # exact int64 [N, groups]
+    scale = w.scale.float().view(w.rows, -1).double()
+    return (sums.double() * scale * x_scale.double()[None, :]).sum(1).to(x.dtype)[None, :]
