@@ -7,6 +7,7 @@ static and decode can be captured once per batch shape.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from .allocator import DeviceMemory
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
+from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, fla_available, gdn_chunked
 from .kernels.gdn_fused import gdn_fused
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import expert_gemv, route
@@ -102,6 +104,8 @@ class Engine:
             self.vision = VisionTower.from_artifact(self.art, self.device, self.act_dtype, resident=self.vec)
         self.stats = EngineStats()
         self.use_graphs = on_gpu and cuda_graphs
+        # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
+        self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
 
@@ -265,8 +269,12 @@ class Engine:
             alpha, beta = dense_pair(h, alpha_w.weight, beta_w.weight)  # one launch instead of two GEMMs
         else:
             alpha, beta = alpha_w(h), beta_w(h)
-        o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx,
-                      c.linear_num_key_heads, snapshot)
+        if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn:
+            o = gdn_chunked(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
+                            lanes_idx, c.linear_num_key_heads)
+        else:
+            o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
+                          lanes_idx, c.linear_num_key_heads, snapshot)
         gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype)
         return self.lin[p + "output"](gated)
 

@@ -187,6 +187,13 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
     group = cfg.num_heads // cfg.num_kv_heads
     splits_rows = max(lanes * rows * group * 1024, t * group * max(1, -(-opts.max_context // 256)))
     arena.add("attention_partials", min(splits_rows, 1024 * 64) * (cfg.head_dim + 2) * 4)
+    if t >= 64:  # flash-linear-attention's chunked GDN temporaries (when installed; counted regardless)
+        dv, blocks = cfg.linear_value_head_dim, -(-t // 64)
+        arena.add("gdn_chunked", blocks * hv * dk * dv * 2  # per-block states (bf16)
+                  + 4 * t * hv * max(dk, dv) * 2  # w, u, new v, output
+                  + t * hv * 64 * 4 + t * hv * 4 * 2  # block-local matrices, cumulative gates
+                  + 2 * t * cfg.linear_num_key_heads * dk * 2  # contiguous q, k
+                  + 2 * lanes * hv * dk * dv * 4)  # initial and final states
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
         widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
         arena.add("gemm_dequant", min(64 << 20, widest * h * 2))

@@ -50,7 +50,7 @@ def test_qlinear(fmt, t, n, k):
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("n,k", [(70, 200), (33, 1024), (5, 128)])
 def test_qgemv_int8(bits, n, k):
     """The dp4a GEMV (emulated under the interpreter) == its integer reference to float rounding,
@@ -170,6 +170,31 @@ def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv):
         for step in range(t):
             _check(stack[lane, step + 1].cpu(), want_steps[j, step], torch.float32)
     assert torch.equal(stack[0], before[0])
+
+
+def test_gdn_chunked_matches_the_recurrence():
+    """fla's chunked prefill kernel (raw gates and betas in, lane-indexed float32 state) == the torch
+    recurrence, including the carried-in state and the state it leaves behind."""
+    from runtime.kernels.gdn_chunked import fla_available, gdn_chunked
+    from runtime.kernels.gdn_fused import gdn_fused_reference
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention is installed with the gpu extra and runs on CUDA only")
+    b, t, hk, ratio, dk, dv = 2, 200, 2, 3, 128, 128
+    hv = hk * ratio
+    x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)
+    alpha, beta = torch.randn(b * t, hv, device=DEVICE).to(DTYPE), torch.randn(b * t, hv, device=DEVICE).to(DTYPE)
+    a_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.randn(hv, device=DEVICE) * 0.5
+    stack = torch.randn(b + 1, 2, hv, dk, dv, device=DEVICE) * 0.1
+    lanes = torch.arange(b, 0, -1, device=DEVICE, dtype=torch.int32)
+    before = stack.clone()
+    want_o, want_steps = gdn_fused_reference(x.cpu(), alpha.cpu(), beta.cpu(), a_log.cpu(), dt_bias.cpu(),
+                                             before[lanes.long(), 0].cpu(), hk)
+    got = gdn_chunked(x, alpha, beta, a_log, dt_bias, stack, lanes, hk)
+    _check(got.float().cpu(), want_o, torch.bfloat16)
+    for j, lane in enumerate(lanes.tolist()):
+        _check(stack[lane, 0].cpu(), want_steps[j, -1], torch.bfloat16)
+    assert torch.equal(stack[0], before[0]) and torch.equal(stack[:, 1], before[:, 1])
 
 
 @pytest.mark.parametrize("tokens,hv,d", [(1, 3, 32), (5, 2, 128)])

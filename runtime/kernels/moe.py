@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .qlinear import VEC_TUNING, PackedLinear, _dot_rows
+from .qgemv_int8 import INT8_BITS, _dot_rows_int8, native_dp4a, code_words, high_plane
+from .qlinear import GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dot_rows
 
 
 @triton.jit
@@ -50,38 +51,54 @@ def route_reference(router_logits, top_k):
 @triton.jit
 def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, ROWS_PER_EXPERT, K,
                         stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        INT8: tl.constexpr, USE_ASM: tl.constexpr):
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = local < ROWS_PER_EXPERT
     expert = tl.load(experts_ptr + pair)
     x_row = tl.load(x_rows_ptr + pair)
     rows = expert * ROWS_PER_EXPERT + local
-    y = _dot_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
-                  GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
+    if INT8:
+        y = _dot_rows_int8(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
+                           GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM)
+    else:
+        y = _dot_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
+                      GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor, experts: torch.Tensor, w: PackedLinear,
                 rows_per_expert: int) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
-    ([E * rows_per_expert, K] packed). Returns [pairs, rows_per_expert] in x's dtype."""
+    ([E * rows_per_expert, K] packed). Returns [pairs, rows_per_expert] in x's dtype. Rows of x are
+    quantized per group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
     pairs = experts.numel()
     y = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
-    block_n, block_k = VEC_TUNING["block_n"], VEC_TUNING["block_k"]
+    int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
+    tuning = INT8_TUNING if int8 else VEC_TUNING
+    block_n, block_k = tuning["block_n"], tuning["block_k"]
     while w.k_pad % block_k:
         block_k //= 2
-    high = w.high if w.high is not None else w.base
+    if int8:
+        base, high = code_words(w.base), high_plane(w)
+    else:
+        base, high = w.base, (w.high if w.high is not None else w.base)
     _expert_gemv_kernel[(pairs, triton.cdiv(rows_per_expert, block_n))](
-        x.contiguous(), x_rows.contiguous(), experts.contiguous(), w.base, high, w.scale, y, rows_per_expert, w.cols,
+        x.contiguous(), x_rows.contiguous(), experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
         x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=VEC_TUNING["num_warps"])
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, INT8=int8, USE_ASM=native_dp4a(),
+        num_warps=tuning["num_warps"])
     return y
 
 
 def expert_gemv_reference(x, x_rows, experts, w: PackedLinear, rows_per_expert):
+    from .qgemv_int8 import qgemv_int8_reference
     from .qlinear import qlinear_reference
 
-    dense_out = qlinear_reference(x, w).float()  # [T, E * rows]
+    if GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS:  # the same 14-bit activations, row by row
+        dense_out = torch.cat([qgemv_int8_reference(x[i : i + 1], w).float() for i in range(x.shape[0])])
+    else:
+        dense_out = qlinear_reference(x, w).float()  # [T, E * rows]
     out = [dense_out[int(r), int(e) * rows_per_expert:(int(e) + 1) * rows_per_expert] for r, e in zip(x_rows, experts)]
     return torch.stack(out).to(x.dtype)

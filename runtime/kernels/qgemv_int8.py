@@ -1,11 +1,12 @@
-"""Decode GEMV (one row of x) for the 4- and 8-bit row-split formats with integer dot products.
+"""Decode GEMV (one row of x) for the row-split formats (Q4/Q5/Q6/W8) with integer dot products.
 
 Why: converting every 4-bit code to float (one I2F per weight, a quarter-rate instruction on Hopper)
 made the float GEMV compute-bound at a fifth of the copy bandwidth. Here x is quantized per weight
 group to 14 bits, split into a high and a low signed byte (x = 128 * hi + lo), and each 32-bit word
 of codes meets x in `dp4a` instructions: four byte products per instruction, integer accumulation,
 one float conversion per group. Nibble codes are made unsigned (q + 8) with one logic op per word;
-the offset comes back as 8 * sum(x) per group.
+the offset comes back as 8 * sum(x) per group. The fifth and sixth bits of Q5 / Q6 codes are spread
+from their high plane into bit 4 / bits 4-5 of each byte with a multiply or a few shifts per word.
 
 Numerics: x is rounded to 14 bits relative to its group's largest magnitude (relative error of a
 group's dot product <= ~1e-4); weights are exact. `qgemv_int8_reference` computes the same integer
@@ -23,10 +24,10 @@ import triton.language as tl
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
 ROUND_MAGIC_BITS = 0x4B400000
-INT8_BITS = (4, 8)  # formats this path serves; others keep the float GEMV
+INT8_BITS = (4, 5, 6, 8)  # formats this path serves
 
 
-def _use_asm() -> bool:
+def native_dp4a() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -60,7 +61,7 @@ def _pack4(b0, b1, b2, b3):
 @triton.jit
 def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """x lanes [k0, k0 + BLOCK_K) as dp4a words. Returns (hi_a, lo_a, hi_b, lo_b, x_scale [groups],
-    x_sum [groups]): for 4-bit codes a = even lanes and b = odd lanes, BLOCK_K / 8 words each; for
+    x_sum [groups]): for 4- to 6-bit codes a = even lanes and b = odd lanes, BLOCK_K / 8 words each; for
     8-bit codes a = all lanes in order (BLOCK_K / 4 words) and b is unused."""
     gpb: tl.constexpr = BLOCK_K // GROUP
     ks = k0 + tl.arange(0, BLOCK_K)
@@ -71,7 +72,7 @@ def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K:
     x_sum = tl.sum(r, axis=1)
     hi = (r + 64) >> 7
     lo = r - (hi << 7)
-    if BITS == 4:  # flat lane = word * 8 + byte * 2 + parity, byte = 2 * b1 + b0
+    if BITS != 8:  # nibble formats: flat lane = word * 8 + byte * 2 + parity, byte = 2 * b1 + b0
         hi_e, hi_o = tl.split(tl.reshape(hi, (BLOCK_K // 8, 2, 2, 2)))
         lo_e, lo_o = tl.split(tl.reshape(lo, (BLOCK_K // 8, 2, 2, 2)))
     else:  # flat lane = word * 4 + byte; a dummy parity axis keeps one code path
@@ -95,34 +96,67 @@ def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _dot_rows_int8(x_ptr, base_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
+def _high_bits(high_ptr, rows, row_ok, widx, GPR: tl.constexpr, HIGH_BYTES: tl.constexpr, BITS: tl.constexpr):
+    """Bits 4 (and 5) of the codes of words `widx`, placed at bit 4 (and 5) of each byte: (even, odd)."""
+    if BITS == 5:  # one byte per word: even lanes bits 0,2,4,6; odd lanes 1,3,5,7
+        hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + widx[None, :], mask=row_ok[:, None], other=0)
+        hb = hb.to(tl.int32) & 255
+        # bit 2i -> bit 8i + 4: the four partial products never carry into a target bit
+        even = ((hb & 0x55) * 0x00410410) & 0x10101010
+        odd = (((hb >> 1) & 0x55) * 0x00410410) & 0x10101010
+    else:  # BITS == 6, two bytes per word (int16 plane): even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
+        h = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + widx[None, :], mask=row_ok[:, None], other=0)
+        h = h.to(tl.int32) & 0xFFFF
+        even = _spread_pairs(h & 0x3333)
+        odd = _spread_pairs((h >> 2) & 0x3333)
+    return even, odd
+
+
+@triton.jit
+def _spread_pairs(x):
+    """2-bit fields at bits 0, 4, 8, 12 -> bits 4, 12, 20, 28."""
+    y = (x & 0x33) | ((x & 0x3300) << 8)
+    return ((y & 0x00030003) | ((y & 0x00300030) << 4)) << 4
+
+
+@triton.jit
+def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                   HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32. `base_ptr` points at the
-    code plane as int32 words (row stride K_PAD * BITS / 32 words)."""
+    code plane as int32 words (8 lanes per word for 4-6 bits, 4 for 8 bits); for Q6 `high_ptr` is
+    the high plane as int16."""
+    LANES: tl.constexpr = 4 if BITS == 8 else 8  # lanes per code word
     gpb: tl.constexpr = BLOCK_K // GROUP
-    wpb: tl.constexpr = BLOCK_K * BITS // 32  # words per block and row
-    wpg: tl.constexpr = GROUP * BITS // 32  # words per group
-    row_words: tl.constexpr = K_PAD * BITS // 32
+    wpb: tl.constexpr = BLOCK_K // LANES  # words per block and row
+    wpg: tl.constexpr = GROUP // LANES  # words per group
+    row_words: tl.constexpr = K_PAD // LANES
+    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
-        widx = k0 * BITS // 32 + tl.arange(0, wpb)
+        widx = k0 // LANES + tl.arange(0, wpb)
         words = tl.load(base_ptr + rows[:, None] * row_words + widx[None, :], mask=row_ok[:, None], other=0)
         zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
-        if BITS == 4:
-            even = (words ^ -2004318072) & 0x0F0F0F0F  # 0x88888888: two's-complement nibble -> q + 8
-            odd = ((words >> 4) ^ 0x08080808) & 0x0F0F0F0F
+        if BITS == 8:
+            d = _dp4a(words, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
+            d = _dp4a(words, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
+        else:
+            if BITS == 4:
+                even = (words ^ -2004318072) & 0x0F0F0F0F  # 0x88888888: two's-complement nibble -> q + 8
+                odd = ((words >> 4) ^ 0x08080808) & 0x0F0F0F0F
+            else:
+                he, ho = _high_bits(high_ptr, rows, row_ok, widx, GPR, HIGH_BYTES, BITS)
+                flip: tl.constexpr = 0x10101010 if BITS == 5 else 0x20202020  # sign bit -> q + OFFSET
+                even = (words & 0x0F0F0F0F) | (he ^ flip)
+                odd = ((words >> 4) & 0x0F0F0F0F) | (ho ^ flip)
             d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, False, USE_ASM)
             d = _dp4a(odd, tl.broadcast_to(hi_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM) << 7
             d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
             d = _dp4a(odd, tl.broadcast_to(lo_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
-        else:
-            d = _dp4a(words, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
-            d = _dp4a(words, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
         dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
-        if BITS == 4:
-            dg -= 8 * x_sum[None, :]
+        if OFFSET != 0:
+            dg -= OFFSET * x_sum[None, :]
         gidx = k0 // GROUP + tl.arange(0, gpb)
         w_scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0)
         acc += dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
@@ -130,14 +164,15 @@ def _dot_rows_int8(x_ptr, base_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
 
 
 @triton.jit
-def _qgemv_int8_kernel(x_ptr, base_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
+def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_ASM: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
-    y = _dot_rows_int8(x_ptr, base_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT,
-                       GPR, K_PAD, BITS, GROUP, BLOCK_N, BLOCK_K, USE_ASM)
+    y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT,
+                       (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -146,15 +181,23 @@ def code_words(base: torch.Tensor) -> torch.Tensor:
     return base.view(torch.int32) if base.dtype != torch.int32 else base
 
 
+def high_plane(w) -> torch.Tensor:
+    """The plane the kernel reads for bits 4-5: Q6's as int16 (two bytes per code word), Q5's as bytes."""
+    if w.high is None:
+        return w.base
+    return w.high.view(torch.int16) if w.fmt.bits == 6 else w.high
+
+
 def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int):
     """y[0] = W @ x[0] for a 4- or 8-bit PackedLinear; `split` K-splits write float32 partials first."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
     _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
-        x, code_words(w.base), w.scale, target, w.rows, w.cols, w.k_pad // split, GPR=w.groups_per_row,
-        K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_ASM=_use_asm(), num_warps=num_warps)
+        x, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
+        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
+        num_warps=num_warps)
     if split > 1:
         torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
     return y
@@ -176,7 +219,8 @@ def qgemv_int8_reference(x: torch.Tensor, w) -> torch.Tensor:
     xp = torch.zeros(w.k_pad, dtype=torch.float32, device=x.device)
     xp[: w.cols] = x[0].float()
     codes, x_scale = quantize_x_reference(xp, g)
-    q = unpack_codes(w.base.view(torch.uint8), None, w.rows, w.k_pad, w.fmt).long()
+    high = None if w.high is None else w.high.view(torch.uint8)
+    q = unpack_codes(w.base.view(torch.uint8), high, w.rows, w.k_pad, w.fmt).long()
     sums = (q.view(w.rows, -1, g) * codes.view(1, -1, g)).sum(-1)  # exact int64 [N, groups]
     scale = w.scale.float().view(w.rows, -1).double()
     return (sums.double() * scale * x_scale.double()[None, :]).sum(1).to(x.dtype)[None, :]

@@ -1,0 +1,51 @@
+"""Gated delta rule over a whole prefill chunk with flash-linear-attention's chunked (WY) kernel.
+
+Why: the recurrent kernel walks a prefill chunk token by token (2,048 dependent steps per GDN layer);
+fla's chunked form turns it into matrix products over 64-token blocks. It takes the same raw inputs
+as `gdn_fused` (conv output, alpha/beta projections, A_log, dt_bias; l2 norm, decay and sigmoid
+inside) and the same [HV, DK, DV] float32 state layout. Optional: fla is installed with the `gpu`
+extra and runs on CUDA only; without it the engine keeps the recurrent kernel for prefill.
+Reference: `gdn_fused_reference` (the recurrence in plain torch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CHUNKED_MIN_TOKENS = 64  # below one fla block the recurrent kernel is as fast
+
+
+@functools.cache
+def fla_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+    except Exception:  # not installed, or built for another torch / triton
+        return False
+    return True
+
+
+def gdn_chunked(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int):
+    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV];
+    state: slot stack [N, S, HV, DK, DV] float32, slot 0 of `lanes` read and updated.
+    Returns o [B, T, HV, DV] in x's dtype."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    bsz, t, width = x.shape
+    _, _, hv, dk, dv = state.shape
+    key_dim = heads_k * dk
+    if width != 2 * key_dim + hv * dv:
+        raise ValueError(f"gdn_chunked: x has {width} columns, expected {2 * key_dim + hv * dv}")
+    q, k, v = x.split([key_dim, key_dim, hv * dv], dim=-1)
+    lanes_l = lanes.long()
+    o, final = chunk_gated_delta_rule(
+        q.reshape(bsz, t, heads_k, dk).contiguous(), k.reshape(bsz, t, heads_k, dk).contiguous(),
+        v.reshape(bsz, t, hv, dv).contiguous(), alpha.reshape(bsz, t, hv).contiguous(),
+        beta.reshape(bsz, t, hv).contiguous(), scale=dk ** -0.5, initial_state=state[lanes_l, 0].contiguous(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    state[lanes_l, 0] = final.float()
+    return o
