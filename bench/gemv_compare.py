@@ -40,23 +40,26 @@ def main(out: str) -> None:
         ms_float = bench_ms(lambda: ql.qlinear(x, w, out=y))
         exact = ql.qlinear_reference(x, w).float()
         best = None
-        for bn, bk, nw in itertools.product((8, 16, 32), (256, 512), (4, 8)):
+        tiles = [(bn, bk, nw, True) for bn, bk, nw in itertools.product((16, 32, 64), (256, 512), (4, 8))]
+        tiles += [(32, 512, 4, False), (64, 512, 4, False)]  # each program quantizes x itself
+        for bn, bk, nw, pre in tiles:
             if w.k_pad % bk:
                 continue
             split = _split(w, bn, bk)
             try:
-                ms = bench_ms(lambda: qgemv_int8(x, w, y, bn, bk, split, nw))
+                ms = bench_ms(lambda: qgemv_int8(x, w, y, bn, bk, split, nw, pre))
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is skipped
                 print("skip", label, bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
                 continue
+            print(label, bn, bk, nw, pre, split, f"{ms * 1e3:.1f} us", flush=True)
             if best is None or ms < best[0]:
-                best = (ms, bn, bk, nw, split)
-        ms, bn, bk, nw, split = best
-        got = qgemv_int8(x, w, torch.empty_like(y), bn, bk, split, nw).float()
+                best = (ms, bn, bk, nw, split, pre)
+        ms, bn, bk, nw, split, pre = best
+        got = qgemv_int8(x, w, torch.empty_like(y), bn, bk, split, nw, pre).float()
         err = ((got - exact).abs().max() / exact.abs().max()).item()
         row = {"op": label, "N": n, "K": k, "bytes": nbytes, "float_us": ms_float * 1e3,
                "float_frac": nbytes / (ms_float * 1e-3) / peak, "int8_us": ms * 1e3,
-               "int8_frac": nbytes / (ms * 1e-3) / peak, "speedup": ms_float / ms, "best_tile": [bn, bk, nw, split],
+               "int8_frac": nbytes / (ms * 1e-3) / peak, "speedup": ms_float / ms, "best_tile": [bn, bk, nw, split, pre],
                "int8_rel_err_vs_exact": err}
         rows.append(row)
         print(json.dumps(row), flush=True)

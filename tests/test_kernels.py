@@ -50,9 +50,10 @@ def test_qlinear(fmt, t, n, k):
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
+@pytest.mark.parametrize("prequant", [True, False])
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("n,k", [(70, 200), (33, 1024), (5, 128)])
-def test_qgemv_int8(bits, n, k):
+def test_qgemv_int8(bits, n, k, prequant):
     """The dp4a GEMV (emulated under the interpreter) == its integer reference to float rounding,
     and within the 14-bit activation rounding of the exact float product."""
     from runtime.kernels.qgemv_int8 import qgemv_int8, qgemv_int8_reference
@@ -63,7 +64,7 @@ def test_qgemv_int8(bits, n, k):
     x = torch.randn(1, k, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 4  # uneven magnitudes per group
     x[0, :7] = 0.0  # an all-but-zero stretch
     got = qgemv_int8(x.float(), w, _poison((1, n), torch.float32), block_n=16, block_k=128,
-                     split=1 if k <= 128 else 2, num_warps=4)
+                     split=1 if k <= 128 else 2, num_warps=4, prequant=prequant)
     assert not torch.isnan(got).any()
     want = qgemv_int8_reference(x.float(), w)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

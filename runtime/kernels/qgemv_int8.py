@@ -25,6 +25,9 @@ X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays w
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
 ROUND_MAGIC_BITS = 0x4B400000
 INT8_BITS = (4, 5, 6, 8)  # formats this path serves
+_X_LEVELS = tl.constexpr(X_LEVELS)  # kernels may read module globals only as constexpr
+_ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
+_ROUND_MAGIC_BITS = tl.constexpr(ROUND_MAGIC_BITS)
 
 
 def native_dp4a() -> bool:
@@ -67,8 +70,8 @@ def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K:
     ks = k0 + tl.arange(0, BLOCK_K)
     xg = tl.reshape(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), (gpb, GROUP))
     amax = tl.max(tl.abs(xg), axis=1)
-    x_scale = tl.where(amax > 0, amax / X_LEVELS, 1.0)
-    r = ((xg / x_scale[:, None]) + ROUND_MAGIC).to(tl.int32, bitcast=True) - ROUND_MAGIC_BITS
+    x_scale = tl.where(amax > 0, amax / _X_LEVELS, 1.0)
+    r = ((xg / x_scale[:, None]) + _ROUND_MAGIC).to(tl.int32, bitcast=True) - _ROUND_MAGIC_BITS
     x_sum = tl.sum(r, axis=1)
     hi = (r + 64) >> 7
     lo = r - (hi << 7)
@@ -122,10 +125,12 @@ def _spread_pairs(x):
 @triton.jit
 def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                   HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                   HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+                   PREQUANT: tl.constexpr):
     """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32. `base_ptr` points at the
     code plane as int32 words (8 lanes per word for 4-6 bits, 4 for 8 bits); for Q6 `high_ptr` is
-    the high plane as int16."""
+    the high plane as int16. With PREQUANT, `x_ptr` is x's row already in dp4a words (see
+    _quantize_x_kernel), shared by every program instead of quantized by each."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8  # lanes per code word
     gpb: tl.constexpr = BLOCK_K // GROUP
     wpb: tl.constexpr = BLOCK_K // LANES  # words per block and row
@@ -134,8 +139,17 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
     OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
         widx = k0 // LANES + tl.arange(0, wpb)
+        if PREQUANT:
+            gq = k0 // GROUP + tl.arange(0, gpb)
+            hi_a = tl.load(x_ptr + widx)
+            lo_a = tl.load(x_ptr + row_words + widx)
+            hi_b = tl.load(x_ptr + 2 * row_words + widx)
+            lo_b = tl.load(x_ptr + 3 * row_words + widx)
+            x_scale = tl.load(x_ptr + 4 * row_words + gq).to(tl.float32, bitcast=True)
+            x_sum = tl.load(x_ptr + 4 * row_words + GPR + gq)
+        else:
+            hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
         words = tl.load(base_ptr + rows[:, None] * row_words + widx[None, :], mask=row_ok[:, None], other=0)
         zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
         if BITS == 8:
@@ -164,15 +178,49 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
 
 
 @triton.jit
+def _quantize_x_kernel(x_ptr, xq_ptr, K, stride_x, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, GPR: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of x -> dp4a words: [hi_a | lo_a | hi_b | lo_b] (K_PAD / LANES words each), then the
+    group scales (float32 bits) and the group sums; ROW_INTS int32 per row."""
+    r = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    row_words: tl.constexpr = K_PAD // LANES
+    hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr + r * stride_x, k0, K, BITS, GROUP, BLOCK_K)
+    out = xq_ptr + r * ROW_INTS
+    widx = k0 // LANES + tl.arange(0, BLOCK_K // LANES)
+    gq = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    tl.store(out + widx, hi_a)
+    tl.store(out + row_words + widx, lo_a)
+    tl.store(out + 2 * row_words + widx, hi_b)
+    tl.store(out + 3 * row_words + widx, lo_b)
+    tl.store(out + 4 * row_words + gq, x_scale.to(tl.int32, bitcast=True))
+    tl.store(out + 4 * row_words + GPR + gq, x_sum)
+
+
+def quantize_x(x: torch.Tensor, w) -> torch.Tensor:
+    """Rows of x [T, K] in dp4a words for weights shaped like `w` -> int32 [T, row ints]."""
+    lanes = 4 if w.fmt.bits == 8 else 8
+    row_ints = 4 * (w.k_pad // lanes) + 2 * w.groups_per_row
+    xq = torch.empty(x.shape[0], row_ints, dtype=torch.int32, device=x.device)
+    block_k = 128 if w.k_pad % 256 else 256
+    _quantize_x_kernel[(x.shape[0], w.k_pad // block_k)](
+        x, xq, w.cols, x.stride(0), ROW_INTS=row_ints, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+        GPR=w.groups_per_row, BLOCK_K=block_k)
+    return xq
+
+
+@triton.jit
 def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_ASM: tl.constexpr):
+                       USE_ASM: tl.constexpr, PREQUANT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
     y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT,
-                       (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM)
+                       (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM,
+                       PREQUANT)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -188,16 +236,19 @@ def high_plane(w) -> torch.Tensor:
     return w.high.view(torch.int16) if w.fmt.bits == 6 else w.high
 
 
-def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int):
-    """y[0] = W @ x[0] for a 4- or 8-bit PackedLinear; `split` K-splits write float32 partials first."""
+def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int,
+               prequant: bool = True):
+    """y[0] = W @ x[0] for a Q4/Q5/Q6/W8 PackedLinear; `split` K-splits write float32 partials first.
+    `prequant`: quantize x once in its own launch (else every program quantizes its slice)."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
+    xin = quantize_x(x, w) if prequant else x
     _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
-        x, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
+        xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
-        num_warps=num_warps)
+        PREQUANT=prequant, num_warps=num_warps)
     if split > 1:
         torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
     return y

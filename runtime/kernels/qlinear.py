@@ -23,7 +23,7 @@ from .qgemv_int8 import INT8_BITS, qgemv_int8
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
 VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
-INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4}  # dp4a path, T = 1, 4- and 8-bit codes
+INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
@@ -214,7 +214,7 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
     while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
         split *= 2
     if int8:
-        return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"])
+        return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"], tuning["prequant"])
     target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.base
     _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
