@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import socket
 import sys
 import threading
@@ -17,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+DEVICE = os.environ.get("NINFER_SMOKE_DEVICE", "cuda")
 
 
 def _post(url, body):
@@ -32,7 +34,7 @@ def _serve(artifact, **plan):
     from runtime.serve.launch import build_server
 
     app, summary = build_server(artifact, PlanOptions(max_context=1024, max_concurrency=2, prefill_chunk=256, **plan),
-                                device="cuda", model_id="tiny")
+                                device=DEVICE, model_id="tiny")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,6 +8,7 @@ static and decode can be captured once per batch shape.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from .allocator import DeviceMemory
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
-from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, fla_available, gdn_chunked
+from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import gdn_fused
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import expert_gemv, route
@@ -106,6 +107,14 @@ class Engine:
         self.use_graphs = on_gpu and cuda_graphs
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
         self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
+        if self.chunked_gdn and self.cfg.num_layers > sum(map(self.cfg.is_full_attention, range(self.cfg.num_layers))):
+            c = self.cfg
+            why = chunked_probe(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                                c.linear_value_head_dim, self.device)
+            if why:
+                print(f"ninfer: chunked GDN prefill unavailable for this model ({why}); using the recurrent kernel",
+                      file=sys.stderr)
+                self.chunked_gdn = False
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
 

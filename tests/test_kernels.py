@@ -173,7 +173,8 @@ def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv):
     assert torch.equal(stack[0], before[0])
 
 
-def test_gdn_chunked_matches_the_recurrence():
+@pytest.mark.parametrize("dk", [16, 128])
+def test_gdn_chunked_matches_the_recurrence(dk):
     """fla's chunked prefill kernel (raw gates and betas in, lane-indexed float32 state) == the torch
     recurrence, including the carried-in state and the state it leaves behind."""
     from runtime.kernels.gdn_chunked import fla_available, gdn_chunked
@@ -181,7 +182,7 @@ def test_gdn_chunked_matches_the_recurrence():
 
     if not fla_available():
         pytest.skip("flash-linear-attention is installed with the gpu extra and runs on CUDA only")
-    b, t, hk, ratio, dk, dv = 2, 200, 2, 3, 128, 128
+    b, t, hk, ratio, dv = 2, 200, 2, 3, dk
     hv = hk * ratio
     x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)
     alpha, beta = torch.randn(b * t, hv, device=DEVICE).to(DTYPE), torch.randn(b * t, hv, device=DEVICE).to(DTYPE)

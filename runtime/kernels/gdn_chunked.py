@@ -49,3 +49,26 @@ def gdn_chunked(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int):
         dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
     state[lanes_l, 0] = final.float()
     return o
+
+
+def chunked_probe(heads_k: int, heads_v: int, dk: int, dv: int, device) -> str | None:
+    """Run the chunked kernel once at the model's head sizes against the recurrent kernel; returns why
+    it cannot serve this model (an error or a mismatch), or None when it can."""
+    from .gdn_fused import gdn_fused
+
+    g = torch.Generator(device).manual_seed(0)
+    t = 2 * CHUNKED_MIN_TOKENS
+    x = torch.randn(1, t, 2 * heads_k * dk + heads_v * dv, device=device, generator=g).to(torch.bfloat16)
+    alpha = torch.randn(t, heads_v, device=device, generator=g).to(torch.bfloat16)
+    beta = torch.randn(t, heads_v, device=device, generator=g).to(torch.bfloat16)
+    a_log, dt_bias = torch.zeros(heads_v, device=device), torch.zeros(heads_v, device=device)
+    lanes = torch.zeros(1, device=device, dtype=torch.int32)
+    state = torch.zeros(1, 2, heads_v, dk, dv, device=device)
+    try:
+        got = gdn_chunked(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k).float()
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the recurrent kernel
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    state.zero_()
+    want = gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k)
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+    return None if err < 5e-2 else f"output differs from the recurrence by {err:.1e} (relative)"

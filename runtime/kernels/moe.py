@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .qgemv_int8 import INT8_BITS, _dot_rows_int8, code_words, high_plane, native_dp4a, quantize_x
+from .qgemv_int8 import INT8_BITS, _dot_rows_int8, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dot_rows
 
 
@@ -52,7 +52,7 @@ def route_reference(router_logits, top_k):
 def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, ROWS_PER_EXPERT, K,
                         stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INT8: tl.constexpr, USE_ASM: tl.constexpr, XQ_INTS: tl.constexpr):
+                        INT8: tl.constexpr, USE_ASM: tl.constexpr):
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = local < ROWS_PER_EXPERT
@@ -60,8 +60,9 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     x_row = tl.load(x_rows_ptr + pair)
     rows = expert * ROWS_PER_EXPERT + local
     if INT8:
-        y = _dot_rows_int8(x_ptr + x_row * XQ_INTS, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
-                           GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, True)
+        # expert matrices are small: each program quantizes its row of x (no extra launch)
+        y = _dot_rows_int8(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
+                           GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
     else:
         y = _dot_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
                       GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
@@ -81,15 +82,15 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor, experts: torch.Tensor, w:
     while w.k_pad % block_k:
         block_k //= 2
     x = x.contiguous()
-    if int8:  # rows of x quantized once, shared by all the pairs that read them
-        base, high, xin = code_words(w.base), high_plane(w), quantize_x(x, w)
+    if int8:
+        base, high = code_words(w.base), high_plane(w)
     else:
-        base, high, xin = w.base, (w.high if w.high is not None else w.base), x
+        base, high = w.base, (w.high if w.high is not None else w.base)
     _expert_gemv_kernel[(pairs, triton.cdiv(rows_per_expert, block_n))](
-        xin, x_rows.contiguous(), experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
+        x, x_rows.contiguous(), experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
         x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, INT8=int8, USE_ASM=native_dp4a(),
-        XQ_INTS=xin.shape[1] if int8 else 0, num_warps=tuning["num_warps"])
+        num_warps=tuning["num_warps"])
     return y
 
 

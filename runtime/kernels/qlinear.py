@@ -24,6 +24,8 @@ TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM st
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
 VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
+INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
+PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
@@ -201,7 +203,7 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
 
 def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
-    tuning = INT8_TUNING if int8 else VEC_TUNING
+    tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {}) if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
     programs = TARGET_PROGRAMS
     if _interpreted():
@@ -214,7 +216,8 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
     while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
         split *= 2
     if int8:
-        return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"], tuning["prequant"])
+        prequant = tuning["prequant"] and w.rows * w.k_pad >= PREQUANT_MIN_WEIGHTS
+        return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"], prequant)
     target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.base
     _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
