@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -23,8 +24,13 @@ DEVICE = os.environ.get("NINFER_SMOKE_DEVICE", "cuda")
 
 def _post(url, body):
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return r.status, r.read().decode()
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:  # report the server's error body instead of a client traceback
+        body = err.read().decode()
+        print(f"HTTP {err.code}: {body[:800]}", flush=True)
+        return err.code, json.dumps({"usage": {}, "error": body})
 
 
 def _serve(artifact, **plan):
@@ -77,7 +83,7 @@ def main(work: str) -> None:
                                                              {"type": "image_url", "image_url": {"url": data_url}}]}])
     st, body = _post(url + "/v1/chat/completions", img)
     usage = json.loads(body)["usage"]
-    check("chat image on cuda", st == 200 and usage["prompt_tokens"] > 20, usage)
+    check("chat image on cuda", st == 200 and usage.get("prompt_tokens", 0) > 20, usage)
     anth = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data_url.split(",", 1)[1]}},
         {"type": "text", "text": "describe"}]}]}

@@ -278,10 +278,16 @@ class Engine:
             alpha, beta = dense_pair(h, alpha_w.weight, beta_w.weight)  # one launch instead of two GEMMs
         else:
             alpha, beta = alpha_w(h), beta_w(h)
+        o = None
         if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn:
-            o = gdn_chunked(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
-                            lanes_idx, c.linear_num_key_heads)
-        else:
+            try:
+                o = gdn_chunked(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
+                                lanes_idx, c.linear_num_key_heads)
+            except Exception as exc:  # noqa: BLE001 - fla failed on this input: the recurrent kernel takes over
+                print(f"ninfer: chunked GDN prefill failed ({type(exc).__name__}: {exc}); using the recurrent "
+                      "kernel from now on", file=sys.stderr)
+                self.chunked_gdn = False
+        if o is None:
             o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                           lanes_idx, c.linear_num_key_heads, snapshot)
         gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype)

@@ -41,9 +41,10 @@ def dense_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[tor
         x = x.contiguous()
     y1 = torch.empty(t, n, dtype=x.dtype, device=x.device)
     y2 = torch.empty_like(y1)
-    block_n = 16
+    # one row per program: the matrices are a few dozen rows, so rows (not K) must fill the SMs
+    block_n = 1
     _dense_pair_kernel[(t, triton.cdiv(n, block_n))](x, w1, w2, y1, y2, n, k, x.stride(0), BLOCK_N=block_n,
-                                                      BLOCK_K=256)
+                                                      BLOCK_K=1024, num_warps=4)
     return y1, y2
 
 

@@ -9,8 +9,10 @@ more than a chunk. Requests talk to the worker only through callbacks and flags.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -104,6 +106,7 @@ class Scheduler:
             try:
                 self._step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
+                traceback.print_exc(file=sys.stderr)
                 for lane in list(self.lanes):
                     self._finish(lane, "error", f"engine failure: {exc}")
 
@@ -188,6 +191,7 @@ class Scheduler:
                 try:
                     logits = next(state.prefill)
                 except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc(file=sys.stderr)
                     self._finish(lane, "error", str(exc))
                     continue
                 if logits is not None:
