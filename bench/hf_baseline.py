@@ -1,5 +1,6 @@
 """transformers' own speed on the same full-size shape (bf16, random weights), for issue 5's
-side-by-side table: cold prefill tok/s at a depth, then greedy decode tok/s at that depth.
+side-by-side table: prefill tok/s at a depth (after one warm-up prefill of the same length), then
+greedy decode tok/s at that depth.
 
     PYTHONPATH=. python bench/hf_baseline.py qwen3.6-27b 8192 16 OUT.json
 """
@@ -28,6 +29,8 @@ def main(shape: str, depth: int, decode: int, out: str) -> None:
     build_s = time.perf_counter() - t0
     ids = torch.randint(0, cfg.vocab_size, (1, depth), device="cuda")
     with torch.no_grad():
+        # warm-up at the same length: fla's kernels compile and autotune on their first call
+        model(ids, use_cache=False)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         res = model(ids, use_cache=True)

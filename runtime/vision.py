@@ -196,8 +196,9 @@ class VisionTower:
         x = x @ kernel.reshape(kernel.shape[0], -1).t() + w["patch_embed.proj.bias"]
         rows, cols = _merge_order(gh, gw, c.spatial_merge_size)
         side = int(c.num_position_embeddings ** 0.5)
-        r0, r1, fr = _bilinear_taps(rows, gh, side)
-        c0, c1, fc = _bilinear_taps(cols, gw, side)
+        # grid indices and tap weights are built on the CPU; the table lives on the engine's device
+        r0, r1, fr = (t.to(self.device) for t in _bilinear_taps(rows, gh, side))
+        c0, c1, fc = (t.to(self.device) for t in _bilinear_taps(cols, gw, side))
         table = w["pos_embed.weight"].float()
         pos = (table[r0 * side + c0] * ((1 - fr) * (1 - fc))[:, None] + table[r0 * side + c1] * ((1 - fr) * fc)[:, None]
                + table[r1 * side + c0] * (fr * (1 - fc))[:, None] + table[r1 * side + c1] * (fr * fc)[:, None])

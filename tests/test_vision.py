@@ -62,6 +62,17 @@ def test_reference_logits_match_transformers_on_an_image_prompt(hf_dense, hf_moe
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_tower_keeps_every_tensor_on_the_engine_device(vision_artifact):
+    """The tower on torch's "meta" device (shapes only): any tensor built on the CPU and mixed into
+    the computation raises the same device-mismatch error a GPU would (no GPU needed)."""
+    art = Artifact(vision_artifact)
+    cpu = VisionTower.from_artifact(art, "cpu", torch.float32)
+    meta = VisionTower(cpu.cfg, cpu.ids, {k: v.to("meta") for k, v in cpu.w.items()}, "meta", torch.float32)
+    image = _image(cpu.cfg)
+    out = meta.encode(image)
+    assert out.device.type == "meta" and out.shape == cpu.encode(image).shape
+
+
 def test_preprocess_resizes_to_the_merge_grid_and_rejects_garbage(vision_artifact):
     from PIL import Image
 

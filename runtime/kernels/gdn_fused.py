@@ -1,8 +1,9 @@
 """Gated delta rule for decode / verify with its preparation folded in: reads the conv output and the
 raw alpha/beta projections, l2-normalizes q and k of the key head that serves each value head, forms
 the decay g = -exp(A_log) * softplus(alpha + dt_bias) and beta = sigmoid(b), then runs the recurrence
-(slot stack, lane index and snapshots as in gdn_decode). One launch replaces about fifteen small ones
-per GDN layer, which matter inside a decode step of 48 such layers.
+(slot stack [lanes, slots, HV, DK, DV]: slot 0 is the committed state, slots 1..T take the state after
+each step for speculative rollback). One launch replaces about fifteen small ones per GDN layer, which
+matter inside a decode step of 48 such layers.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ def gdn_fused_reference(x, alpha, beta, a_log, dt_bias, state, heads_k: int):
     """Plain torch: the separate preparation ops, then the recurrent reference. state [B, HV, DK, DV]."""
     import torch.nn.functional as F
 
-    from runtime.kernels.gdn_decode import gdn_recurrent_reference
     from runtime.reference_ops import l2_normalize
 
     bsz, t, _ = x.shape
@@ -100,3 +100,22 @@ def gdn_fused_reference(x, alpha, beta, a_log, dt_bias, state, heads_k: int):
     g = -a_log.exp() * F.softplus(alpha.float().reshape(bsz, t, hv) + dt_bias)
     b = torch.sigmoid(beta.float().reshape(bsz, t, hv))
     return gdn_recurrent_reference(q, k, v.reshape(bsz, t, hv, dv), g, b, state)
+
+
+def gdn_recurrent_reference(q, k, v, g, beta, state):
+    """The recurrence step by step (runtime.reference_ops.gated_delta_rule): q, k [B, T, HV, DK] already
+    normalized and shared, g, beta [B, T, HV], state [B, HV, DK, DV]. Returns the outputs
+    [B, T, HV, DV] and the state after every step [B, T, HV, DK, DV]."""
+    from runtime.reference_ops import gated_delta_rule
+
+    outs, states = [], []
+    for b in range(q.shape[0]):
+        s, steps, rows = state[b], [], []
+        for i in range(q.shape[1]):
+            o, s = gated_delta_rule(q[b, i:i + 1].float(), k[b, i:i + 1].float(), v[b, i:i + 1].float(),
+                                    g[b, i:i + 1].float(), beta[b, i:i + 1].float(), s)
+            rows.append(o)
+            steps.append(s)
+        outs.append(torch.cat(rows))
+        states.append(torch.stack(steps))
+    return torch.stack(outs), torch.stack(states)
