@@ -22,10 +22,12 @@ import triton
 import triton.language as tl
 
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
+X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their scale would underflow)
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
 ROUND_MAGIC_BITS = 0x4B400000
 INT8_BITS = (4, 5, 6, 8)  # formats this path serves
 _X_LEVELS = tl.constexpr(X_LEVELS)  # kernels may read module globals only as constexpr
+_X_TINY = tl.constexpr(X_TINY)
 _ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
 _ROUND_MAGIC_BITS = tl.constexpr(ROUND_MAGIC_BITS)
 
@@ -70,7 +72,8 @@ def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K:
     ks = k0 + tl.arange(0, BLOCK_K)
     xg = tl.reshape(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), (gpb, GROUP))
     amax = tl.max(tl.abs(xg), axis=1)
-    x_scale = tl.where(amax > 0, amax / _X_LEVELS, 1.0)
+    x_scale = tl.where(amax > _X_TINY, amax / _X_LEVELS, 1.0)
+    xg = tl.where(amax[:, None] > _X_TINY, xg, 0.0)
     r = ((xg / x_scale[:, None]) + _ROUND_MAGIC).to(tl.int32, bitcast=True) - _ROUND_MAGIC_BITS
     x_sum = tl.sum(r, axis=1)
     hi = (r + 64) >> 7
@@ -258,7 +261,8 @@ def quantize_x_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     """x [K_pad] float32 -> (integer codes [K_pad] int64 in [-X_LEVELS, X_LEVELS], scale per group)."""
     xg = x.float().view(-1, group)
     amax = xg.abs().amax(1)
-    scale = torch.where(amax > 0, amax / X_LEVELS, torch.ones_like(amax))
+    scale = torch.where(amax > X_TINY, amax / X_LEVELS, torch.ones_like(amax))
+    xg = torch.where(amax[:, None] > X_TINY, xg, torch.zeros_like(xg))
     return torch.round(xg / scale[:, None]).long().view(-1), scale
 
 
