@@ -61,6 +61,14 @@ def main(out: str) -> None:
                "float_frac": nbytes / (ms_float * 1e-3) / peak, "int8_us": ms * 1e3,
                "int8_frac": nbytes / (ms * 1e-3) / peak, "speedup": ms_float / ms, "best_tile": [bn, bk, nw, split, pre],
                "int8_rel_err_vs_exact": err}
+        x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)  # an MTP3 verify block
+        y4 = torch.empty(4, n, device="cuda", dtype=torch.bfloat16)
+        ql.ROWS_PATH = "tensor"
+        ms_t4 = bench_ms(lambda: ql.qlinear(x4, w, out=y4))
+        ql.ROWS_PATH = "int8"
+        ms_i4 = bench_ms(lambda: ql.qlinear(x4, w, out=y4))
+        ql.ROWS_PATH = "tensor"
+        row.update(t4_tensor_us=ms_t4 * 1e3, t4_int8_us=ms_i4 * 1e3, t4_speedup=ms_t4 / ms_i4)
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(out, "w") as f:
