@@ -23,10 +23,7 @@ SHAPES = [("gdn qkvz Q4", 16384, 5120, "Q4G64_F16S"), ("mlp gate_up Q4", 34816, 
 
 
 def _split(w, block_n, block_k):
-    blocks, chunks, split = -(-w.rows // block_n), w.k_pad // block_k, 1
-    while blocks * split * 2 <= ql.TARGET_PROGRAMS and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
-        split *= 2
-    return split
+    return ql.k_splits(-(-w.rows // block_n), w.k_pad // block_k, ql.TARGET_PROGRAMS)
 
 
 def main(out: str) -> None:

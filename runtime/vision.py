@@ -181,9 +181,9 @@ class VisionTower:
     def _rotary(self, rows: torch.Tensor, cols: torch.Tensor):
         head = self.cfg.hidden_size // self.cfg.num_heads
         quarter = head // 2
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=rows.device) / quarter))
         freqs = torch.cat([rows[:, None].float() * inv, cols[:, None].float() * inv], dim=-1)
-        freqs = torch.cat([freqs, freqs], dim=-1).to(self.device)
+        freqs = torch.cat([freqs, freqs], dim=-1)
         return freqs.cos(), freqs.sin()
 
     @torch.no_grad()
@@ -194,11 +194,11 @@ class VisionTower:
         x = image.pixel_values.to(self.device, self.dtype)
         kernel = w["patch_embed.proj.weight"]
         x = x @ kernel.reshape(kernel.shape[0], -1).t() + w["patch_embed.proj.bias"]
-        rows, cols = _merge_order(gh, gw, c.spatial_merge_size)
+        # patch coordinates go to the engine's device once; taps and rotary angles follow them there
+        rows, cols = (t.to(self.device) for t in _merge_order(gh, gw, c.spatial_merge_size))
         side = int(c.num_position_embeddings ** 0.5)
-        # grid indices and tap weights are built on the CPU; the table lives on the engine's device
-        r0, r1, fr = (t.to(self.device) for t in _bilinear_taps(rows, gh, side))
-        c0, c1, fc = (t.to(self.device) for t in _bilinear_taps(cols, gw, side))
+        r0, r1, fr = _bilinear_taps(rows, gh, side)
+        c0, c1, fc = _bilinear_taps(cols, gw, side)
         table = w["pos_embed.weight"].float()
         pos = (table[r0 * side + c0] * ((1 - fr) * (1 - fc))[:, None] + table[r0 * side + c1] * ((1 - fr) * fc)[:, None]
                + table[r1 * side + c0] * (fr * (1 - fc))[:, None] + table[r1 * side + c1] * (fr * fc)[:, None])

@@ -99,7 +99,7 @@ def expert_gemv_reference(x, x_rows, experts, w: PackedLinear, rows_per_expert):
     from .qlinear import qlinear_reference
 
     if GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS:  # the same 14-bit activations, row by row
-        dense_out = torch.cat([qgemv_int8_reference(x[i : i + 1], w).float() for i in range(x.shape[0])])
+        dense_out = qgemv_int8_reference(x, w).float()
     else:
         dense_out = qlinear_reference(x, w).float()  # [T, E * rows]
     out = [dense_out[int(r), int(e) * rows_per_expert:(int(e) + 1) * rows_per_expert] for r, e in zip(x_rows, experts)]

@@ -304,7 +304,13 @@ def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: 
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         USE_ASM=native_dp4a(), num_warps=num_warps)
-    if split > 1:
+    return finish_splits(target, y)
+
+
+def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Sum the float32 K-split partials [splits, T, N] into y (one deterministic reduction, no
+    atomics); with one split the kernel wrote y itself."""
+    if target is not y:
         torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
     return y
 
@@ -334,9 +340,7 @@ def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, 
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
         PREQUANT=prequant, num_warps=num_warps)
-    if split > 1:
-        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
-    return y
+    return finish_splits(target, y)
 
 
 def quantize_x_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from .qgemv_int8 import INT8_BITS, qgemm_rows_int8, qgemv_int8
+from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemv_int8
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -35,6 +35,15 @@ GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
 INTERPRETER_PROGRAMS = 4
 INTERPRETER_BLOCK_N = 64
+
+
+def k_splits(blocks: int, chunks: int, programs: int, min_chunks: int = 2) -> int:
+    """How many ways to split K (a power of two dividing `chunks`, each split keeping at least
+    `min_chunks` K blocks) so that `blocks` row blocks times the splits stay within `programs`."""
+    split = 1
+    while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= min_chunks:
+        split *= 2
+    return split
 
 
 def _interpreted() -> bool:
@@ -216,9 +225,7 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
         block_k //= 2
     blocks = triton.cdiv(w.rows, block_n)
     chunks = w.k_pad // block_k
-    split = 1
-    while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
-        split *= 2
+    split = k_splits(blocks, chunks, programs)
     if int8:
         prequant = tuning["prequant"] and w.rows * w.k_pad >= PREQUANT_MIN_WEIGHTS
         return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"], prequant)
@@ -228,9 +235,7 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
                                        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
                                        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=VEC_TUNING["num_warps"])
-    if split > 1:
-        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
-    return y
+    return finish_splits(target, y)
 
 
 def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
@@ -241,9 +246,7 @@ def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
         block_k //= 2
     blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], block_t)
     programs = INTERPRETER_PROGRAMS if _interpreted() else TARGET_PROGRAMS
-    chunks, split = w.k_pad // block_k, 1
-    while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= 2:
-        split *= 2
+    split = k_splits(blocks, w.k_pad // block_k, programs)
     return qgemm_rows_int8(x, w, y, block_t, block_n, block_k, split, tune["num_warps"])
 
 
@@ -266,12 +269,8 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
     while k_pad % block_k:
         block_k //= 2
     n_blocks = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
-    chunks = k_pad // block_k
-    split = 1
     programs = INTERPRETER_PROGRAMS if _interpreted() else TARGET_PROGRAMS
-    if t <= 16:
-        while n_blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= 4:
-            split *= 2
+    split = k_splits(n_blocks, k_pad // block_k, programs, min_chunks=4) if t <= 16 else 1
     return block_t, block_n, block_k, split
 
 
@@ -296,9 +295,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
                           GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
                           HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
                           num_warps=GEMV_TUNING["num_warps"])
-    if split > 1:
-        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
-    return y
+    return finish_splits(target, y)
 
 
 def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
