@@ -24,6 +24,8 @@ from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import gdn_fused
+from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
+from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import expert_gemv, route
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
@@ -32,6 +34,7 @@ from .kernels.rope import apply_rope_
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
+from .kv.hadamard import rotate_groups
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
@@ -215,10 +218,19 @@ class Engine:
 
     # --- layers -------------------------------------------------------------------------
 
-    def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None):
+    @staticmethod
+    def kv_slots(block_table, ctx_len, lanes_idx, t, positions):
+        """Where this block's K/V rows go (page, slot) and the lanes' block tables and lengths; the same
+        for every attention layer of a forward, so computed once per forward."""
+        lane_of_row = lanes_idx.repeat_interleave(t)
+        page = block_table[lane_of_row, (positions // PAGE).long()]
+        return page, positions % PAGE, block_table[lanes_idx], ctx_len[lanes_idx]
+
+    def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None,
+                   slots=None):
         """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
         The query row j of a lane sits at position ctx_len - t + j. `rope_positions` (shifted [n] or
-        MRoPE [3, n]) replace `positions` for the rotary embedding only."""
+        MRoPE [3, n]) replace `positions` for the rotary embedding only; `slots` = kv_slots(...)."""
         c = self.cfg
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h)
@@ -238,18 +250,28 @@ class Engine:
             k = apply_partial_rope(k.view(n, c.num_kv_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         # append K/V into the lanes' pages at their positions
-        lane_of_row = lanes_idx.repeat_interleave(t)
-        page = block_table[lane_of_row, (positions // PAGE).long()].long()
-        slot = (positions % PAGE).long()
-        planes = self.codec.encode(k.float(), v.float())
-        for name, val in planes.items():
-            pool[name][page, slot] = val
+        page, slot, lane_tables, lane_ctx = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
+        self._append_kv(pool, k.view(n, c.num_kv_heads, c.head_dim), v, page, slot)
         qr = self.codec.prepare_queries(q.float()).to(self.act_dtype) if self.codec.rotate_keys else q
         out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
-                              block_table[lanes_idx], ctx_len[lanes_idx], c.head_dim ** -0.5)
+                              lane_tables, lane_ctx, c.head_dim ** -0.5)
         out = self.codec.finish_output(out.float()).to(self.act_dtype) if self.codec.rotate_values else out
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.lin[p + "output"](out.contiguous())
+
+    def _append_kv(self, pool, k, v, page, slot):
+        """Encode K/V [n, HKV, D] into the pool: one kernel per side for the integer sub-codecs
+        (bytes identical to the reference encoder), the torch encoder for the others."""
+        codec = self.codec
+        if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
+            for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
+                x = rotate_groups(x) if rotate else x
+                planes = [pool[pl.name] for pl in codec.planes(x.shape[-1]) if pl.name.startswith(side + "_")]
+                kv_append(x, kind, planes, page, slot)
+            return
+        page, slot = page.long(), slot.long()
+        for name, val in codec.encode(k.float(), v.float()).items():
+            pool[name][page, slot] = val
 
     def _gdn(self, i, h, lanes_idx, t, snapshot=False):
         c, p = self.cfg, f"text/layers/{i}/gdn/"
@@ -349,11 +371,12 @@ class Engine:
         pos = positions.reshape(-1).to(torch.int32)
         residual = x
         h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps)
+        slots = self.kv_slots(self.block_table, self.ctx_len, lanes_idx, t, pos)
         for i in range(c.num_layers):
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
-                                        lanes_idx, t, pos, rope_positions)
+                                        lanes_idx, t, pos, rope_positions, slots)
             else:
                 mixed = self._gdn(i, h, lanes_idx, t, snapshot)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual)

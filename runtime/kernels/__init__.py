@@ -2,3 +2,41 @@
 
 Tests run them under TRITON_INTERPRET=1 on CPU at small shapes; on a GPU they are the fast path.
 """
+
+import os
+
+
+def _match_gpu_bf16_in_interpreter() -> None:
+    """triton 3.6's interpreter stores bf16 as uint16 bit patterns: it hands them to np.matmul as
+    integers and narrows float32 to bf16 by truncation. Widen bf16 dot operands (exact) and round
+    float32 -> bf16 to nearest even, as the GPU does, so interpreted kernels compute what GPU ones do."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_ninfer_bf16_fixed", False):
+        return
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl, builder._ninfer_bf16_fixed = dot, cast, True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _match_gpu_bf16_in_interpreter()

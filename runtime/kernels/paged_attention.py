@@ -6,6 +6,11 @@ of the GQA group at once — and one split of SPLIT_TOKENS keys, decodes K and V
 and keeps an online softmax; a second kernel merges the splits. Vectors
 are handled as even/odd element halves, so packed nibble codecs never interleave in registers.
 Rotations (rk codecs) happen outside: queries arrive rotated, outputs leave rotated.
+
+Tensor-core operands are 16-bit: bf16 for the bf16 cache, fp16 for every compressed codec. Integer
+codes become fp16 with one logic op (the code's offset-binary bits OR'd into the mantissa of 1024.0)
+and one subtraction, and each 64-group's scale is loaded once per token, not once per element —
+per-element scale gathers and int-to-float conversions made the compressed codecs slower than bf16.
 """
 
 from __future__ import annotations
@@ -51,16 +56,10 @@ def _e2m1(nib):
 def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl.constexpr,
                  D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
     """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32.
-    Nibble codecs only (int4 groups, nvfp4, E8 roots); byte codecs go through _decode_rows."""
+    nvfp4 and E8 roots (int4 groups: _int4_halves; byte codecs: _decode_rows)."""
     d = 2 * dh + ODD
     m = tok_ok[:, None]
-    if KIND == 2:
-        b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
-        n = (b >> (4 * ODD)) & 0xF
-        q = ((n ^ 8) - 8).to(tl.float32)
-        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-        return q * s
-    elif KIND == 4:
+    if KIND == 4:
         b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
         n = (b >> (4 * ODD)) & 0xF
         s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 16, mask=m, other=0).to(tl.int32)
@@ -80,23 +79,47 @@ def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl
 
 
 @triton.jit
+def _int4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """int4 g64 codes of the vectors at pool rows `row` -> (even, odd) halves [BLOCK_N, D/2] fp16.
+    Byte j of a group holds elements 2j (low nibble) and 2j+1; the code byte tile is loaded once."""
+    G: tl.constexpr = D // 64
+    g = tl.arange(0, G)
+    j = tl.arange(0, 32)
+    m = tok_ok[:, None, None]
+    b = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 32 + j[None, None, :], mask=m, other=0).to(tl.int32)
+    s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None]
+    # nibble n (two's complement) -> n ^ 8 = n + 8 in 0..15; OR'd into 1024.0's mantissa: 1032 + n exactly
+    lo = (((b & 0xF) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    hi = (((b >> 4) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    return tl.reshape(lo, (BLOCK_N, D // 2)), tl.reshape(hi, (BLOCK_N, D // 2))
+
+
+@triton.jit
 def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
                  W1: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whole vectors [BLOCK_N, D] fp32 for the byte-per-element codecs (coalesced row loads).
+    """Whole vectors [BLOCK_N, D] (bf16 for the bf16 cache, else fp16) for the byte-per-element codecs.
     Nibble codecs stay as even/odd halves: interleaving them with join + reshape before a dot
     miscompiled on Hopper with triton 3.6 (wrong results, seen on the H200)."""
-    d = tl.arange(0, D)
     m = tok_ok[:, None]
     if KIND == 0:
-        return tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0.0).to(tl.float32)
+        d = tl.arange(0, D)
+        return tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0.0).to(tl.bfloat16)
     elif KIND == 1:
-        c = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-        return c * s
+        G: tl.constexpr = D // 64
+        g = tl.arange(0, G)
+        j = tl.arange(0, 64)
+        c = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 64 + j[None, None, :], mask=m[:, :, None],
+                    other=0).to(tl.int32)
+        s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=m, other=0.0).to(tl.float16)[:, :, None]
+        # signed byte c -> c + 128 in 0..255, OR'd into 1024.0's mantissa: 1152 + c exactly
+        x = (((c + 128) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0) * s
+        return tl.reshape(x, (BLOCK_N, D))
     elif KIND == 3:
+        d = tl.arange(0, D)
         b = tl.load(p0 + row[:, None] * W0 + d[None, :], mask=m, other=0).to(tl.int32)
         s = tl.load(p1 + row * W1, mask=tok_ok, other=0.0).to(tl.float32)
-        return _e4m3(b) * s[:, None]
+        return (_e4m3(b) * s[:, None]).to(tl.float16)
     else:
         tl.static_assert(False, "nibble codecs are decoded as even/odd halves")
 
@@ -128,10 +151,12 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
     V_HALVES: tl.constexpr = (VK == 2) or (VK == 4) or (VK == 5)
     dh = tl.arange(0, D // 2)
     if K_HALVES:
-        q_even = tl.load(q_base + 2 * dh[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-        q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        q_even = tl.load(q_base + 2 * dh[None, :], mask=r_ok[:, None], other=0.0).to(tl.float16)
+        q_odd = tl.load(q_base + 2 * dh[None, :] + 1, mask=r_ok[:, None], other=0.0).to(tl.float16)
+    elif KK == 0:
+        q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.bfloat16)
     else:
-        q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+        q = tl.load(q_base + dfull[None, :], mask=r_ok[:, None], other=0.0).to(tl.float16)
     if V_HALVES:
         acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
         acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
@@ -148,9 +173,12 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         n_ok = n < end
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
-        if K_HALVES:
-            k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1)
-            k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1)
+        if KK == 2:
+            k_even, k_odd = _int4_halves(k0, k1, row, n_ok, D, KW0, KW1, BLOCK_N)
+            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        elif K_HALVES:
+            k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1).to(tl.float16)
+            k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1).to(tl.float16)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         else:
             k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
@@ -163,14 +191,18 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if VK == 2:
+            v_even, v_odd = _int4_halves(v0, v1, row, n_ok, D, VW0, VW1, BLOCK_N)
+        elif V_HALVES:
+            v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1).to(tl.float16)
+            v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1).to(tl.float16)
         if V_HALVES:
-            v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1)
-            v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even)
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd)
+            p16 = p.to(tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
         else:
             v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
     part = ((lane_kvh * SPLITS + split) * rows_total + r)

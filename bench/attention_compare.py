@@ -1,0 +1,132 @@
+"""Paged decode attention at 27B shapes (24 Q / 4 KV heads x 256) per codec and depth, side by side:
+this tree's kernel over a small tile sweep, and (when `.carry/old_paged_attention.py` holds an earlier
+version of the module) the earlier kernel; also the KV append (encode + write) per layer, kernel vs torch.
+
+    PYTHONPATH=. python bench/attention_compare.py OUT.json
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.gpu_check import bench_ms, copy_bandwidth
+from runtime.kernels import paged_attention as pa
+from runtime.kernels.kv_append import SUPPORTED, kv_append
+from runtime.kv.codecs import CODECS
+from runtime.kv.hadamard import rotate_groups
+
+HQ, HKV, D = 24, 4, 256
+CODEC_NAMES = ("bf16", "int8", "rk8v4", "rk4v4-e8", "fp8", "nvfp4", "rk2v4-e8")
+DEPTHS = (8192, 32768, 131072, 204800)
+TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]
+
+
+def graph_ms(fn, reps=50):
+    """Time `fn` replayed from a CUDA graph, as the engine's decode step runs it (no launch gaps)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return bench_ms(graph.replay, reps=reps) / 10
+
+
+def _old_module():
+    path = Path(".carry/old_paged_attention.py")
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("old_paged_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pool(codec, pages):
+    """Pool planes holding real encodings of random vectors (scales and codes in their true ranges)."""
+    planes = {}
+    chunk = 4096
+    for p in codec.planes(D):
+        planes[p.name] = torch.empty((pages, 64, HKV, p.width), dtype=p.dtype, device="cuda")
+    for first in range(0, pages, chunk // 64):
+        n = min(chunk // 64, pages - first)
+        k = torch.randn(n, 64, HKV, D, device="cuda")
+        v = torch.randn(n, 64, HKV, D, device="cuda")
+        for name, value in codec.encode(k, v).items():
+            planes[name][first:first + n] = value
+    return planes
+
+
+def main(out_path: str) -> None:
+    peak = copy_bandwidth()
+    old = _old_module()
+    rows = []
+    for name in CODEC_NAMES:
+        codec = CODECS[name]
+        pool = _pool(codec, max(DEPTHS) // 64)
+        for depth, t in itertools.product(DEPTHS, (1, 4)):
+            bt = torch.arange(depth // 64, dtype=torch.int32, device="cuda")[None]
+            ctx = torch.tensor([depth], dtype=torch.int32, device="cuda")
+            q = torch.randn(1, t, HQ, D, device="cuda", dtype=torch.bfloat16)
+            kv_bytes = codec.bytes_per_token_head(D) * HKV * depth
+            row = {"codec": name, "depth": depth, "t": t, "kv_bytes": kv_bytes}
+            ref = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+            for bn, nw in TILES:
+                pa.ATTENTION_TUNING.update(block_n=bn, num_warps=nw)
+                try:
+                    out = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+                    ms = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                    row[f"new_{bn}x{nw}"] = type(exc).__name__
+                    continue
+                row[f"new_{bn}x{nw}_us"] = ms * 1e3
+                if (bn, nw) == (16, 4):
+                    row["new_16x4_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
+                row[f"new_{bn}x{nw}_maxdiff"] = (out - ref).abs().max().item()
+            pa.ATTENTION_TUNING.update(block_n=16, num_warps=4)
+            if old is not None:
+                old_out = old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+                row["old_us"] = bench_ms(lambda: old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
+                row["old_graph_us"] = graph_ms(lambda: old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
+                row["old_vs_new_maxdiff"] = (old_out - ref).abs().max().item()
+            best = min((v, k) for k, v in row.items() if k.startswith("new_") and k.endswith("_us") and "graph" not in k)
+            row["best"], row["best_us"] = best[1], best[0]
+            row["best_frac_of_copy"] = kv_bytes / (best[0] * 1e-6) / peak
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        # KV append for one decode token of one layer
+        k = torch.randn(1, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, D, device="cuda", dtype=torch.bfloat16)
+        page = torch.zeros(1, dtype=torch.int32, device="cuda")
+        slot = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+        def torch_append():
+            for plane, value in codec.encode(k.float(), v.float()).items():
+                pool[plane][page.long(), slot.long()] = value
+
+        append = {"codec": name, "append_torch_us": graph_ms(torch_append) * 1e3}
+        if codec.key in SUPPORTED and codec.value in SUPPORTED:
+            def kernel_append():
+                for side, kind, x, rot in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
+                    x = rotate_groups(x) if rot else x
+                    kv_append(x, kind, [pool[p.name] for p in codec.planes(D) if p.name.startswith(side + "_")], page, slot)
+            append["append_kernel_us"] = graph_ms(kernel_append) * 1e3
+        rows.append(append)
+        print(json.dumps(append), flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    Path(out_path).write_text(json.dumps({"peak_GBps": peak / 1e9, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,130 @@
+"""Encode new K or V vectors into their KV-cache planes and write them at (page, slot) in one launch.
+
+One program per (token, kv head) vector. The integer sub-codecs of specs/kv-codecs.md (bf16, int8g64,
+int4g64, int4g64e8) are encoded here with the reference's exact arithmetic: correctly rounded
+divisions, round-half-to-even, the same E8 nearest-point rule; given the same (already rotated)
+input they write the reference encoder's bytes. The other sub-codecs (fp8row, nvfp4, e8root) keep
+the torch encoder (`SUPPORTED` says which). Without this kernel each attention layer paid ~40 small
+torch launches for the E8 rounding, nibble packing and scattered plane writes per decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3}
+SUPPORTED = frozenset(KIND_IDS)
+RINT_MAGIC = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |x| < 2^22 to nearest-even
+
+
+@triton.jit
+def _rint(x):
+    return (x + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def _group_scale(amax, QMAX: tl.constexpr):
+    """f16(amax / qmax) with the 2^-24 rescue, and 1 / scale (0 for an all-zero group), as the spec says."""
+    s = tl.math.div_rn(amax, QMAX).to(tl.float16).to(tl.float32)
+    s = tl.where((s == 0.0) & (amax > 0.0), 5.960464477539063e-08, s)
+    inv = tl.where(s > 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.maximum(s, 1e-30)), 0.0)
+    return s, inv
+
+
+@triton.jit
+def _nearest_d8(xe, xo):
+    """Nearest D8 point of 8-vectors given as even/odd halves [R, 4]: round every coordinate; on an
+    odd sum move the coordinate with the largest rounding error (first on ties) one step towards x."""
+    fe = _rint(xe)
+    fo = _rint(xo)
+    total = tl.sum(fe, axis=1) + tl.sum(fo, axis=1)
+    odd = (total.to(tl.int32) & 1) != 0
+    ee = xe - fe
+    eo = xo - fo
+    worst_err = tl.maximum(tl.max(tl.abs(ee), axis=1), tl.max(tl.abs(eo), axis=1))
+    j = tl.arange(0, 4)
+    pos_e = 2 * j[None, :]
+    pos_o = 2 * j[None, :] + 1
+    first = tl.minimum(tl.min(tl.where(tl.abs(ee) == worst_err[:, None], pos_e, 8), axis=1),
+                       tl.min(tl.where(tl.abs(eo) == worst_err[:, None], pos_o, 8), axis=1))
+    err_at = tl.sum(tl.where(pos_e == first[:, None], ee, 0.0), axis=1) + \
+        tl.sum(tl.where(pos_o == first[:, None], eo, 0.0), axis=1)
+    step = tl.where(err_at >= 0.0, 1.0, -1.0)
+    move = odd[:, None]
+    fe = fe + tl.where(move & (pos_e == first[:, None]), step[:, None], 0.0)
+    fo = fo + tl.where(move & (pos_o == first[:, None]), step[:, None], 0.0)
+    return fe, fo
+
+
+@triton.jit
+def _e8_round(ye, yo):
+    """Nearest E8 point (D8 or D8 + 1/2, the nearer; D8 on ties), then rounded to integers again."""
+    ae, ao = _nearest_d8(ye, yo)
+    be, bo = _nearest_d8(ye - 0.5, yo - 0.5)
+    be = be + 0.5
+    bo = bo + 0.5
+    da = tl.sum((ye - ae) * (ye - ae), axis=1) + tl.sum((yo - ao) * (yo - ao), axis=1)
+    db = tl.sum((ye - be) * (ye - be), axis=1) + tl.sum((yo - bo) * (yo - bo), axis=1)
+    pick_b = (db < da)[:, None]
+    return _rint(tl.where(pick_b, be, ae)), _rint(tl.where(pick_b, bo, ao))
+
+
+@triton.jit
+def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, KIND: tl.constexpr,
+                      W0: tl.constexpr, W1: tl.constexpr):
+    vec = tl.program_id(0)  # token * HKV + head
+    token = vec // HKV
+    head = vec % HKV
+    page = tl.load(page_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    row = (page * 64 + slot) * HKV + head
+    x_row = x_ptr + vec.to(tl.int64) * D
+    G: tl.constexpr = D // 64
+    g = tl.arange(0, G)
+    if KIND == 0:
+        d = tl.arange(0, D)
+        tl.store(p0 + row * W0 + d, tl.load(x_row + d).to(tl.bfloat16))
+    elif KIND == 1:
+        j = tl.arange(0, 64)
+        x = tl.load(x_row + g[:, None] * 64 + j[None, :]).to(tl.float32)
+        s, inv = _group_scale(tl.max(tl.abs(x), axis=1), 127.0)
+        q = tl.minimum(tl.maximum(_rint(x * inv[:, None]), -127.0), 127.0)
+        tl.store(p0 + row * W0 + g[:, None] * 64 + j[None, :], q.to(tl.int8))
+        tl.store(p1 + row * W1 + g, s.to(tl.float16))
+    else:
+        j = tl.arange(0, 32)
+        xe = tl.load(x_row + g[:, None] * 64 + 2 * j[None, :]).to(tl.float32)
+        xo = tl.load(x_row + g[:, None] * 64 + 2 * j[None, :] + 1).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        s, inv = _group_scale(amax, 7.0)
+        ye = xe * inv[:, None]
+        yo = xo * inv[:, None]
+        if KIND == 3:  # sub-vectors of 8 = 4 even + 4 odd elements
+            ye, yo = _e8_round(tl.reshape(ye, (G * 8, 4)), tl.reshape(yo, (G * 8, 4)))
+            ye = tl.reshape(ye, (G, 32))
+            yo = tl.reshape(yo, (G, 32))
+        qe = tl.minimum(tl.maximum(_rint(ye), -7.0), 7.0).to(tl.int32)
+        qo = tl.minimum(tl.maximum(_rint(yo), -7.0), 7.0).to(tl.int32)
+        byte = (qe & 0xF) | ((qo & 0xF) << 4)
+        tl.store(p0 + row * W0 + g[:, None] * 32 + j[None, :], byte.to(tl.uint8))
+        tl.store(p1 + row * W1 + g, s.to(tl.float16))
+
+
+def kv_append(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor, slot: torch.Tensor) -> None:
+    """x [n, HKV, D] (rotated already when the codec rotates); planes of one side ([pages, 64, HKV, W]);
+    page, slot [n] int: where token i goes. Writes the encoded vectors in place."""
+    n, hkv, d = x.shape
+    p0, p1 = planes[0], planes[-1]
+    _kv_append_kernel[(n * hkv,)](x.contiguous(), page, slot, p0, p1, hkv, D=d, KIND=KIND_IDS[kind],
+                                  W0=p0.shape[-1], W1=p1.shape[-1], num_warps=1 if d <= 64 else 2)
+
+
+def kv_append_reference(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor,
+                        slot: torch.Tensor) -> None:
+    """The reference sub-codec encoder, scattered into the planes."""
+    from runtime.kv.codecs import _encode
+
+    for plane, value in zip(planes, _encode(kind, x.float()).values()):
+        plane[page.long(), slot.long()] = value.view(plane.dtype) if value.dtype != plane.dtype else value
