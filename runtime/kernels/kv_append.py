@@ -16,7 +16,7 @@ import triton.language as tl
 
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3}
 SUPPORTED = frozenset(KIND_IDS)
-RINT_MAGIC = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |x| < 2^22 to nearest-even
+RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |x| < 2^22 to nearest-even
 
 
 @triton.jit
