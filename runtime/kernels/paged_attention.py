@@ -26,7 +26,7 @@ from runtime.kv.codecs import Codec
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 TARGET_PROGRAMS = 1024
-MIN_SPLIT = 256
+MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
 ATTENTION_TUNING = {"block_n": 16, "num_warps": 4}  # best of the H200 sweep (bench/RESULTS.md)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
@@ -216,19 +216,22 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, T, HQ, HKV, SPLITS, D: tl.constexpr):
-    """Merge the splits of one (lane, kv head, row) with their log-sum-exp weights."""
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_TOKENS, D: tl.constexpr):
+    """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
+    log-sum-exp weights (splits past the row's last key contribute nothing and are not read)."""
     lane_kvh = tl.program_id(0)
     r = tl.program_id(1)
     lane = lane_kvh // HKV
     kvh = lane_kvh % HKV
     group = HQ // HKV
     rows_total = T * group
+    visible_end = tl.load(ctx_len_ptr + lane) - T + r // group + 1
+    used = tl.minimum(tl.cdiv(visible_end, SPLIT_TOKENS), SPLITS)
     d = tl.arange(0, D)
     m_all = tl.full((D,), float("-inf"), tl.float32)  # running max, replicated across lanes of d
     l_all = tl.zeros((D,), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for s in range(SPLITS):
+    for s in range(used):
         part = (lane_kvh * SPLITS + s) * rows_total + r
         m = tl.load(part_ml_ptr + part * 2 + d * 0)
         l = tl.load(part_ml_ptr + part * 2 + 1 + d * 0)
@@ -279,7 +282,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=ATTENTION_TUNING["num_warps"])
-    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, t, hq, hkv, splits, D=d)
+    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d)
     return o
 
 

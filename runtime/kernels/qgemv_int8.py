@@ -307,11 +307,27 @@ def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: 
     return finish_splits(target, y)
 
 
+@triton.jit
+def _sum_splits_kernel(src_ptr, dst_ptr, SPLITS, M, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(src_ptr + s * M + i, mask=ok, other=0.0)
+    tl.store(dst_ptr + i, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
 def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Sum the float32 K-split partials [splits, T, N] into y (one deterministic reduction, no
-    atomics); with one split the kernel wrote y itself."""
-    if target is not y:
-        torch.sum(target, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(target.sum(0))
+    """Sum the float32 K-split partials [splits, T, N] into y in split order (deterministic, no
+    atomics) and cast, in one launch (torch's sum + cast were two per matrix per token); with one
+    split the kernel wrote y itself."""
+    if target is y:
+        return y
+    if not y.is_contiguous():
+        y.copy_(target.sum(0))
+        return y
+    block = 4096 if os.environ.get("TRITON_INTERPRET") == "1" else 512
+    _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, target.shape[0], y.numel(), BLOCK=block, num_warps=4)
     return y
 
 
