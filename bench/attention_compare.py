@@ -2,7 +2,7 @@
 this tree's kernel over a small tile sweep, and (when `.carry/old_paged_attention.py` holds an earlier
 version of the module) the earlier kernel; also the KV append (encode + write) per layer, kernel vs torch.
 
-    PYTHONPATH=. python bench/attention_compare.py OUT.json
+    PYTHONPATH=. python bench/attention_compare.py OUT.json [CODEC,...] [DEPTH,...]
 """
 
 from __future__ import annotations
@@ -67,14 +67,14 @@ def _pool(codec, pages):
     return planes
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
     peak = copy_bandwidth()
     old = _old_module()
     rows = []
-    for name in CODEC_NAMES:
+    for name in codecs:
         codec = CODECS[name]
-        pool = _pool(codec, max(DEPTHS) // 64)
-        for depth, t in itertools.product(DEPTHS, (1, 4)):
+        pool = _pool(codec, max(depths) // 64)
+        for depth, t in itertools.product(depths, (1, 4)):
             bt = torch.arange(depth // 64, dtype=torch.int32, device="cuda")[None]
             ctx = torch.tensor([depth], dtype=torch.int32, device="cuda")
             q = torch.randn(1, t, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +93,8 @@ def main(out_path: str) -> None:
                 if (bn, nw) == (16, 4):
                     row["new_16x4_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
                 row[f"new_{bn}x{nw}_maxdiff"] = (out - ref).abs().max().item()
-            pa.ATTENTION_TUNING.update(block_n=16, num_warps=4)
+            pa.ATTENTION_TUNING.clear()
+            row["default_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
             if old is not None:
                 old_out = old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
                 row["old_us"] = bench_ms(lambda: old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
@@ -129,4 +130,6 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[0], *([args[1].split(",")] if len(args) > 1 else []),
+         *([[int(x) for x in args[2].split(",")]] if len(args) > 2 else []))

@@ -20,5 +20,3 @@ timeout 200 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype bf16,r
   --json-out "$OUT/27b.json" 2>&1 | tail -7
 timeout 100 $B qwen3.6-27b --depths 8k --prefill-limit 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
   --accepted-drafts 3 --decode-tokens 64 --json-out "$OUT/27b-mtp.json" 2>&1 | tail -3
-NINFER_GEMV_ROWS=int8 timeout 100 $B qwen3.6-27b --depths 8k --prefill-limit 8k --kv-dtype bf16 --spec mtp \
-  --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 --json-out "$OUT/27b-mtp-rows-int8.json" 2>&1 | tail -3

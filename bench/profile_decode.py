@@ -1,7 +1,7 @@
 """Where one decode step's GPU time goes: kernel time per kernel name over eager decode steps of a
 full-size random shape (the kernels are the same ones the CUDA graph replays).
 
-    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [prefill]
+    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill] [KV_DTYPE]
 
 With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead.
 """
@@ -20,9 +20,9 @@ from runtime.engine import Engine
 from runtime.memory_plan import PlanOptions
 
 
-def main(shape: str, out: str, mode: str = "decode", steps: int = 4) -> None:
+def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", steps: int = 4) -> None:
     art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=False)
-    eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048), device="cuda", cuda_graphs=False,
+    eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048, kv_dtype=kv_dtype), device="cuda", cuda_graphs=False,
                  random_weights_seed=0)
     prompt = list(range(1, 8193)) if mode == "prefill" else list(range(1, 4097))
     logits = eng.prefill(0, prompt)
@@ -54,4 +54,4 @@ def main(shape: str, out: str, mode: str = "decode", steps: int = 4) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -73,32 +73,6 @@ def test_qgemv_int8(bits, n, k, prequant):
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 5e-4
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
-@pytest.mark.parametrize("t,n,k", [(3, 70, 200), (5, 33, 1024)])
-def test_qgemm_rows_int8(bits, t, n, k):
-    """The dp4a kernel for a few rows of x: each row == the one-row integer reference; rows past T unwritten."""
-    from runtime.kernels.qgemv_int8 import qgemm_rows_int8, qgemv_int8_reference
-
-    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
-    w = _packed(n, k, fmt, seed=n + k + bits + t)
-    x = torch.randn(t, k, device=DEVICE) * torch.rand(t, k, device=DEVICE) * 4
-    got = qgemm_rows_int8(x, w, _poison((t, n), torch.float32), block_t=4, block_n=16, block_k=128,
-                          split=1 if k <= 256 else 2, num_warps=4)
-    assert not torch.isnan(got).any()
-    want = qgemv_int8_reference(x, w)
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
-
-
-def test_qlinear_routes_row_blocks_to_dp4a_when_asked(monkeypatch):
-    from runtime.kernels import qlinear as ql
-    from runtime.kernels.qgemv_int8 import qgemv_int8_reference
-
-    monkeypatch.setattr(ql, "ROWS_PATH", "int8")
-    w = _packed(40, 384, FORMATS["Q4G64_F16S"], seed=5)
-    x = torch.randn(6, 384, device=DEVICE).to(DTYPE)
-    _check(ql.qlinear(x, w, out=_poison((6, 40))), qgemv_int8_reference(x, w))
-
-
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("t,h", [(1, 64), (5, 100)])
 def test_rmsnorm(residual, t, h):

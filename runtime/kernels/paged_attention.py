@@ -27,7 +27,10 @@ PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 TARGET_PROGRAMS = 1024
 MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
-ATTENTION_TUNING = {"block_n": 16, "num_warps": 4}  # best of the H200 sweep (bench/RESULTS.md)
+# (keys per tile, warps) by key sub-codec: best of the H200 sweep at 128K-200K (bench/RESULTS.md §10)
+ATTENTION_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
+                   "nvfp4": (16, 4), "e8root": (16, 4)}
+ATTENTION_TUNING: dict[str, int] = {}  # block_n / num_warps overrides for sweeps
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 
@@ -216,7 +219,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_TOKENS, D: tl.constexpr):
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_TOKENS, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read)."""
     lane_kvh = tl.program_id(0)
@@ -228,20 +232,22 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     visible_end = tl.load(ctx_len_ptr + lane) - T + r // group + 1
     used = tl.minimum(tl.cdiv(visible_end, SPLIT_TOKENS), SPLITS)
     d = tl.arange(0, D)
-    m_all = tl.full((D,), float("-inf"), tl.float32)  # running max, replicated across lanes of d
-    l_all = tl.zeros((D,), tl.float32)
+    m_all = tl.full((1,), float("-inf"), tl.float32)
+    l_all = tl.zeros((1,), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for s in range(used):
-        part = (lane_kvh * SPLITS + s) * rows_total + r
-        m = tl.load(part_ml_ptr + part * 2 + d * 0)
-        l = tl.load(part_ml_ptr + part * 2 + 1 + d * 0)
-        o = tl.load(part_o_ptr + part * D + d)
-        m_new = tl.maximum(m_all, m)
+    for s0 in range(0, used, BLOCK_S):  # BLOCK_S splits per step: a short dependent chain
+        sp = s0 + tl.arange(0, BLOCK_S)
+        ok = sp < used
+        part = (lane_kvh * SPLITS + sp) * rows_total + r
+        m = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
+        l = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+        o = tl.load(part_o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_all, tl.max(m, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp(m_all - m_safe)
         b = tl.exp(m - m_safe)
-        acc = acc * a + o * b
-        l_all = l_all * a + l * b
+        acc = acc * a + tl.sum(o * b[:, None], axis=0)
+        l_all = l_all * a + tl.sum(l * b, axis=0)
         m_all = m_new
     t = r // group
     head = kvh * group + r % group
@@ -269,7 +275,8 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     group = hq // hkv
     rows = t * group
     block_m = 16  # larger row blocks hit a Hopper layout bug in triton 3.6 (see bench/RESULTS.md)
-    block_n = ATTENTION_TUNING["block_n"]
+    block_n, num_warps = ATTENTION_TILES[codec.key]
+    block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
     splits = triton.cdiv(capacity, split_tokens)
@@ -281,8 +288,9 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=ATTENTION_TUNING["num_warps"])
-    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d,
+                                         BLOCK_S=16, num_warps=4)
     return o
 
 

@@ -1,5 +1,6 @@
-"""Decode products (one row of x, or a block of 2..16 rows) for the row-split formats (Q4/Q5/Q6/W8)
-with integer dot products.
+"""Decode products (one row of x) for the row-split formats (Q4/Q5/Q6/W8) with integer dot products.
+A row-block variant for T = 2..16 was tried and dropped: it gave wrong results on the H200 (run 18)
+while passing in the interpreter; verify blocks keep the tensor-core kernel of qlinear.
 
 Why: converting every 4-bit code to float (one I2F per weight, a quarter-rate instruction on Hopper)
 made the float GEMV compute-bound at 0.18-0.35 of the copy bandwidth (bench/RESULTS.md §9). Here x is quantized per weight
@@ -236,75 +237,6 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
                        (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM,
                        PREQUANT)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K_PER_SPLIT, ROW_INTS: tl.constexpr,
-                            GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                            HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """A few rows of x (verify blocks, several lanes): each weight word is loaded and unpacked once and
-    meets every row's x words in dp4a ([BLOCK_T, BLOCK_N, words] broadcast)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    split = tl.program_id(2)
-    row_ok = rows < N
-    tok_ok = toks < T
-    LANES: tl.constexpr = 4 if BITS == 8 else 8
-    gpb: tl.constexpr = BLOCK_K // GROUP
-    wpb: tl.constexpr = BLOCK_K // LANES
-    wpg: tl.constexpr = GROUP // LANES
-    row_words: tl.constexpr = K_PAD // LANES
-    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-    shape: tl.constexpr = (BLOCK_T, BLOCK_N, wpb)
-    xrow = xq_ptr + toks[:, None] * ROW_INTS  # [BLOCK_T, 1]
-    acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
-    for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
-        widx = k0 // LANES + tl.arange(0, wpb)
-        gq = k0 // GROUP + tl.arange(0, gpb)
-        xm = tok_ok[:, None]
-        hi_a = tl.broadcast_to(tl.load(xrow + widx[None, :], mask=xm, other=0)[:, None, :], shape)
-        lo_a = tl.broadcast_to(tl.load(xrow + row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
-        x_scale = tl.load(xrow + 4 * row_words + gq[None, :], mask=xm, other=0).to(tl.float32, bitcast=True)
-        x_sum = tl.load(xrow + 4 * row_words + GPR + gq[None, :], mask=xm, other=0)
-        even, odd = _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR, HIGH_BYTES, BITS)
-        even = tl.broadcast_to(even[None, :, :], shape)
-        zero = tl.zeros(shape, dtype=tl.int32)
-        if BITS == 8:
-            d = _dp4a(even, hi_a, zero, True, USE_ASM) << 7
-            d = _dp4a(even, lo_a, d, True, USE_ASM)
-        else:
-            odd = tl.broadcast_to(odd[None, :, :], shape)
-            hi_b = tl.broadcast_to(tl.load(xrow + 2 * row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
-            lo_b = tl.broadcast_to(tl.load(xrow + 3 * row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
-            d = _dp4a(even, hi_a, zero, False, USE_ASM)
-            d = _dp4a(odd, hi_b, d, False, USE_ASM) << 7
-            d = _dp4a(even, lo_a, d, False, USE_ASM)
-            d = _dp4a(odd, lo_b, d, False, USE_ASM)
-        dg = tl.sum(tl.reshape(d, (BLOCK_T, BLOCK_N, gpb, wpg)), axis=3)
-        if OFFSET != 0:
-            dg -= OFFSET * x_sum[:, None, :]
-        w_scale = tl.load(scale_ptr + rows[:, None] * GPR + gq[None, :], mask=row_ok[:, None], other=0.0)
-        acc += dg.to(tl.float32) * (w_scale.to(tl.float32)[None, :, :] * x_scale[:, None, :])
-    y = tl.sum(acc, axis=2)
-    out = y_ptr + split * T * N + toks[:, None] * N + rows[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
-
-
-def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: int, block_k: int, split: int,
-                    num_warps: int):
-    """y = x @ W^T for a few rows of x (T <= 16) with the dp4a kernel; x [T, K], y [T, N]."""
-    t = x.shape[0]
-    if w.k_pad % (split * block_k):
-        raise ValueError(f"qgemm_rows_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
-    xq = quantize_x(x, w)
-    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
-    _qgemm_rows_int8_kernel[(triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)](
-        xq, code_words(w.base), high_plane(w), w.scale, target, t, w.rows, w.k_pad // split, ROW_INTS=xq.shape[1],
-        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_ASM=native_dp4a(), num_warps=num_warps)
-    return finish_splits(target, y)
 
 
 @triton.jit

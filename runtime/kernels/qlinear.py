@@ -18,7 +18,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemv_int8
+from .qgemv_int8 import INT8_BITS, finish_splits, qgemv_int8
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -26,10 +26,6 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
-# T = 2..16 (verify blocks, several lanes): NINFER_GEMV_ROWS=int8 selects the dp4a kernel over the
-# tensor-core one. Off by default until measured on the GPU side by side (bench/gemv_compare.py).
-ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "tensor")
-ROWS_INT8_TUNING = {"block_t": 4, "block_n": 16, "block_k": 256, "num_warps": 4}
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
@@ -238,18 +234,6 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
     return finish_splits(target, y)
 
 
-def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
-    tune = ROWS_INT8_TUNING
-    block_t = min(tune["block_t"], triton.next_power_of_2(x.shape[0]))
-    block_n, block_k = (INTERPRETER_BLOCK_N, tune["block_k"]) if _interpreted() else (tune["block_n"], tune["block_k"])
-    while w.k_pad % block_k:
-        block_k //= 2
-    blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], block_t)
-    programs = INTERPRETER_PROGRAMS if _interpreted() else TARGET_PROGRAMS
-    split = k_splits(blocks, w.k_pad // block_k, programs)
-    return qgemm_rows_int8(x, w, y, block_t, block_n, block_k, split, tune["num_warps"])
-
-
 class PackedLinear:
     """A row-split weight resident on the device: its three planes and its geometry."""
 
@@ -285,8 +269,6 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
         return _gemm(x, w, y)
     if t == 1:
         return _gemv_vec(x, w, y)
-    if ROWS_PATH == "int8" and w.fmt.bits in INT8_BITS:
-        return _gemm_rows_int8(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
