@@ -105,6 +105,20 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
             row["best_frac_of_copy"] = kv_bytes / (best[0] * 1e-6) / peak
             rows.append(row)
             print(json.dumps(row), flush=True)
+        # a 2,048-token prefill chunk ending at 8K: 64-row blocks (default) vs 16-row blocks
+        bt = torch.arange(8192 // 64, dtype=torch.int32, device="cuda")[None]
+        ctx = torch.tensor([8192], dtype=torch.int32, device="cuda")
+        q = torch.randn(1, 2048, HQ, D, device="cuda", dtype=torch.bfloat16)
+        prefill = {"codec": name, "prefill_chunk": 2048, "depth": 8192}
+        out64 = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+        prefill["block_m64_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
+        pa.PREFILL_MIN_ROWS = 1 << 30
+        out16 = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+        prefill["block_m16_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
+        pa.PREFILL_MIN_ROWS = 256
+        prefill["maxdiff_64_vs_16"] = (out64 - out16).abs().max().item()
+        rows.append(prefill)
+        print(json.dumps(prefill), flush=True)
         # KV append for one decode token of one layer
         k = torch.randn(1, HKV, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(1, HKV, D, device="cuda", dtype=torch.bfloat16)

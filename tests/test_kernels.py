@@ -218,12 +218,13 @@ def test_causal_conv1d(b, t, c):
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64)])
+@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (66, 0)])  # 66 x 2 rows: a prefill block
 def test_paged_attention(codec, t, split_tokens, monkeypatch):
     from runtime.kernels import paged_attention as module
     from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference
 
     monkeypatch.setattr(module, "SPLIT_TOKENS", split_tokens)  # 64: several key splits per lane
+    monkeypatch.setattr(module, "PREFILL_MIN_ROWS", 128)  # t = 66: 64-row blocks at test size
 
     c = CODECS[codec]
     lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 3

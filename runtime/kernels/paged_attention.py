@@ -31,6 +31,8 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 ATTENTION_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                    "nvfp4": (16, 4), "e8root": (16, 4)}
 ATTENTION_TUNING: dict[str, int] = {}  # block_n / num_warps overrides for sweeps
+PREFILL_BLOCK_M = 64
+PREFILL_MIN_ROWS = 256
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 
 
@@ -274,7 +276,9 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     o = out if out is not None else torch.empty_like(q)
     group = hq // hkv
     rows = t * group
-    block_m = 16  # larger row blocks hit a Hopper layout bug in triton 3.6 (see bench/RESULTS.md)
+    # prefill blocks: 64 query rows share each decoded key tile (16-bit operands compile at 64 rows;
+    # the fp32 ones hit "Illegal shared layout" in triton 3.6). Decode blocks: 16 rows.
+    block_m = PREFILL_BLOCK_M if rows >= PREFILL_MIN_ROWS else 16
     block_n, num_warps = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
     capacity = block_table.shape[1] * PAGE
