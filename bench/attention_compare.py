@@ -19,7 +19,7 @@ from bench.gpu_check import bench_ms, copy_bandwidth
 from runtime.kernels import paged_attention as pa
 from runtime.kernels.kv_append import SUPPORTED, kv_append
 from runtime.kv.codecs import CODECS
-from runtime.kv.hadamard import rotate_groups
+from runtime.kernels.hadamard import rotate64
 
 HQ, HKV, D = 24, 4, 256
 CODEC_NAMES = ("bf16", "int8", "rk8v4", "rk4v4-e8", "fp8", "nvfp4", "rk2v4-e8")
@@ -133,7 +133,7 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
         if codec.key in SUPPORTED and codec.value in SUPPORTED:
             def kernel_append():
                 for side, kind, x, rot in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
-                    x = rotate_groups(x) if rot else x
+                    x = rotate64(x, torch.float32) if rot else x
                     kv_append(x, kind, [pool[p.name] for p in codec.planes(D) if p.name.startswith(side + "_")], page, slot)
             append["append_kernel_us"] = graph_ms(kernel_append) * 1e3
         rows.append(append)

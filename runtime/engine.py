@@ -24,6 +24,7 @@ from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import gdn_fused
+from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
@@ -34,7 +35,6 @@ from .kernels.rope import apply_rope_
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
-from .kv.hadamard import rotate_groups
 from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
@@ -252,10 +252,10 @@ class Engine:
         # append K/V into the lanes' pages at their positions
         page, slot, lane_tables, lane_ctx = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
         self._append_kv(pool, k.view(n, c.num_kv_heads, c.head_dim), v, page, slot)
-        qr = self.codec.prepare_queries(q.float()).to(self.act_dtype) if self.codec.rotate_keys else q
+        qr = rotate64(q, self.act_dtype) if self.codec.rotate_keys else q  # keys are stored rotated
         out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
-        out = self.codec.finish_output(out.float()).to(self.act_dtype) if self.codec.rotate_values else out
+        out = rotate64(out, self.act_dtype) if self.codec.rotate_values else out  # back from the value basis
         out = out.reshape(n, -1) * torch.sigmoid(gate)
         return self.lin[p + "output"](out.contiguous())
 
@@ -265,7 +265,7 @@ class Engine:
         codec = self.codec
         if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
             for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
-                x = rotate_groups(x) if rotate else x
+                x = rotate64(x, torch.float32) if rotate else x
                 planes = [pool[pl.name] for pl in codec.planes(x.shape[-1]) if pl.name.startswith(side + "_")]
                 kv_append(x, kind, planes, page, slot)
             return

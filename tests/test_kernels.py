@@ -319,3 +319,13 @@ def test_kv_append_writes_the_reference_bytes(kind):
     kv_append(x.to(DEVICE), kind, got, page.to(DEVICE), slot.to(DEVICE))
     for a, b in zip(got, want):
         assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape,out_dtype", [((3, 5, 128), None), ((2, 64), torch.float32)])
+def test_rotate64(shape, out_dtype):
+    from runtime.kernels.hadamard import rotate64, rotate64_reference
+
+    x = torch.randn(*shape, device=DEVICE).to(DTYPE)
+    got = rotate64(x, out_dtype)
+    assert got.dtype == (out_dtype or x.dtype)
+    _check(got, rotate64_reference(x.cpu(), out_dtype), out_dtype or DTYPE)

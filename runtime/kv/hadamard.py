@@ -19,7 +19,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _on_device(n: int, device: str) -> torch.Tensor:
+def hadamard_on_device(n: int, device: str) -> torch.Tensor:
     # cached per device so CUDA-graph capture never copies from the host
     return hadamard_matrix(n).to(device)
 
@@ -27,6 +27,6 @@ def _on_device(n: int, device: str) -> torch.Tensor:
 def rotate_groups(x: torch.Tensor, group: int = 64) -> torch.Tensor:
     """Apply H_group inside each consecutive group of the last dimension (H64 in the spec)."""
     shape = x.shape
-    h = _on_device(group, str(x.device))
+    h = hadamard_on_device(group, str(x.device))
     y = x.float().reshape(*shape[:-1], shape[-1] // group, group) @ h
     return y.reshape(shape)
