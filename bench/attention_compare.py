@@ -94,6 +94,11 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
                     row["new_16x4_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
                 row[f"new_{bn}x{nw}_maxdiff"] = (out - ref).abs().max().item()
             pa.ATTENTION_TUNING.clear()
+            if depth >= 131072:  # more, shorter splits at depth (default TARGET_PROGRAMS = 1024)
+                for target in (2048, 4096):
+                    pa.TARGET_PROGRAMS = target
+                    row[f"programs{target}_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
+                pa.TARGET_PROGRAMS = 1024
             row["default_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
             if old is not None:
                 old_out = old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
