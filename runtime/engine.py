@@ -19,6 +19,7 @@ from format.layouts import RowSplitGeometry
 from format.numeric import GroupedFormat, get_format
 
 from .allocator import DeviceMemory
+from .kernels.attention_gate import attention_gate
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
 from .kernels.gated_norm import gated_norm
@@ -235,9 +236,7 @@ class Engine:
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h)
         qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
-        qg = qg.reshape(n, c.num_heads, 2 * c.head_dim)
-        q = qg[..., : c.head_dim].contiguous()
-        gate = qg[..., c.head_dim:].reshape(n, -1)
+        q = qg.reshape(n, c.num_heads, 2 * c.head_dim)[..., : c.head_dim].contiguous()
         q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
         k, _ = rmsnorm(k.contiguous().view(-1, c.head_dim), self.vec[p + "key_norm"], c.rms_norm_eps)
         rope = positions if rope_positions is None else rope_positions
@@ -255,9 +254,9 @@ class Engine:
         qr = rotate64(q, self.act_dtype) if self.codec.rotate_keys else q  # keys are stored rotated
         out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
-        out = rotate64(out, self.act_dtype) if self.codec.rotate_values else out  # back from the value basis
-        out = out.reshape(n, -1) * torch.sigmoid(gate)
-        return self.lin[p + "output"](out.contiguous())
+        # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates
+        out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values)
+        return self.lin[p + "output"](out)
 
     def _append_kv(self, pool, k, v, page, slot):
         """Encode K/V [n, HKV, D] into the pool: one kernel per side for the integer sub-codecs

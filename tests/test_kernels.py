@@ -329,3 +329,14 @@ def test_rotate64(shape, out_dtype):
     got = rotate64(x, out_dtype)
     assert got.dtype == (out_dtype or x.dtype)
     _check(got, rotate64_reference(x.cpu(), out_dtype), out_dtype or DTYPE)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_attention_gate(rotate):
+    from runtime.kernels.attention_gate import attention_gate, attention_gate_reference
+
+    n, heads, d = 3, 2, 128
+    qgkv = torch.randn(n, heads * 2 * d + 40, device=DEVICE).to(DTYPE)  # gate rows sit inside a wider row
+    qg = qgkv[:, : heads * 2 * d]
+    o = torch.randn(n, heads, d, device=DEVICE).to(DTYPE)
+    _check(attention_gate(o, qg, rotate), attention_gate_reference(o.cpu(), qg.cpu(), rotate))

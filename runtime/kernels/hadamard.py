@@ -15,12 +15,18 @@ from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
 
 @triton.jit
+def rotate_group64(x, h_ptr):
+    """x [64] float32 -> x @ H64 (h_ptr: the row-major normalized matrix)."""
+    i = tl.arange(0, 64)
+    h = tl.load(h_ptr + i[:, None] * 64 + i[None, :])
+    return tl.sum(x[:, None] * h, axis=0)  # y_j = sum_i x_i H_ij
+
+
+@triton.jit
 def _rotate64_kernel(x_ptr, h_ptr, y_ptr):
     group = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, 64)
-    x = tl.load(x_ptr + group * 64 + i).to(tl.float32)
-    h = tl.load(h_ptr + i[:, None] * 64 + i[None, :])
-    y = tl.sum(x[:, None] * h, axis=0)  # y_j = sum_i x_i H_ij
+    y = rotate_group64(tl.load(x_ptr + group * 64 + i).to(tl.float32), h_ptr)
     tl.store(y_ptr + group * 64 + i, y.to(y_ptr.dtype.element_ty))
 
 

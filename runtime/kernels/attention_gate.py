@@ -1,0 +1,54 @@
+"""The attention block's output gate: o * sigmoid(gate), with the H64 un-rotation of rotated-value
+codecs folded in, in one launch (it was a gate copy, an optional float copy + matmul, a sigmoid and a
+product per attention layer per step).
+
+Qwen3.5's query projection interleaves per head [query (D) | gate (D)]; the kernel reads the gate
+where the projection left it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kv.hadamard import hadamard_on_device, rotate_groups
+
+from .hadamard import rotate_group64
+
+
+@triton.jit
+def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr):
+    group = tl.program_id(0).to(tl.int64)  # (token, head, 64-group)
+    G: tl.constexpr = D // 64
+    token_head = group // G
+    sub = group % G
+    token = token_head // HEADS
+    head = token_head % HEADS
+    i = tl.arange(0, 64)
+    o = tl.load(o_ptr + group * 64 + i).to(tl.float32)
+    if ROTATE:
+        o = rotate_group64(o, h_ptr)
+    g = tl.load(qg_ptr + token * qg_stride + head * (2 * D) + D + sub * 64 + i).to(tl.float32)
+    tl.store(y_ptr + group * 64 + i, (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty))
+
+
+def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool) -> torch.Tensor:
+    """o [n, heads, D] attention output (in the value storage basis when `rotate`); qg [n, heads * 2D]
+    projection rows (unit stride inside a row). Returns [n, heads * D] in o's dtype."""
+    n, heads, d = o.shape
+    if d % 64 or qg.stride(-1) != 1 or qg.shape[-1] != heads * 2 * d:
+        raise ValueError(f"attention_gate: head size {d} / projection layout {tuple(qg.shape)} not supported")
+    o = o.contiguous()
+    y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
+    if n:
+        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y, heads, qg.stride(0),
+                                               D=d, ROTATE=rotate, num_warps=2)
+    return y
+
+
+def attention_gate_reference(o: torch.Tensor, qg: torch.Tensor, rotate: bool) -> torch.Tensor:
+    n, heads, d = o.shape
+    gate = qg.reshape(n, heads, 2 * d)[..., d:].float()
+    of = rotate_groups(o.float()) if rotate else o.float()
+    return (of * torch.sigmoid(gate)).reshape(n, heads * d).to(o.dtype)
