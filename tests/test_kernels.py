@@ -68,7 +68,8 @@ def test_qgemv_int8(bits, n, k, prequant):
                      split=1 if k <= 128 else 2, num_warps=4, prequant=prequant)
     assert not torch.isnan(got).any()
     want = qgemv_int8_reference(x.float(), w)
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    # same integers; float32 group sums in another order on the GPU
+    assert ((got - want).abs().max() / want.abs().max()).item() < (1e-5 if DEVICE == "cpu" else 1e-4)
     exact = qlinear_reference(x.float(), w)
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 5e-4
 
@@ -328,7 +329,7 @@ def test_rotate64(shape, out_dtype):
     x = torch.randn(*shape, device=DEVICE).to(DTYPE)
     got = rotate64(x, out_dtype)
     assert got.dtype == (out_dtype or x.dtype)
-    _check(got, rotate64_reference(x.cpu(), out_dtype), out_dtype or DTYPE)
+    _check(got.cpu(), rotate64_reference(x.cpu(), out_dtype), out_dtype or DTYPE)
 
 
 @pytest.mark.parametrize("rotate", [False, True])
@@ -339,4 +340,4 @@ def test_attention_gate(rotate):
     qgkv = torch.randn(n, heads * 2 * d + 40, device=DEVICE).to(DTYPE)  # gate rows sit inside a wider row
     qg = qgkv[:, : heads * 2 * d]
     o = torch.randn(n, heads, d, device=DEVICE).to(DTYPE)
-    _check(attention_gate(o, qg, rotate), attention_gate_reference(o.cpu(), qg.cpu(), rotate))
+    _check(attention_gate(o, qg, rotate).cpu(), attention_gate_reference(o.cpu(), qg.cpu(), rotate))
