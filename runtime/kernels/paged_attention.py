@@ -278,7 +278,11 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     rows = t * group
     # prefill blocks: 64 query rows share each decoded key tile (16-bit operands compile at 64 rows;
     # the fp32 ones hit "Illegal shared layout" in triton 3.6). Decode blocks: 16 rows.
-    block_m = PREFILL_BLOCK_M if rows >= PREFILL_MIN_ROWS else 16
+    # Mixed layouts (whole-row keys with nibble-half values: rk8v4, k8v4) gave wrong results at 64 rows
+    # on the H200 (run 18b), so they keep 16-row blocks.
+    halves = ("int4g64", "int4g64e8", "nvfp4", "e8root")
+    mixed = (codec.key in halves) != (codec.value in halves)
+    block_m = PREFILL_BLOCK_M if rows >= PREFILL_MIN_ROWS and not mixed else 16
     block_n, num_warps = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
     capacity = block_table.shape[1] * PAGE
