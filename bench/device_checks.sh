@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.
 python -m pip install -q --no-index --find-links .carry/wheels fastapi uvicorn einops 2>&1 | grep -v WARN
 python -m pip install -q --no-index --no-deps .carry/wheels/fla_core*.whl .carry/wheels/flash_linear*.whl 2>&1 | grep -v WARN
+timeout 120 python bench/attention_compare.py "$OUT/attention.json" bf16,rk4v4-e8 8192,204800 2>&1 | grep -c "{"
 timeout 150 python bench/gemv_compare.py "$OUT/gemv_compare.json" 2>&1 | grep "{" | cut -c1-400
 timeout 150 python bench/serve_smoke.py /tmp/smoke > "$OUT/smoke.log" 2>&1
 grep -E "PASS|FAIL|HTTP" "$OUT/smoke.log"
@@ -18,5 +19,5 @@ timeout 200 python -m pytest -q tests/test_kernels.py tests/test_engine.py tests
 B="python -m ninfer_cli.main bench --random-weights"
 timeout 200 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
   --json-out "$OUT/27b.json" 2>&1 | tail -7
-timeout 100 $B qwen3.6-27b --depths 8k --prefill-limit 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+timeout 100 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 --spec mtp --draft-tokens 3 \
   --accepted-drafts 3 --decode-tokens 64 --json-out "$OUT/27b-mtp.json" 2>&1 | tail -3
