@@ -34,6 +34,7 @@ ATTENTION_TUNING: dict[str, int] = {}  # block_n / num_warps overrides for sweep
 PREFILL_BLOCK_M = 64
 PREFILL_MIN_ROWS = 256
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
+HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
 
 
 @triton.jit
@@ -280,8 +281,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     # the fp32 ones hit "Illegal shared layout" in triton 3.6). Decode blocks: 16 rows.
     # Mixed layouts (whole-row keys with nibble-half values: rk8v4, k8v4) gave wrong results at 64 rows
     # on the H200 (run 18b), so they keep 16-row blocks.
-    halves = ("int4g64", "int4g64e8", "nvfp4", "e8root")
-    mixed = (codec.key in halves) != (codec.value in halves)
+    mixed = (KIND_IDS[codec.key] in HALF_KIND_IDS) != (KIND_IDS[codec.value] in HALF_KIND_IDS)
     block_m = PREFILL_BLOCK_M if rows >= PREFILL_MIN_ROWS and not mixed else 16
     block_n, num_warps = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
