@@ -100,6 +100,10 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
                     row[f"programs{target}_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
                 pa.TARGET_PROGRAMS = 1024
             row["default_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
+            if t > 1:  # one 32-row query block (default for a 24-row verify block) vs two of 16
+                pa.ATTENTION_TUNING["block_m"] = 16
+                row["block_m16_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
+                pa.ATTENTION_TUNING.clear()
             if old is not None:
                 old_out = old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
                 row["old_us"] = bench_ms(lambda: old.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3

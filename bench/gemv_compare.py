@@ -1,8 +1,10 @@
-"""Decode GEMV side by side at 27B shapes: the float kernel vs the dp4a kernel (tile sweep), as a
-fraction of the copy bandwidth measured in the same run, plus the dp4a kernel's error against the
-exact float product at full size.
+"""Decode GEMV side by side at 27B shapes, as a fraction of the copy bandwidth measured in the same
+run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), with the dp4a kernel's
+error against the exact float product. `rows`: verify-sized blocks (T = 2, 4, 8, 16) through the
+tensor-core kernel (float dequantization), the dp4a row-block kernel and the int8 tensor-core kernel,
+and T = 1 for scale; CUDA-graph replays, so launch overhead is not in the times.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows]
 """
 
 from __future__ import annotations
@@ -26,7 +28,43 @@ def _split(w, block_n, block_k):
     return ql.k_splits(-(-w.rows // block_n), w.k_pad // block_k, ql.TARGET_PROGRAMS)
 
 
-def main(out: str) -> None:
+def rows_main(out: str) -> None:
+    from bench.attention_compare import graph_ms  # CUDA-graph replays: no launch overhead in the timing
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in SHAPES:
+        w, nbytes = random_packed(n, k, fmt)
+        x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        y1 = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        t1 = graph_ms(lambda: ql.qlinear(x1, w, out=y1)) * 1e3
+        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "t1_us": t1, "t1_frac": nbytes / (t1 * 1e-6) / peak}
+        for t in (2, 4, 8, 16):
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+            single = torch.cat([ql.qlinear(x[i : i + 1], w) for i in range(t)]).float()
+            for path in ("tensor", "int8", "mma", "auto"):
+                ql.ROWS_PATH = path
+                us = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+                row[f"t{t}_{path}_us"] = us
+                row[f"t{t}_{path}_frac"] = nbytes / (us * 1e-6) / peak
+                row[f"t{t}_{path}_vs_single"] = ((ql.qlinear(x, w).float() - single).abs().max() / single.abs().max()).item()
+            if fmt.startswith("Q4") and t in (4, 16):  # int8 tensor-core tiles (rows per program, warps)
+                ql.ROWS_PATH = "mma"
+                for bn, nw in ((64, 4), (64, 8), (128, 8), (256, 8)):
+                    ql.ROWS_MMA_TUNING.update(block_n=bn, num_warps=nw)
+                    row[f"t{t}_mma_{bn}x{nw}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+                ql.ROWS_MMA_TUNING.update(block_n=128, num_warps=4)
+        ql.ROWS_PATH = "auto"
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    with open(out, "w") as f:
+        json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
+
+
+def main(out: str, mode: str = "sweep") -> None:
+    if mode == "rows":
+        return rows_main(out)
     peak = copy_bandwidth()
     rows = []
     for label, n, k, fmt in SHAPES:
@@ -60,7 +98,9 @@ def main(out: str) -> None:
                "int8_rel_err_vs_exact": err}
         x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)  # an MTP3 verify block
         y4 = torch.empty(4, n, device="cuda", dtype=torch.bfloat16)
+        ql.ROWS_PATH = "tensor"
         ms_t4 = bench_ms(lambda: ql.qlinear(x4, w, out=y4))
+        ql.ROWS_PATH = "int8"
         row.update(t4_tensor_us=ms_t4 * 1e3, t4_tensor_frac=nbytes / (ms_t4 * 1e-3) / peak)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -69,4 +109,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

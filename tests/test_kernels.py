@@ -41,12 +41,12 @@ def test_qlinear(fmt, t, n, k):
     from runtime.kernels.qlinear import qlinear, qlinear_reference
 
     from runtime.kernels.qgemv_int8 import INT8_BITS, qgemv_int8_reference
-    from runtime.kernels.qlinear import GEMV_PATH
+    from runtime.kernels.qlinear import GEMV_MAX_T, GEMV_PATH, rows_path
 
     w = _packed(n, k, fmt, seed=t * 1000 + n)
     x = torch.randn(t, k, device=DEVICE).to(DTYPE)
-    # one row of x with 4- / 8-bit codes takes the dp4a path: 14-bit activations, its own reference
-    int8 = t == 1 and fmt.bits in INT8_BITS and GEMV_PATH == "int8"
+    # the integer paths (one row: dp4a; row blocks: dp4a or int8 tensor cores) round x to 14 bits: their own reference
+    int8 = fmt.bits in INT8_BITS and GEMV_PATH == "int8" and (t == 1 or (t <= GEMV_MAX_T and rows_path(fmt.bits, t) != "tensor"))
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
@@ -72,6 +72,64 @@ def test_qgemv_int8(bits, n, k, prequant):
     assert ((got - want).abs().max() / want.abs().max()).item() < (1e-5 if DEVICE == "cpu" else 1e-4)
     exact = qlinear_reference(x.float(), w)
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 5e-4
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("t,n,k", [(3, 70, 200), (5, 33, 1024)])
+def test_qgemm_rows_int8(bits, t, n, k):
+    """The dp4a kernel for a few rows of x: each row == the one-row integer reference; rows past T
+    (a partial row block) are neither read nor written."""
+    from runtime.kernels.qgemv_int8 import qgemm_rows_int8, qgemv_int8_reference
+
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(n, k, fmt, seed=n + k + bits + t)
+    x = torch.randn(t, k, device=DEVICE) * torch.rand(t, k, device=DEVICE) * 4
+    x[1, 64:128] = 0.0
+    got = qgemm_rows_int8(x, w, _poison((t, n), torch.float32), block_t=4, block_n=16, block_k=128,
+                          split=1 if k <= 256 else 2, num_warps=4)
+    assert not torch.isnan(got).any()
+    want = qgemv_int8_reference(x, w)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("t,n,k,split", [(3, 70, 200, 1), (16, 33, 1024, 2), (5, 130, 512, 4)])
+def test_qgemm_rows_mma(bits, t, n, k, split):
+    """The int8 tensor-core kernel for row blocks == the integer reference row by row; widths it does
+    not serve are refused."""
+    from runtime.kernels.qgemv_int8 import qgemm_rows_mma, qgemv_int8_reference
+
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(n, k, fmt, seed=n + k + bits + t)
+    x = torch.randn(t, k, device=DEVICE) * torch.rand(t, k, device=DEVICE) * 4
+    x[1, 64:128] = 0.0
+    got = qgemm_rows_mma(x, w, _poison((t, n), torch.float32), block_n=64, split=split if k > 256 else 1, num_warps=4)
+    with pytest.raises(ValueError, match="not supported"):
+        q5 = _packed(8, 128, FORMATS["Q5G64_F16S"], seed=1)
+        qgemm_rows_mma(x[:, :128], q5, torch.empty(t, 8, device=DEVICE), block_n=64, split=1, num_warps=4)
+    assert not torch.isnan(got).any()
+    want = qgemv_int8_reference(x, w)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fmt,path", [("Q4G64_F16S", "mma"), ("Q5G64_F16S", "int8"), ("Q6G64_F16S", "int8"),
+                                      ("Q4G64_F16S", "int8")])
+def test_verify_rows_score_as_decode_steps(fmt, path, monkeypatch):
+    """qlinear on a 4-row verify block agrees with qlinear on each row alone: bit for bit on the dp4a
+    row kernel (same tiles, splits and sum order), to float32 summation order on the tensor cores."""
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(ql, "ROWS_PATH", path)
+    w = _packed(48, 1024, FORMATS[fmt], seed=11)
+    x = torch.randn(4, 1024, device=DEVICE).to(DTYPE)
+    block = ql.qlinear(x, w, out=_poison((4, 48))).float()
+    rows = torch.cat([ql.qlinear(x[i : i + 1], w, out=_poison((1, 48))) for i in range(4)]).float()
+    if path == "int8":
+        assert torch.equal(block, rows), f"max diff {(block - rows).abs().max().item():.3e}"
+    else:
+        assert ((block - rows).abs().max() / rows.abs().max()).item() < (1e-6 if DTYPE == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -219,7 +277,8 @@ def test_causal_conv1d(b, t, c):
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (66, 0)])  # 66 x 2 rows: a prefill block
+# 12 x 2 rows: a 32-row verify block; 66 x 2 rows: a 64-row prefill block
+@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (12, 64), (66, 0)])
 def test_paged_attention(codec, t, split_tokens, monkeypatch):
     from runtime.kernels import paged_attention as module
     from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference

@@ -30,9 +30,10 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # (keys per tile, warps) by key sub-codec: best of the H200 sweep at 128K-200K (bench/RESULTS.md §10)
 ATTENTION_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                    "nvfp4": (16, 4), "e8root": (16, 4)}
-ATTENTION_TUNING: dict[str, int] = {}  # block_n / num_warps overrides for sweeps
+ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps overrides for sweeps
 PREFILL_BLOCK_M = 64
 PREFILL_MIN_ROWS = 256
+VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
 
@@ -277,12 +278,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     o = out if out is not None else torch.empty_like(q)
     group = hq // hkv
     rows = t * group
-    # prefill blocks: 64 query rows share each decoded key tile (16-bit operands compile at 64 rows;
-    # the fp32 ones hit "Illegal shared layout" in triton 3.6). Decode blocks: 16 rows.
-    # Mixed layouts (whole-row keys with nibble-half values: rk8v4, k8v4) gave wrong results at 64 rows
-    # on the H200 (run 18b), so they keep 16-row blocks.
-    mixed = (KIND_IDS[codec.key] in HALF_KIND_IDS) != (KIND_IDS[codec.value] in HALF_KIND_IDS)
-    block_m = PREFILL_BLOCK_M if rows >= PREFILL_MIN_ROWS and not mixed else 16
+    block_m = ATTENTION_TUNING.get("block_m", query_block_rows(codec, rows))
     block_n, num_warps = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
     capacity = block_table.shape[1] * PAGE
@@ -300,6 +296,20 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d,
                                          BLOCK_S=16, num_warps=4)
     return o
+
+
+def query_block_rows(codec: Codec, rows: int) -> int:
+    """Query rows per program. Every row block decodes each key/value tile again, so a verify block
+    (T = 4: 24 rows of a 6-head group) takes one 32-row block rather than two of 16; prefill chunks
+    take 64 (16-bit operands compile at 64 rows; fp32 ones hit "Illegal shared layout" in triton 3.6).
+    Mixed layouts (whole-row keys with nibble-half values: rk8v4, k8v4) gave wrong results at 64 rows
+    on the H200 (run 18b), so they keep 16-row blocks."""
+    mixed = (KIND_IDS[codec.key] in HALF_KIND_IDS) != (KIND_IDS[codec.value] in HALF_KIND_IDS)
+    if mixed or rows <= 16:
+        return 16
+    if rows >= PREFILL_MIN_ROWS:
+        return PREFILL_BLOCK_M
+    return min(VERIFY_MAX_BLOCK_M, triton.next_power_of_2(rows))
 
 
 def split_size(capacity: int, programs: int, block_n: int) -> int:

@@ -1,6 +1,5 @@
-"""Decode products (one row of x) for the row-split formats (Q4/Q5/Q6/W8) with integer dot products.
-A row-block variant for T = 2..16 was tried and dropped: it gave wrong results on the H200 (run 18)
-while passing in the interpreter; verify blocks keep the tensor-core kernel of qlinear.
+"""Decode products (one row of x, or a block of 2..16 rows: MTP verify blocks, several lanes) for the
+row-split formats (Q4/Q5/Q6/W8) with integer dot products.
 
 Why: converting every 4-bit code to float (one I2F per weight, a quarter-rate instruction on Hopper)
 made the float GEMV compute-bound at 0.18-0.35 of the copy bandwidth (bench/RESULTS.md §9). Here x is quantized per weight
@@ -9,6 +8,13 @@ of codes meets x in `dp4a` instructions: four byte products per instruction, int
 one float conversion per group. Nibble codes are made unsigned (q + 8) with one logic op per word;
 the offset comes back as 8 * sum(x) per group. The fifth and sixth bits of Q5 / Q6 codes are spread
 from their high plane into bit 4 / bits 4-5 of each byte with a multiply or a few shifts per word.
+
+Row blocks (T = 2..16: verify blocks, several lanes), two kernels. The dp4a row kernel loads and
+unpacks each code word once and meets every row's x words in dp4a ([rows of x, weight rows, words]
+broadcast); with the one-row kernel's tiles and K-splits each row's integers and float sums are the
+one-row kernel's, bit for bit, but its dp4a work grows with T. The int8 tensor-core kernel (Q4, W8)
+turns Q4 nibbles into unsigned bytes with one 32-bit logic op per four and feeds them with x's high
+and low bytes to int8 MMAs (exact int32 sums; float sums in another order than decode's).
 
 Numerics: x is rounded to 14 bits relative to its group's largest magnitude (relative error of a
 group's dot product <= ~1e-4); weights are exact. `qgemv_int8_reference` computes the same integer
@@ -28,6 +34,7 @@ X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their sc
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
 ROUND_MAGIC_BITS = 0x4B400000
 INT8_BITS = (4, 5, 6, 8)  # formats this path serves
+MMA_BITS = (4, 8)  # formats the int8 tensor-core row-block kernel serves
 _X_LEVELS = tl.constexpr(X_LEVELS)  # kernels may read module globals only as constexpr
 _X_TINY = tl.constexpr(X_TINY)
 _ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
@@ -237,6 +244,153 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
                        (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM,
                        PREQUANT)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K_PER_SPLIT, ROW_INTS: tl.constexpr,
+                            GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                            HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """A few rows of x (pre-quantized, ROW_INTS int32 each): [BLOCK_T, BLOCK_N, words] broadcasts of
+    each row's x words against the code words, unpacked once; the arithmetic of _dot_rows_int8."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < T
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    wpb: tl.constexpr = BLOCK_K // LANES
+    wpg: tl.constexpr = GROUP // LANES
+    row_words: tl.constexpr = K_PAD // LANES
+    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+    shape: tl.constexpr = (BLOCK_T, BLOCK_N, wpb)
+    xrow = xq_ptr + toks[:, None] * ROW_INTS  # [BLOCK_T, 1]
+    xm = tok_ok[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
+    for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
+        widx = k0 // LANES + tl.arange(0, wpb)
+        gq = k0 // GROUP + tl.arange(0, gpb)
+        hi_a = tl.broadcast_to(tl.load(xrow + widx[None, :], mask=xm, other=0)[:, None, :], shape)
+        lo_a = tl.broadcast_to(tl.load(xrow + row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
+        x_scale = tl.load(xrow + 4 * row_words + gq[None, :], mask=xm, other=0).to(tl.float32, bitcast=True)
+        x_sum = tl.load(xrow + 4 * row_words + GPR + gq[None, :], mask=xm, other=0)
+        even, odd = _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR, HIGH_BYTES, BITS)
+        even = tl.broadcast_to(even[None, :, :], shape)
+        zero = tl.zeros(shape, dtype=tl.int32)
+        if BITS == 8:
+            d = _dp4a(even, hi_a, zero, True, USE_ASM) << 7
+            d = _dp4a(even, lo_a, d, True, USE_ASM)
+        else:
+            odd = tl.broadcast_to(odd[None, :, :], shape)
+            hi_b = tl.broadcast_to(tl.load(xrow + 2 * row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
+            lo_b = tl.broadcast_to(tl.load(xrow + 3 * row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
+            d = _dp4a(even, hi_a, zero, False, USE_ASM)
+            d = _dp4a(odd, hi_b, d, False, USE_ASM) << 7
+            d = _dp4a(even, lo_a, d, False, USE_ASM)
+            d = _dp4a(odd, lo_b, d, False, USE_ASM)
+        dg = tl.sum(tl.reshape(d, (BLOCK_T, BLOCK_N, gpb, wpg)), axis=3)
+        if OFFSET != 0:
+            dg -= OFFSET * x_sum[:, None, :]
+        w_scale = tl.load(scale_ptr + rows[:, None] * GPR + gq[None, :], mask=row_ok[:, None], other=0.0)
+        acc += dg.to(tl.float32) * (w_scale.to(tl.float32)[None, :, :] * x_scale[:, None, :])
+    y = tl.sum(acc, axis=2)
+    out = y_ptr + split * T * N + toks[:, None] * N + rows[None, :]
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: int, block_k: int, split: int,
+                    num_warps: int) -> torch.Tensor:
+    """y = x @ W^T for a few rows of x with the dp4a kernel; x [T, K], y [T, N]."""
+    t = x.shape[0]
+    if w.k_pad % (split * block_k):
+        raise ValueError(f"qgemm_rows_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
+    xq = quantize_x(x, w)
+    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    _qgemm_rows_int8_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, block_t))](
+        xq, code_words(w.base), high_plane(w), w.scale, target, t, w.rows, w.k_pad // split, ROW_INTS=xq.shape[1],
+        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        USE_ASM=native_dp4a(), num_warps=num_warps)
+    return finish_splits(target, y)
+
+
+@triton.jit
+def _nibble_bytes(b, ODD: tl.constexpr, USE_ASM: tl.constexpr):
+    """Q4 code bytes b (uint8: lanes 2j and 2j + 1) -> int8 codes q + 8 of the low (ODD = 0) or high
+    nibble's lane. Natively one 32-bit shift + logic op per four bytes (Triton's byte arithmetic costs
+    ~7 instructions per byte); the op is the same in every byte, so how Triton groups bytes into
+    registers does not matter (a Q5 variant that depended on byte positions in the register was wrong)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t; shr.u32 t, $1, {4 * ODD}; lop3.b32 $0, t, 0x0F0F0F0F, 0x08080808, 0x6a; }}",
+            "=r,r", [b], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return (((b.to(tl.int32) >> (4 * ODD)) & 0xF) ^ 8).to(tl.int8)
+
+
+@triton.jit
+def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, scale_ptr, y_ptr, T, N, GROUPS_PER_SPLIT,
+                           ROW_INTS: tl.constexpr, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """A block of x rows (Q4 or W8 codes) on integer tensor cores: per weight group, the codes as bytes
+    (Q4: unsigned q + 8) times the rows' high and low x bytes in int8 dots with int32 sums, then the
+    group's offset and scales in float. `xb_ptr` / `xi_ptr` are the same pre-quantized rows (see
+    _quantize_x_kernel) as int8 and as int32."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < T
+    NIBBLES: tl.constexpr = BITS != 8
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    row_words: tl.constexpr = K_PAD // LANES
+    PLANE: tl.constexpr = 4 * row_words  # bytes per x plane
+    WIDTH: tl.constexpr = GROUP // 2 if NIBBLES else GROUP  # code bytes (and x bytes per plane) per group
+    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
+    j = tl.arange(0, WIDTH)
+    x_rows = xb_ptr + toks[None, :] * (4 * ROW_INTS) + j[:, None]  # [WIDTH, BLOCK_T]: x^T
+    xm = tok_ok[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for g in range(split * GROUPS_PER_SPLIT, (split + 1) * GROUPS_PER_SPLIT):
+        x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
+        x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
+        if NIBBLES:
+            b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+            even = _nibble_bytes(b, 0, USE_ASM)
+            odd = _nibble_bytes(b, 1, USE_ASM)
+            xo_hi = tl.load(x_rows + 2 * PLANE + g * WIDTH, mask=xm, other=0)
+            xo_lo = tl.load(x_rows + 3 * PLANE + g * WIDTH, mask=xm, other=0)
+            d = tl.dot(odd, xo_hi, tl.dot(even, x_hi, out_dtype=tl.int32), out_dtype=tl.int32)
+            d = tl.dot(odd, xo_lo, tl.dot(even, x_lo, d << 7, out_dtype=tl.int32), out_dtype=tl.int32)
+        else:
+            c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+            d = tl.dot(c, x_lo, tl.dot(c, x_hi, out_dtype=tl.int32) << 7, out_dtype=tl.int32)
+        x_info = xi_ptr + toks * ROW_INTS + 4 * row_words + g
+        x_scale = tl.load(x_info, mask=tok_ok, other=0).to(tl.float32, bitcast=True)
+        if OFFSET != 0:
+            d -= OFFSET * tl.load(x_info + GPR, mask=tok_ok, other=0)[None, :]
+        w_scale = tl.load(scale_ptr + rows * GPR + g, mask=row_ok, other=0.0).to(tl.float32)
+        acc += d.to(tl.float32) * (w_scale[:, None] * x_scale[None, :])
+    out = y_ptr + split * T * N + toks[None, :] * N + rows[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
+def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int) -> torch.Tensor:
+    """y = x @ W^T for up to 16 rows of x on int8 tensor cores (Q4 and W8 codes); x [T, K], y [T, N]."""
+    t = x.shape[0]
+    if w.fmt.bits not in MMA_BITS:
+        raise ValueError(f"qgemm_rows_mma: {w.fmt.bits}-bit codes are not supported (only {MMA_BITS})")
+    if w.groups_per_row % split:
+        raise ValueError(f"qgemm_rows_mma: {split} K-splits do not divide {w.groups_per_row} groups")
+    xq = quantize_x(x, w)
+    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    code = w.base.view(torch.int8) if w.fmt.bits == 8 else w.base.view(torch.uint8)
+    _qgemm_rows_mma_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
+        xq.view(torch.int8), xq, code, w.scale, target, t, w.rows, w.groups_per_row // split,
+        ROW_INTS=xq.shape[1], GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+        BLOCK_T=16, BLOCK_N=block_n, USE_ASM=native_dp4a(), num_warps=num_warps)
+    return finish_splits(target, y)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from .qgemv_int8 import INT8_BITS, finish_splits, qgemv_int8
+from .qgemv_int8 import INT8_BITS, MMA_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -26,6 +26,24 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
+# T = 2..16 (verify blocks, several lanes), by code width and T, from the H200 comparison (bench/RESULTS.md
+# §11, CUDA-graph timed): Q4 on int8 tensor cores (its nibbles become bytes with one 32-bit logic op per
+# four); Q5/Q6 through the dp4a row kernel up to T = 4 (bit for bit what decode computes), beyond that the
+# float tensor-core kernel; W8 (small shared-expert matrices) the float tensor-core kernel.
+# NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format (side-by-side measurements).
+ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
+ROWS_AUTO = {4: ((16, "mma"),), 5: ((4, "int8"), (16, "tensor")), 6: ((4, "int8"), (16, "tensor")), 8: ((16, "tensor"),)}
+ROWS_MAX_BLOCK_T = 8
+ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4}  # best of 64x4, 64x8, 128x4, 128x8, 256x8 (run 20)
+
+
+def rows_path(bits: int, t: int) -> str:
+    """Which kernel multiplies a block of 2..16 rows of x with `bits`-wide codes."""
+    if GEMV_PATH != "int8" or bits not in INT8_BITS:
+        return "tensor"
+    if ROWS_PATH != "auto":
+        return "tensor" if ROWS_PATH == "mma" and bits not in MMA_BITS else ROWS_PATH
+    return next(path for max_t, path in ROWS_AUTO[bits] if t <= max_t)
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
@@ -210,21 +228,31 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
+def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, K splits, warps, prequant) of the dp4a kernels for `w`: one choice for one
+    row and for row blocks, so both sum each row's products in the same order."""
+    tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {})
+    block_n, block_k, programs = tuning["block_n"], tuning["block_k"], TARGET_PROGRAMS
+    if _interpreted():
+        block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
+    while w.k_pad % block_k:
+        block_k //= 2
+    split = k_splits(triton.cdiv(w.rows, block_n), w.k_pad // block_k, programs)
+    prequant = tuning["prequant"] and w.rows * w.k_pad >= PREQUANT_MIN_WEIGHTS
+    return block_n, block_k, split, tuning["num_warps"], prequant
+
+
 def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
-    int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
-    tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {}) if int8 else VEC_TUNING
-    block_n, block_k = tuning["block_n"], tuning["block_k"]
-    programs = TARGET_PROGRAMS
+    if GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS:
+        block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
+        return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant)
+    block_n, block_k, programs = VEC_TUNING["block_n"], VEC_TUNING["block_k"], TARGET_PROGRAMS
     if _interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
     while w.k_pad % block_k:
         block_k //= 2
     blocks = triton.cdiv(w.rows, block_n)
-    chunks = w.k_pad // block_k
-    split = k_splits(blocks, chunks, programs)
-    if int8:
-        prequant = tuning["prequant"] and w.rows * w.k_pad >= PREQUANT_MIN_WEIGHTS
-        return qgemv_int8(x, w, y, block_n, block_k, split, tuning["num_warps"], prequant)
+    split = k_splits(blocks, w.k_pad // block_k, programs)
     target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
     high = w.high if w.high is not None else w.base
     _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
@@ -232,6 +260,21 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
                                        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=VEC_TUNING["num_warps"])
     return finish_splits(target, y)
+
+
+def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+    block_n, block_k, split, num_warps, _ = _int8_tiles(w)
+    block_t = min(ROWS_MAX_BLOCK_T, triton.next_power_of_2(x.shape[0]))
+    return qgemm_rows_int8(x, w, y, block_t, block_n, block_k, split, num_warps)
+
+
+def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+    block_n, programs = ROWS_MMA_TUNING["block_n"], TARGET_PROGRAMS
+    if _interpreted():
+        programs = INTERPRETER_PROGRAMS
+    blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
+    split = k_splits(blocks, w.groups_per_row, programs)
+    return qgemm_rows_mma(x, w, y, block_n, split, ROWS_MMA_TUNING["num_warps"])
 
 
 class PackedLinear:
@@ -269,6 +312,11 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
         return _gemm(x, w, y)
     if t == 1:
         return _gemv_vec(x, w, y)
+    path = rows_path(w.fmt.bits, t)
+    if path == "int8":
+        return _gemm_rows_int8(x, w, y)
+    if path == "mma":
+        return _gemm_rows_mma(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
