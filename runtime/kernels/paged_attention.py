@@ -16,6 +16,7 @@ per-element scale gathers and int-to-float conversions made the compressed codec
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -36,6 +37,7 @@ PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
+_NATIVE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # inline PTX on a GPU; plain ops interpreted
 
 
 @triton.jit
@@ -94,12 +96,26 @@ def _int4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.
     g = tl.arange(0, G)
     j = tl.arange(0, 32)
     m = tok_ok[:, None, None]
-    b = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 32 + j[None, None, :], mask=m, other=0).to(tl.int32)
+    b = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 32 + j[None, None, :], mask=m, other=0)
     s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None]
-    # nibble n (two's complement) -> n ^ 8 = n + 8 in 0..15; OR'd into 1024.0's mantissa: 1032 + n exactly
-    lo = (((b & 0xF) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
-    hi = (((b >> 4) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    lo = (_nibble_f16(b, 0) - 1032.0) * s
+    hi = (_nibble_f16(b, 1) - 1032.0) * s
     return tl.reshape(lo, (BLOCK_N, D // 2)), tl.reshape(hi, (BLOCK_N, D // 2))
+
+
+@triton.jit
+def _nibble_f16(b, ODD: tl.constexpr):
+    """Code bytes (uint8) -> 1032 + n in fp16 for the low (ODD = 0) or high nibble n (two's complement):
+    n ^ 8 = n + 8 in 0..15, OR'd into the mantissa of 1024.0. Natively two bytes per 32-bit op pair:
+    one byte permute spreads them into the two fp16 halves of a register, one logic op masks, flips the
+    sign bit and sets the exponent (Triton's per-byte integer ops cost ~5 instructions per element)."""
+    if _NATIVE:
+        return tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t; shr.u32 t, $2, {4 * ODD}; prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; "
+            "lop3.b32 $0, $0, 0x000F000F, 0x64086408, 0x6a; lop3.b32 $1, $1, 0x000F000F, 0x64086408, 0x6a; }",
+            "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return (((b.to(tl.int32) >> (4 * ODD)) & 0xF) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

@@ -34,7 +34,6 @@ X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their sc
 ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float to an integer (ties to even), no F2I
 ROUND_MAGIC_BITS = 0x4B400000
 INT8_BITS = (4, 5, 6, 8)  # formats this path serves
-MMA_BITS = (4, 8)  # formats the int8 tensor-core row-block kernel serves
 _X_LEVELS = tl.constexpr(X_LEVELS)  # kernels may read module globals only as constexpr
 _X_TINY = tl.constexpr(X_TINY)
 _ROUND_MAGIC = tl.constexpr(ROUND_MAGIC)
@@ -330,11 +329,19 @@ def _nibble_bytes(b, ODD: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, scale_ptr, y_ptr, T, N, GROUPS_PER_SPLIT,
+def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """int32 words [BLOCK_N, WIDTH / 4] of byte values -> int8 [BLOCK_N, WIDTH], byte k of word w at 4w + k."""
+    k = tl.arange(0, 4)
+    return tl.reshape(((words[:, :, None] >> (8 * k[None, None, :])) & 255).to(tl.int8), (BLOCK_N, WIDTH))
+
+
+@triton.jit
+def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr, T, N, GROUPS_PER_SPLIT,
                            ROW_INTS: tl.constexpr, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
-    """A block of x rows (Q4 or W8 codes) on integer tensor cores: per weight group, the codes as bytes
-    (Q4: unsigned q + 8) times the rows' high and low x bytes in int8 dots with int32 sums, then the
+                           GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           USE_ASM: tl.constexpr):
+    """A block of x rows on integer tensor cores: per weight group, the codes as bytes (nibble formats:
+    unsigned q + 2^(BITS-1)) times the rows' high and low x bytes in int8 dots with int32 sums, then the
     group's offset and scales in float. `xb_ptr` / `xi_ptr` are the same pre-quantized rows (see
     _quantize_x_kernel) as int8 and as int32."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -355,10 +362,16 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, scale_ptr, y_ptr, T, N, GRO
     for g in range(split * GROUPS_PER_SPLIT, (split + 1) * GROUPS_PER_SPLIT):
         x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
         x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
-        if NIBBLES:
+        if BITS == 4:
             b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
             even = _nibble_bytes(b, 0, USE_ASM)
             odd = _nibble_bytes(b, 1, USE_ASM)
+        elif NIBBLES:  # Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's four bytes
+            widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
+            ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
+            even = _word_bytes(ew, BLOCK_N, WIDTH)
+            odd = _word_bytes(ow, BLOCK_N, WIDTH)
+        if NIBBLES:
             xo_hi = tl.load(x_rows + 2 * PLANE + g * WIDTH, mask=xm, other=0)
             xo_lo = tl.load(x_rows + 3 * PLANE + g * WIDTH, mask=xm, other=0)
             d = tl.dot(odd, xo_hi, tl.dot(even, x_hi, out_dtype=tl.int32), out_dtype=tl.int32)
@@ -377,19 +390,17 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, scale_ptr, y_ptr, T, N, GRO
 
 
 def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int) -> torch.Tensor:
-    """y = x @ W^T for up to 16 rows of x on int8 tensor cores (Q4 and W8 codes); x [T, K], y [T, N]."""
+    """y = x @ W^T for up to 16 rows of x on int8 tensor cores; x [T, K], y [T, N]."""
     t = x.shape[0]
-    if w.fmt.bits not in MMA_BITS:
-        raise ValueError(f"qgemm_rows_mma: {w.fmt.bits}-bit codes are not supported (only {MMA_BITS})")
     if w.groups_per_row % split:
         raise ValueError(f"qgemm_rows_mma: {split} K-splits do not divide {w.groups_per_row} groups")
     xq = quantize_x(x, w)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
-    code = w.base.view(torch.int8) if w.fmt.bits == 8 else w.base.view(torch.uint8)
+    code = {8: w.base.view(torch.int8), 4: w.base.view(torch.uint8)}.get(w.fmt.bits, code_words(w.base))
     _qgemm_rows_mma_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
-        xq.view(torch.int8), xq, code, w.scale, target, t, w.rows, w.groups_per_row // split,
+        xq.view(torch.int8), xq, code, high_plane(w), w.scale, target, t, w.rows, w.groups_per_row // split,
         ROW_INTS=xq.shape[1], GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        BLOCK_T=16, BLOCK_N=block_n, USE_ASM=native_dp4a(), num_warps=num_warps)
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, USE_ASM=native_dp4a(), num_warps=num_warps)
     return finish_splits(target, y)
 
 

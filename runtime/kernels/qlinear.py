@@ -18,7 +18,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from .qgemv_int8 import INT8_BITS, MMA_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8
+from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -26,13 +26,12 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
-# T = 2..16 (verify blocks, several lanes), by code width and T, from the H200 comparison (bench/RESULTS.md
-# §11, CUDA-graph timed): Q4 on int8 tensor cores (its nibbles become bytes with one 32-bit logic op per
-# four); Q5/Q6 through the dp4a row kernel up to T = 4 (bit for bit what decode computes), beyond that the
-# float tensor-core kernel; W8 (small shared-expert matrices) the float tensor-core kernel.
-# NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format (side-by-side measurements).
+# T = 2..16 (verify blocks, several lanes), by code width and T: Q4/Q5/Q6 on int8 tensor cores (codes
+# become bytes with 32-bit logic ops; bench/RESULTS.md §11), W8 (small shared-expert matrices) through
+# the float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work
+# grows with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
-ROWS_AUTO = {4: ((16, "mma"),), 5: ((4, "int8"), (16, "tensor")), 6: ((4, "int8"), (16, "tensor")), 8: ((16, "tensor"),)}
+ROWS_AUTO = {4: ((16, "mma"),), 5: ((16, "mma"),), 6: ((16, "mma"),), 8: ((16, "tensor"),)}
 ROWS_MAX_BLOCK_T = 8
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4}  # best of 64x4, 64x8, 128x4, 128x8, 256x8 (run 20)
 
@@ -42,7 +41,7 @@ def rows_path(bits: int, t: int) -> str:
     if GEMV_PATH != "int8" or bits not in INT8_BITS:
         return "tensor"
     if ROWS_PATH != "auto":
-        return "tensor" if ROWS_PATH == "mma" and bits not in MMA_BITS else ROWS_PATH
+        return ROWS_PATH
     return next(path for max_t, path in ROWS_AUTO[bits] if t <= max_t)
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
