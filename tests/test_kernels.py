@@ -358,7 +358,7 @@ def test_sampling_respects_top_k_statistically():
 @pytest.mark.parametrize("kind", ["bf16", "int8g64", "int4g64", "int4g64e8"])
 def test_kv_append_writes_the_reference_bytes(kind):
     from runtime.kernels.kv_append import KIND_IDS, kv_append, kv_append_reference
-    from runtime.kv.codecs import _sub_planes
+    from runtime.kv.codecs import sub_codec_planes
 
     assert set(KIND_IDS) == {"bf16", "int8g64", "int4g64", "int4g64e8"}
     n, hkv, d, pages = 7, 3, 128, 4
@@ -369,7 +369,7 @@ def test_kv_append_writes_the_reference_bytes(kind):
     x[2, 2, :8] = torch.tensor([0.5, -1.5, 2.5, 0.5, 0.0, 0.0, 0.0, 7.0])  # exact halves: round half to even
     page = torch.randperm(pages, generator=g)[torch.arange(n) % pages].int()
     slot = torch.randperm(64, generator=g)[:n].int()
-    want = [torch.randint(0, 100, (pages, 64, hkv, p.width), generator=g).to(p.dtype) for p in _sub_planes(kind, d)]
+    want = [torch.randint(0, 100, (pages, 64, hkv, p.width), generator=g).to(p.dtype) for p in sub_codec_planes(kind, d)]
     got = [w.clone().to(DEVICE) for w in want]
     kv_append_reference(x, kind, want, page, slot)
     kv_append(x.to(DEVICE), kind, got, page.to(DEVICE), slot.to(DEVICE))

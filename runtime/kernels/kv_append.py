@@ -124,7 +124,7 @@ def kv_append(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torc
 def kv_append_reference(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor,
                         slot: torch.Tensor) -> None:
     """The reference sub-codec encoder, scattered into the planes."""
-    from runtime.kv.codecs import _encode
+    from runtime.kv.codecs import encode_sub_codec
 
-    for plane, value in zip(planes, _encode(kind, x.float()).values()):
+    for plane, value in zip(planes, encode_sub_codec(kind, x.float()).values()):
         plane[page.long(), slot.long()] = value.view(plane.dtype) if value.dtype != plane.dtype else value

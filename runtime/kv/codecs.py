@@ -48,8 +48,8 @@ class Codec:
     rotate_values: bool
 
     def planes(self, head_dim: int) -> list[Plane]:
-        return [Plane(f"k_{p.name}", p.dtype, p.width) for p in _sub_planes(self.key, head_dim)] + \
-               [Plane(f"v_{p.name}", p.dtype, p.width) for p in _sub_planes(self.value, head_dim)]
+        return [Plane(f"k_{p.name}", p.dtype, p.width) for p in sub_codec_planes(self.key, head_dim)] + \
+               [Plane(f"v_{p.name}", p.dtype, p.width) for p in sub_codec_planes(self.value, head_dim)]
 
     def bytes_per_token_head(self, head_dim: int) -> int:
         return sum(p.width * p.item_bytes for p in self.planes(head_dim))
@@ -60,17 +60,17 @@ class Codec:
             k = rotate_groups(k)
         if self.rotate_values:
             v = rotate_groups(v)
-        out = {f"k_{n}": t for n, t in _encode(self.key, k).items()}
-        out.update({f"v_{n}": t for n, t in _encode(self.value, v).items()})
+        out = {f"k_{n}": t for n, t in encode_sub_codec(self.key, k).items()}
+        out.update({f"v_{n}": t for n, t in encode_sub_codec(self.value, v).items()})
         return out
 
     def decode_keys(self, planes: dict[str, torch.Tensor]) -> torch.Tensor:
         """Keys in the (possibly rotated) storage basis: pair them with `prepare_queries`."""
-        return _decode(self.key, {n[2:]: t for n, t in planes.items() if n.startswith("k_")})
+        return decode_sub_codec(self.key, {n[2:]: t for n, t in planes.items() if n.startswith("k_")})
 
     def decode_values(self, planes: dict[str, torch.Tensor]) -> torch.Tensor:
         """Values in the storage basis: attention outputs go through `finish_output`."""
-        return _decode(self.value, {n[2:]: t for n, t in planes.items() if n.startswith("v_")})
+        return decode_sub_codec(self.value, {n[2:]: t for n, t in planes.items() if n.startswith("v_")})
 
     def prepare_queries(self, q: torch.Tensor) -> torch.Tensor:
         return rotate_groups(q) if self.rotate_keys else q.float()
@@ -102,7 +102,8 @@ def get_codec(name: str) -> Codec:
 # --- sub-codecs ----------------------------------------------------------------------------
 
 
-def _sub_planes(kind: str, d: int) -> list[Plane]:
+def sub_codec_planes(kind: str, d: int) -> list[Plane]:
+    """Planes of one side (keys or values) in sub-codec `kind` for vectors of d elements."""
     if kind == "bf16":
         return [Plane("data", torch.bfloat16, d)]
     if kind == "int8g64":
@@ -144,7 +145,8 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return (u ^ 8) - 8
 
 
-def _encode(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+def encode_sub_codec(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Reference encoder of one side: x [..., d] (already rotated where the codec rotates) -> planes."""
     if kind == "bf16":
         return {"data": x.to(torch.bfloat16)}
     if kind == "int8g64":
@@ -178,7 +180,8 @@ def _encode(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
     raise ValueError(kind)
 
 
-def _decode(kind: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
+def decode_sub_codec(kind: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Reference decoder of one side: planes -> float32 [..., d] in the storage basis."""
     if kind == "bf16":
         return p["data"].float()
     if kind == "int8g64":
