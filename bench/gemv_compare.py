@@ -49,12 +49,18 @@ def rows_main(out: str) -> None:
                 row[f"t{t}_{path}_us"] = us
                 row[f"t{t}_{path}_frac"] = nbytes / (us * 1e-6) / peak
                 row[f"t{t}_{path}_vs_single"] = ((ql.qlinear(x, w).float() - single).abs().max() / single.abs().max()).item()
-            if fmt.startswith("Q4") and t in (4, 16):  # int8 tensor-core tiles (rows per program, warps)
+            if t == 4 and fmt[:2] in ("Q4", "Q5", "Q6"):  # int8 tensor-core tiles: rows, warps, groups per step, stages
                 ql.ROWS_PATH = "mma"
-                for bn, nw in ((64, 4), (64, 8), (128, 8), (256, 8)):
-                    ql.ROWS_MMA_TUNING.update(block_n=bn, num_warps=nw)
-                    row[f"t{t}_mma_{bn}x{nw}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
-                ql.ROWS_MMA_TUNING.update(block_n=128, num_warps=4)
+                default = dict(ql.ROWS_MMA_TUNING)
+                for bn, nw, gs, st in ((64, 4, 1, 3), (128, 4, 2, 3), (128, 4, 1, 4), (128, 4, 2, 4), (128, 8, 2, 3),
+                                       (256, 8, 1, 3), (64, 4, 2, 4)):
+                    ql.ROWS_MMA_TUNING.update(block_n=bn, num_warps=nw, groups_per_step=gs, num_stages=st)
+                    try:
+                        row[f"t{t}_mma_{bn}x{nw}g{gs}s{st}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
+                        row[f"t{t}_mma_{bn}x{nw}g{gs}s{st}_us"] = -1.0
+                        print("tile failed", bn, nw, gs, st, type(exc).__name__, str(exc)[:200], flush=True)
+                ql.ROWS_MMA_TUNING.update(default)
         ql.ROWS_PATH = "auto"
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

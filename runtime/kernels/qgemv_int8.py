@@ -339,7 +339,7 @@ def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
 def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr, T, N, GROUPS_PER_SPLIT,
                            ROW_INTS: tl.constexpr, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
                            GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           USE_ASM: tl.constexpr):
+                           GROUPS_PER_STEP: tl.constexpr, USE_ASM: tl.constexpr):
     """A block of x rows on integer tensor cores: per weight group, the codes as bytes (nibble formats:
     unsigned q + 2^(BITS-1)) times the rows' high and low x bytes in int8 dots with int32 sums, then the
     group's offset and scales in float. `xb_ptr` / `xi_ptr` are the same pre-quantized rows (see
@@ -359,48 +359,53 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
     x_rows = xb_ptr + toks[None, :] * (4 * ROW_INTS) + j[:, None]  # [WIDTH, BLOCK_T]: x^T
     xm = tok_ok[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for g in range(split * GROUPS_PER_SPLIT, (split + 1) * GROUPS_PER_SPLIT):
-        x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
-        x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
-        if BITS == 4:
-            b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-            even = _nibble_bytes(b, 0, USE_ASM)
-            odd = _nibble_bytes(b, 1, USE_ASM)
-        elif NIBBLES:  # Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's four bytes
-            widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
-            ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
-            even = _word_bytes(ew, BLOCK_N, WIDTH)
-            odd = _word_bytes(ow, BLOCK_N, WIDTH)
-        if NIBBLES:
-            xo_hi = tl.load(x_rows + 2 * PLANE + g * WIDTH, mask=xm, other=0)
-            xo_lo = tl.load(x_rows + 3 * PLANE + g * WIDTH, mask=xm, other=0)
-            d = tl.dot(odd, xo_hi, tl.dot(even, x_hi, out_dtype=tl.int32), out_dtype=tl.int32)
-            d = tl.dot(odd, xo_lo, tl.dot(even, x_lo, d << 7, out_dtype=tl.int32), out_dtype=tl.int32)
-        else:
-            c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-            d = tl.dot(c, x_lo, tl.dot(c, x_hi, out_dtype=tl.int32) << 7, out_dtype=tl.int32)
-        x_info = xi_ptr + toks * ROW_INTS + 4 * row_words + g
-        x_scale = tl.load(x_info, mask=tok_ok, other=0).to(tl.float32, bitcast=True)
-        if OFFSET != 0:
-            d -= OFFSET * tl.load(x_info + GPR, mask=tok_ok, other=0)[None, :]
-        w_scale = tl.load(scale_ptr + rows * GPR + g, mask=row_ok, other=0.0).to(tl.float32)
-        acc += d.to(tl.float32) * (w_scale[:, None] * x_scale[None, :])
+    for g0 in range(split * GROUPS_PER_SPLIT, (split + 1) * GROUPS_PER_SPLIT, GROUPS_PER_STEP):
+        for gg in tl.static_range(GROUPS_PER_STEP):  # several groups per iteration: more loads in flight
+            g = g0 + gg
+            x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
+            x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
+            if BITS == 4:
+                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+                even = _nibble_bytes(b, 0, USE_ASM)
+                odd = _nibble_bytes(b, 1, USE_ASM)
+            elif NIBBLES:  # Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's four bytes
+                widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
+                ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
+                even = _word_bytes(ew, BLOCK_N, WIDTH)
+                odd = _word_bytes(ow, BLOCK_N, WIDTH)
+            if NIBBLES:
+                xo_hi = tl.load(x_rows + 2 * PLANE + g * WIDTH, mask=xm, other=0)
+                xo_lo = tl.load(x_rows + 3 * PLANE + g * WIDTH, mask=xm, other=0)
+                d = tl.dot(odd, xo_hi, tl.dot(even, x_hi, out_dtype=tl.int32), out_dtype=tl.int32)
+                d = tl.dot(odd, xo_lo, tl.dot(even, x_lo, d << 7, out_dtype=tl.int32), out_dtype=tl.int32)
+            else:
+                c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+                d = tl.dot(c, x_lo, tl.dot(c, x_hi, out_dtype=tl.int32) << 7, out_dtype=tl.int32)
+            x_info = xi_ptr + toks * ROW_INTS + 4 * row_words + g
+            x_scale = tl.load(x_info, mask=tok_ok, other=0).to(tl.float32, bitcast=True)
+            if OFFSET != 0:
+                d -= OFFSET * tl.load(x_info + GPR, mask=tok_ok, other=0)[None, :]
+            w_scale = tl.load(scale_ptr + rows * GPR + g, mask=row_ok, other=0.0).to(tl.float32)
+            acc += d.to(tl.float32) * (w_scale[:, None] * x_scale[None, :])
     out = y_ptr + split * T * N + toks[None, :] * N + rows[:, None]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
-def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int) -> torch.Tensor:
+def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int,
+                   groups_per_step: int = 1, num_stages: int = 3) -> torch.Tensor:
     """y = x @ W^T for up to 16 rows of x on int8 tensor cores; x [T, K], y [T, N]."""
     t = x.shape[0]
-    if w.groups_per_row % split:
-        raise ValueError(f"qgemm_rows_mma: {split} K-splits do not divide {w.groups_per_row} groups")
+    if w.groups_per_row % (split * groups_per_step):
+        raise ValueError(f"qgemm_rows_mma: {split} K-splits of {groups_per_step}-group steps do not tile "
+                         f"{w.groups_per_row} groups")
     xq = quantize_x(x, w)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
     code = {8: w.base.view(torch.int8), 4: w.base.view(torch.uint8)}.get(w.fmt.bits, code_words(w.base))
     _qgemm_rows_mma_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
         xq.view(torch.int8), xq, code, high_plane(w), w.scale, target, t, w.rows, w.groups_per_row // split,
         ROW_INTS=xq.shape[1], GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, USE_ASM=native_dp4a(), num_warps=num_warps)
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, GROUPS_PER_STEP=groups_per_step,
+        USE_ASM=native_dp4a(), num_warps=num_warps, num_stages=num_stages)
     return finish_splits(target, y)
 
 

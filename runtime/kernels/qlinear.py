@@ -33,7 +33,8 @@ PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separ
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
 ROWS_AUTO = {4: ((16, "mma"),), 5: ((16, "mma"),), 6: ((16, "mma"),), 8: ((16, "tensor"),)}
 ROWS_MAX_BLOCK_T = 8
-ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4}  # best of 64x4, 64x8, 128x4, 128x8, 256x8 (run 20)
+# rows per program and warps: best of 64x4, 64x8, 128x4, 128x8, 256x8 (run 20)
+ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
 
 
 def rows_path(bits: int, t: int) -> str:
@@ -271,9 +272,12 @@ def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch
     block_n, programs = ROWS_MMA_TUNING["block_n"], TARGET_PROGRAMS
     if _interpreted():
         programs = INTERPRETER_PROGRAMS
+    step = ROWS_MMA_TUNING["groups_per_step"]
+    while w.groups_per_row % step:
+        step //= 2
     blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
-    split = k_splits(blocks, w.groups_per_row, programs)
-    return qgemm_rows_mma(x, w, y, block_n, split, ROWS_MMA_TUNING["num_warps"])
+    split = k_splits(blocks, w.groups_per_row // step, programs)
+    return qgemm_rows_mma(x, w, y, block_n, split, ROWS_MMA_TUNING["num_warps"], step, ROWS_MMA_TUNING["num_stages"])
 
 
 class PackedLinear:
