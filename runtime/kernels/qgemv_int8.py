@@ -329,6 +329,19 @@ def _nibble_bytes(b, ODD: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _q5_bytes(b, hb, bit, ODD: tl.constexpr):
+    """Q5 code bytes b (uint8) -> int8 codes q + 16 of the low (ODD = 0) or high nibble's lane, with the
+    fifth bit from `hb` (the lane's high-plane byte) at the position marked in `bit` (one set bit per
+    byte). Byte-parallel 32-bit ops (a masked byte is nonzero iff adding 0x7F sets its top bit), so the
+    result does not depend on how Triton packs bytes into registers."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, c; and.b32 t, $2, $3; add.u32 t, t, 0x7F7F7F7F; and.b32 t, t, 0x80808080; "
+        f"shr.u32 t, t, 3; xor.b32 t, t, 0x10101010; shr.u32 c, $1, {4 * ODD}; "
+        "lop3.b32 $0, c, 0x0F0F0F0F, t, 0xea; }",
+        "=r,r,r,r", [b, hb, bit], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
 def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
     """int32 words [BLOCK_N, WIDTH / 4] of byte values -> int8 [BLOCK_N, WIDTH], byte k of word w at 4w + k."""
     k = tl.arange(0, 4)
@@ -368,7 +381,14 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
                 b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
                 even = _nibble_bytes(b, 0, USE_ASM)
                 odd = _nibble_bytes(b, 1, USE_ASM)
-            elif NIBBLES:  # Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's four bytes
+            elif BITS == 5 and USE_ASM:
+                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+                hb8 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
+                              mask=row_ok[:, None], other=0)
+                hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
+                even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
+                odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
+            elif NIBBLES:  # Q6 (and Q5 interpreted): the dp4a kernel's word-level unpacking, then each word's bytes
                 widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
                 ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
                 even = _word_bytes(ew, BLOCK_N, WIDTH)
