@@ -342,6 +342,18 @@ def _q5_bytes(b, hb, bit, ODD: tl.constexpr):
 
 
 @triton.jit
+def _q6_bytes(b, hb, bit, ODD: tl.constexpr):
+    """Q6 code bytes b (uint8) -> int8 codes q + 32: bits 4 and 5 from `hb` at the position marked in
+    `bit` and the one above it (byte-parallel, as _q5_bytes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, u, m, c; and.b32 t, $2, $3; add.u32 t, t, 0x7F7F7F7F; and.b32 t, t, 0x80808080; "
+        "shr.u32 t, t, 3; shl.b32 m, $3, 1; and.b32 u, $2, m; add.u32 u, u, 0x7F7F7F7F; and.b32 u, u, 0x80808080; "
+        f"shr.u32 u, u, 2; or.b32 t, t, u; xor.b32 t, t, 0x20202020; shr.u32 c, $1, {4 * ODD}; "
+        "lop3.b32 $0, c, 0x0F0F0F0F, t, 0xea; }",
+        "=r,r,r,r", [b, hb, bit], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
 def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
     """int32 words [BLOCK_N, WIDTH / 4] of byte values -> int8 [BLOCK_N, WIDTH], byte k of word w at 4w + k."""
     k = tl.arange(0, 4)
@@ -388,7 +400,16 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
                 hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
                 even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
                 odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
-            elif NIBBLES:  # Q6 (and Q5 interpreted): the dp4a kernel's word-level unpacking, then each word's bytes
+            elif BITS == 6 and USE_ASM:  # int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
+                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+                h16 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
+                              + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+                k = tl.arange(0, 4)[None, None, :]
+                hb = tl.reshape(((h16[:, :, None] >> (8 * (k // 2))) & 255).to(tl.uint8), (BLOCK_N, WIDTH))
+                low_bit = (1 << (4 * ((j % 4) % 2))).to(tl.uint8)[None, :]
+                even = _q6_bytes(b, hb, low_bit, 0)
+                odd = _q6_bytes(b, hb, low_bit << 2, 1)
+            elif NIBBLES:  # interpreted Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's bytes
                 widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
                 ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
                 even = _word_bytes(ew, BLOCK_N, WIDTH)
@@ -420,7 +441,10 @@ def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int
                          f"{w.groups_per_row} groups")
     xq = quantize_x(x, w)
     target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
-    code = {8: w.base.view(torch.int8), 4: w.base.view(torch.uint8)}.get(w.fmt.bits, code_words(w.base))
+    # code bytes (int32 words for the interpreter's Q5/Q6 word path)
+    code = w.base.view(torch.int8) if w.fmt.bits == 8 else w.base.view(torch.uint8)
+    if w.fmt.bits in (5, 6) and not native_dp4a():
+        code = code_words(w.base)
     _qgemm_rows_mma_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
         xq.view(torch.int8), xq, code, high_plane(w), w.scale, target, t, w.rows, w.groups_per_row // split,
         ROW_INTS=xq.shape[1], GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
