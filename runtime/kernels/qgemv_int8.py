@@ -168,7 +168,7 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
     OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        widx = k0 // LANES + tl.arange(0, wpb)
+        widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)  # k0 steps by BLOCK_K: vector loads
         if PREQUANT:
             gq = k0 // GROUP + tl.arange(0, gpb)
             hi_a = tl.load(x_ptr + widx)
@@ -268,7 +268,7 @@ def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, 
     xm = tok_ok[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
-        widx = k0 // LANES + tl.arange(0, wpb)
+        widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)
         gq = k0 // GROUP + tl.arange(0, gpb)
         hi_a = tl.broadcast_to(tl.load(xrow + widx[None, :], mask=xm, other=0)[:, None, :], shape)
         lo_a = tl.broadcast_to(tl.load(xrow + row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)
