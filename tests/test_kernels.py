@@ -46,7 +46,7 @@ def test_qlinear(fmt, t, n, k):
     w = _packed(n, k, fmt, seed=t * 1000 + n)
     x = torch.randn(t, k, device=DEVICE).to(DTYPE)
     # the integer paths (one row: dp4a; row blocks: dp4a or int8 tensor cores) round x to 14 bits: their own reference
-    int8 = fmt.bits in INT8_BITS and GEMV_PATH == "int8" and (t == 1 or (t <= GEMV_MAX_T and rows_path(fmt.bits, t) != "tensor"))
+    int8 = fmt.bits in INT8_BITS and GEMV_PATH == "int8" and (t == 1 or (t <= GEMV_MAX_T and rows_path(fmt.bits) != "tensor"))
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
@@ -108,6 +108,16 @@ def test_qgemm_rows_mma(bits, t, n, k, split):
     want = qgemv_int8_reference(x, w)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
+
+
+def test_rows_path_names_a_bad_override(monkeypatch):
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(ql, "ROWS_PATH", "fast")
+    with pytest.raises(ValueError, match="NINFER_GEMV_ROWS='fast' is not one of"):
+        ql.rows_path(4)
+    monkeypatch.setattr(ql, "ROWS_PATH", "auto")
+    assert [ql.rows_path(b) for b in (4, 5, 6, 8)] == ["mma", "mma", "mma", "tensor"]
 
 
 @pytest.mark.parametrize("fmt,path", [("Q4G64_F16S", "mma"), ("Q5G64_F16S", "mma"), ("Q6G64_F16S", "mma"),

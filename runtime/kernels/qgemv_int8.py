@@ -12,9 +12,12 @@ from their high plane into bit 4 / bits 4-5 of each byte with a multiply or a fe
 Row blocks (T = 2..16: verify blocks, several lanes), two kernels. The dp4a row kernel loads and
 unpacks each code word once and meets every row's x words in dp4a ([rows of x, weight rows, words]
 broadcast); with the one-row kernel's tiles and K-splits each row's integers and float sums are the
-one-row kernel's, bit for bit, but its dp4a work grows with T. The int8 tensor-core kernel (Q4, W8)
-turns Q4 nibbles into unsigned bytes with one 32-bit logic op per four and feeds them with x's high
-and low bytes to int8 MMAs (exact int32 sums; float sums in another order than decode's).
+one-row kernel's, bit for bit, but its dp4a work grows with T. The int8 tensor-core kernel turns
+codes into unsigned bytes with byte-parallel 32-bit logic (inline PTX: Q4 one shift + one lop3 per
+four codes; Q5/Q6 pick the high bits with a per-byte mask operand, so how Triton packs bytes into
+registers cannot misplace them) and feeds them with x's high and low bytes to int8 MMAs (exact int32
+group sums; float sums in another order than decode's). Under the interpreter it unpacks with plain
+integer ops (Q5/Q6 through the dp4a kernel's word-level unpacking).
 
 Numerics: x is rounded to 14 bits relative to its group's largest magnitude (relative error of a
 group's dot product <= ~1e-4); weights are exact. `qgemv_int8_reference` computes the same integer

@@ -1,7 +1,8 @@
 """y = x @ W^T with W in a row-split grouped format (Q4/Q5/Q6/W8), dequantized on the fly.
 
-Decode (T = 1..16 rows of x) runs the fused GEMV kernel; prefill (T > 16) dequantizes row chunks
-to dense once per call and hands them to the vendor GEMM. Nibble
+Decode (T = 1) runs the dp4a GEMV, verify blocks (T = 2..16) the int8 tensor-core row kernel (both in
+qgemv_int8; NINFER_GEMV=float / NINFER_GEMV_ROWS=tensor select the float kernels here); prefill
+(T > 16) dequantizes row chunks to dense once per call and hands them to the vendor GEMM. Nibble
 formats are consumed as two half-width products, x[:, even] @ lo^T + x[:, odd] @ hi^T, so codes
 are never interleaved in registers. Scales and high bits are loaded once per group / byte and
 broadcast. When the output has few row blocks, K is split across programs: each writes a float32
@@ -26,26 +27,27 @@ VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
-# T = 2..16 (verify blocks, several lanes), by code width and T: Q4/Q5/Q6 on int8 tensor cores (codes
-# become bytes with 32-bit logic ops; bench/RESULTS.md §11), W8 (small shared-expert matrices) through
-# the float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work
-# grows with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
+# NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
+GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
+# T = 2..16 (verify blocks, several lanes) by code width: Q4/Q5/Q6 on int8 tensor cores (codes become
+# bytes with 32-bit logic ops; bench/RESULTS.md §11), W8 (small shared-expert matrices) through the
+# float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
+# with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
+ROWS_PATHS = ("auto", "tensor", "int8", "mma")
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
-ROWS_AUTO = {4: ((16, "mma"),), 5: ((16, "mma"),), 6: ((16, "mma"),), 8: ((16, "tensor"),)}
-ROWS_MAX_BLOCK_T = 8
-# rows per program and warps: best of 64x4, 64x8, 128x4, 128x8, 256x8 (run 20)
+ROWS_BY_BITS = {4: "mma", 5: "mma", 6: "mma", 8: "tensor"}
+ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
+# int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
 
 
-def rows_path(bits: int, t: int) -> str:
+def rows_path(bits: int) -> str:
     """Which kernel multiplies a block of 2..16 rows of x with `bits`-wide codes."""
+    if ROWS_PATH not in ROWS_PATHS:
+        raise ValueError(f"NINFER_GEMV_ROWS={ROWS_PATH!r} is not one of {', '.join(ROWS_PATHS)}; unset it for auto")
     if GEMV_PATH != "int8" or bits not in INT8_BITS:
         return "tensor"
-    if ROWS_PATH != "auto":
-        return ROWS_PATH
-    return next(path for max_t, path in ROWS_AUTO[bits] if t <= max_t)
-# NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
-GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
+    return ROWS_BY_BITS[bits] if ROWS_PATH == "auto" else ROWS_PATH
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
 INTERPRETER_PROGRAMS = 4
 INTERPRETER_BLOCK_N = 64
@@ -315,7 +317,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
         return _gemm(x, w, y)
     if t == 1:
         return _gemv_vec(x, w, y)
-    path = rows_path(w.fmt.bits, t)
+    path = rows_path(w.fmt.bits)
     if path == "int8":
         return _gemm_rows_int8(x, w, y)
     if path == "mma":
