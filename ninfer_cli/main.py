@@ -412,6 +412,10 @@ def _print_bench(r: dict) -> None:
                   f"{row['prefill_tok_s']:.0f}" if row["prefill_tok_s"] else "-", f"{row['decode_tok_s']:.1f}",
                   f"{row.get('roofline_tok_s', 0):.1f}", f"{row.get('of_roofline', 0):.2f}",
                   f"{st['tokens_per_round']:.2f}" if st else "-", f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f}")
+    forced = r.get("options", {}).get("accepted_drafts")
+    if forced is not None:  # random weights: the acceptance is set, not measured
+        t.caption = (f"drafts forced: {forced} accepted per round (--accepted-drafts); tok/s is the speed of "
+                     "the drafting and verification, not of a measured acceptance rate")
     out.print(t)
 
 

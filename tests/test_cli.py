@@ -105,3 +105,19 @@ def test_generate_on_the_triton_runtime(tiny_with_mtp, tmp_path):
     assert sampled.exit_code == 0, sampled.output
     bad = runner.invoke(app, ["generate", str(art), "--temperature", "0.5"])
     assert bad.exit_code == 1 and "needs --runtime triton" in bad.output
+
+
+def test_bench_table_says_when_acceptance_is_forced(capsys):
+    """Random-weight MTP benches force acceptance; the table must say so instead of implying a rate."""
+    from ninfer_cli import main
+
+    row = {"kv_dtype": "rk4v4-e8", "depth": 8192, "context": "prefilled", "prefill_tok_s": 8000.0,
+           "decode_tok_s": 230.0, "roofline_tok_s": 276.4, "of_roofline": 0.83, "peak_allocated_bytes": 2 ** 30,
+           "spec_stats": {"tokens_per_round": 4.0}}
+    results = {"artifact": "a.nfer", "device": "GPU", "copy_bandwidth_bytes_per_s": 4.2e12, "rows": [row],
+               "options": {"accepted_drafts": 3}}
+    main._print_bench(results)
+    assert "drafts forced: 3 accepted per round" in " ".join(capsys.readouterr().out.split())
+    results["options"]["accepted_drafts"] = None
+    main._print_bench(results)
+    assert "forced" not in capsys.readouterr().out
