@@ -437,7 +437,7 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
 
 def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int,
                    groups_per_step: int = 1, num_stages: int = 3) -> torch.Tensor:
-    """y = x @ W^T for up to 16 rows of x on int8 tensor cores; x [T, K], y [T, N]."""
+    """y = x @ W^T for a block of rows of x on int8 tensor cores (16 rows per program); x [T, K], y [T, N]."""
     t = x.shape[0]
     if w.groups_per_row % (split * groups_per_step):
         raise ValueError(f"qgemm_rows_mma: {split} K-splits of {groups_per_step}-group steps do not tile "
