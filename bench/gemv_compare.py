@@ -28,6 +28,16 @@ def _split(w, block_n, block_k):
     return ql.k_splits(-(-w.rows // block_n), w.k_pad // block_k, ql.TARGET_PROGRAMS)
 
 
+def _xy(t: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """t rows of random x [t, k] and an output [t, n], bf16 on the GPU."""
+    return torch.randn(t, k, device="cuda", dtype=torch.bfloat16), torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+
+
+def _save(out: str, peak: float, rows: list) -> None:
+    with open(out, "w") as f:
+        json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
+
+
 def rows_main(out: str) -> None:
     from bench.attention_compare import graph_ms  # CUDA-graph replays: no launch overhead in the timing
 
@@ -35,13 +45,11 @@ def rows_main(out: str) -> None:
     rows = []
     for label, n, k, fmt in SHAPES:
         w, nbytes = random_packed(n, k, fmt)
-        x1 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        y1 = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        x1, y1 = _xy(1, k, n)
         t1 = graph_ms(lambda: ql.qlinear(x1, w, out=y1)) * 1e3
         row = {"op": label, "N": n, "K": k, "bytes": nbytes, "t1_us": t1, "t1_frac": nbytes / (t1 * 1e-6) / peak}
         for t in (2, 4, 8, 16):
-            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+            x, y = _xy(t, k, n)
             single = torch.cat([ql.qlinear(x[i : i + 1], w) for i in range(t)]).float()
             for path in ("tensor", "int8", "mma", "auto"):
                 ql.ROWS_PATH = path
@@ -64,8 +72,7 @@ def rows_main(out: str) -> None:
         ql.ROWS_PATH = "auto"
         rows.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    with open(out, "w") as f:
-        json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
+    _save(out, peak, rows)
 
 
 def main(out: str, mode: str = "sweep") -> None:
@@ -75,8 +82,7 @@ def main(out: str, mode: str = "sweep") -> None:
     rows = []
     for label, n, k, fmt in SHAPES:
         w, nbytes = random_packed(n, k, fmt)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        x, y = _xy(1, k, n)
         ql.GEMV_PATH = "float"
         ms_float = bench_ms(lambda: ql.qlinear(x, w, out=y))
         exact = ql.qlinear_reference(x, w).float()
@@ -102,16 +108,14 @@ def main(out: str, mode: str = "sweep") -> None:
                "float_frac": nbytes / (ms_float * 1e-3) / peak, "int8_us": ms * 1e3,
                "int8_frac": nbytes / (ms * 1e-3) / peak, "speedup": ms_float / ms, "best_tile": [bn, bk, nw, split, pre],
                "int8_rel_err_vs_exact": err}
-        x4 = torch.randn(4, k, device="cuda", dtype=torch.bfloat16)  # an MTP3 verify block
-        y4 = torch.empty(4, n, device="cuda", dtype=torch.bfloat16)
+        x4, y4 = _xy(4, k, n)  # an MTP3 verify block
         ql.ROWS_PATH = "tensor"
         ms_t4 = bench_ms(lambda: ql.qlinear(x4, w, out=y4))
-        ql.ROWS_PATH = "int8"
+        ql.ROWS_PATH = "auto"
         row.update(t4_tensor_us=ms_t4 * 1e3, t4_tensor_frac=nbytes / (ms_t4 * 1e-3) / peak)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with open(out, "w") as f:
-        json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
+    _save(out, peak, rows)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ Tests run them under TRITON_INTERPRET=1 on CPU at small shapes; on a GPU they ar
 import os
 
 
+def interpreted() -> bool:
+    """Kernels run under triton's CPU interpreter (TRITON_INTERPRET=1: tests, CI) rather than on a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _match_gpu_bf16_in_interpreter() -> None:
     """triton 3.6's interpreter stores bf16 as uint16 bit patterns: it hands them to np.matmul as
     integers and narrows float32 to bf16 by truncation. Widen bf16 dot operands (exact) and round
@@ -38,5 +43,5 @@ def _match_gpu_bf16_in_interpreter() -> None:
     builder.create_dot, builder.cast_impl, builder._ninfer_bf16_fixed = dot, cast, True
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+if interpreted():
     _match_gpu_bf16_in_interpreter()

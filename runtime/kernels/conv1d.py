@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from . import interpreted
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
         x = x.contiguous()
     y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
-    block = 1024 if os.environ.get("TRITON_INTERPRET") == "1" else 256
+    block = 1024 if interpreted() else 256
     _conv4_lanes_kernel[(bsz, triton.cdiv(c, block))](x, stack, lanes, weight, y, t, c, stack.shape[1], x.stride(1),
                                                        BLOCK_C=block, SNAPSHOT=snapshot)
     return y

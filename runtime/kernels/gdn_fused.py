@@ -8,11 +8,12 @@ matter inside a decode step of 48 such layers.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from . import interpreted
 
 L2_EPS = 1e-6
 
@@ -78,7 +79,7 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         x = x.contiguous()
     alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
-    block_v = dv if os.environ.get("TRITON_INTERPRET") == "1" else min(32, dv)
+    block_v = dv if interpreted() else min(32, dv)
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, t, hv, slots, x.stride(0), hv, key_dim, dk ** -0.5, L2_EPS,
         RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot)

@@ -16,13 +16,14 @@ per-element scale gathers and int-to-float conversions made the compressed codec
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from runtime.kv.codecs import Codec
+
+from . import interpreted
 
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
@@ -37,7 +38,7 @@ PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
 HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
-_NATIVE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # inline PTX on a GPU; plain ops interpreted
+_NATIVE = tl.constexpr(not interpreted())  # inline PTX on a GPU; plain ops interpreted
 
 
 @triton.jit

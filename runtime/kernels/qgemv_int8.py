@@ -26,11 +26,12 @@ sums in int64. Under TRITON_INTERPRET the dp4a instruction is emulated with shif
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from . import interpreted
 
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
 X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their scale would underflow)
@@ -44,7 +45,8 @@ _ROUND_MAGIC_BITS = tl.constexpr(ROUND_MAGIC_BITS)
 
 
 def native_dp4a() -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    """dp4a and the other inline PTX run natively (on a GPU), not emulated by the interpreter."""
+    return not interpreted()
 
 
 @triton.jit
@@ -308,7 +310,7 @@ def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: 
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemm_rows_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     xq = quantize_x(x, w)
-    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    target = split_partials(y, split)
     _qgemm_rows_int8_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, block_t))](
         xq, code_words(w.base), high_plane(w), w.scale, target, t, w.rows, w.k_pad // split, ROW_INTS=xq.shape[1],
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
@@ -392,19 +394,18 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
             g = g0 + gg
             x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
             x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
-            if BITS == 4:
+            if BITS == 4 or (NIBBLES and USE_ASM):  # code bytes (the interpreted Q5/Q6 path reads words)
                 b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+            if BITS == 4:
                 even = _nibble_bytes(b, 0, USE_ASM)
                 odd = _nibble_bytes(b, 1, USE_ASM)
             elif BITS == 5 and USE_ASM:
-                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
                 hb8 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
                               mask=row_ok[:, None], other=0)
                 hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
                 even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
                 odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
             elif BITS == 6 and USE_ASM:  # int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
-                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
                 h16 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
                               + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
                 k = tl.arange(0, 4)[None, None, :]
@@ -443,7 +444,7 @@ def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int
         raise ValueError(f"qgemm_rows_mma: {split} K-splits of {groups_per_step}-group steps do not tile "
                          f"{w.groups_per_row} groups")
     xq = quantize_x(x, w)
-    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    target = split_partials(y, split)
     # code bytes (int32 words for the interpreter's Q5/Q6 word path)
     code = w.base.view(torch.int8) if w.fmt.bits == 8 else w.base.view(torch.uint8)
     if w.fmt.bits in (5, 6) and not native_dp4a():
@@ -466,6 +467,12 @@ def _sum_splits_kernel(src_ptr, dst_ptr, SPLITS, M, BLOCK: tl.constexpr):
     tl.store(dst_ptr + i, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
+def split_partials(y: torch.Tensor, split: int) -> torch.Tensor:
+    """Where a product with `split` K-splits writes: y itself for one split, else float32 partials
+    [split, *y.shape] for finish_splits to sum."""
+    return y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
+
+
 def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Sum the float32 K-split partials [splits, T, N] into y in split order (deterministic, no
     atomics) and cast, in one launch (torch's sum + cast were two per matrix per token); with one
@@ -475,7 +482,7 @@ def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if not y.is_contiguous():
         y.copy_(target.sum(0))
         return y
-    block = 4096 if os.environ.get("TRITON_INTERPRET") == "1" else 512
+    block = 4096 if interpreted() else 512
     _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, target.shape[0], y.numel(), BLOCK=block, num_warps=4)
     return y
 
@@ -498,7 +505,7 @@ def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, 
     `prequant`: quantize x once in its own launch (else every program quantizes its slice)."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
-    target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
+    target = split_partials(y, split)
     xin = quantize_x(x, w) if prequant else x
     _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
         xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8
+from . import interpreted
+from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8, split_partials
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -60,10 +61,6 @@ def k_splits(blocks: int, chunks: int, programs: int, min_chunks: int = 2) -> in
     while blocks * split * 2 <= programs and chunks % (split * 2) == 0 and chunks // (split * 2) >= min_chunks:
         split *= 2
     return split
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -235,7 +232,7 @@ def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
     row and for row blocks, so both sum each row's products in the same order."""
     tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {})
     block_n, block_k, programs = tuning["block_n"], tuning["block_k"], TARGET_PROGRAMS
-    if _interpreted():
+    if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
     while w.k_pad % block_k:
         block_k //= 2
@@ -249,13 +246,13 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
         block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
         return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant)
     block_n, block_k, programs = VEC_TUNING["block_n"], VEC_TUNING["block_k"], TARGET_PROGRAMS
-    if _interpreted():
+    if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
     while w.k_pad % block_k:
         block_k //= 2
     blocks = triton.cdiv(w.rows, block_n)
     split = k_splits(blocks, w.k_pad // block_k, programs)
-    target = y if split == 1 else torch.empty(split, 1, w.rows, dtype=torch.float32, device=x.device)
+    target = split_partials(y, split)
     high = w.high if w.high is not None else w.base
     _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
                                        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
@@ -272,7 +269,7 @@ def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
 
 def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     block_n, programs = ROWS_MMA_TUNING["block_n"], TARGET_PROGRAMS
-    if _interpreted():
+    if interpreted():
         programs = INTERPRETER_PROGRAMS
     step = ROWS_MMA_TUNING["groups_per_step"]
     while w.groups_per_row % step:
@@ -301,7 +298,7 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
     while k_pad % block_k:
         block_k //= 2
     n_blocks = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
-    programs = INTERPRETER_PROGRAMS if _interpreted() else TARGET_PROGRAMS
+    programs = INTERPRETER_PROGRAMS if interpreted() else TARGET_PROGRAMS
     split = k_splits(n_blocks, k_pad // block_k, programs, min_chunks=4) if t <= 16 else 1
     return block_t, block_n, block_k, split
 
@@ -323,7 +320,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     if path == "mma":
         return _gemm_rows_mma(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
-    target = y if split == 1 else torch.empty(split, t, w.rows, dtype=torch.float32, device=x.device)
+    target = split_partials(y, split)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
     high = w.high if w.high is not None else w.base
     _qlinear_kernel[grid](x, w.base, high, w.scale, target, t, w.rows, k, x.stride(0), w.k_pad // split,
