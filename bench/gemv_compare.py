@@ -2,9 +2,11 @@
 run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), with the dp4a kernel's
 error against the exact float product. `rows`: verify-sized blocks (T = 2, 4, 8, 16) through the
 tensor-core kernel (float dequantization), the dp4a row-block kernel and the int8 tensor-core kernel,
-and T = 1 for scale; CUDA-graph replays, so launch overhead is not in the times.
+and T = 1 for scale; CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
+product (x quantization, dp4a GEMV, split-K sum) graph-replayed over a sweep of tiles and of the
+program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|t1]
 """
 
 from __future__ import annotations
@@ -75,9 +77,45 @@ def rows_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def t1_main(out: str) -> None:
+    from bench.attention_compare import graph_ms
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in SHAPES:
+        w, nbytes = random_packed(n, k, fmt)
+        x, y = _xy(1, k, n)
+        bits = w.fmt.bits
+        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "default_tile": list(ql._int8_tiles(w))}
+        row["default_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+        row["default_frac"] = nbytes / (row["default_us"] * 1e-6) / peak
+        saved, programs = dict(ql.INT8_TUNING_BY_BITS.get(bits, {})), ql.TARGET_PROGRAMS
+        for bn, bk, nw, target in itertools.product((16, 32, 64), (256, 512), (4, 8), (512, 1024)):
+            if w.k_pad % bk:
+                continue
+            ql.INT8_TUNING_BY_BITS[bits] = {"block_n": bn, "block_k": bk, "num_warps": nw}
+            ql.TARGET_PROGRAMS = target
+            try:
+                row[f"{bn}x{bk}w{nw}p{target}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
+                print("tile failed", label, bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
+        ql.INT8_TUNING_BY_BITS[bits], ql.TARGET_PROGRAMS = saved, programs
+        if not saved:
+            del ql.INT8_TUNING_BY_BITS[bits]
+        tiles = {key: v for key, v in row.items() if key[0].isdigit()}
+        best = min(tiles, key=tiles.get)
+        row.update(best_tile=best, best_us=tiles[best], best_frac=nbytes / (tiles[best] * 1e-6) / peak)
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("op", "default_tile", "default_us", "default_frac", "best_tile", "best_us",
+                                              "best_frac")}), flush=True)
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
     if mode == "rows":
         return rows_main(out)
+    if mode == "t1":
+        return t1_main(out)
     peak = copy_bandwidth()
     rows = []
     for label, n, k, fmt in SHAPES:

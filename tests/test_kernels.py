@@ -406,3 +406,46 @@ def test_attention_gate(rotate):
     qg = qgkv[:, : heads * 2 * d]
     o = torch.randn(n, heads, d, device=DEVICE).to(DTYPE)
     _check(attention_gate(o, qg, rotate).cpu(), attention_gate_reference(o.cpu(), qg.cpu(), rotate))
+
+
+# calls a kernel may make before pdl_wait(): none of them reads what another kernel writes
+_BEFORE_WAIT = {"pdl_release", "tl.program_id", "tl.arange", "tl.multiple_of", "_weight_tile"}
+
+
+def _call_name(node) -> str:
+    import ast
+
+    return ast.unparse(node.func)
+
+
+def test_every_launch_waits():
+    """Programmatic dependent launch is only correct when every kernel launched with LAUNCH lets the
+    next one start and waits for the previous one before touching activations (runtime/kernels/launch.py):
+    each kernel starts with pdl_release(), calls nothing but index arithmetic and weight loads before
+    pdl_wait(), and every launch site passes **LAUNCH."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "runtime"
+    kernels = launches = 0
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                kernels += 1
+                body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) else node.body
+                assert ast.unparse(body[0]) == "pdl_release()", f"{where}: {node.name} must start with pdl_release()"
+                waits = [i for i, s in enumerate(body) if ast.unparse(s) == "pdl_wait()"]
+                assert waits, f"{where}: {node.name} never calls pdl_wait() at its top level"
+                for stmt in body[: waits[0]]:
+                    for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+                        assert _call_name(call) in _BEFORE_WAIT, (
+                            f"{where}: {node.name} calls {_call_name(call)} before pdl_wait()")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                    ast.unparse(node.func.value).endswith("_kernel"):
+                launches += 1
+                assert any(k.arg is None and ast.unparse(k.value) == "LAUNCH" for k in node.keywords), (
+                    f"{where}: launch of {ast.unparse(node.func.value)} without **LAUNCH")
+    assert kernels >= 20 and launches >= kernels

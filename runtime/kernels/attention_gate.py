@@ -15,10 +15,13 @@ import triton.language as tl
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
 from .hadamard import rotate_group64
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     group = tl.program_id(0).to(tl.int64)  # (token, head, 64-group)
     G: tl.constexpr = D // 64
     token_head = group // G
@@ -43,7 +46,7 @@ def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool) -> torch.Ten
     y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
     if n:
         _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y, heads, qg.stride(0),
-                                               D=d, ROTATE=rotate, num_warps=2)
+                                               D=d, ROTATE=rotate, num_warps=2, **LAUNCH)
     return y
 
 

@@ -8,10 +8,13 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
@@ -44,10 +47,10 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, ou
     if t < state.shape[1]:
         # a short block reads and rewrites overlapping state rows: work from a copy of the old state
         old = state.clone()
-        _conv_kernel[(bsz, triton.cdiv(c, block))](x.contiguous(), old, weight, y, t, c, W=weight.shape[1], BLOCK_C=block)
+        _conv_kernel[(bsz, triton.cdiv(c, block))](x.contiguous(), old, weight, y, t, c, W=weight.shape[1], BLOCK_C=block, **LAUNCH)
         state.copy_(old)
         return y
-    _conv_kernel[(bsz, triton.cdiv(c, block))](x.contiguous(), state, weight, y, t, c, W=weight.shape[1], BLOCK_C=block)
+    _conv_kernel[(bsz, triton.cdiv(c, block))](x.contiguous(), state, weight, y, t, c, W=weight.shape[1], BLOCK_C=block, **LAUNCH)
     return y
 
 
@@ -68,6 +71,8 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
     """Width-4 causal conv + SiLU for one lane's channel block. The three carried inputs live in
     registers across the steps, so the lane's slot-0 state is read once and written once (no copies);
     with SNAPSHOT, the window after step t also goes to slot t+1 (speculative rollback)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
@@ -110,5 +115,5 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
     block = 1024 if interpreted() else 256
     _conv4_lanes_kernel[(bsz, triton.cdiv(c, block))](x, stack, lanes, weight, y, t, c, stack.shape[1], x.stride(1),
-                                                       BLOCK_C=block, SNAPSHOT=snapshot)
+                                                       BLOCK_C=block, SNAPSHOT=snapshot, **LAUNCH)
     return y

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 PAIR_MAX_ROWS = 16  # decode and verify blocks; prefill keeps cuBLAS
 
@@ -15,6 +16,8 @@ PAIR_MAX_ROWS = 16  # decode and verify blocks; prefill keeps cuBLAS
 def _dense_pair_kernel(x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr, N, K, stride_x,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program: rows [BLOCK_N] of both matrices for one row of x (x is loaded once for both)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -44,7 +47,7 @@ def dense_pair(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[tor
     # one row per program: the matrices are a few dozen rows, so rows (not K) must fill the SMs
     block_n = 1
     _dense_pair_kernel[(t, triton.cdiv(n, block_n))](x, w1, w2, y1, y2, n, k, x.stride(0), BLOCK_N=block_n,
-                                                      BLOCK_K=1024, num_warps=4)
+                                                      BLOCK_K=1024, num_warps=4, **LAUNCH)
     return y1, y2
 
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, stride_z, HV, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     r = tl.program_id(0)  # one (token, value head) row
     d = tl.arange(0, D)
     o = tl.load(o_ptr + r * D + d).to(tl.float32)
@@ -29,7 +32,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     tokens, hv, d = o.shape
     y = out if out is not None else torch.empty(tokens, hv * d, dtype=out_dtype, device=o.device)
     _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, z.stride(0), hv, eps, D=d,
-                                       ROUND_BF16=out_dtype == torch.bfloat16)
+                                       ROUND_BF16=out_dtype == torch.bfloat16, **LAUNCH)
     return y
 
 

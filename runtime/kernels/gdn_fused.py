@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 L2_EPS = 1e-6
 
@@ -28,6 +29,8 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
                       T, HV, SLOTS, stride_x, stride_ab, key_dim, q_scale, eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                       SNAPSHOT: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -82,7 +85,7 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
     block_v = dv if interpreted() else min(32, dv)
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, t, hv, slots, x.stride(0), hv, key_dim, dk ** -0.5, L2_EPS,
-        RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot)
+        RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot, **LAUNCH)
     return o
 
 

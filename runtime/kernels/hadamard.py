@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -24,6 +25,8 @@ def rotate_group64(x, h_ptr):
 
 @triton.jit
 def _rotate64_kernel(x_ptr, h_ptr, y_ptr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     group = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, 64)
     y = rotate_group64(tl.load(x_ptr + group * 64 + i).to(tl.float32), h_ptr)
@@ -37,7 +40,7 @@ def rotate64(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Ten
     x = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if x.numel():
-        _rotate64_kernel[(x.numel() // 64,)](x, hadamard_on_device(64, str(x.device)), y, num_warps=2)
+        _rotate64_kernel[(x.numel() // 64,)](x, hadamard_on_device(64, str(x.device)), y, num_warps=2, **LAUNCH)
     return y
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3}
 SUPPORTED = frozenset(KIND_IDS)
@@ -74,6 +75,8 @@ def _e8_round(ye, yo):
 @triton.jit
 def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, KIND: tl.constexpr,
                       W0: tl.constexpr, W1: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     vec = tl.program_id(0)  # token * HKV + head
     token = vec // HKV
     head = vec % HKV
@@ -118,7 +121,7 @@ def kv_append(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torc
     n, hkv, d = x.shape
     p0, p1 = planes[0], planes[-1]
     _kv_append_kernel[(n * hkv,)](x.contiguous(), page, slot, p0, p1, hkv, D=d, KIND=KIND_IDS[kind],
-                                  W0=p0.shape[-1], W1=p1.shape[-1], num_warps=1 if d <= 64 else 2)
+                                  W0=p0.shape[-1], W1=p1.shape[-1], num_warps=1 if d <= 64 else 2, **LAUNCH)
 
 
 def kv_append_reference(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor,

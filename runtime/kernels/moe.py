@@ -8,12 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .qgemv_int8 import INT8_BITS, _dot_rows_int8, code_words, high_plane, native_dp4a
+from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dot_rows
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -38,7 +41,7 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     t, e = router_logits.shape
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    _route_kernel[(t,)](router_logits.contiguous(), ids, weights, e, TOPK=top_k, BLOCK_E=triton.next_power_of_2(e))
+    _route_kernel[(t,)](router_logits.contiguous(), ids, weights, e, TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), **LAUNCH)
     return ids, weights
 
 
@@ -53,6 +56,8 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
                         stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         INT8: tl.constexpr, USE_ASM: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = local < ROWS_PER_EXPERT
@@ -61,8 +66,10 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     rows = expert * ROWS_PER_EXPERT + local
     if INT8:
         # expert matrices are small: each program quantizes its row of x (no extra launch)
-        y = _dot_rows_int8(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
-                           GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
+        words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok[:, None], 0, GPR, K_PAD, BITS,
+                                            GROUP, HIGH_BYTES, BLOCK_K)
+        y = _dot_rows_int8(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, words, high,
+                           w_scale, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
     else:
         y = _dot_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
                       GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
@@ -90,7 +97,7 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor, experts: torch.Tensor, w:
         x, x_rows.contiguous(), experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
         x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, INT8=int8, USE_ASM=native_dp4a(),
-        num_warps=tuning["num_warps"])
+        num_warps=tuning["num_warps"], **LAUNCH)
     return y
 
 

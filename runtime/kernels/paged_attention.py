@@ -24,6 +24,7 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 from . import interpreted
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
@@ -156,6 +157,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (lane, kv head, row block, key split). Rows are (t, g) pairs of the kv head's query group,
     so each key tile is decoded once for all of its G query heads (GQA packing)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     lane_kvh = tl.program_id(0)
     mblock = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,6 +247,8 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
                     BLOCK_S: tl.constexpr):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     lane_kvh = tl.program_id(0)
     r = tl.program_id(1)
     lane = lane_kvh // HKV
@@ -309,9 +314,9 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **LAUNCH)
     _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d,
-                                         BLOCK_S=16, num_warps=4)
+                                         BLOCK_S=16, num_warps=4, **LAUNCH)
     return o
 
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
 X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their scale would underflow)
@@ -115,23 +116,6 @@ def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _high_bits(high_ptr, rows, row_ok, widx, GPR: tl.constexpr, HIGH_BYTES: tl.constexpr, BITS: tl.constexpr):
-    """Bits 4 (and 5) of the codes of words `widx`, placed at bit 4 (and 5) of each byte: (even, odd)."""
-    if BITS == 5:  # one byte per word: even lanes bits 0,2,4,6; odd lanes 1,3,5,7
-        hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + widx[None, :], mask=row_ok[:, None], other=0)
-        hb = hb.to(tl.int32) & 255
-        # bit 2i -> bit 8i + 4: the four partial products never carry into a target bit
-        even = ((hb & 0x55) * 0x00410410) & 0x10101010
-        odd = (((hb >> 1) & 0x55) * 0x00410410) & 0x10101010
-    else:  # BITS == 6, two bytes per word (int16 plane): even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
-        h = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + widx[None, :], mask=row_ok[:, None], other=0)
-        h = h.to(tl.int32) & 0xFFFF
-        even = _spread_pairs(h & 0x3333)
-        odd = _spread_pairs((h >> 2) & 0x3333)
-    return even, odd
-
-
-@triton.jit
 def _spread_pairs(x):
     """2-bit fields at bits 0, 4, 8, 12 -> bits 4, 12, 20, 28."""
     y = (x & 0x33) | ((x & 0x3300) << 8)
@@ -139,11 +123,25 @@ def _spread_pairs(x):
 
 
 @triton.jit
-def _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR: tl.constexpr, HIGH_BYTES: tl.constexpr,
+def _load_codes(base_ptr, high_ptr, rows, ok, widx, row_words, GPR: tl.constexpr, HIGH_BYTES: tl.constexpr,
                 BITS: tl.constexpr):
-    """Code words `widx` of `rows` as dp4a operands: (even, odd) lanes as unsigned bytes q + 2^(BITS-1)
-    for 4-6 bits; for 8 bits the signed words themselves (odd is unused)."""
-    words = tl.load(base_ptr + rows[:, None] * row_words + widx[None, :], mask=row_ok[:, None], other=0)
+    """Raw code words `widx` of `rows` where `ok` ([BLOCK_N, 1] or [BLOCK_N, words]) allows, and the
+    matching high-plane entries (Q5: one byte per word; Q6: one int16 per word); formats without a
+    high plane get the code words again (the compiler merges the copies)."""
+    words = tl.load(base_ptr + rows[:, None] * row_words + widx[None, :], mask=ok, other=0)
+    if BITS == 5:
+        high = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + widx[None, :], mask=ok, other=0)
+    elif BITS == 6:
+        high = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + widx[None, :], mask=ok, other=0)
+    else:
+        high = words
+    return words, high
+
+
+@triton.jit
+def _unpack_codes(words, high, BITS: tl.constexpr):
+    """Loaded code words as dp4a operands: (even, odd) lanes as unsigned bytes q + 2^(BITS-1) for 4-6
+    bits; for 8 bits the signed words themselves (odd is unused)."""
     if BITS == 8:
         return words, words
     elif BITS == 4:
@@ -151,20 +149,53 @@ def _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR: tl.const
         odd = ((words >> 4) ^ 0x08080808) & 0x0F0F0F0F
         return even, odd
     else:
-        he, ho = _high_bits(high_ptr, rows, row_ok, widx, GPR, HIGH_BYTES, BITS)
+        if BITS == 5:  # even lanes' fifth bits are bits 0,2,4,6 of the byte; odd lanes' 1,3,5,7
+            hb = high.to(tl.int32) & 255
+            # bit 2i -> bit 8i + 4: the four partial products never carry into a target bit
+            he = ((hb & 0x55) * 0x00410410) & 0x10101010
+            ho = (((hb >> 1) & 0x55) * 0x00410410) & 0x10101010
+        else:  # BITS == 6: even lanes bits 0-1, 4-5 of the int16; odd lanes 2-3, 6-7
+            h = high.to(tl.int32) & 0xFFFF
+            he = _spread_pairs(h & 0x3333)
+            ho = _spread_pairs((h >> 2) & 0x3333)
         flip: tl.constexpr = 0x10101010 if BITS == 5 else 0x20202020  # sign bit -> q + 2^(BITS-1)
         return (words & 0x0F0F0F0F) | (he ^ flip), ((words >> 4) & 0x0F0F0F0F) | (ho ^ flip)
 
 
 @triton.jit
-def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end,
+def _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR: tl.constexpr, HIGH_BYTES: tl.constexpr,
+                BITS: tl.constexpr):
+    """Code words `widx` of `rows` as dp4a operands (see _unpack_codes)."""
+    words, high = _load_codes(base_ptr, high_ptr, rows, row_ok[:, None], widx, row_words, GPR, HIGH_BYTES, BITS)
+    return _unpack_codes(words, high, BITS)
+
+
+@triton.jit
+def _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok, k0, GPR: tl.constexpr, K_PAD: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Everything the weights contribute to lanes [k0, k0 + BLOCK_K) of `rows` (masked by `ok`,
+    [BLOCK_N, 1]): (code words, high plane, group scales). Weights are never written while a model
+    runs, so a kernel may load its first tile before pdl_wait()."""
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    wpb: tl.constexpr = BLOCK_K // LANES
+    widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)  # k0 steps by BLOCK_K: vector loads
+    words, high = _load_codes(base_ptr, high_ptr, rows, ok, widx, K_PAD // LANES, GPR, HIGH_BYTES, BITS)
+    gidx = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=ok, other=0.0)
+    return words, high, scale
+
+
+@triton.jit
+def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end, words, high, w_scale,
                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
                    PREQUANT: tl.constexpr):
-    """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32. `base_ptr` points at the
-    code plane as int32 words (8 lanes per word for 4-6 bits, 4 for 8 bits); for Q6 `high_ptr` is
-    the high plane as int16. With PREQUANT, `x_ptr` is x's row already in dp4a words (see
-    _quantize_x_kernel), shared by every program instead of quantized by each."""
+    """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32; (words, high, w_scale) is
+    the first tile, from _weight_tile(..., k_begin, ...). `base_ptr` points at the code plane as int32
+    words (8 lanes per word for 4-6 bits, 4 for 8 bits); for Q6 `high_ptr` is the high plane as int16.
+    With PREQUANT, `x_ptr` is x's row already in dp4a words (see _quantize_x_kernel), shared by every
+    program instead of quantized by each. Each step issues the next tile's loads before its own
+    arithmetic, so two tiles per program are in flight (the loop waits on memory, not on issue)."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8  # lanes per code word
     gpb: tl.constexpr = BLOCK_K // GROUP
     wpb: tl.constexpr = BLOCK_K // LANES  # words per block and row
@@ -173,8 +204,11 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
     OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)  # k0 steps by BLOCK_K: vector loads
+        more = row_ok[:, None] & (k0 + BLOCK_K < k_end)
+        next_words, next_high, next_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, more, k0 + BLOCK_K,
+                                                         GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
         if PREQUANT:
+            widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)
             gq = k0 // GROUP + tl.arange(0, gpb)
             hi_a = tl.load(x_ptr + widx)
             lo_a = tl.load(x_ptr + row_words + widx)
@@ -184,7 +218,7 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
             x_sum = tl.load(x_ptr + 4 * row_words + GPR + gq)
         else:
             hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
-        even, odd = _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR, HIGH_BYTES, BITS)
+        even, odd = _unpack_codes(words, high, BITS)
         zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
         if BITS == 8:
             d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
@@ -197,9 +231,8 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
         dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
         if OFFSET != 0:
             dg -= OFFSET * x_sum[None, :]
-        gidx = k0 // GROUP + tl.arange(0, gpb)
-        w_scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0)
         acc += dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
+        words, high, w_scale = next_words, next_high, next_scale
     return tl.sum(acc, axis=1)
 
 
@@ -208,6 +241,8 @@ def _quantize_x_kernel(x_ptr, xq_ptr, K, stride_x, ROW_INTS: tl.constexpr, K_PAD
                        BITS: tl.constexpr, GROUP: tl.constexpr, GPR: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows of x -> dp4a words: [hi_a | lo_a | hi_b | lo_b] (K_PAD / LANES words each), then the
     group scales (float32 bits) and the group sums; ROW_INTS int32 per row."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     r = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     LANES: tl.constexpr = 4 if BITS == 8 else 8
@@ -232,7 +267,7 @@ def quantize_x(x: torch.Tensor, w) -> torch.Tensor:
     block_k = 128 if w.k_pad % 256 else 256
     _quantize_x_kernel[(x.shape[0], w.k_pad // block_k)](
         x, xq, w.cols, x.stride(0), ROW_INTS=row_ints, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        GPR=w.groups_per_row, BLOCK_K=block_k)
+        GPR=w.groups_per_row, BLOCK_K=block_k, **LAUNCH)
     return xq
 
 
@@ -241,12 +276,17 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_ASM: tl.constexpr, PREQUANT: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
+    # the first weight tile streams in while the kernel before this one finishes
+    words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, row_ok[:, None], split * K_PER_SPLIT,
+                                        GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
+    pdl_wait()
     y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT,
-                       (split + 1) * K_PER_SPLIT, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM,
-                       PREQUANT)
+                       (split + 1) * K_PER_SPLIT, words, high, w_scale, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N,
+                       BLOCK_K, USE_ASM, PREQUANT)
     tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -257,6 +297,8 @@ def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, 
                             BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     """A few rows of x (pre-quantized, ROW_INTS int32 each): [BLOCK_T, BLOCK_N, words] broadcasts of
     each row's x words against the code words, unpacked once; the arithmetic of _dot_rows_int8."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -315,7 +357,7 @@ def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: 
         xq, code_words(w.base), high_plane(w), w.scale, target, t, w.rows, w.k_pad // split, ROW_INTS=xq.shape[1],
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_ASM=native_dp4a(), num_warps=num_warps)
+        USE_ASM=native_dp4a(), num_warps=num_warps, **LAUNCH)
     return finish_splits(target, y)
 
 
@@ -374,6 +416,8 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
     unsigned q + 2^(BITS-1)) times the rows' high and low x bytes in int8 dots with int32 sums, then the
     group's offset and scales in float. `xb_ptr` / `xi_ptr` are the same pre-quantized rows (see
     _quantize_x_kernel) as int8 and as int32."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -453,12 +497,14 @@ def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int
         xq.view(torch.int8), xq, code, high_plane(w), w.scale, target, t, w.rows, w.groups_per_row // split,
         ROW_INTS=xq.shape[1], GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, GROUPS_PER_STEP=groups_per_step,
-        USE_ASM=native_dp4a(), num_warps=num_warps, num_stages=num_stages)
+        USE_ASM=native_dp4a(), num_warps=num_warps, num_stages=num_stages, **LAUNCH)
     return finish_splits(target, y)
 
 
 @triton.jit
 def _sum_splits_kernel(src_ptr, dst_ptr, SPLITS, M, BLOCK: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -483,7 +529,7 @@ def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         y.copy_(target.sum(0))
         return y
     block = 4096 if interpreted() else 512
-    _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, target.shape[0], y.numel(), BLOCK=block, num_warps=4)
+    _sum_splits_kernel[(triton.cdiv(y.numel(), block),)](target, y, target.shape[0], y.numel(), BLOCK=block, num_warps=4, **LAUNCH)
     return y
 
 
@@ -511,7 +557,7 @@ def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, 
         xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
-        PREQUANT=prequant, num_warps=num_warps)
+        PREQUANT=prequant, num_warps=num_warps, **LAUNCH)
     return finish_splits(target, y)
 
 

@@ -21,6 +21,7 @@ from format.numeric import GroupedFormat
 
 from . import interpreted
 from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8, split_partials
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
@@ -102,6 +103,8 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
 def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, K_PER_SPLIT,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     split = tl.program_id(2)
@@ -141,6 +144,8 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows [row0, row0 + N) of a packed matrix -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
     row_ok = local < N
@@ -173,7 +178,7 @@ def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) ->
     high = w.high if w.high is not None else w.base
     _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
         w.base, high, w.scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits,
-        GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k)
+        GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, **LAUNCH)
     return dense
 
 
@@ -219,6 +224,8 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
                       GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """T = 1: multiply-accumulate in registers and reduce along K (no tensor-core layouts)."""
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
@@ -257,7 +264,7 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
     _qgemv_vec_kernel[(blocks, split)](x, w.base, high, w.scale, target, w.rows, w.cols, w.k_pad // split,
                                        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
                                        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=VEC_TUNING["num_warps"])
+                                       num_warps=VEC_TUNING["num_warps"], **LAUNCH)
     return finish_splits(target, y)
 
 
@@ -326,7 +333,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     _qlinear_kernel[grid](x, w.base, high, w.scale, target, t, w.rows, k, x.stride(0), w.k_pad // split,
                           GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
                           HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-                          num_warps=GEMV_TUNING["num_warps"])
+                          num_warps=GEMV_TUNING["num_warps"], **LAUNCH)
     return finish_splits(target, y)
 
 

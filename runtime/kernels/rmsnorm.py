@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, stride_x, stride_r, stride_y,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -31,7 +34,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
     _rmsnorm_kernel[(t,)](x, res, weight, y, res, h, eps, x.stride(0), res.stride(0), y.stride(0),
-                          HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h))
+                          HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h), **LAUNCH)
     return y, residual
 
 

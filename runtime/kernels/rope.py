@@ -7,10 +7,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_t, stride_h, ROT: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = ROT // 2
@@ -34,7 +37,7 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta
     """x [T, heads, D] rotated in place at int positions [T]."""
     t, heads, _ = x.shape
     inv = inverse_frequencies(rotary_dim, theta, str(x.device))
-    _rope_kernel[(t, heads)](x, positions, inv, x.stride(0), x.stride(1), ROT=rotary_dim)
+    _rope_kernel[(t, heads)](x, positions, inv, x.stride(0), x.stride(1), ROT=rotary_dim, **LAUNCH)
     return x
 
 

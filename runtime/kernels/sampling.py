@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from .launch import LAUNCH, pdl_release, pdl_wait
 
 BISECT_STEPS = 30
 
@@ -66,6 +67,8 @@ def _bisect(logits_ptr, counts_ptr, row, V, m, z, lo, target, inv_temp, rep, pre
 def _sample_kernel(logits_ptr, counts_ptr, noise_ptr, out_ptr, V, inv_temp, top_k, top_p, min_p, rep, presence,
                    frequency, GREEDY: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_TOPK: tl.constexpr,
                    HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     row = tl.program_id(0)
     # pass 1: max and arg-max
     best = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -128,7 +131,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
                          out, v, 1.0 if greedy else 1.0 / params.temperature, params.top_k, params.top_p, params.min_p,
                          params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
                          GREEDY=greedy, HAS_PENALTY=has_penalty, HAS_TOPK=has_topk, HAS_TOPP=params.top_p < 1.0,
-                         BLOCK=1024, STEPS=BISECT_STEPS)
+                         BLOCK=1024, STEPS=BISECT_STEPS, **LAUNCH)
     return out
 
 

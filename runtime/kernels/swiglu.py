@@ -6,9 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCH, pdl_release, pdl_wait
+
 
 @triton.jit
 def _swiglu_kernel(gu_ptr, y_ptr, inter, stride_gu, stride_y, BLOCK: tl.constexpr):
+    pdl_release()  # PDL: see runtime/kernels/launch.py
+    pdl_wait()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -22,7 +26,7 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     inter = two_i // 2
     y = out if out is not None else torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _swiglu_kernel[(t, triton.cdiv(inter, block))](gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block)
+    _swiglu_kernel[(t, triton.cdiv(inter, block))](gate_up, y, inter, gate_up.stride(0), y.stride(0), BLOCK=block, **LAUNCH)
     return y
 
 
