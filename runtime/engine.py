@@ -30,7 +30,8 @@ from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import expert_gemv, route
-from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear
+from .kernels.qgemv_int8 import QuantizedX
+from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
 from .kernels.rope import apply_rope_
 from .kernels.sampling import SamplingParams, pick_token
@@ -44,7 +45,7 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
         return x @ self.weight.t()
 
     def rows(self, begin: int, end: int) -> "DenseLinear":
@@ -55,8 +56,8 @@ class QuantLinear:
     def __init__(self, packed: PackedLinear):
         self.packed = packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, self.packed)
+    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
+        return qlinear(x, self.packed, xq=xq)
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
@@ -228,13 +229,13 @@ class Engine:
         return page, positions % PAGE, block_table[lanes_idx], ctx_len[lanes_idx]
 
     def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None,
-                   slots=None):
+                   slots=None, xq=None):
         """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
         The query row j of a lane sits at position ctx_len - t + j. `rope_positions` (shifted [n] or
         MRoPE [3, n]) replace `positions` for the rotary embedding only; `slots` = kv_slots(...)."""
         c = self.cfg
         n = h.shape[0]
-        qgkv = self.lin[p + "query_gate_key_value"](h)
+        qgkv = self.lin[p + "query_gate_key_value"](h, xq)
         qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
         q = qg.reshape(n, c.num_heads, 2 * c.head_dim)[..., : c.head_dim].contiguous()
         q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
@@ -255,8 +256,9 @@ class Engine:
         out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
         # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates
-        out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values)
-        return self.lin[p + "output"](out)
+        out_xq = self._quantized_input(p + "output", n)
+        out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values, out_xq)
+        return self.lin[p + "output"](out, out_xq)
 
     def _append_kv(self, pool, k, v, page, slot):
         """Encode K/V [n, HKV, D] into the pool: one kernel per side for the integer sub-codecs
@@ -272,11 +274,11 @@ class Engine:
         for name, val in codec.encode(k.float(), v.float()).items():
             pool[name][page, slot] = val
 
-    def _gdn(self, i, h, lanes_idx, t, snapshot=False):
+    def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None):
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
         j = self.gdn_slot[i]
-        qkvz = self.lin[p + "query_key_value_z"](h)
+        qkvz = self.lin[p + "query_key_value_z"](h, xq)
         qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
         conv_stack = self.conv_stack[j]
         weight = self.vec[p + "convolution"]
@@ -311,14 +313,17 @@ class Engine:
         if o is None:
             o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                           lanes_idx, c.linear_num_key_heads, snapshot)
-        gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype)
-        return self.lin[p + "output"](gated)
+        out_xq = self._quantized_input(p + "output", b * t)
+        gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
+        return self.lin[p + "output"](gated, out_xq)
 
-    def _ffn(self, p, h):
-        """The MLP (dense) or MoE block of the layer under prefix `p`."""
+    def _ffn(self, p, h, xq=None):
+        """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's
+        dp4a words (dense MLP)."""
         c = self.cfg
         if not c.is_moe:
-            return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h)))
+            down_xq = self._quantized_input(p + "mlp/down", h.shape[0])
+            return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h, xq), xq=down_xq), down_xq)
         m = p + "moe/"
         n, k = h.shape[0], c.experts_per_token
         inter, hid = c.moe_intermediate_size, c.hidden_size
@@ -346,6 +351,19 @@ class Engine:
 
     # --- forward ------------------------------------------------------------------------
 
+    def _quantized_input(self, name: str, rows: int) -> QuantizedX | None:
+        """Empty dp4a words for product `name`'s input when it reads x quantized: the kernel producing
+        that input (a norm, the gate, SwiGLU) fills them, and the product skips its own quantization."""
+        lin = self.lin.get(name)
+        if isinstance(lin, QuantLinear) and takes_quantized_x(lin.packed, rows):
+            return QuantizedX.empty(rows, lin.packed, self.device)
+        return None
+
+    def _first_product(self, i: int) -> str:
+        c = self.cfg
+        p = f"text/layers/{i}/"
+        return p + ("attention/query_gate_key_value" if c.is_full_attention(i) else "gdn/query_key_value_z")
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         emb = self.lin["text/token_embedding"]
         if isinstance(emb, QuantLinear):
@@ -369,19 +387,25 @@ class Engine:
             x[image_rows[0]] = image_rows[1].to(x.dtype)
         pos = positions.reshape(-1).to(torch.int32)
         residual = x
-        h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps)
+        n = b * t
+        # each norm also writes its output as the next product's dp4a words (QuantizedX)
+        xq = self._quantized_input(self._first_product(0), n)
+        h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps, xq=xq)
         slots = self.kv_slots(self.block_table, self.ctx_len, lanes_idx, t, pos)
         for i in range(c.num_layers):
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
-                                        lanes_idx, t, pos, rope_positions, slots)
+                                        lanes_idx, t, pos, rope_positions, slots, xq)
             else:
-                mixed = self._gdn(i, h, lanes_idx, t, snapshot)
-            h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual)
-            y = self._ffn(p, h)
-            nxt = self.vec[f"text/layers/{i + 1}/input_norm"] if i + 1 < c.num_layers else self.vec["text/final_norm"]
-            h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual)
+                mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq)
+            xq = None if c.is_moe else self._quantized_input(p + "mlp/gate_up", n)
+            h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq)
+            y = self._ffn(p, h, xq)
+            last = i + 1 == c.num_layers
+            nxt = self.vec["text/final_norm"] if last else self.vec[f"text/layers/{i + 1}/input_norm"]
+            xq = None if last else self._quantized_input(self._first_product(i + 1), n)
+            h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual, xq=xq)
         hidden = h.view(b, t, -1)
         if all_logits:
             logits = self.lin["text/output_head"](h).float().view(b, t, -1)

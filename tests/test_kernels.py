@@ -449,3 +449,56 @@ def test_every_launch_waits():
                 assert any(k.arg is None and ast.unparse(k.value) == "LAUNCH" for k in node.keywords), (
                     f"{where}: launch of {ast.unparse(node.func.value)} without **LAUNCH")
     assert kernels >= 20 and launches >= kernels
+
+
+def _produce(kind, width, seed, xq):
+    """Run producer `kind` on fresh inputs whose output rows have `width` lanes -> (rows, output)."""
+    from runtime.kernels.attention_gate import attention_gate
+    from runtime.kernels.gated_norm import gated_norm
+    from runtime.kernels.rmsnorm import rmsnorm
+    from runtime.kernels.swiglu import swiglu
+
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    rows = 2
+    if kind == "rmsnorm":
+        return rmsnorm(rnd(rows, width).to(DTYPE), rnd(width).to(DTYPE), 1e-6, residual=rnd(rows, width).to(DTYPE), xq=xq)[0]
+    if kind == "swiglu":
+        return swiglu(rnd(rows, 2 * width).to(DTYPE), xq=xq)
+    if kind == "gated_norm":
+        d = 64
+        return gated_norm(rnd(rows, width // d, d), rnd(rows, width).to(DTYPE), rnd(d).to(DTYPE), 1e-6, DTYPE, xq=xq)
+    d = 64
+    o, qg = rnd(rows, width // d, d).to(DTYPE), rnd(rows, width // d * 2 * d).to(DTYPE)
+    return attention_gate(o, qg, False, xq=xq)
+
+
+# widths where the producer fills the words itself, and where it falls back to a quantization launch
+@pytest.mark.parametrize("kind,width", [("rmsnorm", 256), ("rmsnorm", 200), ("swiglu", 1100), ("swiglu", 1024),
+                                        ("gated_norm", 256), ("gated_norm", 192), ("attention_gate", 128),
+                                        ("attention_gate", 192)])
+@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q6G64_F16S", "W8G32_F16S"])
+def test_producers_write_quantized_x(kind, width, fmt):
+    """A kernel that writes its output also as the next product's dp4a words writes exactly the words
+    the product's own quantization launch would, and the product reads them to the same result."""
+    from runtime.kernels.qgemv_int8 import QuantizedX, quantize_x
+    from runtime.kernels.qlinear import qlinear
+
+    w = _packed(24, width, FORMATS[fmt], seed=width)
+    xq = QuantizedX.empty(2, w, DEVICE)
+    xq.words.fill_(-1)  # poison: every word must be written
+    y = _produce(kind, width, seed=7, xq=xq)
+    assert torch.equal(xq.words, quantize_x(y, w)), f"{kind}: fused words differ from quantize_x"
+    for t in (1, 2):
+        part = QuantizedX(xq.words[:t].contiguous(), xq.k_pad, xq.group, xq.bits)
+        assert torch.equal(qlinear(y[:t], w, xq=part), qlinear(y[:t], w))
+
+
+def test_quantized_x_is_checked_against_the_weight():
+    from runtime.kernels.qgemv_int8 import QuantizedX
+    from runtime.kernels.qlinear import qlinear
+
+    w, other = _packed(8, 256, FORMATS["Q4G64_F16S"], 1), _packed(8, 384, FORMATS["Q4G64_F16S"], 2)
+    x = torch.randn(1, 256, device=DEVICE).to(DTYPE)
+    with pytest.raises(ValueError, match="does not fit"):
+        qlinear(x, w, xq=QuantizedX.empty(1, other, DEVICE))

@@ -16,10 +16,13 @@ from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
 from .hadamard import rotate_group64
 from .launch import LAUNCH, pdl_release, pdl_wait
+from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
 
 
 @triton.jit
-def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr):
+def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, xq_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr,
+                 QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
+                 GROUP: tl.constexpr):
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     group = tl.program_id(0).to(tl.int64)  # (token, head, 64-group)
@@ -33,20 +36,28 @@ def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, HEADS, qg_stride, D: tl.constexpr,
     if ROTATE:
         o = rotate_group64(o, h_ptr)
     g = tl.load(qg_ptr + token * qg_stride + head * (2 * D) + D + sub * 64 + i).to(tl.float32)
-    tl.store(y_ptr + group * 64 + i, (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty))
+    y = (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + group * 64 + i, y)
+    if QUANT:  # these 64 lanes of the token's row, as the output projection would quantize them
+        write_quantized_x(xq_ptr + token * ROW_INTS, y.to(tl.float32), (head * G + sub) * 64, K_PAD, QBITS, GROUP, 64)
 
 
-def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool) -> torch.Tensor:
+def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: QuantizedX | None = None) -> torch.Tensor:
     """o [n, heads, D] attention output (in the value storage basis when `rotate`); qg [n, heads * 2D]
-    projection rows (unit stride inside a row). Returns [n, heads * D] in o's dtype."""
+    projection rows (unit stride inside a row). Returns [n, heads * D] in o's dtype; with `xq`, also
+    those rows as dp4a words for the output projection."""
     n, heads, d = o.shape
     if d % 64 or qg.stride(-1) != 1 or qg.shape[-1] != heads * 2 * d:
         raise ValueError(f"attention_gate: head size {d} / projection layout {tuple(qg.shape)} not supported")
     o = o.contiguous()
     y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
+    fused = xq is not None and xq.fits(n, heads * d, 64, heads * d)
     if n:
-        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y, heads, qg.stride(0),
-                                               D=d, ROTATE=rotate, num_warps=2, **LAUNCH)
+        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y,
+                                               xq.words if fused else y, heads, qg.stride(0), D=d, ROTATE=rotate,
+                                               **(xq.kernel_args() if fused else NO_QUANT), num_warps=2, **LAUNCH)
+    if xq is not None and not fused:
+        xq.fill(y)
     return y
 
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from .launch import LAUNCH, pdl_release, pdl_wait
+from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, stride_z, HV, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
+                       GROUP: tl.constexpr):
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     r = tl.program_id(0)  # one (token, value head) row
@@ -23,16 +27,24 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, stride_z, HV, eps, D: tl.cons
     tok = r // HV
     z = tl.load(z_ptr + tok * stride_z + (r % HV) * D + d).to(tl.float32)
     w = tl.load(w_ptr + d).to(tl.float32)
-    tl.store(y_ptr + r * D + d, (w * n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty))
+    y = (w * n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * D + d, y)
+    if QUANT:  # this head's lanes of the token's row, as the output projection would quantize them
+        write_quantized_x(xq_ptr + tok * ROW_INTS, y.to(tl.float32), (r % HV) * D, K_PAD, QBITS, GROUP, D)
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """o [tokens, HV, D] fp32; z [tokens, HV*D] (any row stride); weight [D] -> [tokens, HV*D] out_dtype."""
+               out: torch.Tensor | None = None, xq: QuantizedX | None = None) -> torch.Tensor:
+    """o [tokens, HV, D] fp32; z [tokens, HV*D] (any row stride); weight [D] -> [tokens, HV*D] out_dtype.
+    With `xq`, the rows are also written there as dp4a words for the output projection."""
     tokens, hv, d = o.shape
     y = out if out is not None else torch.empty(tokens, hv * d, dtype=out_dtype, device=o.device)
-    _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, z.stride(0), hv, eps, D=d,
-                                       ROUND_BF16=out_dtype == torch.bfloat16, **LAUNCH)
+    fused = xq is not None and xq.fits(tokens, hv * d, d, hv * d)
+    _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, xq.words if fused else y, z.stride(0), hv, eps,
+                                       D=d, ROUND_BF16=out_dtype == torch.bfloat16,
+                                       **(xq.kernel_args() if fused else NO_QUANT), **LAUNCH)
+    if xq is not None and not fused:
+        xq.fill(y)
     return y
 
 

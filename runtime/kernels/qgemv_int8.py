@@ -26,6 +26,7 @@ sums in int64. Under TRITON_INTERPRET the dp4a instruction is emulated with shif
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -79,12 +80,18 @@ def _pack4(b0, b1, b2, b3):
 
 @triton.jit
 def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x lanes [k0, k0 + BLOCK_K) as dp4a words. Returns (hi_a, lo_a, hi_b, lo_b, x_scale [groups],
+    """x lanes [k0, k0 + BLOCK_K) loaded and quantized (see _quantize_values)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return _quantize_values(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), BITS, GROUP, BLOCK_K)
+
+
+@triton.jit
+def _quantize_values(xv, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BLOCK_K lanes of x (float32) as dp4a words. Returns (hi_a, lo_a, hi_b, lo_b, x_scale [groups],
     x_sum [groups]): for 4- to 6-bit codes a = even lanes and b = odd lanes, BLOCK_K / 8 words each; for
     8-bit codes a = all lanes in order (BLOCK_K / 4 words) and b is unused."""
     gpb: tl.constexpr = BLOCK_K // GROUP
-    ks = k0 + tl.arange(0, BLOCK_K)
-    xg = tl.reshape(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), (gpb, GROUP))
+    xg = tl.reshape(xv, (gpb, GROUP))
     amax = tl.max(tl.abs(xg), axis=1)
     x_scale = tl.where(amax > _X_TINY, amax / _X_LEVELS, 1.0)
     xg = tl.where(amax[:, None] > _X_TINY, xg, 0.0)
@@ -237,38 +244,96 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
 
 
 @triton.jit
+def write_quantized_x(xq_row_ptr, xv, k0, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Lanes [k0, k0 + BLOCK_K) of one row of x (float32, already rounded to the activation dtype, zero
+    beyond K) -> that row's dp4a words: [hi_a | lo_a | hi_b | lo_b] (K_PAD / LANES words each), then the
+    group scales (float32 bits) and the group sums. Lanes at or beyond K_PAD are not stored. Kernels
+    that produce a GEMV's input write it here, so the GEMV needs no quantization launch of its own."""
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    row_words: tl.constexpr = K_PAD // LANES
+    GPR: tl.constexpr = K_PAD // GROUP
+    hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantize_values(xv, BITS, GROUP, BLOCK_K)
+    widx = k0 // LANES + tl.arange(0, BLOCK_K // LANES)
+    gq = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    wok = widx < row_words
+    gok = gq < GPR
+    tl.store(xq_row_ptr + widx, hi_a, mask=wok)
+    tl.store(xq_row_ptr + row_words + widx, lo_a, mask=wok)
+    tl.store(xq_row_ptr + 2 * row_words + widx, hi_b, mask=wok)  # 8-bit codes: copies of a (unread)
+    tl.store(xq_row_ptr + 3 * row_words + widx, lo_b, mask=wok)
+    tl.store(xq_row_ptr + 4 * row_words + gq, x_scale.to(tl.int32, bitcast=True), mask=gok)
+    tl.store(xq_row_ptr + 4 * row_words + GPR + gq, x_sum, mask=gok)
+
+
+@triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, K, stride_x, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, GPR: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows of x -> dp4a words: [hi_a | lo_a | hi_b | lo_b] (K_PAD / LANES words each), then the
-    group scales (float32 bits) and the group sums; ROW_INTS int32 per row."""
+                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of x -> dp4a words (see write_quantized_x); ROW_INTS int32 per row."""
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     r = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
-    LANES: tl.constexpr = 4 if BITS == 8 else 8
-    row_words: tl.constexpr = K_PAD // LANES
-    hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr + r * stride_x, k0, K, BITS, GROUP, BLOCK_K)
-    out = xq_ptr + r * ROW_INTS
-    widx = k0 // LANES + tl.arange(0, BLOCK_K // LANES)
-    gq = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    tl.store(out + widx, hi_a)
-    tl.store(out + row_words + widx, lo_a)
-    tl.store(out + 2 * row_words + widx, hi_b)
-    tl.store(out + 3 * row_words + widx, lo_b)
-    tl.store(out + 4 * row_words + gq, x_scale.to(tl.int32, bitcast=True))
-    tl.store(out + 4 * row_words + GPR + gq, x_sum)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    xv = tl.load(x_ptr + r * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+    write_quantized_x(xq_ptr + r * ROW_INTS, xv, k0, K_PAD, BITS, GROUP, BLOCK_K)
 
 
-def quantize_x(x: torch.Tensor, w) -> torch.Tensor:
-    """Rows of x [T, K] in dp4a words for weights shaped like `w` -> int32 [T, row ints]."""
-    lanes = 4 if w.fmt.bits == 8 else 8
-    row_ints = 4 * (w.k_pad // lanes) + 2 * w.groups_per_row
-    xq = torch.empty(x.shape[0], row_ints, dtype=torch.int32, device=x.device)
-    block_k = 128 if w.k_pad % 256 else 256
-    _quantize_x_kernel[(x.shape[0], w.k_pad // block_k)](
-        x, xq, w.cols, x.stride(0), ROW_INTS=row_ints, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        GPR=w.groups_per_row, BLOCK_K=block_k, **LAUNCH)
-    return xq
+@dataclass(frozen=True)
+class QuantizedX:
+    """Rows of x already in dp4a words for products whose weights have this geometry; a kernel that
+    produces x (rmsnorm, SwiGLU, gated norm) can fill it in the same launch (write_quantized_x)."""
+
+    words: torch.Tensor  # int32 [T, row_ints]
+    k_pad: int
+    group: int
+    bits: int  # 8, or any nibble width (4-6 share one layout)
+
+    @staticmethod
+    def empty(rows: int, w, device) -> "QuantizedX":
+        lanes = 4 if w.fmt.bits == 8 else 8
+        row_ints = 4 * (w.k_pad // lanes) + 2 * w.groups_per_row
+        return QuantizedX(torch.empty(rows, row_ints, dtype=torch.int32, device=device), w.k_pad, w.fmt.group_size,
+                          8 if w.fmt.bits == 8 else 4)
+
+    def check(self, w, rows: int) -> torch.Tensor:
+        """The words, after checking they were made for `w`'s layout and `rows` rows of x."""
+        if (self.k_pad, self.group, self.bits == 8) != (w.k_pad, w.fmt.group_size, w.fmt.bits == 8) or \
+                self.words.shape[0] != rows:
+            raise ValueError(f"quantized x for K_pad {self.k_pad}, group {self.group}, {self.words.shape[0]} rows "
+                             f"does not fit a {w.fmt.name} weight with K_pad {w.k_pad} and {rows} rows of x")
+        return self.words
+
+    def fits(self, rows: int, lanes: int, chunk: int, covered: int) -> bool:
+        """Whether a producer of `rows` rows of `lanes` lanes can fill these words itself: its programs
+        write `chunk` lanes each (whole groups and whole words) and together lanes [0, covered),
+        zeros past `lanes`, which must reach K_pad."""
+        return (self.words.shape[0] == rows and lanes <= self.k_pad <= covered and chunk % self.group == 0
+                and chunk % (4 if self.bits == 8 else 8) == 0)
+
+    def kernel_args(self) -> dict:
+        """The constexprs a producer kernel passes to write_quantized_x."""
+        return {"QUANT": True, "ROW_INTS": self.words.shape[1], "K_PAD": self.k_pad, "QBITS": self.bits,
+                "GROUP": self.group}
+
+    def fill(self, x: torch.Tensor) -> "QuantizedX":
+        """Quantize rows of x [T, K] into these words in their own launch."""
+        block_k = 128 if self.k_pad % 256 else 256
+        _quantize_x_kernel[(x.shape[0], self.k_pad // block_k)](
+            x, self.words, x.shape[1], x.stride(0), ROW_INTS=self.words.shape[1], K_PAD=self.k_pad, BITS=self.bits,
+            GROUP=self.group, BLOCK_K=block_k, **LAUNCH)
+        return self
+
+
+NO_QUANT = {"QUANT": False, "ROW_INTS": 0, "K_PAD": 0, "QBITS": 4, "GROUP": 64}  # producer constexprs without xq
+
+
+def quantize_x(x: torch.Tensor, w, xq: QuantizedX | None = None) -> torch.Tensor:
+    """Rows of x [T, K] in dp4a words for weights shaped like `w` -> int32 [T, row ints]; when `xq`
+    is given (filled by the kernel that produced x) it is used as is."""
+    if xq is not None:
+        return xq.check(w, x.shape[0])
+    return QuantizedX.empty(x.shape[0], w, x.device).fill(x).words
 
 
 @triton.jit
@@ -346,12 +411,12 @@ def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, 
 
 
 def qgemm_rows_int8(x: torch.Tensor, w, y: torch.Tensor, block_t: int, block_n: int, block_k: int, split: int,
-                    num_warps: int) -> torch.Tensor:
+                    num_warps: int, xq: QuantizedX | None = None) -> torch.Tensor:
     """y = x @ W^T for a few rows of x with the dp4a kernel; x [T, K], y [T, N]."""
     t = x.shape[0]
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemm_rows_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
-    xq = quantize_x(x, w)
+    xq = quantize_x(x, w, xq)
     target = split_partials(y, split)
     _qgemm_rows_int8_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, block_t))](
         xq, code_words(w.base), high_plane(w), w.scale, target, t, w.rows, w.k_pad // split, ROW_INTS=xq.shape[1],
@@ -481,13 +546,13 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
 
 
 def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int,
-                   groups_per_step: int = 1, num_stages: int = 3) -> torch.Tensor:
+                   groups_per_step: int = 1, num_stages: int = 3, xq: QuantizedX | None = None) -> torch.Tensor:
     """y = x @ W^T for a block of rows of x on int8 tensor cores (16 rows per program); x [T, K], y [T, N]."""
     t = x.shape[0]
     if w.groups_per_row % (split * groups_per_step):
         raise ValueError(f"qgemm_rows_mma: {split} K-splits of {groups_per_step}-group steps do not tile "
                          f"{w.groups_per_row} groups")
-    xq = quantize_x(x, w)
+    xq = quantize_x(x, w, xq)
     target = split_partials(y, split)
     # code bytes (int32 words for the interpreter's Q5/Q6 word path)
     code = w.base.view(torch.int8) if w.fmt.bits == 8 else w.base.view(torch.uint8)
@@ -546,13 +611,15 @@ def high_plane(w) -> torch.Tensor:
 
 
 def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int,
-               prequant: bool = True):
+               prequant: bool = True, xq: QuantizedX | None = None):
     """y[0] = W @ x[0] for a Q4/Q5/Q6/W8 PackedLinear; `split` K-splits write float32 partials first.
-    `prequant`: quantize x once in its own launch (else every program quantizes its slice)."""
+    `prequant`: quantize x once in its own launch (else every program quantizes its slice); an `xq`
+    already holding x's words is read instead."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     target = split_partials(y, split)
-    xin = quantize_x(x, w) if prequant else x
+    prequant = prequant or xq is not None
+    xin = quantize_x(x, w, xq) if prequant else x
     _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
         xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,

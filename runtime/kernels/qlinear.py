@@ -20,7 +20,8 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from . import interpreted
-from .qgemv_int8 import INT8_BITS, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8, split_partials
+from .qgemv_int8 import (INT8_BITS, QuantizedX, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8,
+                         split_partials)
 from .launch import LAUNCH, pdl_release, pdl_wait
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
@@ -248,10 +249,10 @@ def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
     return block_n, block_k, split, tuning["num_warps"], prequant
 
 
-def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
     if GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS:
         block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
-        return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant)
+        return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant, xq)
     block_n, block_k, programs = VEC_TUNING["block_n"], VEC_TUNING["block_k"], TARGET_PROGRAMS
     if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
@@ -268,13 +269,13 @@ def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tens
     return finish_splits(target, y)
 
 
-def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+def _gemm_rows_int8(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
     block_n, block_k, split, num_warps, _ = _int8_tiles(w)
     block_t = min(ROWS_MAX_BLOCK_T, triton.next_power_of_2(x.shape[0]))
-    return qgemm_rows_int8(x, w, y, block_t, block_n, block_k, split, num_warps)
+    return qgemm_rows_int8(x, w, y, block_t, block_n, block_k, split, num_warps, xq)
 
 
-def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
     block_n, programs = ROWS_MMA_TUNING["block_n"], TARGET_PROGRAMS
     if interpreted():
         programs = INTERPRETER_PROGRAMS
@@ -283,7 +284,8 @@ def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch
         step //= 2
     blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
     split = k_splits(blocks, w.groups_per_row // step, programs)
-    return qgemm_rows_mma(x, w, y, block_n, split, ROWS_MMA_TUNING["num_warps"], step, ROWS_MMA_TUNING["num_stages"])
+    return qgemm_rows_mma(x, w, y, block_n, split, ROWS_MMA_TUNING["num_warps"], step, ROWS_MMA_TUNING["num_stages"],
+                          xq)
 
 
 class PackedLinear:
@@ -310,8 +312,18 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
     return block_t, block_n, block_k, split
 
 
-def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (bf16 on GPU, fp32 allowed under the interpreter) -> [T, N] in x's dtype."""
+def takes_quantized_x(w: PackedLinear, t: int) -> bool:
+    """Whether qlinear of `t` rows of x with `w` reads x as dp4a words (so the kernel producing x may
+    write them: QuantizedX)."""
+    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T:
+        return False
+    return t == 1 or rows_path(w.fmt.bits) in ("int8", "mma")
+
+
+def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None,
+            xq: QuantizedX | None = None) -> torch.Tensor:
+    """x [T, K] (bf16 on GPU, fp32 allowed under the interpreter) -> [T, N] in x's dtype. `xq`: the same
+    rows already in dp4a words (when takes_quantized_x), written by the kernel that produced x."""
     t, k = x.shape
     if k != w.cols:
         raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
@@ -319,13 +331,15 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None) -
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
         return _gemm(x, w, y)
+    if xq is not None and not takes_quantized_x(w, t):
+        xq = None  # this path multiplies x itself
     if t == 1:
-        return _gemv_vec(x, w, y)
+        return _gemv_vec(x, w, y, xq)
     path = rows_path(w.fmt.bits)
     if path == "int8":
-        return _gemm_rows_int8(x, w, y)
+        return _gemm_rows_int8(x, w, y, xq)
     if path == "mma":
-        return _gemm_rows_mma(x, w, y)
+        return _gemm_rows_mma(x, w, y, xq)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = split_partials(y, split)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)

@@ -1,16 +1,21 @@
-"""Zero-centred RMSNorm, optionally fused with the residual add: h = x + r; y = norm(h) * (1 + w)."""
+"""Zero-centred RMSNorm, optionally fused with the residual add: h = x + r; y = norm(h) * (1 + w).
+It may also write y in the dp4a words of the next quantized product (QuantizedX), saving that
+product its quantization launch."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
 from .launch import LAUNCH, pdl_release, pdl_wait
+from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, stride_x, stride_r, stride_y,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, stride_x, stride_r, stride_y,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, ROW_INTS: tl.constexpr,
+                    K_PAD: tl.constexpr, QBITS: tl.constexpr, GROUP: tl.constexpr):
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     row = tl.program_id(0)
@@ -22,19 +27,27 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, H, eps, stride_x,
         tl.store(res_out_ptr + row * stride_r + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
     var = tl.sum(h * h, axis=0) / H
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = h * tl.rsqrt(var + eps) * (1.0 + w)
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
+    y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+    if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
+        write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), 0, K_PAD, QBITS, GROUP, BLOCK)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out: torch.Tensor | None = None, xq: QuantizedX | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H]. With `residual`, returns (norm(x + residual), x + residual) and writes the sum in place
-    of `residual`. Without, returns (norm(x), None)."""
+    of `residual`. Without, returns (norm(x), None). With `xq` (made by QuantizedX.empty for the next
+    product's weight), the normed rows are also written there as dp4a words."""
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
-    _rmsnorm_kernel[(t,)](x, res, weight, y, res, h, eps, x.stride(0), res.stride(0), y.stride(0),
-                          HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(h), **LAUNCH)
+    block = triton.next_power_of_2(h)
+    fused = xq is not None and xq.fits(t, h, block, block)
+    _rmsnorm_kernel[(t,)](x, res, weight, y, res, xq.words if fused else y, h, eps, x.stride(0), res.stride(0),
+                          y.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+                          **(xq.kernel_args() if fused else NO_QUANT), num_warps=8 if block >= 4096 else 4, **LAUNCH)
+    if xq is not None and not fused:
+        xq.fill(y)
     return y, residual
 
 
