@@ -45,7 +45,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     fused = xq is not None and xq.fits(t, h, block, block)
     _rmsnorm_kernel[(t,)](x, res, weight, y, res, xq.words if fused else y, h, eps, x.stride(0), res.stride(0),
                           y.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
-                          **(xq.kernel_args() if fused else NO_QUANT), num_warps=8 if block >= 4096 else 4, **LAUNCH)
+                          **(xq.kernel_args() if fused else NO_QUANT),
+                          num_warps=min(16, max(4, block // 512)), **LAUNCH)  # a one-program row: latency-bound
     if xq is not None and not fused:
         xq.fill(y)
     return y, residual
