@@ -244,9 +244,11 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_TOKENS, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
-    log-sum-exp weights (splits past the row's last key contribute nothing and are not read)."""
+    log-sum-exp weights (splits past the row's last key contribute nothing and are not read). Each
+    program takes BLOCK_D of the D lanes, so a long context's many splits are read by several
+    programs in few steps rather than by one in a long dependent chain."""
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     lane_kvh = tl.program_id(0)
@@ -257,10 +259,10 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     rows_total = T * group
     visible_end = tl.load(ctx_len_ptr + lane) - T + r // group + 1
     used = tl.minimum(tl.cdiv(visible_end, SPLIT_TOKENS), SPLITS)
-    d = tl.arange(0, D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_all = tl.full((1,), float("-inf"), tl.float32)
     l_all = tl.zeros((1,), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
     for s0 in range(0, used, BLOCK_S):  # BLOCK_S splits per step: a short dependent chain
         sp = s0 + tl.arange(0, BLOCK_S)
         ok = sp < used
@@ -315,8 +317,9 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **LAUNCH)
-    _combine_kernel[(lanes * hkv, rows)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens, D=d,
-                                         BLOCK_S=16, num_warps=4, **LAUNCH)
+    block_d = 64 if d % 64 == 0 else d
+    _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens,
+                                                       D=d, BLOCK_S=64, BLOCK_D=block_d, num_warps=4, **LAUNCH)
     return o
 
 
