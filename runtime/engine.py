@@ -21,7 +21,7 @@ from format.numeric import GroupedFormat, get_format
 from .allocator import DeviceMemory
 from .kernels.attention_gate import attention_gate
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
-from .kernels.dense_pair import PAIR_MAX_ROWS, dense_pair
+from .kernels.dense_pair import PAIR_MAX_ROWS
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import gdn_fused
@@ -297,12 +297,15 @@ class Engine:
             conv_stack[lanes_idx, 0] = conv_state
         hv = c.linear_num_value_heads
         alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
+        projections = None
         if h.shape[0] <= PAIR_MAX_ROWS and isinstance(alpha_w, DenseLinear) and isinstance(beta_w, DenseLinear):
-            alpha, beta = dense_pair(h, alpha_w.weight, beta_w.weight)  # one launch instead of two GEMMs
+            # decode / verify: the recurrence kernel multiplies them itself (a launch less)
+            alpha = beta = None
+            projections = (h, alpha_w.weight, beta_w.weight)
         else:
             alpha, beta = alpha_w(h), beta_w(h)
         o = None
-        if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn:
+        if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None:
             try:
                 o = gdn_chunked(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                                 lanes_idx, c.linear_num_key_heads)
@@ -312,7 +315,7 @@ class Engine:
                 self.chunked_gdn = False
         if o is None:
             o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
-                          lanes_idx, c.linear_num_key_heads, snapshot)
+                          lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
         out_xq = self._quantized_input(p + "output", b * t)
         gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
         return self.lin[p + "output"](gated, out_xq)

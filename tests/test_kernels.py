@@ -171,23 +171,33 @@ def test_swiglu(t, inter):
     _check(swiglu(gu, out=_poison((t, inter))), swiglu_reference(gu))
 
 
+@pytest.mark.parametrize("project", [False, True])
 @pytest.mark.parametrize("b,t,hk,ratio,dk,dv", [(1, 1, 2, 2, 16, 32), (2, 3, 1, 3, 32, 64)])
-def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv):
-    """Preparation folded into the recurrence (l2 norm, key-head sharing, decay, beta) == the separate
-    torch ops + recurrent reference; snapshots into slots 1..T of a lane-indexed stack."""
+def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv, project):
+    """Preparation folded into the recurrence (l2 norm, key-head sharing, decay, beta, and with
+    `project` the alpha/beta projections) == the separate torch ops + recurrent reference; snapshots
+    into slots 1..T of a lane-indexed stack."""
+    from runtime.kernels.dense_pair import dense_pair_reference
     from runtime.kernels.gdn_fused import gdn_fused, gdn_fused_reference
 
     hv = hk * ratio
     x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)
-    alpha, beta = torch.randn(b * t, hv, device=DEVICE).to(DTYPE), torch.randn(b * t, hv, device=DEVICE).to(DTYPE)
+    hidden = 1100  # two K blocks, the second partial
+    h_in = torch.randn(b * t, hidden, device=DEVICE).to(DTYPE)
+    wa, wb = (torch.randn(hv, hidden, device=DEVICE).to(DTYPE) / hidden ** 0.5 for _ in range(2))
+    if project:
+        alpha, beta = (y.to(DEVICE) for y in dense_pair_reference(h_in.cpu(), wa.cpu(), wb.cpu()))
+    else:
+        alpha, beta = torch.randn(b * t, hv, device=DEVICE).to(DTYPE), torch.randn(b * t, hv, device=DEVICE).to(DTYPE)
     a_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.randn(hv, device=DEVICE) * 0.5
     stack = torch.randn(b + 1, t + 2, hv, dk, dv, device=DEVICE)
     lanes = torch.arange(b, 0, -1, device=DEVICE, dtype=torch.int32)  # lanes b..1, lane 0 untouched
     before = stack.clone()
     want_o, want_steps = gdn_fused_reference(x.cpu(), alpha.cpu(), beta.cpu(), a_log.cpu(), dt_bias.cpu(),
                                              before[lanes.long(), 0].cpu(), hk)
-    got = gdn_fused(x, alpha, beta, a_log, dt_bias, stack, lanes, hk, snapshot=True,
-                    out=_poison((b, t, hv, dv), torch.float32))
+    got = gdn_fused(x, None if project else alpha, None if project else beta, a_log, dt_bias, stack, lanes, hk,
+                    snapshot=True, out=_poison((b, t, hv, dv), torch.float32),
+                    projections=(h_in, wa, wb) if project else None)
     _check(got.cpu(), want_o, torch.float32)
     for j, lane in enumerate(lanes.tolist()):
         _check(stack[lane, 0].cpu(), want_steps[j, -1], torch.float32)

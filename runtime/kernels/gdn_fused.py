@@ -3,7 +3,9 @@ raw alpha/beta projections, l2-normalizes q and k of the key head that serves ea
 the decay g = -exp(A_log) * softplus(alpha + dt_bias) and beta = sigmoid(b), then runs the recurrence
 (slot stack [lanes, slots, HV, DK, DV]: slot 0 is the committed state, slots 1..T take the state after
 each step for speculative rollback). One launch replaces about fifteen small ones per GDN layer, which
-matter inside a decode step of 48 such layers.
+matter inside a decode step of 48 such layers. For decode and verify blocks the alpha/beta projections
+(two bf16 matrices of HV rows) are folded in too: each program dots its head's two weight rows with the
+layer input (`projections`), a launch less per layer.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ def _softplus(x):
 
 @triton.jit
 def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
-                      T, HV, SLOTS, stride_x, stride_ab, key_dim, q_scale, eps,
+                      h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, K, key_dim, q_scale, eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                      SNAPSHOT: tl.constexpr):
+                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     b = tl.program_id(0)
@@ -52,9 +54,23 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
         v = tl.load(xr + 2 * key_dim + h * DV + dv).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-        alpha = tl.load(alpha_ptr + row * stride_ab + h).to(tl.float32)
+        if PROJECT:  # alpha, beta = this head's rows of the two projections . the layer input row
+            acc_a = tl.zeros((BLOCK_K,), tl.float32)
+            acc_b = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                hx = tl.load(h_ptr + row * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc_a += tl.load(wa_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
+                acc_b += tl.load(wb_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
+            # rounded to the activation dtype, as the separate projection stores them
+            alpha = tl.sum(acc_a, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+            beta_raw = tl.sum(acc_b, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            alpha = tl.load(alpha_ptr + row * stride_ab + h).to(tl.float32)
+            beta_raw = tl.load(beta_ptr + row * stride_ab + h).to(tl.float32)
         g = -tl.exp(a_log) * _softplus(alpha + dt_bias)
-        beta = tl.sigmoid(tl.load(beta_ptr + row * stride_ab + h).to(tl.float32))
+        beta = tl.sigmoid(beta_raw)
         s = s * tl.exp(g)
         remembered = tl.sum(s * k[:, None], axis=0)
         delta = (v - remembered) * beta
@@ -66,10 +82,13 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
     tl.store(base + tile, s)
 
 
-def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapshot: bool = False, out=None):
-    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV];
-    a_log, dt_bias [HV] fp32; state: slot stack [N, S, HV, DK, DV] fp32 (slot 0 updated in place, slots
-    1..T get per-step snapshots with `snapshot`); lanes int [B]. Returns o [B, T, HV, DV] fp32."""
+def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapshot: bool = False, out=None,
+              projections=None):
+    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV], or
+    None with `projections` = (layer input [B*T, K], alpha weight [HV, K], beta weight [HV, K]), which
+    the kernel multiplies itself; a_log, dt_bias [HV] fp32; state: slot stack [N, S, HV, DK, DV] fp32
+    (slot 0 updated in place, slots 1..T get per-step snapshots with `snapshot`); lanes int [B].
+    Returns o [B, T, HV, DV] fp32."""
     bsz, t, width = x.shape
     _, slots, hv, dk, dv = state.shape
     key_dim = heads_k * dk
@@ -80,12 +99,22 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
     x = x.reshape(bsz * t, width)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
+    if projections is not None:
+        h, wa, wb = projections
+        if h.shape[0] != bsz * t or wa.shape != (hv, h.shape[1]) or wb.shape != wa.shape or h.stride(-1) != 1 \
+                or not (wa.is_contiguous() and wb.is_contiguous()):
+            raise ValueError(f"gdn_fused: projections {tuple(h.shape)}, {tuple(wa.shape)}, {tuple(wb.shape)} do not "
+                             f"fit {bsz * t} rows and {hv} value heads")
+        alpha = beta = h  # unread
+    else:
+        alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
+        h = wa = wb = alpha  # unread
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
     block_v = dv if interpreted() else min(32, dv)
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
-        x, alpha, beta, a_log, dt_bias, state, lanes, o, t, hv, slots, x.stride(0), hv, key_dim, dk ** -0.5, L2_EPS,
-        RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot, **LAUNCH)
+        x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
+        h.shape[-1], key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v,
+        SNAPSHOT=snapshot, PROJECT=projections is not None, BLOCK_K=1024, **LAUNCH)
     return o
 
 
