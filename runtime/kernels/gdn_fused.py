@@ -28,9 +28,9 @@ def _softplus(x):
 
 @triton.jit
 def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
-                      h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, K, key_dim, q_scale, eps,
+                      h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     b = tl.program_id(0)
@@ -57,7 +57,7 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
         if PROJECT:  # alpha, beta = this head's rows of the two projections . the layer input row
             acc_a = tl.zeros((BLOCK_K,), tl.float32)
             acc_b = tl.zeros((BLOCK_K,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every block's loads go out together
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < K
                 hx = tl.load(h_ptr + row * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -113,8 +113,8 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
     block_v = dv if interpreted() else min(32, dv)
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
-        h.shape[-1], key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v,
-        SNAPSHOT=snapshot, PROJECT=projections is not None, BLOCK_K=1024, **LAUNCH)
+        key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
+        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **LAUNCH)
     return o
 
 
