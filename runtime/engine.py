@@ -45,7 +45,7 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False) -> torch.Tensor:
         return x @ self.weight.t()
 
     def rows(self, begin: int, end: int) -> "DenseLinear":
@@ -56,8 +56,8 @@ class QuantLinear:
     def __init__(self, packed: PackedLinear):
         self.packed = packed
 
-    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
-        return qlinear(x, self.packed, xq=xq)
+    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False):
+        return qlinear(x, self.packed, xq=xq, defer_sum=defer_sum)
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
@@ -231,6 +231,7 @@ class Engine:
     def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None,
                    slots=None, xq=None):
         """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
+        The result may be the output product's SplitPartials: pass it to rmsnorm, which sums them.
         The query row j of a lane sits at position ctx_len - t + j. `rope_positions` (shifted [n] or
         MRoPE [3, n]) replace `positions` for the rotary embedding only; `slots` = kv_slots(...)."""
         c = self.cfg
@@ -258,7 +259,7 @@ class Engine:
         # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates
         out_xq = self._quantized_input(p + "output", n)
         out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values, out_xq)
-        return self.lin[p + "output"](out, out_xq)
+        return self.lin[p + "output"](out, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _append_kv(self, pool, k, v, page, slot):
         """Encode K/V [n, HKV, D] into the pool: one kernel per side for the integer sub-codecs
@@ -275,6 +276,8 @@ class Engine:
             pool[name][page, slot] = val
 
     def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None):
+        """Gated DeltaNet mixer of layer i; `xq`: h as the first product's dp4a words. The result may be
+        the output product's SplitPartials: pass it to rmsnorm, which sums them."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
         j = self.gdn_slot[i]
@@ -318,15 +321,16 @@ class Engine:
                           lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
         out_xq = self._quantized_input(p + "output", b * t)
         gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
-        return self.lin[p + "output"](gated, out_xq)
+        return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _ffn(self, p, h, xq=None):
         """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's
-        dp4a words (dense MLP)."""
+        dp4a words (dense MLP). The result may be SplitPartials: pass it to rmsnorm, which sums them."""
         c = self.cfg
         if not c.is_moe:
             down_xq = self._quantized_input(p + "mlp/down", h.shape[0])
-            return self.lin[p + "mlp/down"](swiglu(self.lin[p + "mlp/gate_up"](h, xq), xq=down_xq), down_xq)
+            gate_up = self.lin[p + "mlp/gate_up"](h, xq)
+            return self.lin[p + "mlp/down"](swiglu(gate_up, xq=down_xq), down_xq, defer_sum=True)
         m = p + "moe/"
         n, k = h.shape[0], c.experts_per_token
         inter, hid = c.moe_intermediate_size, c.hidden_size

@@ -512,3 +512,22 @@ def test_quantized_x_is_checked_against_the_weight():
     x = torch.randn(1, 256, device=DEVICE).to(DTYPE)
     with pytest.raises(ValueError, match="does not fit"):
         qlinear(x, w, xq=QuantizedX.empty(1, other, DEVICE))
+
+
+def test_rmsnorm_sums_deferred_split_partials():
+    """A decode product split along K may hand its partials to the next rmsnorm instead of summing
+    them in a launch of its own; the norm, the residual and the next product's words are unchanged."""
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials
+    from runtime.kernels.qlinear import qlinear
+    from runtime.kernels.rmsnorm import rmsnorm
+
+    w = _packed(40, 2048, FORMATS["Q5G64_F16S"], 3)
+    nxt = _packed(16, 40, FORMATS["Q4G64_F16S"], 4)
+    x = torch.randn(1, 2048, device=DEVICE).to(DTYPE)
+    residual, norm_w = torch.randn(1, 40, device=DEVICE).to(DTYPE), torch.randn(40, device=DEVICE).to(DTYPE)
+    deferred = qlinear(x, w, defer_sum=True)
+    assert isinstance(deferred, SplitPartials) and deferred.parts.shape[0] > 1
+    xq_a, xq_b = QuantizedX.empty(1, nxt, DEVICE), QuantizedX.empty(1, nxt, DEVICE)
+    want, want_res = rmsnorm(qlinear(x, w), norm_w, 1e-6, residual=residual.clone(), xq=xq_a)
+    got, got_res = rmsnorm(deferred, norm_w, 1e-6, residual=residual.clone(), xq=xq_b)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)

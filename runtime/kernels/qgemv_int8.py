@@ -584,12 +584,25 @@ def split_partials(y: torch.Tensor, split: int) -> torch.Tensor:
     return y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
 
 
-def finish_splits(target: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class SplitPartials:
+    """A product's float32 K-split partials [splits, T, N], not yet summed into `y` (unwritten). The
+    RMSNorm after a layer's last products sums them itself (in split order, rounded to y's dtype, as
+    finish_splits would), which saves a launch per product."""
+
+    parts: torch.Tensor
+    y: torch.Tensor
+
+
+def finish_splits(target: torch.Tensor, y: torch.Tensor, defer: bool = False) -> torch.Tensor | SplitPartials:
     """Sum the float32 K-split partials [splits, T, N] into y in split order (deterministic, no
     atomics) and cast, in one launch (torch's sum + cast were two per matrix per token); with one
-    split the kernel wrote y itself."""
+    split the kernel wrote y itself. With `defer` (the caller's consumer sums them), the partials are
+    returned as SplitPartials instead."""
     if target is y:
         return y
+    if defer and y.is_contiguous():
+        return SplitPartials(target, y)
     if not y.is_contiguous():
         y.copy_(target.sum(0))
         return y
@@ -611,10 +624,10 @@ def high_plane(w) -> torch.Tensor:
 
 
 def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int,
-               prequant: bool = True, xq: QuantizedX | None = None):
+               prequant: bool = True, xq: QuantizedX | None = None, defer_sum: bool = False):
     """y[0] = W @ x[0] for a Q4/Q5/Q6/W8 PackedLinear; `split` K-splits write float32 partials first.
     `prequant`: quantize x once in its own launch (else every program quantizes its slice); an `xq`
-    already holding x's words is read instead."""
+    already holding x's words is read instead. `defer_sum`: see finish_splits."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     target = split_partials(y, split)
@@ -625,7 +638,7 @@ def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, 
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
         PREQUANT=prequant, num_warps=num_warps, **LAUNCH)
-    return finish_splits(target, y)
+    return finish_splits(target, y, defer_sum)
 
 
 def quantize_x_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,8 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from . import interpreted
-from .qgemv_int8 import (INT8_BITS, QuantizedX, finish_splits, qgemm_rows_int8, qgemm_rows_mma, qgemv_int8,
-                         split_partials)
+from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
+                         qgemv_int8, split_partials)
 from .launch import LAUNCH, pdl_release, pdl_wait
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
@@ -249,10 +249,11 @@ def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
     return block_n, block_k, split, tuning["num_warps"], prequant
 
 
-def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: QuantizedX | None = None) -> torch.Tensor:
+def _gemv_vec(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: QuantizedX | None = None,
+              defer_sum: bool = False) -> torch.Tensor | SplitPartials:
     if GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS:
         block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
-        return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant, xq)
+        return qgemv_int8(x, w, y, block_n, block_k, split, num_warps, prequant, xq, defer_sum)
     block_n, block_k, programs = VEC_TUNING["block_n"], VEC_TUNING["block_k"], TARGET_PROGRAMS
     if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
@@ -320,10 +321,12 @@ def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     return t == 1 or rows_path(w.fmt.bits) in ("int8", "mma")
 
 
-def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None,
-            xq: QuantizedX | None = None) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, xq: QuantizedX | None = None,
+            defer_sum: bool = False) -> torch.Tensor | SplitPartials:
     """x [T, K] (bf16 on GPU, fp32 allowed under the interpreter) -> [T, N] in x's dtype. `xq`: the same
-    rows already in dp4a words (when takes_quantized_x), written by the kernel that produced x."""
+    rows already in dp4a words (when takes_quantized_x), written by the kernel that produced x.
+    `defer_sum`: a decode product split along K may return its partials unsummed (SplitPartials) for
+    an rmsnorm to sum."""
     t, k = x.shape
     if k != w.cols:
         raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
@@ -334,7 +337,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None,
     if xq is not None and not takes_quantized_x(w, t):
         xq = None  # this path multiplies x itself
     if t == 1:
-        return _gemv_vec(x, w, y, xq)
+        return _gemv_vec(x, w, y, xq, defer_sum)
     path = rows_path(w.fmt.bits)
     if path == "int8":
         return _gemm_rows_int8(x, w, y, xq)
