@@ -33,7 +33,7 @@ from .kernels.moe import expert_gemv, route
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
-from .kernels.rope import apply_rope_
+from .kernels.qk_norm_rope import qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
@@ -238,14 +238,14 @@ class Engine:
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h, xq)
         qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
-        q = qg.reshape(n, c.num_heads, 2 * c.head_dim)[..., : c.head_dim].contiguous()
-        q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
-        k, _ = rmsnorm(k.contiguous().view(-1, c.head_dim), self.vec[p + "key_norm"], c.rms_norm_eps)
         rope = positions if rope_positions is None else rope_positions
-        if rope.dim() == 1:
-            q = apply_rope_(q.view(n, c.num_heads, c.head_dim), rope.to(torch.int32), c.rotary_dim, c.rope_theta)
-            k = apply_rope_(k.view(n, c.num_kv_heads, c.head_dim), rope.to(torch.int32), c.rotary_dim, c.rope_theta)
+        if rope.dim() == 1:  # norms and RoPE of the query and key heads in one launch
+            q, k = qk_norm_rope(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
+                                self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta)
         else:  # 3-axis MRoPE (prefill chunks holding images): torch ops, once per image prompt
+            q = qg.reshape(n, c.num_heads, 2 * c.head_dim)[..., : c.head_dim].contiguous()
+            q, _ = rmsnorm(q.view(-1, c.head_dim), self.vec[p + "query_norm"], c.rms_norm_eps)
+            k, _ = rmsnorm(k.contiguous().view(-1, c.head_dim), self.vec[p + "key_norm"], c.rms_norm_eps)
             cos, sin = rope_cos_sin(rope, c.rotary_dim, c.rope_theta, torch.float32, c.mrope_section)
             q = apply_partial_rope(q.view(n, c.num_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
             k = apply_partial_rope(k.view(n, c.num_kv_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)

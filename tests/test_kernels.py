@@ -153,16 +153,6 @@ def test_rmsnorm(residual, t, h):
         _check(got_res, want_res)
 
 
-@pytest.mark.parametrize("t,heads,d,rot", [(1, 3, 64, 16), (7, 2, 256, 64)])
-def test_rope(t, heads, d, rot):
-    from runtime.kernels.rope import apply_rope_, rope_reference
-
-    x = torch.randn(t, heads, d, device=DEVICE).to(DTYPE)
-    pos = torch.randint(0, 100_000, (t,), device=DEVICE, dtype=torch.int32)
-    want = rope_reference(x.cpu(), pos.cpu().long(), rot, 1e7)
-    _check(apply_rope_(x.clone(), pos, rot, 1e7).cpu(), want)
-
-
 @pytest.mark.parametrize("t,inter", [(1, 96), (5, 1030)])
 def test_swiglu(t, inter):
     from runtime.kernels.swiglu import swiglu, swiglu_reference
@@ -531,3 +521,17 @@ def test_rmsnorm_sums_deferred_split_partials():
     want, want_res = rmsnorm(qlinear(x, w), norm_w, 1e-6, residual=residual.clone(), xq=xq_a)
     got, got_res = rmsnorm(deferred, norm_w, 1e-6, residual=residual.clone(), xq=xq_b)
     assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,d,rot", [(1, 6, 2, 64, 16), (3, 4, 1, 32, 12), (2, 2, 2, 16, 16), (3, 3, 1, 256, 64)])
+def test_qk_norm_rope(n, heads, kv_heads, d, rot):
+    from runtime.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+    row = heads * 2 * d + 2 * kv_heads * d
+    qgkv = torch.randn(n, row + 24, device=DEVICE).to(DTYPE)[:, :row]  # a row inside a wider one
+    qw, kw = torch.randn(d, device=DEVICE).to(DTYPE), torch.randn(d, device=DEVICE).to(DTYPE)
+    pos = torch.tensor([5, 1000, 77][:n], device=DEVICE, dtype=torch.int32)
+    q, k = qk_norm_rope(qgkv, heads, kv_heads, d, qw, kw, 1e-6, pos, rot, 1e6)
+    want_q, want_k = qk_norm_rope_reference(qgkv.cpu(), heads, kv_heads, d, qw.cpu(), kw.cpu(), 1e-6, pos.cpu(), rot, 1e6)
+    _check(q.cpu(), want_q)
+    _check(k.cpu(), want_k)
