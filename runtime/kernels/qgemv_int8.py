@@ -185,7 +185,8 @@ def _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok, k0, GPR: tl.constexpr,
     runs, so a kernel may load its first tile before pdl_wait()."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8
     wpb: tl.constexpr = BLOCK_K // LANES
-    widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)  # k0 steps by BLOCK_K: vector loads
+    # k0 is a multiple of BLOCK_K (a runtime value or the constant 0): the block starts aligned, vector loads
+    widx = tl.max_contiguous(tl.multiple_of(k0 // LANES + tl.arange(0, wpb), wpb), wpb)
     words, high = _load_codes(base_ptr, high_ptr, rows, ok, widx, K_PAD // LANES, GPR, HIGH_BYTES, BITS)
     gidx = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=ok, other=0.0)
