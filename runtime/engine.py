@@ -21,10 +21,9 @@ from format.numeric import GroupedFormat, get_format
 from .allocator import DeviceMemory
 from .kernels.attention_gate import attention_gate
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
-from .kernels.dense_pair import PAIR_MAX_ROWS
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
-from .kernels.gdn_fused import gdn_fused
+from .kernels.gdn_fused import PROJECT_MAX_ROWS, gdn_fused
 from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
@@ -301,7 +300,7 @@ class Engine:
         hv = c.linear_num_value_heads
         alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
         projections = None
-        if h.shape[0] <= PAIR_MAX_ROWS and isinstance(alpha_w, DenseLinear) and isinstance(beta_w, DenseLinear):
+        if h.shape[0] <= PROJECT_MAX_ROWS and isinstance(alpha_w, DenseLinear) and isinstance(beta_w, DenseLinear):
             # decode / verify: the recurrence kernel multiplies them itself (a launch less)
             alpha = beta = None
             projections = (h, alpha_w.weight, beta_w.weight)

@@ -19,6 +19,7 @@ from . import interpreted
 from .launch import LAUNCH, pdl_release, pdl_wait
 
 L2_EPS = 1e-6
+PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
 
 
 @triton.jit
