@@ -212,7 +212,8 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
     OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        more = row_ok[:, None] & (k0 + BLOCK_K < k_end)
+        # a block-shaped condition: triton 3.9's interpreter rejects a scalar bool broadcast into a mask
+        more = row_ok[:, None] & (tl.full((1, 1), k0 + BLOCK_K, tl.int32) < k_end)
         next_words, next_high, next_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, more, k0 + BLOCK_K,
                                                          GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
         if PREQUANT:

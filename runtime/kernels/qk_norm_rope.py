@@ -37,11 +37,13 @@ def _qk_norm_rope_kernel(qgkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_pt
     q_dst = q_ptr + (t * HQ + j) * D
     k_dst = k_ptr + (t * HKV + j - HQ) * D
     tail = d >= ROT  # unrotated dims
-    tl.store(q_dst + d, y, mask=tail & is_q)
-    tl.store(k_dst + d, y, mask=tail & (j >= HQ))
+    q_lanes = tl.full((D,), j, tl.int32) < HQ  # block-shaped: triton 3.9's interpreter rejects scalar masks
+    tl.store(q_dst + d, y, mask=tail & q_lanes)
+    tl.store(k_dst + d, y, mask=tail & ~q_lanes)
     half: tl.constexpr = ROT // 2
     i = tl.arange(0, HALF_P)
     ok = i < half
+    q_half = tl.full((HALF_P,), j, tl.int32) < HQ
     # the two rotated halves again from the row (cached), normed and rounded as above
     a = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
     b = tl.load(src + half + i, mask=ok, other=0.0).to(tl.float32)
@@ -53,10 +55,10 @@ def _qk_norm_rope_kernel(qgkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_pt
     c, s = tl.cos(ang), tl.sin(ang)
     ra = (a * c - b * s).to(q_ptr.dtype.element_ty)
     rb = (b * c + a * s).to(q_ptr.dtype.element_ty)
-    tl.store(q_dst + i, ra, mask=ok & is_q)
-    tl.store(q_dst + half + i, rb, mask=ok & is_q)
-    tl.store(k_dst + i, ra, mask=ok & (j >= HQ))
-    tl.store(k_dst + half + i, rb, mask=ok & (j >= HQ))
+    tl.store(q_dst + i, ra, mask=ok & q_half)
+    tl.store(q_dst + half + i, rb, mask=ok & q_half)
+    tl.store(k_dst + i, ra, mask=ok & ~q_half)
+    tl.store(k_dst + half + i, rb, mask=ok & ~q_half)
 
 
 def qk_norm_rope(qgkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q_weight: torch.Tensor,
