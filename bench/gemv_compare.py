@@ -35,6 +35,13 @@ def _xy(t: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(t, k, device="cuda", dtype=torch.bfloat16), torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
 
 
+def _matrices():
+    """Each 27B-shaped random packed weight with its byte count and the start of its result row."""
+    for label, n, k, fmt in SHAPES:
+        w, nbytes = random_packed(n, k, fmt)
+        yield w, nbytes, {"op": label, "N": n, "K": k, "bytes": nbytes}
+
+
 def _save(out: str, peak: float, rows: list) -> None:
     with open(out, "w") as f:
         json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
@@ -45,11 +52,11 @@ def rows_main(out: str) -> None:
 
     peak = copy_bandwidth()
     rows = []
-    for label, n, k, fmt in SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
+    for w, nbytes, row in _matrices():
+        n, k = w.rows, w.cols
         x1, y1 = _xy(1, k, n)
         t1 = graph_ms(lambda: ql.qlinear(x1, w, out=y1)) * 1e3
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "t1_us": t1, "t1_frac": nbytes / (t1 * 1e-6) / peak}
+        row.update(t1_us=t1, t1_frac=nbytes / (t1 * 1e-6) / peak)
         for t in (2, 4, 8, 16):
             x, y = _xy(t, k, n)
             single = torch.cat([ql.qlinear(x[i : i + 1], w) for i in range(t)]).float()
@@ -59,7 +66,7 @@ def rows_main(out: str) -> None:
                 row[f"t{t}_{path}_us"] = us
                 row[f"t{t}_{path}_frac"] = nbytes / (us * 1e-6) / peak
                 row[f"t{t}_{path}_vs_single"] = ((ql.qlinear(x, w).float() - single).abs().max() / single.abs().max()).item()
-            if t == 4 and fmt[:2] in ("Q4", "Q5", "Q6"):  # int8 tensor-core tiles: rows, warps, groups per step, stages
+            if t == 4 and w.fmt.bits in (4, 5, 6):  # int8 tensor-core tiles: rows, warps, groups per step, stages
                 ql.ROWS_PATH = "mma"
                 default = dict(ql.ROWS_MMA_TUNING)
                 for bn, nw, gs, st in ((64, 4, 1, 3), (128, 4, 2, 3), (128, 4, 1, 4), (128, 4, 2, 4), (128, 8, 2, 3),
@@ -82,14 +89,13 @@ def t1_main(out: str) -> None:
 
     peak = copy_bandwidth()
     rows = []
-    for label, n, k, fmt in SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
-        x, y = _xy(1, k, n)
+    for w, nbytes, row in _matrices():
+        x, y = _xy(1, w.cols, w.rows)
         bits = w.fmt.bits
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "default_tile": list(ql._int8_tiles(w))}
+        row["default_tile"] = list(ql._int8_tiles(w))
         row["default_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
         row["default_frac"] = nbytes / (row["default_us"] * 1e-6) / peak
-        saved, programs = dict(ql.INT8_TUNING_BY_BITS.get(bits, {})), ql.TARGET_PROGRAMS
+        saved, programs = dict(ql.INT8_TUNING_BY_BITS), ql.TARGET_PROGRAMS
         for (bn, nw), bk, target in itertools.product(((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)), (512,), (512, 1024)):
             if w.k_pad % bk:
                 continue
@@ -98,10 +104,10 @@ def t1_main(out: str) -> None:
             try:
                 row[f"{bn}x{bk}w{nw}p{target}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                print("tile failed", label, bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
-        ql.INT8_TUNING_BY_BITS[bits], ql.TARGET_PROGRAMS = saved, programs
-        if not saved:
-            del ql.INT8_TUNING_BY_BITS[bits]
+                print("tile failed", row["op"], bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
+        ql.INT8_TUNING_BY_BITS.clear()
+        ql.INT8_TUNING_BY_BITS.update(saved)
+        ql.TARGET_PROGRAMS = programs
         tiles = {key: v for key, v in row.items() if key[0].isdigit()}
         best = min(tiles, key=tiles.get)
         row.update(best_tile=best, best_us=tiles[best], best_frac=nbytes / (tiles[best] * 1e-6) / peak)
@@ -118,8 +124,8 @@ def main(out: str, mode: str = "sweep") -> None:
         return t1_main(out)
     peak = copy_bandwidth()
     rows = []
-    for label, n, k, fmt in SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
+    for w, nbytes, row in _matrices():
+        label, n, k = row["op"], w.rows, w.cols
         x, y = _xy(1, k, n)
         ql.GEMV_PATH = "float"
         ms_float = bench_ms(lambda: ql.qlinear(x, w, out=y))
@@ -142,10 +148,9 @@ def main(out: str, mode: str = "sweep") -> None:
         ms, bn, bk, nw, split, pre = best
         got = qgemv_int8(x, w, torch.empty_like(y), bn, bk, split, nw, pre).float()
         err = ((got - exact).abs().max() / exact.abs().max()).item()
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "float_us": ms_float * 1e3,
-               "float_frac": nbytes / (ms_float * 1e-3) / peak, "int8_us": ms * 1e3,
-               "int8_frac": nbytes / (ms * 1e-3) / peak, "speedup": ms_float / ms, "best_tile": [bn, bk, nw, split, pre],
-               "int8_rel_err_vs_exact": err}
+        row.update(float_us=ms_float * 1e3, float_frac=nbytes / (ms_float * 1e-3) / peak, int8_us=ms * 1e3,
+                   int8_frac=nbytes / (ms * 1e-3) / peak, speedup=ms_float / ms, best_tile=[bn, bk, nw, split, pre],
+                   int8_rel_err_vs_exact=err)
         x4, y4 = _xy(4, k, n)  # an MTP3 verify block
         ql.ROWS_PATH = "tensor"
         ms_t4 = bench_ms(lambda: ql.qlinear(x4, w, out=y4))

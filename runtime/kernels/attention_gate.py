@@ -16,7 +16,7 @@ from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
 from .hadamard import rotate_group64
 from .launch import LAUNCH, pdl_release, pdl_wait
-from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
+from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
@@ -51,11 +51,10 @@ def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: Quantize
         raise ValueError(f"attention_gate: head size {d} / projection layout {tuple(qg.shape)} not supported")
     o = o.contiguous()
     y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
-    fused = xq is not None and xq.fits(n, heads * d, 64, heads * d)
+    fused, words, quant = producer_words(xq, y, n, heads * d, 64, heads * d)
     if n:
-        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y,
-                                               xq.words if fused else y, heads, qg.stride(0), D=d, ROTATE=rotate,
-                                               **(xq.kernel_args() if fused else NO_QUANT), num_warps=2, **LAUNCH)
+        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y, words, heads,
+                                               qg.stride(0), D=d, ROTATE=rotate, **quant, num_warps=2, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     return y

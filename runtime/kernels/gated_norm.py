@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_release, pdl_wait
-from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
+from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
@@ -39,10 +39,9 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     With `xq`, the rows are also written there as dp4a words for the output projection."""
     tokens, hv, d = o.shape
     y = out if out is not None else torch.empty(tokens, hv * d, dtype=out_dtype, device=o.device)
-    fused = xq is not None and xq.fits(tokens, hv * d, d, hv * d)
-    _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, xq.words if fused else y, z.stride(0), hv, eps,
-                                       D=d, ROUND_BF16=out_dtype == torch.bfloat16,
-                                       **(xq.kernel_args() if fused else NO_QUANT), **LAUNCH)
+    fused, words, quant = producer_words(xq, y, tokens, hv * d, d, hv * d)
+    _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, words, z.stride(0), hv, eps, D=d,
+                                       ROUND_BF16=out_dtype == torch.bfloat16, **quant, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     return y

@@ -178,6 +178,13 @@ def _code_bytes(base_ptr, high_ptr, rows, row_ok, widx, row_words, GPR: tl.const
 
 
 @triton.jit
+def _block_words(first, WORDS: tl.constexpr):
+    """Word indices first .. first + WORDS - 1 of a block that starts at a multiple of WORDS (k0 steps
+    by BLOCK_K; `first` a runtime value or the constant 0), declared so: code words load as vectors."""
+    return tl.max_contiguous(tl.multiple_of(first + tl.arange(0, WORDS), WORDS), WORDS)
+
+
+@triton.jit
 def _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok, k0, GPR: tl.constexpr, K_PAD: tl.constexpr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_K: tl.constexpr):
     """Everything the weights contribute to lanes [k0, k0 + BLOCK_K) of `rows` (masked by `ok`,
@@ -185,8 +192,7 @@ def _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok, k0, GPR: tl.constexpr,
     runs, so a kernel may load its first tile before pdl_wait()."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8
     wpb: tl.constexpr = BLOCK_K // LANES
-    # k0 is a multiple of BLOCK_K (a runtime value or the constant 0): the block starts aligned, vector loads
-    widx = tl.max_contiguous(tl.multiple_of(k0 // LANES + tl.arange(0, wpb), wpb), wpb)
+    widx = _block_words(k0 // LANES, wpb)
     words, high = _load_codes(base_ptr, high_ptr, rows, ok, widx, K_PAD // LANES, GPR, HIGH_BYTES, BITS)
     gidx = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=ok, other=0.0)
@@ -217,7 +223,7 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
         next_words, next_high, next_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, more, k0 + BLOCK_K,
                                                          GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
         if PREQUANT:
-            widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)
+            widx = _block_words(k0 // LANES, wpb)
             gq = k0 // GROUP + tl.arange(0, gpb)
             hi_a = tl.load(x_ptr + widx)
             lo_a = tl.load(x_ptr + row_words + widx)
@@ -281,6 +287,11 @@ def _quantize_x_kernel(x_ptr, xq_ptr, K, stride_x, ROW_INTS: tl.constexpr, K_PAD
     write_quantized_x(xq_ptr + r * ROW_INTS, xv, k0, K_PAD, BITS, GROUP, BLOCK_K)
 
 
+def _lanes(bits: int) -> int:
+    """Lanes per 32-bit code word."""
+    return 4 if bits == 8 else 8
+
+
 @dataclass(frozen=True)
 class QuantizedX:
     """Rows of x already in dp4a words for products whose weights have this geometry; a kernel that
@@ -293,10 +304,10 @@ class QuantizedX:
 
     @staticmethod
     def empty(rows: int, w, device) -> "QuantizedX":
-        lanes = 4 if w.fmt.bits == 8 else 8
-        row_ints = 4 * (w.k_pad // lanes) + 2 * w.groups_per_row
+        bits = 8 if w.fmt.bits == 8 else 4
+        row_ints = 4 * (w.k_pad // _lanes(bits)) + 2 * w.groups_per_row
         return QuantizedX(torch.empty(rows, row_ints, dtype=torch.int32, device=device), w.k_pad, w.fmt.group_size,
-                          8 if w.fmt.bits == 8 else 4)
+                          bits)
 
     def check(self, w, rows: int) -> torch.Tensor:
         """The words, after checking they were made for `w`'s layout and `rows` rows of x."""
@@ -311,12 +322,7 @@ class QuantizedX:
         write `chunk` lanes each (whole groups and whole words) and together lanes [0, covered),
         zeros past `lanes`, which must reach K_pad."""
         return (self.words.shape[0] == rows and lanes <= self.k_pad <= covered and chunk % self.group == 0
-                and chunk % (4 if self.bits == 8 else 8) == 0)
-
-    def kernel_args(self) -> dict:
-        """The constexprs a producer kernel passes to write_quantized_x."""
-        return {"QUANT": True, "ROW_INTS": self.words.shape[1], "K_PAD": self.k_pad, "QBITS": self.bits,
-                "GROUP": self.group}
+                and chunk % _lanes(self.bits) == 0)
 
     def fill(self, x: torch.Tensor) -> "QuantizedX":
         """Quantize rows of x [T, K] into these words in their own launch."""
@@ -327,7 +333,15 @@ class QuantizedX:
         return self
 
 
-NO_QUANT = {"QUANT": False, "ROW_INTS": 0, "K_PAD": 0, "QBITS": 4, "GROUP": 64}  # producer constexprs without xq
+def producer_words(xq: QuantizedX | None, placeholder: torch.Tensor, rows: int, lanes: int, chunk: int,
+                   covered: int) -> tuple[bool, torch.Tensor, dict]:
+    """What a kernel producing x passes for `xq` (see QuantizedX.fits for the geometry): (whether it
+    fills the words itself, the words or `placeholder`, the constexprs of write_quantized_x). When it
+    does not and `xq` is given, the caller fills them after the launch (xq.fill)."""
+    if xq is not None and xq.fits(rows, lanes, chunk, covered):
+        return True, xq.words, {"QUANT": True, "ROW_INTS": xq.words.shape[1], "K_PAD": xq.k_pad, "QBITS": xq.bits,
+                                "GROUP": xq.group}
+    return False, placeholder, {"QUANT": False, "ROW_INTS": 0, "K_PAD": 0, "QBITS": 4, "GROUP": 64}
 
 
 def quantize_x(x: torch.Tensor, w, xq: QuantizedX | None = None) -> torch.Tensor:
@@ -382,7 +396,7 @@ def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, 
     xm = tok_ok[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(split * K_PER_SPLIT, (split + 1) * K_PER_SPLIT, BLOCK_K):
-        widx = tl.multiple_of(k0 // LANES, wpb) + tl.arange(0, wpb)
+        widx = _block_words(k0 // LANES, wpb)
         gq = k0 // GROUP + tl.arange(0, gpb)
         hi_a = tl.broadcast_to(tl.load(xrow + widx[None, :], mask=xm, other=0)[:, None, :], shape)
         lo_a = tl.broadcast_to(tl.load(xrow + row_words + widx[None, :], mask=xm, other=0)[:, None, :], shape)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_release, pdl_wait
-from .qgemv_int8 import NO_QUANT, QuantizedX, SplitPartials, write_quantized_x
+from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
 
 @triton.jit
@@ -54,12 +54,12 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
     block = triton.next_power_of_2(h)
-    fused = xq is not None and xq.fits(t, h, block, block)
+    fused, words, quant = producer_words(xq, y, t, h, block, block)
     source = parts if splits else x
-    _rmsnorm_kernel[(t,)](source, res, weight, y, res, xq.words if fused else y, h, eps,
+    _rmsnorm_kernel[(t,)](source, res, weight, y, res, words, h, eps,
                           source.stride(1) if splits else x.stride(0), res.stride(0), y.stride(0), split_stride,
                           HAS_RESIDUAL=residual is not None, BLOCK=block, SPLITS=splits,
-                          **(xq.kernel_args() if fused else NO_QUANT),
+                          **quant,
                           num_warps=min(16, max(4, block // 512)), **LAUNCH)  # a one-program row: latency-bound
     if xq is not None and not fused:
         xq.fill(y)

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_release, pdl_wait
-from .qgemv_int8 import NO_QUANT, QuantizedX, write_quantized_x
+from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
@@ -32,10 +32,9 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None, xq: Quantized
     inter = two_i // 2
     y = out if out is not None else torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    fused = xq is not None and xq.fits(t, inter, block, triton.cdiv(inter, block) * block)
-    _swiglu_kernel[(t, triton.cdiv(inter, block))](gate_up, y, xq.words if fused else y, inter, gate_up.stride(0),
-                                                   y.stride(0), BLOCK=block, **(xq.kernel_args() if fused else NO_QUANT),
-                                                   **LAUNCH)
+    fused, words, quant = producer_words(xq, y, t, inter, block, triton.cdiv(inter, block) * block)
+    _swiglu_kernel[(t, triton.cdiv(inter, block))](gate_up, y, words, inter, gate_up.stride(0), y.stride(0),
+                                                   BLOCK=block, **quant, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     return y
