@@ -96,7 +96,8 @@ def t1_main(out: str) -> None:
         row["default_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
         row["default_frac"] = nbytes / (row["default_us"] * 1e-6) / peak
         saved, programs = dict(ql.INT8_TUNING_BY_BITS), ql.TARGET_PROGRAMS
-        for (bn, nw), bk, target in itertools.product(((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)), (512,), (512, 1024)):
+        for (bn, nw), bk, target in itertools.product(((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)), (256, 512, 1024),
+                                                     (512, 1024)):
             if w.k_pad % bk:
                 continue
             ql.INT8_TUNING_BY_BITS[bits] = {"block_n": bn, "block_k": bk, "num_warps": nw}
