@@ -3,8 +3,8 @@ run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), wit
 error against the exact float product. `rows`: verify-sized blocks (T = 2, 4, 8, 16) through the
 tensor-core kernel (float dequantization), the dp4a row-block kernel and the int8 tensor-core kernel,
 and T = 1 for scale; CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
-product (x quantization, dp4a GEMV, split-K sum) graph-replayed over a sweep of tiles and of the
-program target that sets the K-splits.
+product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
+graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
     PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|t1]
 """
@@ -19,7 +19,7 @@ import torch
 
 from bench.gpu_check import bench_ms, copy_bandwidth, random_packed
 from runtime.kernels import qlinear as ql
-from runtime.kernels.qgemv_int8 import qgemv_int8
+from runtime.kernels.qgemv_int8 import QuantizedX, qgemv_int8
 
 SHAPES = [("gdn qkvz Q4", 16384, 5120, "Q4G64_F16S"), ("mlp gate_up Q4", 34816, 5120, "Q4G64_F16S"),
           ("mlp down Q5", 5120, 17408, "Q5G64_F16S"), ("gdn out Q5", 5120, 6144, "Q5G64_F16S"),
@@ -35,9 +35,13 @@ def _xy(t: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(t, k, device="cuda", dtype=torch.bfloat16), torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
 
 
-def _matrices():
+# the down product's shape in Q4: tells the Q5 format's cost apart from the shape's (few rows, long K)
+T1_EXTRA = [("mlp down shape Q4", 5120, 17408, "Q4G64_F16S")]
+
+
+def _matrices(extra=()):
     """Each 27B-shaped random packed weight with its byte count and the start of its result row."""
-    for label, n, k, fmt in SHAPES:
+    for label, n, k, fmt in [*SHAPES, *extra]:
         w, nbytes = random_packed(n, k, fmt)
         yield w, nbytes, {"op": label, "N": n, "K": k, "bytes": nbytes}
 
@@ -89,32 +93,37 @@ def t1_main(out: str) -> None:
 
     peak = copy_bandwidth()
     rows = []
-    for w, nbytes, row in _matrices():
+    for w, nbytes, row in _matrices(T1_EXTRA):
         x, y = _xy(1, w.cols, w.rows)
         bits = w.fmt.bits
+        # as in the model: x arrives as dp4a words from its producer, K-split partials go to the next norm
+        xq = QuantizedX.empty(1, w, x.device).fill(x)
+
+        def product():
+            ql.qlinear(x, w, out=y, xq=xq, defer_sum=True)
+
         row["default_tile"] = list(ql._int8_tiles(w))
-        row["default_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+        row["default_us"] = graph_ms(product) * 1e3
         row["default_frac"] = nbytes / (row["default_us"] * 1e-6) / peak
-        saved, programs = dict(ql.INT8_TUNING_BY_BITS), ql.TARGET_PROGRAMS
+        saved, programs = dict(ql.INT8_TUNING_BY_BITS), ql.INT8_TARGET_PROGRAMS
         for (bn, nw), bk, target in itertools.product(((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)), (256, 512, 1024),
-                                                     (512, 1024)):
+                                                     (512, 1024, 2048)):
             if w.k_pad % bk:
                 continue
             ql.INT8_TUNING_BY_BITS[bits] = {"block_n": bn, "block_k": bk, "num_warps": nw}
-            ql.TARGET_PROGRAMS = target
+            ql.INT8_TARGET_PROGRAMS = target
             try:
-                row[f"{bn}x{bk}w{nw}p{target}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
+                row[f"{bn}x{bk}w{nw}p{target}_us"] = graph_ms(product) * 1e3
             except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
                 print("tile failed", row["op"], bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
         ql.INT8_TUNING_BY_BITS.clear()
         ql.INT8_TUNING_BY_BITS.update(saved)
-        ql.TARGET_PROGRAMS = programs
+        ql.INT8_TARGET_PROGRAMS = programs
         tiles = {key: v for key, v in row.items() if key[0].isdigit()}
         best = min(tiles, key=tiles.get)
         row.update(best_tile=best, best_us=tiles[best], best_frac=nbytes / (tiles[best] * 1e-6) / peak)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("op", "default_tile", "default_us", "default_frac", "best_tile", "best_us",
-                                              "best_frac")}), flush=True)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     _save(out, peak, rows)
 
 

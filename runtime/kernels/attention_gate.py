@@ -15,7 +15,7 @@ import triton.language as tl
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
 from .hadamard import rotate_group64
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
@@ -23,7 +23,6 @@ from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, xq_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr,
                  QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                  GROUP: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     group = tl.program_id(0).to(tl.int64)  # (token, head, 64-group)
     G: tl.constexpr = D // 64

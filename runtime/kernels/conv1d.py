@@ -8,12 +8,11 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 
 @triton.jit
 def _conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BLOCK_C: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -71,7 +70,6 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
     """Width-4 causal conv + SiLU for one lane's channel block. The three carried inputs live in
     registers across the steps, so the lane's slot-0 state is read once and written once (no copies);
     with SNAPSHOT, the window after step t also goes to slot t+1 (speculative rollback)."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)

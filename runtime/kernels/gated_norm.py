@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
@@ -16,7 +16,6 @@ from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr,
                        QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                        GROUP: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     r = tl.program_id(0)  # one (token, value head) row
     d = tl.arange(0, D)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
@@ -32,7 +32,6 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
                       h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
                       SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)

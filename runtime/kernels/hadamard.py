@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 
 @triton.jit
@@ -25,7 +25,6 @@ def rotate_group64(x, h_ptr):
 
 @triton.jit
 def _rotate64_kernel(x_ptr, h_ptr, y_ptr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     group = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, 64)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3}
 SUPPORTED = frozenset(KIND_IDS)
@@ -75,7 +75,6 @@ def _e8_round(ye, yo):
 @triton.jit
 def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, KIND: tl.constexpr,
                       W0: tl.constexpr, W1: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     vec = tl.program_id(0)  # token * HKV + head
     token = vec // HKV

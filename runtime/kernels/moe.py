@@ -10,12 +10,11 @@ import triton.language as tl
 
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dot_rows
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -56,7 +55,6 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
                         stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         INT8: tl.constexpr, USE_ASM: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -24,7 +24,7 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 from . import interpreted
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
@@ -157,7 +157,6 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (lane, kv head, row block, key split). Rows are (t, g) pairs of the kv head's query group,
     so each key tile is decoded once for all of its G query heads (GQA packing)."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     lane_kvh = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -249,7 +248,6 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read). Each
     program takes BLOCK_D of the D lanes, so a long context's many splits are read by several
     programs in few steps rather than by one in a long dependent chain."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     lane_kvh = tl.program_id(0)
     r = tl.program_id(1)

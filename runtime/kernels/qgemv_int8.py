@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
 X_TINY = 1e-30  # groups whose largest |x| is below this count as zero (their scale would underflow)
@@ -278,7 +278,6 @@ def write_quantized_x(xq_row_ptr, xv, k0, K_PAD: tl.constexpr, BITS: tl.constexp
 def _quantize_x_kernel(x_ptr, xq_ptr, K, stride_x, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr,
                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows of x -> dp4a words (see write_quantized_x); ROW_INTS int32 per row."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     r = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
@@ -357,7 +356,6 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_ASM: tl.constexpr, PREQUANT: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     row_ok = rows < N
@@ -378,7 +376,6 @@ def _qgemm_rows_int8_kernel(xq_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, 
                             BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
     """A few rows of x (pre-quantized, ROW_INTS int32 each): [BLOCK_T, BLOCK_N, words] broadcasts of
     each row's x words against the code words, unpacked once; the arithmetic of _dot_rows_int8."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -497,7 +494,6 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
     unsigned q + 2^(BITS-1)) times the rows' high and low x bytes in int8 dots with int32 sums, then the
     group's offset and scales in float. `xb_ptr` / `xi_ptr` are the same pre-quantized rows (see
     _quantize_x_kernel) as int8 and as int32."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -584,7 +580,6 @@ def qgemm_rows_mma(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int
 
 @triton.jit
 def _sum_splits_kernel(src_ptr, dst_ptr, SPLITS, M, BLOCK: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 
 @functools.lru_cache(maxsize=16)
@@ -22,7 +22,6 @@ def inverse_frequencies(rotary_dim: int, theta: float, device: str) -> torch.Ten
 @triton.jit
 def _qk_norm_rope_kernel(qgkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, stride_row, HQ, HKV,
                          k_offset, eps, D: tl.constexpr, ROT: tl.constexpr, HALF_P: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     t = tl.program_id(0)
     j = tl.program_id(1)  # heads 0..HQ-1 are queries, then HKV keys

@@ -22,13 +22,16 @@ from format.numeric import GroupedFormat
 from . import interpreted
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
                          qgemv_int8, split_partials)
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM streaming
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
 VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
 INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
+# dp4a T = 1: few-row, long-K products (MLP down 5120 x 17408, GDN/attention out) need K splits to keep
+# enough loads in flight: at 512 programs the Q4 down shape ran at 0.37 of copy, at 1024 at 0.59 (run 23)
+INT8_TARGET_PROGRAMS = 1024
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
@@ -104,7 +107,6 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
 def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, K_PER_SPLIT,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -145,7 +147,6 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows [row0, row0 + N) of a packed matrix -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
@@ -225,7 +226,6 @@ def _qgemv_vec_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_S
                       GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """T = 1: multiply-accumulate in registers and reduce along K (no tensor-core layouts)."""
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -239,7 +239,7 @@ def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, K splits, warps, prequant) of the dp4a kernels for `w`: one choice for one
     row and for row blocks, so both sum each row's products in the same order."""
     tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {})
-    block_n, block_k, programs = tuning["block_n"], tuning["block_k"], TARGET_PROGRAMS
+    block_n, block_k, programs = tuning["block_n"], tuning["block_k"], INT8_TARGET_PROGRAMS
     if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
     while w.k_pad % block_k:

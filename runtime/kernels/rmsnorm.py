@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
 
@@ -17,7 +17,6 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
                     split_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                     QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                     GROUP: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

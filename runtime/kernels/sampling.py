@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 
 BISECT_STEPS = 30
 
@@ -67,7 +67,6 @@ def _bisect(logits_ptr, counts_ptr, row, V, m, z, lo, target, inv_temp, rep, pre
 def _sample_kernel(logits_ptr, counts_ptr, noise_ptr, out_ptr, V, inv_temp, top_k, top_p, min_p, rep, presence,
                    frequency, GREEDY: tl.constexpr, HAS_PENALTY: tl.constexpr, HAS_TOPK: tl.constexpr,
                    HAS_TOPP: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     row = tl.program_id(0)
     # pass 1: max and arg-max

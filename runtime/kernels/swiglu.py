@@ -6,14 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCH, pdl_release, pdl_wait
+from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
 def _swiglu_kernel(gu_ptr, y_ptr, xq_ptr, inter, stride_gu, stride_y, BLOCK: tl.constexpr, QUANT: tl.constexpr,
                    ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr, GROUP: tl.constexpr):
-    pdl_release()  # PDL: see runtime/kernels/launch.py
     pdl_wait()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
