@@ -105,7 +105,8 @@ def t1_main(out: str) -> None:
         row["default_tile"] = list(ql._int8_tiles(w))
         row["default_us"] = graph_ms(product) * 1e3
         row["default_frac"] = nbytes / (row["default_us"] * 1e-6) / peak
-        saved, programs = dict(ql.INT8_TUNING_BY_BITS), ql.INT8_TARGET_PROGRAMS
+        saved, programs, wide = dict(ql.INT8_TUNING_BY_BITS), ql.INT8_TARGET_PROGRAMS, ql.INT8_WIDE_ROWS
+        ql.INT8_WIDE_ROWS = 1 << 62  # the swept tile applies to every shape
         for (bn, nw), bk, target in itertools.product(((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)), (256, 512, 1024),
                                                      (512, 1024, 2048)):
             if w.k_pad % bk:
@@ -118,7 +119,7 @@ def t1_main(out: str) -> None:
                 print("tile failed", row["op"], bn, bk, nw, type(exc).__name__, str(exc)[:200], flush=True)
         ql.INT8_TUNING_BY_BITS.clear()
         ql.INT8_TUNING_BY_BITS.update(saved)
-        ql.INT8_TARGET_PROGRAMS = programs
+        ql.INT8_TARGET_PROGRAMS, ql.INT8_WIDE_ROWS = programs, wide
         tiles = {key: v for key, v in row.items() if key[0].isdigit()}
         best = min(tiles, key=tiles.get)
         row.update(best_tile=best, best_us=tiles[best], best_frac=nbytes / (tiles[best] * 1e-6) / peak)

@@ -233,6 +233,29 @@ def test_gated_norm(tokens, hv, d):
     _check(gated_norm(o, z, w, 1e-6, DTYPE, out=_poison((tokens, hv * d))), gated_norm_reference(o, z, w, 1e-6, DTYPE))
 
 
+@pytest.mark.parametrize("t,chunk", [(5, 2), (11, 4), (9, 64)])
+def test_causal_conv1d_lanes_time_chunks(t, chunk, monkeypatch):
+    """A long block (prefill) runs in time chunks side by side, each starting from the window before
+    it (partly carried state when the chunk starts within three steps of the block): the same outputs
+    and final state as the reference, other lanes untouched."""
+    from runtime.kernels import conv1d
+    from runtime.kernels.conv1d import causal_conv1d_lanes, causal_conv1d_reference
+
+    monkeypatch.setattr(conv1d, "CONV_TIME_CHUNK", chunk)
+    b, c = 2, 300
+    x = torch.randn(b, t, c + 9, device=DEVICE).to(DTYPE)[..., :c]
+    stack = torch.randn(3, 2, 3, c, device=DEVICE).to(DTYPE)
+    lanes = torch.tensor([2, 0], device=DEVICE, dtype=torch.int32)
+    w = torch.randn(c, 4, device=DEVICE).to(DTYPE)
+    before = stack.clone()
+    got = causal_conv1d_lanes(x, stack, lanes, w, out=_poison((b, t, c)))
+    for j, lane in enumerate(lanes.tolist()):
+        want_y, want_s = causal_conv1d_reference(x[j : j + 1].cpu(), before[lane, 0][None].cpu(), w.cpu())
+        _check(got[j : j + 1].cpu(), want_y)
+        _check(stack[lane, 0].cpu(), want_s[0])
+    assert torch.equal(stack[1], before[1]) and torch.equal(stack[:, 1], before[:, 1])
+
+
 @pytest.mark.parametrize("t", [1, 2, 5])
 def test_causal_conv1d_lanes(t):
     """Lane-indexed width-4 conv on a slot stack: equals the reference per lane, snapshots hold each
@@ -271,8 +294,9 @@ def test_causal_conv1d(b, t, c):
 
 
 @pytest.mark.parametrize("codec", list(CODECS))
-# 12 x 2 rows: a 32-row verify block; 66 x 2 rows: a 64-row prefill block
-@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (12, 64), (66, 0)])
+# 12 x 2 rows: a 32-row verify block; 66 x 2 rows: a 64-row prefill block; 256: one split holds every
+# key, so the attention kernel writes finished rows itself (no combine launch)
+@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (12, 64), (66, 0), (66, 256), (1, 256)])
 def test_paged_attention(codec, t, split_tokens, monkeypatch):
     from runtime.kernels import paged_attention as module
     from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference

@@ -154,9 +154,10 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
                             T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_TOKENS, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                             KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
     """One (lane, kv head, row block, key split). Rows are (t, g) pairs of the kv head's query group,
-    so each key tile is decoded once for all of its G query heads (GQA packing)."""
+    so each key tile is decoded once for all of its G query heads (GQA packing). DIRECT (one split):
+    part_o_ptr is the output [lanes, T, HQ, D] itself and the rows are finished here, no combine."""
     pdl_wait()
     lane_kvh = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -230,15 +231,27 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
             v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
-    part = ((lane_kvh * SPLITS + split) * rows_total + r)
-    if V_HALVES:
-        tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
-        tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
+    if DIRECT:  # prefill: one split holds every key, so the rows are final
+        l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]  # divided as the combine kernel does: same rounding
+        o_row = ((lane * T + t_of) * HQ + head) * D
+        if V_HALVES:
+            tl.store(part_o_ptr + o_row[:, None] + 2 * dh[None, :],
+                     (acc_even / l_safe).to(part_o_ptr.dtype.element_ty), mask=r_ok[:, None])
+            tl.store(part_o_ptr + o_row[:, None] + 2 * dh[None, :] + 1,
+                     (acc_odd / l_safe).to(part_o_ptr.dtype.element_ty), mask=r_ok[:, None])
+        else:
+            tl.store(part_o_ptr + o_row[:, None] + dfull[None, :], (acc / l_safe).to(part_o_ptr.dtype.element_ty),
+                     mask=r_ok[:, None])
     else:
-        tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
-    tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
-    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+        # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
+        part = ((lane_kvh * SPLITS + split) * rows_total + r)
+        if V_HALVES:
+            tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
+            tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
+        else:
+            tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
 
 
 @triton.jit
@@ -306,15 +319,18 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
     splits = triton.cdiv(capacity, split_tokens)
-    part_o = torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # prefill chunks: enough row blocks to fill the GPU without splitting keys
+    part_o = o if direct else torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(1 if direct else lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
     grid = (lanes * hkv, triton.cdiv(rows, block_m), splits)
     _paged_attention_kernel[grid](
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, _root_table(str(q.device)), block_table, ctx_len,
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, **LAUNCH)
+        BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, num_warps=num_warps, **LAUNCH)
+    if direct:
+        return o
     block_d = 64 if d % 64 == 0 else d
     _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens,
                                                        D=d, BLOCK_S=64, BLOCK_D=block_d, num_warps=4, **LAUNCH)

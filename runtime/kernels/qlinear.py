@@ -28,7 +28,12 @@ TARGET_PROGRAMS = 512  # enough row-block x K-split programs to keep every SM st
 GEMV_TUNING = {"block_n": 64, "block_k": 256, "num_warps": 4}  # tensor-core path, T = 2..16
 VEC_TUNING = {"block_n": 8, "block_k": 512, "num_warps": 4}  # FMA path, T = 1 (best of the H200 sweep)
 INT8_TUNING = {"block_n": 16, "block_k": 512, "num_warps": 4, "prequant": True}  # dp4a path, T = 1
-INT8_TUNING_BY_BITS = {5: {"block_n": 32, "num_warps": 8}}  # Q5's high-bit work wants more rows (run 15)
+# Q5 (MLP down 5120 x 17408, GDN out): 32 rows x 256 lanes x 8 warps, 4 K splits: down 30.4 -> 22.8 us (run 23)
+INT8_TUNING_BY_BITS = {5: {"block_n": 32, "block_k": 256, "num_warps": 8}}
+# Q4 products with many rows need no K split; 32 x 256 tiles stream them faster (MLP gate_up 34816 x
+# 5120: 31.4 -> 27.4 us, run 23); fewer rows (GDN qkvz 16384) keep the default
+INT8_TUNING_WIDE_Q4 = {"block_n": 32, "block_k": 256}
+INT8_WIDE_ROWS = 32768
 # dp4a T = 1: few-row, long-K products (MLP down 5120 x 17408, GDN/attention out) need K splits to keep
 # enough loads in flight: at 512 programs the Q4 down shape ran at 0.37 of copy, at 1024 at 0.59 (run 23)
 INT8_TARGET_PROGRAMS = 1024
@@ -239,6 +244,8 @@ def _int8_tiles(w: "PackedLinear") -> tuple[int, int, int, int, bool]:
     """(BLOCK_N, BLOCK_K, K splits, warps, prequant) of the dp4a kernels for `w`: one choice for one
     row and for row blocks, so both sum each row's products in the same order."""
     tuning = INT8_TUNING | INT8_TUNING_BY_BITS.get(w.fmt.bits, {})
+    if w.fmt.bits == 4 and w.rows >= INT8_WIDE_ROWS:
+        tuning |= INT8_TUNING_WIDE_Q4
     block_n, block_k, programs = tuning["block_n"], tuning["block_k"], INT8_TARGET_PROGRAMS
     if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
