@@ -222,7 +222,7 @@ def test_gdn_chunked_matches_the_recurrence(dk):
     assert torch.equal(stack[0], before[0]) and torch.equal(stack[:, 1], before[:, 1])
 
 
-@pytest.mark.parametrize("tokens,hv,d", [(1, 3, 32), (5, 2, 128)])
+@pytest.mark.parametrize("tokens,hv,d", [(1, 3, 32), (5, 2, 128), (70, 15, 32)])  # 1,050 rows: 16 per program
 def test_gated_norm(tokens, hv, d):
     from runtime.kernels.gated_norm import gated_norm, gated_norm_reference
 
@@ -409,11 +409,11 @@ def test_rotate64(shape, out_dtype):
     _check(got.cpu(), rotate64_reference(x.cpu(), out_dtype), out_dtype or DTYPE)
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_attention_gate(rotate):
+@pytest.mark.parametrize("rotate,n", [(False, 3), (True, 3), (False, 261)])  # 261 x 2 x 2 groups: 16 per program
+def test_attention_gate(rotate, n):
     from runtime.kernels.attention_gate import attention_gate, attention_gate_reference
 
-    n, heads, d = 3, 2, 128
+    heads, d = 2, 128
     qgkv = torch.randn(n, heads * 2 * d + 40, device=DEVICE).to(DTYPE)  # gate rows sit inside a wider row
     qg = qgkv[:, : heads * 2 * d]
     o = torch.randn(n, heads, d, device=DEVICE).to(DTYPE)

@@ -20,25 +20,31 @@ from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
-def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, xq_ptr, HEADS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr,
-                 QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                 GROUP: tl.constexpr):
+def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, xq_ptr, HEADS, GROUPS, qg_stride, D: tl.constexpr, ROTATE: tl.constexpr,
+                 BLOCK_G: tl.constexpr, QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr,
+                 QBITS: tl.constexpr, GROUP: tl.constexpr):
+    """BLOCK_G (token, head, 64-lane group)s per program: one when rotating or writing dp4a words
+    (decode), several for an unrotated prefill chunk's ~200K groups."""
     pdl_wait()
-    group = tl.program_id(0).to(tl.int64)  # (token, head, 64-group)
+    group = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = (group < GROUPS)[:, None]
     G: tl.constexpr = D // 64
     token_head = group // G
     sub = group % G
     token = token_head // HEADS
     head = token_head % HEADS
     i = tl.arange(0, 64)
-    o = tl.load(o_ptr + group * 64 + i).to(tl.float32)
-    if ROTATE:
-        o = rotate_group64(o, h_ptr)
-    g = tl.load(qg_ptr + token * qg_stride + head * (2 * D) + D + sub * 64 + i).to(tl.float32)
+    o = tl.load(o_ptr + group[:, None] * 64 + i[None, :], mask=ok, other=0.0).to(tl.float32)
+    if ROTATE:  # (one group per program)
+        o = tl.reshape(rotate_group64(tl.reshape(o, (64,)), h_ptr), (1, 64))
+    g = tl.load(qg_ptr + (token * qg_stride + head * (2 * D) + D + sub * 64)[:, None] + i[None, :], mask=ok,
+                other=0.0).to(tl.float32)
     y = (o * tl.sigmoid(g)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + group * 64 + i, y)
-    if QUANT:  # these 64 lanes of the token's row, as the output projection would quantize them
-        write_quantized_x(xq_ptr + token * ROW_INTS, y.to(tl.float32), (head * G + sub) * 64, K_PAD, QBITS, GROUP, 64)
+    tl.store(y_ptr + group[:, None] * 64 + i[None, :], y, mask=ok)
+    if QUANT:  # (one group per program) these 64 lanes of the token's row, as the output projection would quantize them
+        one = tl.program_id(0).to(tl.int64)
+        write_quantized_x(xq_ptr + (one // G // HEADS) * ROW_INTS, tl.reshape(y.to(tl.float32), (64,)),
+                          ((one // G) % HEADS * G + one % G) * 64, K_PAD, QBITS, GROUP, 64)
 
 
 def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: QuantizedX | None = None) -> torch.Tensor:
@@ -51,9 +57,12 @@ def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: Quantize
     o = o.contiguous()
     y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
     fused, words, quant = producer_words(xq, y, n, heads * d, 64, heads * d)
+    groups = n * heads * (d // 64)
+    block_g = 1 if rotate or quant["QUANT"] or groups < 1024 else 16
     if n:
-        _gate_kernel[(n * heads * (d // 64),)](o, qg, hadamard_on_device(64, str(o.device)), y, words, heads,
-                                               qg.stride(0), D=d, ROTATE=rotate, **quant, num_warps=2, **LAUNCH)
+        _gate_kernel[(triton.cdiv(groups, block_g),)](o, qg, hadamard_on_device(64, str(o.device)), y, words, heads,
+                                                      groups, qg.stride(0), D=d, ROTATE=rotate, BLOCK_G=block_g, **quant,
+                                                      num_warps=2, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     return y

@@ -13,23 +13,28 @@ from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                       GROUP: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, ROWS, eps, D: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr, ROW_INTS: tl.constexpr,
+                       K_PAD: tl.constexpr, QBITS: tl.constexpr, GROUP: tl.constexpr):
+    """BLOCK_R (token, value head) rows per program: one for decode (which may write dp4a words),
+    several for prefill chunks, whose 100K head rows of 128 lanes are too small for a program each."""
     pdl_wait()
-    r = tl.program_id(0)  # one (token, value head) row
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = (r < ROWS)[:, None]
     d = tl.arange(0, D)
-    o = tl.load(o_ptr + r * D + d).to(tl.float32)
-    n = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+    o = tl.load(o_ptr + r[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    n = o * tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)[:, None]
     if ROUND_BF16:
         n = n.to(tl.bfloat16).to(tl.float32)
     tok = r // HV
-    z = tl.load(z_ptr + tok * stride_z + (r % HV) * D + d).to(tl.float32)
+    z = tl.load(z_ptr + (tok * stride_z + (r % HV) * D)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + d).to(tl.float32)
-    y = (w * n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + r * D + d, y)
-    if QUANT:  # this head's lanes of the token's row, as the output projection would quantize them
-        write_quantized_x(xq_ptr + tok * ROW_INTS, y.to(tl.float32), (r % HV) * D, K_PAD, QBITS, GROUP, D)
+    y = (w[None, :] * n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r[:, None] * D + d[None, :], y, mask=ok)
+    if QUANT:  # (one row per program) this head's lanes of the token's row, as the output projection would quantize them
+        row = tl.program_id(0)
+        write_quantized_x(xq_ptr + (row // HV) * ROW_INTS, tl.reshape(y.to(tl.float32), (D,)), (row % HV) * D, K_PAD,
+                          QBITS, GROUP, D)
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype,
@@ -39,8 +44,11 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     tokens, hv, d = o.shape
     y = out if out is not None else torch.empty(tokens, hv * d, dtype=out_dtype, device=o.device)
     fused, words, quant = producer_words(xq, y, tokens, hv * d, d, hv * d)
-    _gated_norm_kernel[(tokens * hv,)](o.contiguous(), z, weight, y, words, z.stride(0), hv, eps, D=d,
-                                       ROUND_BF16=out_dtype == torch.bfloat16, **quant, **LAUNCH)
+    rows = tokens * hv
+    block_r = 1 if quant["QUANT"] or rows < 1024 else 16
+    _gated_norm_kernel[(triton.cdiv(rows, block_r),)](o.contiguous(), z, weight, y, words, z.stride(0), hv, rows, eps, D=d,
+                                                      ROUND_BF16=out_dtype == torch.bfloat16, BLOCK_R=block_r, **quant,
+                                                      **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     return y
