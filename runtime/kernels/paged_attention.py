@@ -67,7 +67,8 @@ def _e2m1(nib):
 def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl.constexpr,
                  D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
     """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32.
-    nvfp4 and E8 roots (int4 groups: _int4_halves; byte codecs: _decode_rows)."""
+    nvfp4 (the attention kernel uses _nvfp4_halves) and E8 roots (int4 groups: _int4_halves; byte codecs:
+    _decode_rows)."""
     d = 2 * dh + ODD
     m = tok_ok[:, None]
     if KIND == 4:
@@ -103,6 +104,24 @@ def _int4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.
     lo = (_nibble_f16(b, 0) - 1032.0) * s
     hi = (_nibble_f16(b, 1) - 1032.0) * s
     return tl.reshape(lo, (BLOCK_N, D // 2)), tl.reshape(hi, (BLOCK_N, D // 2))
+
+
+@triton.jit
+def _nvfp4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, BLOCK_N: tl.constexpr):
+    """nvfp4 codes of the vectors at pool rows `row` -> (even, odd) halves [BLOCK_N, D/2] fp16, exact.
+    An E2M1 nibble's bits placed at fp16 bits 9-11 (sign at 15) read as its value x 2^-14; E4M3 bits at
+    fp16 bits 7-13 (sign at 15) as its value x 2^-8; both rescale exactly, and their product (at most
+    2 x 4 significant bits, 2^-10 .. 2,688) is exact in fp16. One scale decode per 16 elements."""
+    G: tl.constexpr = D // 16
+    g = tl.arange(0, G)
+    j = tl.arange(0, 8)
+    b = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 8 + j[None, None, :], mask=tok_ok[:, None, None],
+                other=0).to(tl.int32)
+    sb = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0).to(tl.int32)
+    s = (((sb & 0x80) << 8) | ((sb & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+    lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+    hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True) * 16384.0
+    return (tl.reshape(lo * s[:, :, None], (BLOCK_N, D // 2)), tl.reshape(hi * s[:, :, None], (BLOCK_N, D // 2)))
 
 
 @triton.jit
@@ -203,6 +222,9 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         if KK == 2:
             k_even, k_odd = _int4_halves(k0, k1, row, n_ok, D, KW0, KW1, BLOCK_N)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
+        elif KK == 4:
+            k_even, k_odd = _nvfp4_halves(k0, k1, row, n_ok, D, KW0, KW1, BLOCK_N)
+            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         elif K_HALVES:
             k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1).to(tl.float16)
             k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1).to(tl.float16)
@@ -220,6 +242,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if VK == 2:
             v_even, v_odd = _int4_halves(v0, v1, row, n_ok, D, VW0, VW1, BLOCK_N)
+        elif VK == 4:
+            v_even, v_odd = _nvfp4_halves(v0, v1, row, n_ok, D, VW0, VW1, BLOCK_N)
         elif V_HALVES:
             v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1).to(tl.float16)
             v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1).to(tl.float16)
