@@ -54,40 +54,37 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _e2m1(nib):
-    """Decode E2M1 nibbles (int32, bit 3 = sign) to float32."""
-    sign = tl.where((nib & 0x8) != 0, -1.0, 1.0)
-    e = (nib >> 1) & 0x3
-    m = (nib & 0x1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e.to(tl.float32) - 1.0))
-    return sign * mag
+def _e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+                  W1: tl.constexpr):
+    """E8-root codes: elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2]
+    fp32, per element."""
+    d = 2 * dh + ODD
+    m = tok_ok[:, None]
+    sv = d // 8
+    i = d % 8
+    root = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=240).to(tl.int32)
+    meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
+    val = tl.load(table_ptr + root * 8 + i[None, :])
+    axis = meta & 0xF
+    nudge = tl.where((axis >> 1) == i[None, :], tl.where((axis & 1) != 0, -2.0, 2.0), 0.0)
+    rad = meta >> 4
+    gain = tl.where(rad > 0, 0.5 * tl.exp2((rad.to(tl.float32) - 8.0) / 3.0), 0.0)
+    s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+    return tl.where(root >= 240, 0.0, (val + nudge) * gain) * s
 
 
 @triton.jit
-def _decode_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, KIND: tl.constexpr,
-                 D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
-    """Decode elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2] fp32.
-    nvfp4 (the attention kernel uses _nvfp4_halves) and E8 roots (int4 groups: _int4_halves; byte codecs:
-    _decode_rows)."""
-    d = 2 * dh + ODD
-    m = tok_ok[:, None]
-    if KIND == 4:
-        b = tl.load(p0 + row[:, None] * W0 + dh[None, :], mask=m, other=0).to(tl.int32)
-        n = (b >> (4 * ODD)) & 0xF
-        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 16, mask=m, other=0).to(tl.int32)
-        return _e2m1(n) * _e4m3(s)
+def _code_halves(p0, p1, table_ptr, row, tok_ok, dh, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+                 W1: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Vectors of the half-split codecs (int4 groups, nvfp4, E8 roots) at pool rows `row` as (even, odd)
+    fp16 halves [BLOCK_N, D/2]."""
+    if KIND == 2:
+        return _int4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
+    elif KIND == 4:
+        return _nvfp4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     else:
-        sv = d // 8
-        i = d % 8
-        root = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=240).to(tl.int32)
-        meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
-        val = tl.load(table_ptr + root * 8 + i[None, :])
-        axis = meta & 0xF
-        nudge = tl.where((axis >> 1) == i[None, :], tl.where((axis & 1) != 0, -2.0, 2.0), 0.0)
-        rad = meta >> 4
-        gain = tl.where(rad > 0, 0.5 * tl.exp2((rad.to(tl.float32) - 8.0) / 3.0), 0.0)
-        s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-        return tl.where(root >= 240, 0.0, (val + nudge) * gain) * s
+        return (_e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, 0, D, W0, W1).to(tl.float16),
+                _e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, 1, D, W0, W1).to(tl.float16))
 
 
 @triton.jit
@@ -219,15 +216,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         n_ok = n < end
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
-        if KK == 2:
-            k_even, k_odd = _int4_halves(k0, k1, row, n_ok, D, KW0, KW1, BLOCK_N)
-            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
-        elif KK == 4:
-            k_even, k_odd = _nvfp4_halves(k0, k1, row, n_ok, D, KW0, KW1, BLOCK_N)
-            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
-        elif K_HALVES:
-            k_even = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 0, KK, D, KW0, KW1).to(tl.float16)
-            k_odd = _decode_half(k0, k1, table_ptr, row, n_ok, dh, 1, KK, D, KW0, KW1).to(tl.float16)
+        if K_HALVES:
+            k_even, k_odd = _code_halves(k0, k1, table_ptr, row, n_ok, dh, KK, D, KW0, KW1, BLOCK_N)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         else:
             k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
@@ -240,14 +230,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if VK == 2:
-            v_even, v_odd = _int4_halves(v0, v1, row, n_ok, D, VW0, VW1, BLOCK_N)
-        elif VK == 4:
-            v_even, v_odd = _nvfp4_halves(v0, v1, row, n_ok, D, VW0, VW1, BLOCK_N)
-        elif V_HALVES:
-            v_even = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 0, VK, D, VW0, VW1).to(tl.float16)
-            v_odd = _decode_half(v0, v1, table_ptr, row, n_ok, dh, 1, VK, D, VW0, VW1).to(tl.float16)
         if V_HALVES:
+            v_even, v_odd = _code_halves(v0, v1, table_ptr, row, n_ok, dh, VK, D, VW0, VW1, BLOCK_N)
             p16 = p.to(tl.float16)
             acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
@@ -255,27 +239,24 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
             v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if DIRECT:  # prefill: one split holds every key, so the rows are final
+    if DIRECT:  # prefill: one split holds every key, so the rows are final and go to the output itself
+        dst = ((lane * T + t_of) * HQ + head) * D
         l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]  # divided as the combine kernel does: same rounding
-        o_row = ((lane * T + t_of) * HQ + head) * D
         if V_HALVES:
-            tl.store(part_o_ptr + o_row[:, None] + 2 * dh[None, :],
-                     (acc_even / l_safe).to(part_o_ptr.dtype.element_ty), mask=r_ok[:, None])
-            tl.store(part_o_ptr + o_row[:, None] + 2 * dh[None, :] + 1,
-                     (acc_odd / l_safe).to(part_o_ptr.dtype.element_ty), mask=r_ok[:, None])
+            acc_even, acc_odd = acc_even / l_safe, acc_odd / l_safe
         else:
-            tl.store(part_o_ptr + o_row[:, None] + dfull[None, :], (acc / l_safe).to(part_o_ptr.dtype.element_ty),
-                     mask=r_ok[:, None])
-    else:
-        # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
+            acc = acc / l_safe
+    else:  # partials: [lane, kvh, split, row, D] and (m, l) as [lane, kvh, split, row, 2]
         part = ((lane_kvh * SPLITS + split) * rows_total + r)
-        if V_HALVES:
-            tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :], acc_even, mask=r_ok[:, None])
-            tl.store(part_o_ptr + part[:, None] * D + 2 * dh[None, :] + 1, acc_odd, mask=r_ok[:, None])
-        else:
-            tl.store(part_o_ptr + part[:, None] * D + dfull[None, :], acc, mask=r_ok[:, None])
+        dst = part * D
         tl.store(part_ml_ptr + part * 2, m_i, mask=r_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+    out_ty = part_o_ptr.dtype.element_ty
+    if V_HALVES:
+        tl.store(part_o_ptr + dst[:, None] + 2 * dh[None, :], acc_even.to(out_ty), mask=r_ok[:, None])
+        tl.store(part_o_ptr + dst[:, None] + 2 * dh[None, :] + 1, acc_odd.to(out_ty), mask=r_ok[:, None])
+    else:
+        tl.store(part_o_ptr + dst[:, None] + dfull[None, :], acc.to(out_ty), mask=r_ok[:, None])
 
 
 @triton.jit
