@@ -24,7 +24,7 @@ from runtime.kernels.hadamard import rotate64
 HQ, HKV, D = 24, 4, 256
 CODEC_NAMES = ("bf16", "int8", "rk8v4", "rk4v4-e8", "fp8", "nvfp4", "rk2v4-e8")
 DEPTHS = (8192, 32768, 131072, 204800)
-TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8)]
+TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (16, 1), (32, 1), (32, 2), (64, 2)]
 
 
 def graph_ms(fn, reps=50):
@@ -93,6 +93,10 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
                 if (bn, nw) == (16, 4):
                     row["new_16x4_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
                 row[f"new_{bn}x{nw}_maxdiff"] = (out - ref).abs().max().item()
+                if nw <= 2 and depth >= 131072:  # one- and two-warp programs: 4x the programs as well
+                    pa.TARGET_PROGRAMS = 4096
+                    row[f"new_{bn}x{nw}_p4096_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
+                    pa.TARGET_PROGRAMS = 1024
             pa.ATTENTION_TUNING.clear()
             if depth >= 131072:  # more, shorter splits at depth (default TARGET_PROGRAMS = 1024)
                 for target in (2048, 4096):
