@@ -99,7 +99,7 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
                     pa.TARGET_PROGRAMS = 1024
             pa.ATTENTION_TUNING.clear()
             if depth >= 131072:  # more, shorter splits at depth (default TARGET_PROGRAMS = 1024)
-                for target in (2048, 4096):
+                for target in (396, 528, 2048, 4096):  # 396 = 3 resident programs x 132 SMs: one wave
                     pa.TARGET_PROGRAMS = target
                     row[f"programs{target}_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
                 pa.TARGET_PROGRAMS = 1024
