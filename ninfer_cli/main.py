@@ -15,6 +15,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Run one Qwen3.5-family model on one GPU at its physical limit.")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+PrefillChunkOpt = Annotated[str, typer.Option(
+    help="Prefill chunk in tokens (a multiple of 128), or auto: the largest of 8192/4096/2048/1024 whose "
+         "activation workspace is at most 1/32 of the card's memory (1024 on CPU).")]
 
 
 class Recipe(str, Enum):
@@ -159,7 +162,7 @@ def fit(
     vram_reserve: Annotated[str, typer.Option(help="Memory left unplanned (CUDA context, other processes).")] = "1.3G",
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
     max_concurrency: Annotated[int, typer.Option(min=1, max=8, help="Lanes (concurrent requests).")] = 1,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    prefill_chunk: PrefillChunkOpt = "auto",
     spec: Annotated[Spec, typer.Option(help="Speculative decoding backend.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Keep the reduced draft head resident.")] = False,
@@ -170,7 +173,8 @@ def fit(
 ):
     """Solve for the largest --max-context that fits a card, byte for byte (no GPU needed)."""
     from format.container import Artifact
-    from runtime.memory_plan import GPU_VRAM_MIB, MemoryPlanError, PlanOptions, build_plan, fit as solve, parse_bytes
+    from runtime.memory_plan import (GPU_VRAM_MIB, MemoryPlanError, PlanOptions, build_plan, fit as solve, parse_bytes,
+                                     parse_prefill_chunk, resolve_prefill_chunk)
 
     if (vram is None) == (gpu is None):
         raise MemoryPlanError("give exactly one of --vram SIZE or --gpu NAME")
@@ -183,9 +187,10 @@ def fit(
         total = parse_bytes(vram)
     reserve = parse_bytes(vram_reserve)
     opts = PlanOptions(max_context=max_context or 64, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
-                       prefill_chunk=prefill_chunk, spec=spec.value, draft_tokens=draft_tokens,
+                       prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                        lm_head_draft=lm_head_draft, vision=vision, cuda_graphs=cuda_graphs)
     with Artifact(artifact) as art:
+        opts = resolve_prefill_chunk(art, opts, total)
         if max_context is not None:
             plan = build_plan(art, opts)
             best = solve(art, opts, total, reserve)
@@ -198,7 +203,7 @@ def fit(
         "vram_bytes": total, "reserve_bytes": reserve, "budget_bytes": budget,
         "max_context": best.max_context, "requested_context": max_context, "fits": fits,
         "kv_dtype": kv_dtype.value, "max_concurrency": max_concurrency, "spec": spec.value,
-        "kv_bytes_per_token": plan.kv_bytes_per_token if plan else None,
+        "prefill_chunk": opts.prefill_chunk, "kv_bytes_per_token": plan.kv_bytes_per_token if plan else None,
         "total_bytes": plan.total_bytes if plan else best.fixed_bytes,
         "breakdown": plan.breakdown() if plan else {}, "bytes_per_64_tokens": best.bytes_per_page_group,
     }
@@ -224,7 +229,7 @@ def _print_fit(r: dict) -> None:
         out.print(f"--max-context {r['requested_context']} {verdict}; largest that fits: {r['max_context']}")
     elif r["fits"]:
         out.print(f"max context: {r['max_context']} tokens ({r['kv_dtype']} KV, {r['kv_bytes_per_token']:,} B/token, "
-                  f"{r['max_concurrency']} lane(s), spec {r['spec']})")
+                  f"{r['max_concurrency']} lane(s), spec {r['spec']}, prefill chunk {r['prefill_chunk']})")
     else:
         out.print(f"[red]nothing fits[/red]: even 64 tokens need {r['total_bytes']:,} bytes of a "
                   f"{r['budget_bytes']:,}-byte budget")
@@ -246,7 +251,7 @@ def generate(
     runtime: Annotated[Runtime, typer.Option(help="reference (plain torch) or triton (paged KV, kernels, graphs).")] = Runtime.reference,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec (triton runtime).")] = KvDtype.bf16,
     max_context: Annotated[int, typer.Option(help="Context the triton runtime plans memory for.")] = 4096,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    prefill_chunk: PrefillChunkOpt = "auto",
     temperature: Annotated[float, typer.Option(help="0 = greedy (triton runtime samples on the device).")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass to keep.")] = 1.0,
@@ -268,9 +273,9 @@ def generate(
     options = params = None
     if runtime == Runtime.triton:
         from runtime.kernels.sampling import SamplingParams
-        from runtime.memory_plan import PlanOptions
+        from runtime.memory_plan import PlanOptions, parse_prefill_chunk
 
-        options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=prefill_chunk,
+        options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk),
                               spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
         if spec == Spec.dflash2:
             from runtime.memory_plan import MemoryPlanError
@@ -316,7 +321,7 @@ def bench(
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per round (1..15).")] = 3,
     accepted_drafts: Annotated[Optional[int], typer.Option(help="Force this many accepted drafts per round (random weights have no real acceptance).")] = None,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced head.")] = False,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 2048,
+    prefill_chunk: PrefillChunkOpt = "auto",
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
     plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth.")] = None,
     json_out: Annotated[Optional[Path], typer.Option(help="Also write the results JSON to this file.")] = None,
@@ -328,7 +333,7 @@ def bench(
     import torch
 
     from runtime.bench import BenchOptions, plot, run_bench
-    from runtime.memory_plan import MemoryPlanError
+    from runtime.memory_plan import MemoryPlanError, parse_prefill_chunk
 
     if not torch.cuda.is_available():
         raise MemoryPlanError("ninfer bench measures GPU speed and needs a CUDA GPU; use `ninfer fit` for memory on CPU")
@@ -348,7 +353,7 @@ def bench(
         seed = 0
     opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
                         decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
-                        accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, prefill_chunk=prefill_chunk,
+                        accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, prefill_chunk=parse_prefill_chunk(prefill_chunk),
                         prefill_limit=_tokens(prefill_limit), random_weights_seed=seed)
     results = run_bench(artifact, opts, log=lambda m: err.print(m))
     if random_weights is not None:
@@ -369,7 +374,7 @@ def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str,
     from dataclasses import replace
 
     from format.container import Artifact
-    from runtime.memory_plan import MemoryPlanError, fit as solve, parse_bytes
+    from runtime.memory_plan import MemoryPlanError, fit as solve, parse_bytes, resolve_prefill_chunk
 
     lanes = options.max_concurrency
     if kv_capacity.strip().lower() != "auto":
@@ -381,8 +386,9 @@ def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str,
 
     if not device.startswith("cuda") or not torch.cuda.is_available():
         raise MemoryPlanError("--kv-capacity auto sizes the cache from free GPU memory; give a number on CPU")
-    free, _ = torch.cuda.mem_get_info()
+    free, card = torch.cuda.mem_get_info()
     with Artifact(artifact) as art:
+        options = resolve_prefill_chunk(art, options, card)
         best = solve(art, options, free, parse_bytes(vram_reserve))
     if best.max_context == 0:
         raise MemoryPlanError("nothing fits the free GPU memory; lower --max-concurrency or pick a smaller --kv-dtype")
@@ -432,7 +438,7 @@ def serve(
     max_pending_requests: Annotated[int, typer.Option(min=0, help="Waiting requests before 429 / 529.")] = 64,
     pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
-    prefill_chunk: Annotated[int, typer.Option(help="Prefill chunk in tokens (multiple of 128).")] = 1024,
+    prefill_chunk: PrefillChunkOpt = "auto",
     kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
     spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head.")] = Spec.none,
@@ -450,7 +456,7 @@ def serve(
     import uvicorn
 
     prepare_device(device)
-    from runtime.memory_plan import PlanOptions
+    from runtime.memory_plan import PlanOptions, parse_prefill_chunk
     from runtime.serve.launch import build_server
 
     from runtime.memory_plan import MemoryPlanError
@@ -458,7 +464,7 @@ def serve(
     if spec == Spec.dflash2:
         raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
     options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
-                          prefill_chunk=prefill_chunk, spec=spec.value, draft_tokens=draft_tokens,
+                          prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                           lm_head_draft=lm_head_draft, vision=vision)
     if kv_capacity is not None:
         options = _kv_capacity_options(artifact, options, kv_capacity, vram_reserve, device)

@@ -24,7 +24,7 @@ class BenchOptions:
     draft_tokens: int = 3
     accepted_drafts: int | None = None  # force this many accepted drafts per round (random weights)
     lm_head_draft: bool = False
-    prefill_chunk: int = 2048
+    prefill_chunk: int = 0  # 0 = auto (runtime.memory_plan.resolve_prefill_chunk)
     prefill_limit: int = 262_144
     random_weights_seed: int | None = None
     extra: dict = field(default_factory=dict)
@@ -123,15 +123,16 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
         if opts.spec == "mtp" and opts.accepted_drafts is not None:
             engine.mtp.forced_accept = opts.accepted_drafts
         engine.mem.buffers["kv_pool"].zero_()
-        log(f"[{kv}] engine ready in {load_s:.1f} s; plan {engine.plan.total_bytes / 2**30:.2f} GiB")
+        log(f"[{kv}] engine ready in {load_s:.1f} s; plan {engine.plan.total_bytes / 2**30:.2f} GiB; "
+            f"prefill chunk {engine.opts.prefill_chunk}")
         # compile the prefill kernels (a full chunk and a short tail) outside the timing
-        warm = torch.randint(0, engine.cfg.vocab_size, (min(opts.prefill_chunk + 7, max_context - 1),),
+        warm = torch.randint(0, engine.cfg.vocab_size, (min(engine.opts.prefill_chunk + 7, max_context - 1),),
                              generator=gen).tolist()
         engine.prefill(0, warm)
         warmed = False
         for depth in sorted(opts.depths):
             row = {"kv_dtype": kv, "depth": depth, "spec": opts.spec, "draft_tokens": opts.draft_tokens
-                   if opts.spec != "none" else 0}
+                   if opts.spec != "none" else 0, "prefill_chunk": engine.opts.prefill_chunk}
             if depth <= opts.prefill_limit:
                 prompt = torch.randint(0, engine.cfg.vocab_size, (depth,), generator=gen).tolist()
                 _sync(engine)

@@ -36,7 +36,7 @@ from .kernels.qk_norm_rope import qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
-from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit
+from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
@@ -86,6 +86,8 @@ class Engine:
         require_runnable(self.art)
         self.cfg = load_config(self.art)
         on_gpu = self.device.type == "cuda"
+        card_bytes = torch.cuda.mem_get_info(self.device)[1] if on_gpu else None
+        options = resolve_prefill_chunk(self.art, options, card_bytes)
         if on_gpu and available_bytes is None:
             free, _ = torch.cuda.mem_get_info(self.device)
             available_bytes = free

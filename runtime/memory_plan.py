@@ -292,6 +292,45 @@ def fit(art: Artifact, opts: PlanOptions, vram_bytes: int, reserve_bytes: int) -
     return FitResult(budget, best, build_plan(art, _with(opts, best)), small, step)
 
 
+AUTO_PREFILL_CHUNK = 0  # PlanOptions.prefill_chunk for `--prefill-chunk auto`, resolved by resolve_prefill_chunk
+PREFILL_CHUNK_CHOICES = (8192, 4096, 2048, 1024)
+AUTO_CHUNK_SHARE = 32  # the auto chunk's activation workspace stays within 1/32 of the card
+
+
+def parse_prefill_chunk(text: str | int) -> int:
+    """`auto` -> AUTO_PREFILL_CHUNK, else a positive multiple of 128 tokens."""
+    if str(text).strip().lower() == "auto":
+        return AUTO_PREFILL_CHUNK
+    try:
+        chunk = int(text)
+    except ValueError:
+        chunk = -1
+    if chunk < 128 or chunk % 128:
+        raise MemoryPlanError(f"--prefill-chunk {text!r} is not valid; give a multiple of 128 tokens (e.g. 2048) or auto")
+    return chunk
+
+
+def resolve_prefill_chunk(art: Artifact, opts: PlanOptions, card_bytes: int | None) -> PlanOptions:
+    """An explicit chunk passes through. `auto`: the largest of PREFILL_CHUNK_CHOICES whose activation workspace
+    (at the native context, so the choice does not depend on --max-context) is at most 1/AUTO_CHUNK_SHARE of
+    the card's memory: big chunks prefill much faster (run 24, 27B at 8K: 12,705 tok/s with 8,192-token
+    chunks, 8,505 with 2,048), but on a 24 GB card their workspace would cost a third of the bf16 context.
+    Decided from the card's size, not its free bytes, so `ninfer fit --gpu X` and the server on X agree.
+    Without a card (CPU) the chunk is 1,024."""
+    from dataclasses import replace
+
+    if opts.prefill_chunk != AUTO_PREFILL_CHUNK:
+        return opts
+    if card_bytes is None:
+        return replace(opts, prefill_chunk=PREFILL_CHUNK_CHOICES[-1])
+    cfg = load_config(art)
+    for chunk in PREFILL_CHUNK_CHOICES:
+        probe = replace(opts, prefill_chunk=chunk, max_context=NATIVE_CONTEXT)
+        if _workspace(cfg, probe).allocated_bytes * AUTO_CHUNK_SHARE <= card_bytes:
+            return replace(opts, prefill_chunk=chunk)
+    return replace(opts, prefill_chunk=PREFILL_CHUNK_CHOICES[-1])
+
+
 def _with(opts: PlanOptions, ctx: int) -> PlanOptions:
     from dataclasses import replace
 

@@ -16,8 +16,12 @@ from runtime.memory_plan import (
     PlanOptions,
     build_plan,
     fit,
+    PREFILL_CHUNK_CHOICES,
+    _workspace,
     parse_bytes,
+    parse_prefill_chunk,
     require_fit,
+    resolve_prefill_chunk,
 )
 
 
@@ -111,3 +115,36 @@ def test_fit_cli(artifact):
     assert r.exit_code == 1 and "does NOT fit" in r.stdout
     r = runner.invoke(app, ["fit", str(artifact.path), "--gpu", "voodoo2"])
     assert r.exit_code == 1 and "unknown --gpu" in r.output
+
+
+def test_prefill_chunk_auto_follows_the_card(artifact):
+    from dataclasses import replace
+
+    from format.binding import load_config
+
+    assert parse_prefill_chunk("auto") == parse_prefill_chunk("AUTO") == 0
+    assert parse_prefill_chunk("2048") == 2048
+    for bad in ("3000", "0", "-128", "big"):
+        with pytest.raises(MemoryPlanError, match="multiple of 128 tokens"):
+            parse_prefill_chunk(bad)
+    auto = PlanOptions(max_context=256, prefill_chunk=0)
+    assert resolve_prefill_chunk(artifact, PlanOptions(max_context=256, prefill_chunk=384), 1 << 20).prefill_chunk == 384
+    assert resolve_prefill_chunk(artifact, auto, None).prefill_chunk == 1024  # CPU: no card
+    cfg = load_config(artifact)
+
+    def share(chunk):  # the card size at which `chunk`'s workspace is exactly 1/32 of it
+        return 32 * _workspace(cfg, replace(auto, prefill_chunk=chunk, max_context=262_144)).allocated_bytes
+
+    for chunk in PREFILL_CHUNK_CHOICES:  # largest chunk within 1/32 of the card; 1 byte less -> the next one down
+        assert resolve_prefill_chunk(artifact, auto, share(chunk)).prefill_chunk == chunk
+        if chunk != PREFILL_CHUNK_CHOICES[-1]:
+            assert resolve_prefill_chunk(artifact, auto, share(chunk) - 1).prefill_chunk < chunk
+    assert resolve_prefill_chunk(artifact, auto, 1).prefill_chunk == 1024  # tiny card: the smallest choice
+    with pytest.raises(MemoryPlanError, match="positive multiple of 128"):
+        build_plan(artifact, auto)  # auto must be resolved before planning
+    # fit reports the chunk it planned with, and auto there equals the engine's choice for the same card
+    r = CliRunner().invoke(app, ["fit", str(artifact.path), "--vram", str(share(4096)), "--vram-reserve", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["prefill_chunk"] == 4096
+    r = CliRunner().invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--prefill-chunk", "100"])
+    assert r.exit_code == 1 and "--prefill-chunk '100' is not valid" in r.output
