@@ -546,3 +546,15 @@ def test_qk_norm_rope(n, heads, kv_heads, d, rot):
     want_q, want_k = qk_norm_rope_reference(qgkv.cpu(), heads, kv_heads, d, qw.cpu(), kw.cpu(), 1e-6, pos.cpu(), rot, 1e6)
     _check(q.cpu(), want_q)
     _check(k.cpu(), want_k)
+
+
+def test_attention_tile_overrides():
+    from runtime.kernels.paged_attention import _tile_overrides, split_size
+
+    assert _tile_overrides("int4g64e8=32x1, nvfp4=64x4") == {"int4g64e8": (32, 1), "nvfp4": (64, 4)}
+    assert _tile_overrides("") == {}
+    for bad in ("int4=32x1", "nvfp4=32", "bf16=ax4"):
+        with pytest.raises(ValueError, match="KIND=KEYSxWARPS"):
+            _tile_overrides(bad)
+    # one-warp programs get four times the splits of four-warp ones: as many warps stream the cache
+    assert split_size(262144, 4, 64, 1) * 4 == split_size(262144, 4, 64, 4) == 1024

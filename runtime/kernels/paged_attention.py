@@ -16,6 +16,7 @@ per-element scale gathers and int-to-float conversions made the compressed codec
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -34,6 +35,23 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 ATTENTION_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                    "nvfp4": (16, 4), "e8root": (16, 4)}
 ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps overrides for sweeps
+
+
+def _tile_overrides(text: str) -> dict[str, tuple[int, int]]:
+    """NINFER_ATTENTION_TILES="int4g64e8=32x1,nvfp4=64x4": (keys per tile, warps) per key sub-codec, for
+    side-by-side runs of the engine with other tiles."""
+    tiles = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, tile = item.partition("=")
+        keys, _, warps = tile.partition("x")
+        if kind not in ATTENTION_TILES or not (keys.isdigit() and warps.isdigit()):
+            raise ValueError(f"NINFER_ATTENTION_TILES item {item!r}: write KIND=KEYSxWARPS with KIND one of "
+                             f"{', '.join(ATTENTION_TILES)}, e.g. int4g64e8=32x1")
+        tiles[kind] = (int(keys), int(warps))
+    return tiles
+
+
+ATTENTION_TILES.update(_tile_overrides(os.environ.get("NINFER_ATTENTION_TILES", "")))
 PREFILL_BLOCK_M = 64
 PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
@@ -322,7 +340,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     block_n, num_warps = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
     capacity = block_table.shape[1] * PAGE
-    split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n)
+    split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, num_warps)
     splits = triton.cdiv(capacity, split_tokens)
     direct = splits == 1  # prefill chunks: enough row blocks to fill the GPU without splitting keys
     part_o = o if direct else torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
@@ -356,12 +374,12 @@ def query_block_rows(codec: Codec, rows: int) -> int:
     return min(VERIFY_MAX_BLOCK_M, triton.next_power_of_2(rows))
 
 
-def split_size(capacity: int, programs: int, block_n: int) -> int:
-    """Keys per split: enough splits that ~TARGET_PROGRAMS programs stream the cache, each at least
-    MIN_SPLIT keys (a split beyond a lane's context exits at once)."""
+def split_size(capacity: int, programs: int, block_n: int, num_warps: int = 4) -> int:
+    """Keys per split: enough splits that ~TARGET_PROGRAMS four-warp programs (as many warps in smaller
+    programs) stream the cache, each at least MIN_SPLIT keys (a split beyond a lane's context exits at once)."""
     if SPLIT_TOKENS:
         return max(block_n, min(SPLIT_TOKENS, capacity))
-    splits = max(1, TARGET_PROGRAMS // max(1, programs))
+    splits = max(1, TARGET_PROGRAMS * 4 // max(1, num_warps) // max(1, programs))
     size = max(MIN_SPLIT, -(-capacity // splits))
     return -(-size // block_n) * block_n
 
