@@ -81,8 +81,8 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
             kv_bytes = codec.bytes_per_token_head(D) * HKV * depth
             row = {"codec": name, "depth": depth, "t": t, "kv_bytes": kv_bytes}
             ref = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
-            for bn, nw in TILES:
-                pa.ATTENTION_TUNING.update(block_n=bn, num_warps=nw)
+            for bn, nw in TILES:  # as many warps in flight for every tile: 4,096 / warps programs
+                pa.ATTENTION_TUNING.update(block_n=bn, num_warps=nw, programs=4096 // nw)
                 try:
                     out = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
                     ms = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20)
@@ -93,16 +93,15 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
                 if (bn, nw) == (16, 4):
                     row["new_16x4_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
                 row[f"new_{bn}x{nw}_maxdiff"] = (out - ref).abs().max().item()
-                if nw <= 2 and depth >= 131072:  # small programs also at a quarter of their default count
-                    pa.TARGET_PROGRAMS = 256
+                if nw <= 2 and depth >= 131072:  # small programs also at a quarter of that (two warps: one wave)
+                    pa.ATTENTION_TUNING["programs"] = 1024 // nw
                     row[f"new_{bn}x{nw}_quarter_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
-                    pa.TARGET_PROGRAMS = 1024
             pa.ATTENTION_TUNING.clear()
-            if depth >= 131072:  # more, shorter splits at depth (default TARGET_PROGRAMS = 1024)
-                for target in (396, 528, 2048, 4096):  # 396 = 3 resident programs x 132 SMs: one wave
-                    pa.TARGET_PROGRAMS = target
+            if depth >= 131072:  # the default tile at other program counts (396 = 3 per SM x 132 SMs: one wave)
+                for target in (396, 528, 1024, 2048, 4096):
+                    pa.ATTENTION_TUNING["programs"] = target
                     row[f"programs{target}_us"] = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=20) * 1e3
-                pa.TARGET_PROGRAMS = 1024
+                pa.ATTENTION_TUNING.clear()
             row["default_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
             if t > 1:  # one 32-row query block (default for a 24-row verify block) vs two of 16
                 pa.ATTENTION_TUNING["block_m"] = 16

@@ -551,10 +551,10 @@ def test_qk_norm_rope(n, heads, kv_heads, d, rot):
 def test_attention_tile_overrides():
     from runtime.kernels.paged_attention import _tile_overrides, split_size
 
-    assert _tile_overrides("int4g64e8=32x1, nvfp4=64x4") == {"int4g64e8": (32, 1), "nvfp4": (64, 4)}
+    assert _tile_overrides("int4g64e8=32x1@2048, nvfp4=64x4") == {"int4g64e8": (32, 1, 2048), "nvfp4": (64, 4, 1024)}
     assert _tile_overrides("") == {}
-    for bad in ("int4=32x1", "nvfp4=32", "bf16=ax4"):
+    for bad in ("int4=32x1", "nvfp4=32", "bf16=ax4", "bf16=32x4@many"):
         with pytest.raises(ValueError, match="KIND=KEYSxWARPS"):
             _tile_overrides(bad)
-    # one-warp programs get four times the splits of four-warp ones: as many warps stream the cache
-    assert split_size(262144, 4, 64, 1) * 4 == split_size(262144, 4, 64, 4) == 1024
+    # the program target sets the split count: a quarter of the programs, four times the keys per split
+    assert split_size(262144, 4, 64, 512) == 4 * split_size(262144, 4, 64, 2048) == 2048

@@ -29,30 +29,39 @@ from .launch import LAUNCH, pdl_wait
 
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
-TARGET_PROGRAMS = 1024
 MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
-# (keys per tile, warps) by key sub-codec: best of the H200 sweep at 128K-200K (bench/RESULTS.md §10)
-ATTENTION_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
-                   "nvfp4": (16, 4), "e8root": (16, 4)}
-ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps overrides for sweeps
+# Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
+# programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
+# two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
+# no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
+# layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 395 -> 344 and 553 -> 475 (against its best 4-warp tile).
+ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
+                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8root": (16, 4, 1024)}
+# Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
+PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
+                 "nvfp4": (16, 4), "e8root": (16, 4)}
+ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs overrides for sweeps
 
 
-def _tile_overrides(text: str) -> dict[str, tuple[int, int]]:
-    """NINFER_ATTENTION_TILES="int4g64e8=32x1,nvfp4=64x4": (keys per tile, warps) per key sub-codec, for
-    side-by-side runs of the engine with other tiles."""
+def _tile_overrides(text: str) -> dict[str, tuple[int, int, int]]:
+    """NINFER_ATTENTION_TILES="int4g64e8=64x4@1024,nvfp4=16x4": decode/verify tiles (keys per tile x warps
+    [@ programs], 1024 programs when left out) per key sub-codec, for side-by-side runs of the engine."""
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         kind, _, tile = item.partition("=")
+        tile, _, programs = tile.partition("@")
         keys, _, warps = tile.partition("x")
-        if kind not in ATTENTION_TILES or not (keys.isdigit() and warps.isdigit()):
-            raise ValueError(f"NINFER_ATTENTION_TILES item {item!r}: write KIND=KEYSxWARPS with KIND one of "
-                             f"{', '.join(ATTENTION_TILES)}, e.g. int4g64e8=32x1")
-        tiles[kind] = (int(keys), int(warps))
+        if kind not in ATTENTION_TILES or not (keys.isdigit() and warps.isdigit() and (programs or "1").isdigit()):
+            raise ValueError(f"NINFER_ATTENTION_TILES item {item!r}: write KIND=KEYSxWARPS[@PROGRAMS] with KIND one "
+                             f"of {', '.join(ATTENTION_TILES)}, e.g. int4g64e8=64x4@1024")
+        tiles[kind] = (int(keys), int(warps), int(programs or 1024))
     return tiles
 
 
 ATTENTION_TILES.update(_tile_overrides(os.environ.get("NINFER_ATTENTION_TILES", "")))
+
 PREFILL_BLOCK_M = 64
+PREFILL_PROGRAMS = 1024  # prefill chunks fill the GPU with row blocks: one split (no combine) from 1,024 up
 PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
@@ -337,10 +346,14 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     group = hq // hkv
     rows = t * group
     block_m = ATTENTION_TUNING.get("block_m", query_block_rows(codec, rows))
-    block_n, num_warps = ATTENTION_TILES[codec.key]
+    if block_m > VERIFY_MAX_BLOCK_M:
+        (block_n, num_warps), target = PREFILL_TILES[codec.key], PREFILL_PROGRAMS
+    else:
+        block_n, num_warps, target = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
+    target = ATTENTION_TUNING.get("programs", target)
     capacity = block_table.shape[1] * PAGE
-    split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, num_warps)
+    split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, target)
     splits = triton.cdiv(capacity, split_tokens)
     direct = splits == 1  # prefill chunks: enough row blocks to fill the GPU without splitting keys
     part_o = o if direct else torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
@@ -374,12 +387,12 @@ def query_block_rows(codec: Codec, rows: int) -> int:
     return min(VERIFY_MAX_BLOCK_M, triton.next_power_of_2(rows))
 
 
-def split_size(capacity: int, programs: int, block_n: int, num_warps: int = 4) -> int:
-    """Keys per split: enough splits that ~TARGET_PROGRAMS four-warp programs (as many warps in smaller
-    programs) stream the cache, each at least MIN_SPLIT keys (a split beyond a lane's context exits at once)."""
+def split_size(capacity: int, programs: int, block_n: int, target: int) -> int:
+    """Keys per split: enough splits that ~`target` programs stream the cache, each at least MIN_SPLIT keys
+    (a split beyond a lane's context exits at once)."""
     if SPLIT_TOKENS:
         return max(block_n, min(SPLIT_TOKENS, capacity))
-    splits = max(1, TARGET_PROGRAMS * 4 // max(1, num_warps) // max(1, programs))
+    splits = max(1, target // max(1, programs))
     size = max(MIN_SPLIT, -(-capacity // splits))
     return -(-size // block_n) * block_n
 
