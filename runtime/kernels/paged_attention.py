@@ -34,7 +34,7 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
 # two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
 # no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
-# layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 395 -> 344 and 553 -> 475 (against its best 4-warp tile).
+# layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us.
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
                    "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8root": (16, 4, 1024)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
