@@ -1,4 +1,5 @@
-"""Allocates a MemoryPlan: one device buffer per arena, typed views per region."""
+"""Allocates a MemoryPlan: one device buffer per resident arena, typed views per region (the activation
+workspace stays headroom for run-time tensors, see memory_plan.HEADROOM_ARENAS)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class DeviceMemory:
         self.device = torch.device(device)
         self.buffers: dict[str, torch.Tensor] = {}
         self.regions = {}
-        for name, arena in plan.arenas.items():
+        for name, arena in plan.resident_arenas.items():  # the workspace is headroom, not a buffer
             self.buffers[name] = torch.empty(arena.allocated_bytes, dtype=torch.uint8, device=self.device)
             for r in arena.regions:
                 self.regions[(name, r.name)] = r

@@ -122,6 +122,11 @@ class Arena:
         return align_up(self.nbytes, ARENA_ALIGN) if self.nbytes else 0
 
 
+# planned but not allocated up front: the activation workspace is a bound on what one phase's torch
+# tensors take at run time (an arena of it was allocated and never read: a chunk's worth of memory lost)
+HEADROOM_ARENAS = ("workspace",)
+
+
 @dataclass
 class MemoryPlan:
     options: PlanOptions
@@ -134,6 +139,12 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         return sum(a.allocated_bytes for a in self.arenas.values()) + self.graph_pool_bytes
+
+    @property
+    def resident_arenas(self) -> dict[str, Arena]:
+        """The arenas allocated up front (DeviceMemory). The others are planned headroom, like the graph
+        pools: activations are torch tensors the caching allocator hands out inside it while a chunk runs."""
+        return {name: a for name, a in self.arenas.items() if name not in HEADROOM_ARENAS}
 
     def breakdown(self) -> dict[str, int]:
         out = {name: a.allocated_bytes for name, a in self.arenas.items()}

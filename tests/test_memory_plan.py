@@ -66,8 +66,11 @@ def test_kv_bytes_per_token_follow_the_codec(artifact):
 def test_allocator_matches_plan_and_loads_weights(artifact):
     plan = build_plan(artifact, PlanOptions(max_context=1000, max_concurrency=2, kv_dtype="int8"))
     mem = DeviceMemory(plan, "cpu")
-    for name, arena in plan.arenas.items():
+    assert set(mem.buffers) == set(plan.resident_arenas) == set(plan.arenas) - {"workspace"}
+    for name, arena in plan.resident_arenas.items():
         assert mem.buffers[name].numel() == arena.allocated_bytes >= arena.nbytes
+    assert plan.arenas["workspace"].allocated_bytes > 0  # planned (and in total_bytes) as headroom
+    assert plan.total_bytes == sum(a.allocated_bytes for a in plan.arenas.values()) + plan.graph_pool_bytes
     mem.load_weights(artifact)
     name = "text/layers/3/attention/query_gate_key_value"
     assert bytes(mem.raw("weights", name).numpy()) == bytes(artifact.raw(name))
