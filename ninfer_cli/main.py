@@ -409,12 +409,12 @@ def _print_bench(r: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"{r['artifact']} on {r['device']} (copy {r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
-    for col in ("KV", "depth", "context", "prefill tok/s", "decode tok/s", "roofline tok/s", "of roofline",
+    for col in ("KV", "depth", "context", "chunk", "prefill tok/s", "decode tok/s", "roofline tok/s", "of roofline",
                 "tokens/round", "peak GiB"):
         t.add_column(col, justify="right")
     for row in r["rows"]:
         st = row.get("spec_stats")
-        t.add_row(row["kv_dtype"], str(row["depth"]), row["context"],
+        t.add_row(row["kv_dtype"], str(row["depth"]), row["context"], str(row.get("prefill_chunk", "-")),
                   f"{row['prefill_tok_s']:.0f}" if row["prefill_tok_s"] else "-", f"{row['decode_tok_s']:.1f}",
                   f"{row.get('roofline_tok_s', 0):.1f}", f"{row.get('of_roofline', 0):.2f}",
                   f"{st['tokens_per_round']:.2f}" if st else "-", f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f}")
