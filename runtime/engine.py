@@ -86,10 +86,9 @@ class Engine:
         require_runnable(self.art)
         self.cfg = load_config(self.art)
         on_gpu = self.device.type == "cuda"
-        card_bytes = torch.cuda.mem_get_info(self.device)[1] if on_gpu else None
-        options = resolve_prefill_chunk(self.art, options, card_bytes)
+        free, card_bytes = torch.cuda.mem_get_info(self.device) if on_gpu else (None, None)
+        options = resolve_prefill_chunk(self.art, options, card_bytes)  # `auto` sized by the card, as in fit
         if on_gpu and available_bytes is None:
-            free, _ = torch.cuda.mem_get_info(self.device)
             available_bytes = free
         opts = options if on_gpu and cuda_graphs else _no_graphs(options)
         self.plan = require_fit(self.art, opts, available_bytes) if available_bytes else build_plan(self.art, opts)
