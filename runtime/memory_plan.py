@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from format.binding import load_config
 from format.container import Artifact
@@ -328,8 +328,6 @@ def resolve_prefill_chunk(art: Artifact, opts: PlanOptions, card_bytes: int | No
     chunks, 8,505 with 2,048), but on a 24 GB card their workspace would cost a third of the bf16 context.
     Decided from the card's size, not its free bytes, so `ninfer fit --gpu X` and the server on X agree.
     Without a card (CPU) the chunk is 1,024."""
-    from dataclasses import replace
-
     if opts.prefill_chunk != AUTO_PREFILL_CHUNK:
         return opts
     if card_bytes is None:
@@ -343,8 +341,6 @@ def resolve_prefill_chunk(art: Artifact, opts: PlanOptions, card_bytes: int | No
 
 
 def _with(opts: PlanOptions, ctx: int) -> PlanOptions:
-    from dataclasses import replace
-
     return replace(opts, max_context=ctx)
 
 
