@@ -8,9 +8,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=.
-python -m pip install -q --no-index --find-links .carry/wheels fastapi uvicorn einops 2>&1 | grep -v WARN
-python -m pip install -q --no-index --no-deps .carry/wheels/fla_core*.whl .carry/wheels/flash_linear*.whl 2>&1 | grep -v WARN
+. bench/device_env.sh
 timeout 120 python bench/attention_compare.py "$OUT/attention.json" bf16,rk4v4-e8 8192,204800 2>&1 | grep -c "{"
 timeout 170 python bench/gemv_compare.py "$OUT/gemv_rows.json" rows 2>&1 | grep "{" | cut -c1-400
 timeout 150 python bench/serve_smoke.py /tmp/smoke > "$OUT/smoke.log" 2>&1

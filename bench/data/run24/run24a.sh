@@ -2,12 +2,8 @@
 # run 24, call 1: GPU tests of the kernels changed in stop 13, 27B 8K bench new vs base (7677cd8), 8K chunks,
 # nvfp4 / rk4v4-e8 attention at 200K vs the float32-nvfp4 kernel, decode profile
 set -u
-export PYTHONPATH=.
 R=/tmp/r24a; mkdir -p $R
-python -m pip install -q --no-index --find-links .carry/wheels fastapi uvicorn einops 2>&1 | grep -v WARN
-python -m pip install -q --no-index --no-deps .carry/wheels/fla_core*.whl .carry/wheels/flash_linear*.whl 2>&1 | grep -v WARN
-t0=$(date +%s)
-el() { echo $(( $(date +%s) - t0 )); }
+. bench/device_env.sh
 timeout 110 python -m pytest -q -x tests/test_kernels.py -k "conv or gated_norm or attention_gate or paged_attention or launch or producers" -rs > $R/gpu-pytest-kernels.log 2>&1; echo "pytest rc=$? t=$(el)"; tail -2 $R/gpu-pytest-kernels.log
 B="python -m ninfer_cli.main bench --random-weights qwen3.6-27b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64"
 timeout 120 $B --json-out $R/bench-new-2k.json > $R/bench-new-2k.log 2>&1; echo "new2k rc=$? t=$(el)"

@@ -2,12 +2,8 @@
 # run 24, call 2: attention tiles at 200K (nvfp4 fp16 decode vs float32 one; one-warp programs), then the 27B
 # bench with auto prefill chunks (bf16 + rk4v4-e8, 8K and 200K), the best rk4v4-e8 tile at 200K, MTP3 forced
 set -u
-export PYTHONPATH=.
 R=/tmp/r24b; mkdir -p $R
-python -m pip install -q --no-index --find-links .carry/wheels fastapi uvicorn einops 2>&1 | grep -v WARN
-python -m pip install -q --no-index --no-deps .carry/wheels/fla_core*.whl .carry/wheels/flash_linear*.whl 2>&1 | grep -v WARN
-t0=$(date +%s)
-el() { echo $(( $(date +%s) - t0 )); }
+. bench/device_env.sh
 timeout 170 python bench/attention_compare.py $R/attn.json rk4v4-e8,nvfp4 204800 > $R/attn.log 2>&1; echo "attn rc=$? t=$(el)"
 python - > $R/tile.env <<'PY'
 import json
