@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from runtime.kv.codecs import CODECS, get_codec
-from runtime.kv.e8 import e8_lattice_round, e8_root_decode, e8_root_encode, root_table
+from runtime.kv.e8 import E8P_PATTERNS, e8_lattice_round, e8p_decode, e8p_encode, e8p_patterns
 from runtime.kv.hadamard import hadamard_matrix, rotate_groups
-from runtime.kv.quality import codec_quality
+from runtime.kv.quality import codec_quality, gaussian_key_cosine
 
 from .spec_tables import SPECS, table_rows
 
@@ -66,16 +66,49 @@ def test_rotation_preserves_scores():
     assert torch.allclose(c.prepare_queries(q) @ rotate_groups(k).t(), q @ k.t(), atol=1e-4)
 
 
-def test_root_table():
-    t = root_table()
-    roots = t[:240] / 4
-    assert torch.allclose((roots * roots).sum(-1), torch.full((240,), 2.0))
-    assert len({tuple(r.tolist()) for r in roots}) == 240
-    assert ((roots[112:] < 0).sum(-1) % 2 == 0).all()
-    assert (t[240:] == 0).all()
-    assert t[0].tolist() == [4, 4, 0, 0, 0, 0, 0, 0] and t[3].tolist() == [-4, -4, 0, 0, 0, 0, 0, 0]
-    pairs = list(itertools.combinations(range(8), 2))
-    assert pairs.index((6, 7)) == 27
+def test_e8p_pattern_table_is_what_the_spec_says():
+    table, lookup = e8p_patterns()
+    mags = table[:E8P_PATTERNS].abs()
+    norms = (mags * mags).sum(-1)
+    assert len({tuple(r.tolist()) for r in mags}) == E8P_PATTERNS == 227
+    assert (norms <= 10).all() and (norms[1:] >= norms[:-1]).all()
+    assert (table[E8P_PATTERNS:] == 0).all()
+    assert mags[0].tolist() == [0.5] * 8 and mags[1].tolist() == [0.5] * 7 + [1.5] and mags[8].tolist() == [1.5] + [0.5] * 7
+    odd_threes = ((mags == 1.5).sum(-1) % 2 == 1)
+    assert torch.equal(table[:E8P_PATTERNS, 7] < 0, odd_threes)  # coordinate 7 carries the E8 sign parity
+    digits = torch.round(mags - 0.5).long()
+    assert torch.equal(lookup[(digits * 3 ** torch.arange(8)).sum(-1)], torch.arange(E8P_PATTERNS))
+    assert (lookup >= 0).sum() == E8P_PATTERNS
+
+
+def _e8p_codebook() -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.stack([torch.arange(E8P_PATTERNS).repeat_interleave(256), torch.arange(256).repeat(E8P_PATTERNS)], -1)
+    return codes.to(torch.uint8), e8p_decode(codes.to(torch.uint8))
+
+
+def test_e8p_points_are_distinct_points_of_shifted_e8():
+    codes, points = _e8p_codebook()
+    shift = torch.where(codes[:, 1] >= 128, -0.25, 0.25)[:, None]
+    e8 = points - shift
+    assert torch.equal(e8 - 0.5, torch.round(e8 - 0.5))  # half-integer coset
+    assert (e8.sum(-1) % 2 == 0).all()  # even coordinate sum: in E8
+    assert len({tuple(p.tolist()) for p in points}) == len(points) == 58112
+
+
+def test_e8p_encoder_finds_the_nearest_codebook_point():
+    _, points = _e8p_codebook()
+    g = torch.Generator().manual_seed(7)
+    y = torch.cat([torch.randn(400, 8, generator=g) * sd for sd in (0.3, 1.0, 2.5)])
+    y[0] = 0  # an all-zero 8-vector, and exact ties between the two shifts
+    got = ((e8p_decode(e8p_encode(y)) - y) ** 2).sum(-1)
+    best = torch.cdist(y, points).pow(2).min(-1).values
+    assert (got <= best + 1e-4).all(), (got - best).max()
+
+
+def test_e8p_codebook_points_encode_to_themselves():
+    codes, points = _e8p_codebook()
+    pick = torch.randperm(len(points), generator=torch.Generator().manual_seed(3))[:3000]
+    assert torch.equal(e8p_encode(points[pick]), codes[pick])
 
 
 def test_e8_nearest_point_is_in_e8_and_nearest():
@@ -97,19 +130,9 @@ def test_e8_nearest_point_is_in_e8_and_nearest():
     assert torch.equal(q, torch.round(q))
 
 
-def test_e8_root_round_trip_on_exact_roots():
-    t = root_table()
-    v = (t[:240] * 0.5).reshape(30, 8, 8)  # radius index 8 reproduces 0.5 × 4root
-    codes = e8_root_encode(v, torch.ones(30))
-    dec = e8_root_decode(codes.reshape(30, 8, 2))
-    cos = torch.nn.functional.cosine_similarity(dec.reshape(-1, 8), v.reshape(-1, 8), dim=-1)
-    assert (cos > 0.95).all()
-
-
-# Floors: upstream's published tile cosine for rk4v4-e8; our measured level for the others
-# (specs/kv-codecs.md §5 says where and why rk2v4-e8 falls short of upstream's figure).
+# Floors: our measured levels on the real-shaped data (specs/kv-codecs.md §5), a little under them.
 FLOORS = {"int8": (0.9999, 0.9995), "fp8": (0.9995, 0.997), "nvfp4": (0.995, 0.96), "k8v4": (0.9995, 0.99),
-          "rk8v4": (0.9999, 0.99), "rk4v4": (0.994, 0.985), "rk4v4-e8": (0.98678, 0.98), "rk2v4-e8": (0.92, 0.84)}
+          "rk8v4": (0.9999, 0.99), "rk4v4": (0.994, 0.985), "rk4v4-e8": (0.98678, 0.98), "rk2v4-e8": (0.954, 0.90)}
 
 
 @pytest.mark.parametrize("name", list(FLOORS))
@@ -117,6 +140,14 @@ def test_quality_floors(name):
     r = codec_quality(name, tokens=512, heads=2)
     key_floor, out_floor = FLOORS[name]
     assert r["key_tile_cosine"] >= key_floor and r["attention_output_cosine"] >= out_floor, r
+
+
+def test_gaussian_key_cosines_match_upstreams_benchmark():
+    """Upstream's codec micro-benchmark (Gaussian keys): rk4v4-e8 98.678 %. Its 96.155 % "2-bit" figure is
+    a 4-bit-per-element tile (spec §5); at 2.25 bits per key element e8p must stay well above the 0.919 of
+    the root code it replaced."""
+    assert gaussian_key_cosine("rk4v4-e8", tokens=1024) >= 0.9865
+    assert gaussian_key_cosine("rk2v4-e8", tokens=1024) >= 0.952
 
 
 def test_unknown_codec_message():

@@ -36,10 +36,10 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
 # layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us.
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
-                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8root": (16, 4, 1024)}
+                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8p": (16, 4, 1024)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
-                 "nvfp4": (16, 4), "e8root": (16, 4)}
+                 "nvfp4": (16, 4), "e8p": (16, 4)}
 ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs overrides for sweeps
 
 
@@ -64,7 +64,7 @@ PREFILL_BLOCK_M = 64
 PREFILL_PROGRAMS = 1024  # prefill chunks fill the GPU with row blocks: one split (no combine) from 1,024 up
 PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
-KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8root": 5}
+KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8p": 5}
 HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
 _NATIVE = tl.constexpr(not interpreted())  # inline PTX on a GPU; plain ops interpreted
 
@@ -81,37 +81,40 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
-                  W1: tl.constexpr):
-    """E8-root codes: elements 2*dh + ODD of the vectors at pool rows `row` ([BLOCK_N]) -> [BLOCK_N, D/2]
-    fp32, per element."""
+def _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+              W1: tl.constexpr):
+    """e8p codes (specs/kv-codecs.md §4.2): elements 2*dh + ODD of the vectors at pool rows `row`
+    ([BLOCK_N]) -> [BLOCK_N, D/2] fp32: pattern magnitude from the table, sign bit (coordinate 7's from
+    the parity of the other seven), ±1/4 shift, group scale."""
     d = 2 * dh + ODD
     m = tok_ok[:, None]
     sv = d // 8
     i = d % 8
-    root = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=240).to(tl.int32)
+    pattern = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=0).to(tl.int32)
     meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
-    val = tl.load(table_ptr + root * 8 + i[None, :])
-    axis = meta & 0xF
-    nudge = tl.where((axis >> 1) == i[None, :], tl.where((axis & 1) != 0, -2.0, 2.0), 0.0)
-    rad = meta >> 4
-    gain = tl.where(rad > 0, 0.5 * tl.exp2((rad.to(tl.float32) - 8.0) / 3.0), 0.0)
+    mag = tl.load(table_ptr + pattern * 8 + i[None, :])
+    parity = meta & 0x7F
+    parity ^= parity >> 4
+    parity ^= parity >> 2
+    parity ^= parity >> 1
+    signs = (meta & 0x7F) | ((parity & 1) << 7)
+    val = tl.where(((signs >> i[None, :]) & 1) != 0, -mag, mag) + tl.where(meta >= 128, -0.25, 0.25)
     s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-    return tl.where(root >= 240, 0.0, (val + nudge) * gain) * s
+    return val * s
 
 
 @triton.jit
 def _code_halves(p0, p1, table_ptr, row, tok_ok, dh, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
                  W1: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Vectors of the half-split codecs (int4 groups, nvfp4, E8 roots) at pool rows `row` as (even, odd)
+    """Vectors of the half-split codecs (int4 groups, nvfp4, e8p) at pool rows `row` as (even, odd)
     fp16 halves [BLOCK_N, D/2]."""
     if KIND == 2:
         return _int4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     elif KIND == 4:
         return _nvfp4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     else:
-        return (_e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, 0, D, W0, W1).to(tl.float16),
-                _e8_root_half(p0, p1, table_ptr, row, tok_ok, dh, 1, D, W0, W1).to(tl.float16))
+        return (_e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 0, D, W0, W1).to(tl.float16),
+                _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 1, D, W0, W1).to(tl.float16))
 
 
 @triton.jit
@@ -327,10 +330,10 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
 
 
 @functools.lru_cache(maxsize=8)
-def _root_table(device: str) -> torch.Tensor:
-    from runtime.kv.e8 import root_table
+def _e8p_table(device: str) -> torch.Tensor:
+    from runtime.kv.e8 import e8p_patterns
 
-    return root_table().to(device=device, dtype=torch.float32).contiguous()
+    return e8p_patterns()[0].to(device=device, dtype=torch.float32).contiguous()
 
 
 def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
@@ -360,7 +363,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     part_ml = torch.empty(1 if direct else lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
     grid = (lanes * hkv, triton.cdiv(rows, block_m), splits)
     _paged_attention_kernel[grid](
-        q.contiguous(), part_o, part_ml, k0, k1, v0, v1, _root_table(str(q.device)), block_table, ctx_len,
+        q.contiguous(), part_o, part_ml, k0, k1, v0, v1, _e8p_table(str(q.device)), block_table, ctx_len,
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],

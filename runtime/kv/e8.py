@@ -1,7 +1,8 @@
 """E8 lattice helpers for the rk4v4-e8 and rk2v4-e8 key codecs (specs/kv-codecs.md §4).
 
-E8 = D8 ∪ (D8 + ½). Its 240 minimal vectors ("roots") are 112 of type A (±1 on two coordinates)
-and 128 of type B (±½ on all eight, an even number of minus signs).
+E8 = D8 ∪ (D8 + ½): the nearest-point rule for int4g64e8, and the e8p codebook for rk2v4-e8's 2-bit
+keys: 2^16 points of E8 shifted by ±¼ (the idea of QuIP#'s E8P codebook), coded as a magnitude pattern
+byte and a sign-and-shift byte.
 """
 
 from __future__ import annotations
@@ -10,39 +11,6 @@ import functools
 import itertools
 
 import torch
-
-ZERO_ROOT_CODE = 240
-RADIUS_ZERO_BELOW = 0.08
-
-
-@functools.lru_cache(maxsize=1)
-def root_table() -> torch.Tensor:
-    """[256, 8] float: code -> 4 × root (type A entries ±4, type B ±2); codes 240..255 are zero."""
-    table = torch.zeros(256, 8)
-    for pair, (i, j) in enumerate(itertools.combinations(range(8), 2)):  # lexicographic pairs
-        for si in (0, 1):
-            for sj in (0, 1):
-                code = pair * 4 + (si << 1) + sj
-                table[code, i] = -4.0 if si else 4.0
-                table[code, j] = -4.0 if sj else 4.0
-    for bits in range(128):
-        signs = [(bits >> k) & 1 for k in range(7)]
-        signs.append(sum(signs) & 1)  # the 8th sign keeps the count of minus signs even
-        table[112 + bits] = torch.tensor([-2.0 if s else 2.0 for s in signs])
-    return table
-
-
-@functools.lru_cache(maxsize=8)
-def _tables_on(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(4 × root table, candidate vectors [240, 16, 8], unit roots) cached per device (graph-safe)."""
-    table = root_table()
-    units = table[:240] / table[:240].norm(dim=-1, keepdim=True)
-    return table.to(device), _candidates(table).to(device), units.to(device)
-
-
-def radius_scale(idx: torch.Tensor) -> torch.Tensor:
-    """0.5 · 2^((idx − 8) / 3); index 0 means a zero sub-vector."""
-    return torch.where(idx > 0, 0.5 * torch.exp2((idx.float() - 8.0) / 3.0), torch.zeros_like(idx, dtype=torch.float32))
 
 
 def _nearest_d8(x: torch.Tensor) -> torch.Tensor:
@@ -67,53 +35,88 @@ def e8_lattice_round(x: torch.Tensor) -> torch.Tensor:
     return torch.round(torch.where(pick_b[..., None], b, a))
 
 
-AXIS_WEIGHT = 2.0  # the axis nudge added to 4 × root before scaling
-ROOT_CANDIDATES = 4  # nearest roots tried jointly with every axis
+# --- e8p: 16-bit codes for 8-vectors, 2 bits per element (specs/kv-codecs.md §4.2) ----------------
+
+E8P_LEVELS = (0.5, 1.5, 2.5)  # magnitudes of a pattern's coordinates (half-integers: the D8 + ½ coset)
+# Pattern types (count of 3/2, count of 5/2): every magnitude vector of squared norm <= 10
+E8P_TYPES = ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (0, 1), (1, 1))
+E8P_PATTERNS = 227  # codes 227..255 of the pattern byte are unused (they decode to the bare ±¼ shift)
+E8P_SCALE_PER_RMS = 0.95  # group scale = rms × this: key tile cosine on Gaussian groups 0.9505 (0.9475 at 0.8)
 
 
-def _candidates(table: torch.Tensor) -> torch.Tensor:
-    """[240, 16, 8]: every root (4×) with every signed axis nudge."""
-    nudges = torch.zeros(16, 8)
-    for a in range(16):
-        nudges[a, a >> 1] = -AXIS_WEIGHT if a & 1 else AXIS_WEIGHT
-    return table[:240, None, :] + nudges[None]
+@functools.lru_cache(maxsize=1)
+def e8p_patterns() -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [256, 8] float, lookup [3^8] long).
 
-
-def e8_root_encode(v: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
-    """v [..., 8 sub-vectors, 8] (one 64-group), ks [...] group scale -> codes uint8 [..., 8 * 2].
-
-    Direction: the (root, axis) pair whose decoded vector has the highest cosine with v, searched
-    over the ROOT_CANDIDATES nearest roots. Radius: the least-squares gain along that vector,
-    quantized on the log grid of `radius_scale`.
+    table[c] = the magnitudes of pattern c, with coordinate 7 negated when the pattern has an odd count
+    of 3/2 (so that decoding coordinate 7's sign from the parity of the seven stored sign bits always
+    lands on E8: a half-integer vector is in E8 when its count of minus signs has the parity of its
+    count of 3/2 entries). lookup[Σ digit_i·3^i] = the pattern index of a level-digit vector (−1: none).
     """
-    _, cands, units = _tables_on(str(v.device))  # cands [240, 16, 8]
-    flat = v.reshape(-1, 8)
-    norm = flat.norm(dim=-1).clamp_min(1e-30)
-    top = (flat / norm[:, None] @ units.t()).topk(ROOT_CANDIDATES, -1).indices  # [N, C]
-    vecs = cands[top]  # [N, C, 16, 8]
-    cos = (vecs * flat[:, None, None, :]).sum(-1) / vecs.norm(dim=-1)  # [N, C, 16]
-    best = cos.reshape(flat.shape[0], -1).argmax(-1)
-    root = torch.gather(top, 1, (best // 16)[:, None])[:, 0]
-    axis = best % 16
-    chosen = cands[root, axis]  # [N, 8]
-    gain = (chosen * flat).sum(-1) / (chosen * chosen).sum(-1)  # least squares, units of v
-    ksf = ks.reshape(-1, 1).expand(-1, 8).reshape(-1)
-    g_rel = torch.where(ksf > 0, gain / ksf.clamp_min(1e-30), torch.zeros_like(gain))  # = radius_scale target
-    zero = (g_rel <= 0) | (norm / (ksf.clamp_min(1e-30) * 8.0 ** 0.5) < RADIUS_ZERO_BELOW) | (ksf == 0)
-    rad = torch.round(3.0 * torch.log2((2.0 * g_rel).clamp_min(1e-30)) + 8.0).clamp(1, 15)
-    byte0 = torch.where(zero, torch.full_like(root, ZERO_ROOT_CODE), root)
-    byte1 = torch.where(zero, torch.zeros_like(root), (rad.long() << 4) | axis)
-    return torch.stack([byte0, byte1], -1).to(torch.uint8).reshape(*v.shape[:-2], -1)
+    digits = [d for d in itertools.product(range(3), repeat=8) if (d.count(1), d.count(2)) in E8P_TYPES]
+    digits.sort(key=lambda d: (sum(E8P_LEVELS[x] ** 2 for x in d), d))
+    assert len(digits) == E8P_PATTERNS
+    table = torch.zeros(256, 8)
+    lookup = torch.full((3 ** 8,), -1, dtype=torch.long)
+    for code, d in enumerate(digits):
+        table[code] = torch.tensor([E8P_LEVELS[x] for x in d])
+        if d.count(1) % 2:
+            table[code, 7] = -table[code, 7]
+        lookup[sum(x * 3 ** i for i, x in enumerate(d))] = code
+    return table, lookup
 
 
-def e8_root_decode(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [..., 8, 2] -> sub-vectors [..., 8, 8] in units of the group scale ks."""
-    table = _tables_on(str(codes.device))[0]
-    root = codes[..., 0].long()
-    rad = (codes[..., 1] >> 4).long()
-    axis = (codes[..., 1] & 0xF).long()
-    vec = table[root].clone()
-    sign = torch.where(axis & 1 == 1, -AXIS_WEIGHT, AXIS_WEIGHT)
-    vec.scatter_add_(-1, (axis >> 1)[..., None], sign[..., None])
-    vec = torch.where((root >= ZERO_ROOT_CODE)[..., None], torch.zeros_like(vec), vec)
-    return vec * radius_scale(rad)[..., None]
+@functools.lru_cache(maxsize=8)
+def _e8p_on(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(table, lookup, type levels [7, 8] descending, odd-3/2 flag per type) on `device` (graph-safe)."""
+    table, lookup = e8p_patterns()
+    digits = torch.tensor([[2] * n2 + [1] * n1 + [0] * (8 - n1 - n2) for n1, n2 in E8P_TYPES])
+    odd = torch.tensor([n1 % 2 for n1, _ in E8P_TYPES])
+    return table.to(device), lookup.to(device), digits.to(device), odd.to(device)
+
+
+def e8p_encode(y: torch.Tensor) -> torch.Tensor:
+    """y [N, 8] in units of the group scale -> codes uint8 [N, 2] (spec §4.2's rule, exactly).
+
+    For each shift σ = +¼, −¼ of z = y − σ: the best magnitudes put the larger levels on the larger |z_i|,
+    so only the 7 types are scored (sorted levels against sorted |z|); a sign parity that disagrees with
+    the type costs flipping the smallest |z_i|. The shift with the smaller squared error wins.
+    """
+    _, lookup, type_digits, type_odd = _e8p_on(str(y.device))
+    levels = torch.tensor(E8P_LEVELS, device=y.device)[type_digits]  # [7, 8]
+    rows = torch.arange(y.shape[0], device=y.device)
+    powers = 3 ** torch.arange(8, device=y.device)
+    best_score = best_codes = None
+    for shift_bit, shift in ((0, 0.25), (1, -0.25)):
+        z = y.float() - shift
+        neg = z < 0
+        mag_sorted, order = z.abs().sort(dim=-1, descending=True, stable=True)
+        mismatch = (neg.sum(-1, keepdim=True) + type_odd) % 2 == 1  # [N, 7]
+        score = (mag_sorted @ levels.t() - 0.5 * (levels * levels).sum(-1)
+                 - mismatch * mag_sorted[:, 7:] - 0.5 * (z * z).sum(-1, keepdim=True))  # = −½ squared error
+        kind = score.argmax(-1)
+        digits = torch.zeros_like(order).scatter_(1, order, type_digits[kind])
+        pattern = lookup[(digits * powers).sum(-1)]
+        flip = mismatch[rows, kind]
+        neg[rows, order[:, 7]] ^= flip
+        sign_bits = (neg[:, :7].long() << torch.arange(7, device=y.device)).sum(-1)
+        codes = torch.stack([pattern, sign_bits | (shift_bit << 7)], -1)
+        top = score[rows, kind]
+        if best_score is None:
+            best_score, best_codes = top, codes
+        else:
+            take = top > best_score  # ties keep +¼
+            best_score, best_codes = torch.where(take, top, best_score), torch.where(take[:, None], codes, best_codes)
+    return best_codes.to(torch.uint8)
+
+
+def e8p_decode(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [..., 2] -> [..., 8] float in units of the group scale."""
+    table = _e8p_on(str(codes.device))[0]
+    mag = table[codes[..., 0].long()]
+    meta = codes[..., 1].long()
+    bits = (meta[..., None] >> torch.arange(7, device=codes.device)) & 1  # signs of coordinates 0..6
+    parity = bits.sum(-1, keepdim=True) % 2  # coordinate 7's stored sign
+    neg = torch.cat([bits, parity], -1) == 1
+    shift = torch.where(meta >= 128, -0.25, 0.25)[..., None]
+    return torch.where(neg, -mag, mag) + shift
