@@ -262,8 +262,8 @@ class Engine:
         return self.lin[p + "output"](out, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _append_kv(self, pool, k, v, page, slot):
-        """Encode K/V [n, HKV, D] into the pool: one kernel per side for the integer sub-codecs
-        (bytes identical to the reference encoder), the torch encoder for the others."""
+        """Encode K/V [n, HKV, D] into the pool: one kernel per side for the sub-codecs kv_append encodes
+        (the integer ones and e8p), the torch encoder for the others."""
         codec = self.codec
         if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
             for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
