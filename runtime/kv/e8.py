@@ -67,12 +67,14 @@ def e8p_patterns() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=8)
-def _e8p_on(device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(table, lookup, type levels [7, 8] descending, odd-3/2 flag per type) on `device` (graph-safe)."""
+def _e8p_on(device: str) -> tuple[torch.Tensor, ...]:
+    """(table, lookup, type digits [7, 8] descending, their levels, odd-3/2 flag per type) on `device`
+    (cached: no host copies inside a CUDA-graph capture)."""
     table, lookup = e8p_patterns()
     digits = torch.tensor([[2] * n2 + [1] * n1 + [0] * (8 - n1 - n2) for n1, n2 in E8P_TYPES])
+    levels = torch.tensor(E8P_LEVELS)[digits]
     odd = torch.tensor([n1 % 2 for n1, _ in E8P_TYPES])
-    return table.to(device), lookup.to(device), digits.to(device), odd.to(device)
+    return tuple(t.to(device) for t in (table, lookup, digits, levels, odd))
 
 
 def e8p_encode(y: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,7 @@ def e8p_encode(y: torch.Tensor) -> torch.Tensor:
     so only the 7 types are scored (sorted levels against sorted |z|); a sign parity that disagrees with
     the type costs flipping the smallest |z_i|. The shift with the smaller squared error wins.
     """
-    _, lookup, type_digits, type_odd = _e8p_on(str(y.device))
-    levels = torch.tensor(E8P_LEVELS, device=y.device)[type_digits]  # [7, 8]
+    _, lookup, type_digits, levels, type_odd = _e8p_on(str(y.device))
     rows = torch.arange(y.shape[0], device=y.device)
     powers = 3 ** torch.arange(8, device=y.device)
     best_score = best_codes = None
