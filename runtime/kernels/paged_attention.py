@@ -81,35 +81,26 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _e8p_halves(p0, p1, table_ptr, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """e8p codes (specs/kv-codecs.md §4.2) of the vectors at pool rows `row` -> (even, odd) fp16 halves
-    [BLOCK_N, D/2]. The table holds each pattern's magnitudes as fp16 pairs (elements 2j, 2j+1 in one
-    int32), so one gather serves both halves; signs go in as fp16 sign bits (coordinate 7's from the
-    parity of the other seven), then the ±1/4 shift and the group scale."""
-    G: tl.constexpr = D // 64
-    g = tl.arange(0, G)
-    sv = tl.arange(0, 8)
-    j = tl.arange(0, 4)
-    m = tok_ok[:, None, None]
-    at = p0 + row[:, None, None] * W0 + 2 * (g[None, :, None] * 8 + sv[None, None, :])
-    pattern = tl.load(at, mask=m, other=0).to(tl.int32)  # [BLOCK_N, G, 8]
-    meta = tl.load(at + 1, mask=m, other=0).to(tl.int32)
+def _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+              W1: tl.constexpr):
+    """e8p codes (specs/kv-codecs.md §4.2): elements 2*dh + ODD of the vectors at pool rows `row`
+    ([BLOCK_N]) -> [BLOCK_N, D/2] fp32: pattern magnitude from the table, sign bit (coordinate 7's from
+    the parity of the other seven), ±1/4 shift, group scale."""
+    d = 2 * dh + ODD
+    m = tok_ok[:, None]
+    sv = d // 8
+    i = d % 8
+    pattern = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=0).to(tl.int32)
+    meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
+    mag = tl.load(table_ptr + pattern * 8 + i[None, :])
     parity = meta & 0x7F
     parity ^= parity >> 4
     parity ^= parity >> 2
     parity ^= parity >> 1
     signs = (meta & 0x7F) | ((parity & 1) << 7)
-    jj = j[None, None, None, :]
-    pair = tl.load(table_ptr + pattern[:, :, :, None] * 4 + jj)  # [BLOCK_N, G, 8, 4] int32: two fp16
-    sign_even = (signs[:, :, :, None] >> (2 * jj)) & 1
-    sign_odd = (signs[:, :, :, None] >> (2 * jj + 1)) & 1
-    pair = pair ^ (sign_even << 15) ^ (sign_odd << 31)
-    shift = tl.where(meta >= 128, -0.25, 0.25).to(tl.float16)[:, :, :, None]
-    s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None, None]
-    even = ((pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) + shift) * s
-    odd = (((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True) + shift) * s
-    return tl.reshape(even, (BLOCK_N, D // 2)), tl.reshape(odd, (BLOCK_N, D // 2))
+    val = tl.where(((signs >> i[None, :]) & 1) != 0, -mag, mag) + tl.where(meta >= 128, -0.25, 0.25)
+    s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
+    return val * s
 
 
 @triton.jit
@@ -122,7 +113,8 @@ def _code_halves(p0, p1, table_ptr, row, tok_ok, dh, KIND: tl.constexpr, D: tl.c
     elif KIND == 4:
         return _nvfp4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     else:
-        return _e8p_halves(p0, p1, table_ptr, row, tok_ok, D, W0, W1, BLOCK_N)
+        return (_e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 0, D, W0, W1).to(tl.float16),
+                _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 1, D, W0, W1).to(tl.float16))
 
 
 @triton.jit
@@ -339,11 +331,9 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
 
 @functools.lru_cache(maxsize=8)
 def _e8p_table(device: str) -> torch.Tensor:
-    """e8p magnitudes [256 patterns x 4 pairs] int32, elements 2j (low half) and 2j+1 (high) as fp16."""
     from runtime.kv.e8 import e8p_patterns
 
-    halves = e8p_patterns()[0].to(torch.float16).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    return (halves[:, 0::2] | (halves[:, 1::2] << 16)).contiguous().to(device)
+    return e8p_patterns()[0].to(device=device, dtype=torch.float32).contiguous()
 
 
 def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
