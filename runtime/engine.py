@@ -263,7 +263,7 @@ class Engine:
 
     def _append_kv(self, pool, k, v, page, slot):
         """Encode K/V [n, HKV, D] into the pool: one kernel per side for the sub-codecs kv_append encodes
-        (the integer ones and e8p), the torch encoder for the others."""
+        (the integer ones and e8cube), the torch encoder for the others."""
         codec = self.codec
         if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
             for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):

@@ -382,7 +382,7 @@ def test_kv_append_writes_the_reference_bytes(kind):
     from runtime.kernels.kv_append import KIND_IDS, kv_append, kv_append_reference
     from runtime.kv.codecs import sub_codec_planes
 
-    assert set(KIND_IDS) == {"bf16", "int8g64", "int4g64", "int4g64e8", "e8p"}
+    assert set(KIND_IDS) == {"bf16", "int8g64", "int4g64", "int4g64e8", "e8cube"}
     n, hkv, d, pages = 7, 3, 128, 4
     g = torch.Generator().manual_seed(len(kind))
     x = torch.randn(n, hkv, d, generator=g) * torch.rand(n, hkv, 1, generator=g) * 4
@@ -399,8 +399,8 @@ def test_kv_append_writes_the_reference_bytes(kind):
         assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
 
 
-def test_kv_append_e8p_matches_the_reference():
-    """e8p's group scale is a sum of squares (summation order differs from torch's), so a scale can move
+def test_kv_append_e8cube_matches_the_reference():
+    """e8cube's group scale is a sum of squares (summation order differs from torch's), so a scale can move
     by one f16 step: nearly every code byte equals the reference's and the decoded vectors stay close."""
     from runtime.kernels.kv_append import kv_append, kv_append_reference
     from runtime.kv.codecs import decode_sub_codec, sub_codec_planes
@@ -413,17 +413,17 @@ def test_kv_append_e8p_matches_the_reference():
     x[2, 2, :8] = torch.tensor([0.5, -1.5, 2.5, 0.5, -0.5, 0.5, 0.5, 0.5])  # magnitude ties
     page = torch.randint(0, pages, (n,), generator=g).int()
     slot = torch.randperm(64, generator=g)[:n].int()
-    planes = sub_codec_planes("e8p", d)
+    planes = sub_codec_planes("e8cube", d)
     want = [torch.full((pages, 64, hkv, p.width), 7).to(p.dtype) for p in planes]
     got = [w.clone().to(DEVICE) for w in want]
-    kv_append_reference(x, "e8p", want, page, slot)
-    kv_append(x.to(DEVICE), "e8p", got, page.to(DEVICE), slot.to(DEVICE))
+    kv_append_reference(x, "e8cube", want, page, slot)
+    kv_append(x.to(DEVICE), "e8cube", got, page.to(DEVICE), slot.to(DEVICE))
     got = [t.cpu() for t in got]
     at = (page.long(), slot.long())
     same = (got[0][at] == want[0][at]).float().mean().item()
     assert same >= 0.98, same
     assert torch.equal(got[1][at][0, 0, 0], torch.tensor(0.0, dtype=torch.float16))
-    dec = lambda p: decode_sub_codec("e8p", {"codes": p[0][at], "scales": p[1][at]})  # noqa: E731
+    dec = lambda p: decode_sub_codec("e8cube", {"codes": p[0][at], "scales": p[1][at]})  # noqa: E731
     err = (dec(got) - dec(want)).norm() / dec(want).norm()
     assert err < 1e-2, err
     untouched = ~torch.isin(torch.arange(pages * 64), page.long() * 64 + slot.long()).reshape(pages, 64)

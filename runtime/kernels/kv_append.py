@@ -3,7 +3,7 @@
 One program per (token, kv head) vector. The integer sub-codecs of specs/kv-codecs.md (bf16, int8g64,
 int4g64, int4g64e8) are encoded here with the reference's exact arithmetic: correctly rounded
 divisions, round-half-to-even, the same E8 nearest-point rule; given the same (already rotated)
-input they write the reference encoder's bytes. e8p (rk2v4-e8's keys) follows the reference's rule; its
+input they write the reference encoder's bytes. e8cube (rk2v4-e8's keys) follows the reference's rule; its
 group scale comes from a sum of squares, whose summation order can move a scale by one f16 step, so
 its bytes match the reference almost always and its decoded vectors always closely. The other
 sub-codecs (fp8row, nvfp4) keep the torch encoder (`SUPPORTED` says which). Without this kernel each attention layer paid ~40 small
@@ -12,18 +12,16 @@ torch launches for the E8 rounding, nibble packing and scattered plane writes pe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from runtime.kv.e8 import E8P_SCALE_PER_RMS, e8p_patterns
+from runtime.kv.e8 import E8CUBE_SCALE_PER_RMS
 
 from .launch import LAUNCH, pdl_wait
 
-KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3, "e8p": 4}
+KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3, "e8cube": 4}
 SUPPORTED = frozenset(KIND_IDS)
-E8P_QMAX = tl.constexpr(1.0 / E8P_SCALE_PER_RMS)  # scale = f16(rms / (1 / 0.95)), as the reference computes it
+E8CUBE_QMAX = tl.constexpr(1.0 / E8CUBE_SCALE_PER_RMS)  # scale = f16(rms / qmax), as the reference computes it
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: adding and subtracting it rounds |x| < 2^22 to nearest-even
 
 
@@ -80,59 +78,35 @@ def _e8_round(ye, yo):
 
 
 @triton.jit
-def _powers_of_three():
-    i = tl.arange(0, 8)
-    p = tl.where(i >= 1, 3, 1) * tl.where(i >= 2, 3, 1) * tl.where(i >= 3, 3, 1) * tl.where(i >= 4, 3, 1)
-    return p * tl.where(i >= 5, 3, 1) * tl.where(i >= 6, 3, 1) * tl.where(i >= 7, 3, 1)
-
-
-@triton.jit
-def _e8p_type(m, rank, neg_odd, best, best_key, best_flip, N1: tl.constexpr, N2: tl.constexpr):
-    """Score one e8p pattern type (N1 entries 3/2, N2 entries 5/2, largest levels on the largest |z|,
-    spec §4.2 step 2) for rows of 8 magnitudes m [R, 8] with their descending ranks; keep it when it beats
-    `best` (earlier types win ties). Returns (best score without the −½|z|² term, digit key, sign flip)."""
-    level = tl.where(rank < N2, 2.5, tl.where(rank < N1 + N2, 1.5, 0.5))
-    digit = tl.where(rank < N2, 2, tl.where(rank < N1 + N2, 1, 0))
-    mismatch = (neg_odd + N1 % 2) % 2 == 1
-    m_min = tl.min(m, axis=1)
-    half_norm: tl.constexpr = 0.5 * (0.25 * (8 - N1 - N2) + 2.25 * N1 + 6.25 * N2)
-    score = tl.sum(level * m, axis=1) - half_norm - tl.where(mismatch, m_min, 0.0)
-    key = tl.sum(digit * _powers_of_three()[None, :], axis=1)
-    take = score > best
-    return tl.where(take, score, best), tl.where(take, key, best_key), tl.where(take, mismatch, best_flip)
-
-
-@triton.jit
-def _e8p_shift(y, SHIFT: tl.constexpr, SHIFT_BIT: tl.constexpr, lookup_ptr):
-    """Nearest point among those with shift SHIFT (spec §4.2 steps 1-3) for rows y [R, 8]:
-    (score = −½ squared error, pattern code, sign-and-shift byte)."""
+def _e8cube_shift(y, SHIFT: tl.constexpr, SHIFT_BIT: tl.constexpr):
+    """Nearest codebook point with shift SHIFT (spec §4.2 steps 1-2) for rows y [R, 8]:
+    (squared error, magnitude byte, sign-and-shift byte)."""
     z = y - SHIFT
     m = tl.abs(z)
-    i = tl.arange(0, 8)
-    # descending rank, lower index first on ties: the spec's stable order
-    before = (m[:, None, :] > m[:, :, None]) | ((m[:, None, :] == m[:, :, None]) & (i[None, None, :] < i[None, :, None]))
-    rank = tl.sum(before.to(tl.int32), axis=2)
+    big = m > 1.0
+    level = tl.where(big, 1.5, 0.5)
     neg = z < 0.0
-    neg_odd = tl.sum(neg.to(tl.int32), axis=1) % 2
-    best = tl.full((y.shape[0],), -3.0e38, tl.float32)
-    key = tl.zeros((y.shape[0],), tl.int32)
-    flip = tl.zeros((y.shape[0],), tl.int1)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 0, 0)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 1, 0)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 2, 0)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 3, 0)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 4, 0)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 0, 1)
-    best, key, flip = _e8p_type(m, rank, neg_odd, best, key, flip, 1, 1)
-    neg = neg ^ (flip[:, None] & (rank == 7))
-    sign_bits = tl.sum((neg & (i[None, :] < 7)).to(tl.int32) << i[None, :], axis=1)
-    pattern = tl.load(lookup_ptr + key)
-    meta = sign_bits | (SHIFT_BIT << 7)
-    return best - 0.5 * tl.sum(z * z, axis=1), pattern, meta
+    err = (m - level) * (m - level)
+    flip_cost = 4.0 * m * level
+    other = 2.0 - level
+    toggle_cost = (m - other) * (m - other) - err
+    cost = tl.minimum(flip_cost, toggle_cost)
+    i = tl.arange(0, 8)
+    least = tl.min(cost, axis=1)
+    at = tl.min(tl.where(cost == least[:, None], i[None, :], 8), axis=1)  # first coordinate of least cost
+    mismatch = ((tl.sum(neg.to(tl.int32), axis=1) + tl.sum(big.to(tl.int32), axis=1)) & 1) != 0
+    fix = mismatch[:, None] & (i[None, :] == at[:, None])
+    by_flip = fix & (flip_cost <= toggle_cost)
+    neg = neg ^ by_flip
+    big = big ^ (fix & ~by_flip)
+    total = tl.sum(err, axis=1) + tl.where(mismatch, least, 0.0)
+    mag_byte = tl.sum(big.to(tl.int32) << i[None, :], axis=1)
+    sign_byte = tl.sum((neg & (i[None, :] < 7)).to(tl.int32) << i[None, :], axis=1) | (SHIFT_BIT << 7)
+    return total, mag_byte, sign_byte
 
 
 @triton.jit
-def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, lookup_ptr, HKV, D: tl.constexpr, KIND: tl.constexpr,
+def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, KIND: tl.constexpr,
                       W0: tl.constexpr, W1: tl.constexpr):
     pdl_wait()
     vec = tl.program_id(0)  # token * HKV + head
@@ -158,14 +132,14 @@ def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, lookup_ptr, HKV, D: tl.
         j = tl.arange(0, 64)
         x = tl.load(x_row + g[:, None] * 64 + j[None, :]).to(tl.float32)
         rms = tl.sqrt_rn(tl.sum(x * x, axis=1) / 64.0)
-        s, inv = _group_scale(rms, E8P_QMAX)
+        s, inv = _group_scale(rms, E8CUBE_QMAX)
         y = tl.reshape(x * inv[:, None], (G * 8, 8))
-        score_p, pattern_p, meta_p = _e8p_shift(y, 0.25, 0, lookup_ptr)
-        score_m, pattern_m, meta_m = _e8p_shift(y, -0.25, 1, lookup_ptr)
-        take_m = score_m > score_p
+        err_p, mag_p, sign_p = _e8cube_shift(y, 0.25, 0)
+        err_m, mag_m, sign_m = _e8cube_shift(y, -0.25, 1)
+        take_m = err_m < err_p  # ties keep +1/4
         sv = tl.arange(0, G * 8)
-        tl.store(p0 + row * W0 + 2 * sv, tl.where(take_m, pattern_m, pattern_p).to(tl.uint8))
-        tl.store(p0 + row * W0 + 2 * sv + 1, tl.where(take_m, meta_m, meta_p).to(tl.uint8))
+        tl.store(p0 + row * W0 + 2 * sv, tl.where(take_m, mag_m, mag_p).to(tl.uint8))
+        tl.store(p0 + row * W0 + 2 * sv + 1, tl.where(take_m, sign_m, sign_p).to(tl.uint8))
         tl.store(p1 + row * W1 + g, s.to(tl.float16))
     else:
         j = tl.arange(0, 32)
@@ -186,18 +160,12 @@ def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, lookup_ptr, HKV, D: tl.
         tl.store(p1 + row * W1 + g, s.to(tl.float16))
 
 
-@functools.lru_cache(maxsize=8)
-def _e8p_lookup(device: str) -> torch.Tensor:
-    return e8p_patterns()[1].to(device=device, dtype=torch.int32)
-
-
 def kv_append(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor, slot: torch.Tensor) -> None:
     """x [n, HKV, D] (rotated already when the codec rotates); planes of one side ([pages, 64, HKV, W]);
     page, slot [n] int: where token i goes. Writes the encoded vectors in place."""
     n, hkv, d = x.shape
     p0, p1 = planes[0], planes[-1]
-    lookup = _e8p_lookup(str(x.device)) if kind == "e8p" else p0
-    _kv_append_kernel[(n * hkv,)](x.contiguous(), page, slot, p0, p1, lookup, hkv, D=d, KIND=KIND_IDS[kind],
+    _kv_append_kernel[(n * hkv,)](x.contiguous(), page, slot, p0, p1, hkv, D=d, KIND=KIND_IDS[kind],
                                   W0=p0.shape[-1], W1=p1.shape[-1], num_warps=1 if d <= 64 else 2, **LAUNCH)
 
 

@@ -15,7 +15,6 @@ per-element scale gathers and int-to-float conversions made the compressed codec
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -36,10 +35,10 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
 # layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us.
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
-                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8p": (16, 4, 1024)}
+                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8cube": (16, 4, 1024)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
-                 "nvfp4": (16, 4), "e8p": (16, 4)}
+                 "nvfp4": (16, 4), "e8cube": (16, 4)}
 ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs overrides for sweeps
 
 
@@ -64,7 +63,7 @@ PREFILL_BLOCK_M = 64
 PREFILL_PROGRAMS = 1024  # prefill chunks fill the GPU with row blocks: one split (no combine) from 1,024 up
 PREFILL_MIN_ROWS = 256
 VERIFY_MAX_BLOCK_M = 32  # 17..255 rows (verify blocks, several lanes' short steps)
-KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8p": 5}
+KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 2, "fp8row": 3, "nvfp4": 4, "e8cube": 5}
 HALF_KIND_IDS = (2, 4, 5)  # decoded as even/odd halves (the kernel's K_HALVES / V_HALVES)
 _NATIVE = tl.constexpr(not interpreted())  # inline PTX on a GPU; plain ops interpreted
 
@@ -81,40 +80,45 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, ODD: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
-              W1: tl.constexpr):
-    """e8p codes (specs/kv-codecs.md §4.2): elements 2*dh + ODD of the vectors at pool rows `row`
-    ([BLOCK_N]) -> [BLOCK_N, D/2] fp32: pattern magnitude from the table, sign bit (coordinate 7's from
-    the parity of the other seven), ±1/4 shift, group scale."""
-    d = 2 * dh + ODD
-    m = tok_ok[:, None]
-    sv = d // 8
-    i = d % 8
-    pattern = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :], mask=m, other=0).to(tl.int32)
-    meta = tl.load(p0 + row[:, None] * W0 + 2 * sv[None, :] + 1, mask=m, other=0).to(tl.int32)
-    mag = tl.load(table_ptr + pattern * 8 + i[None, :])
-    parity = meta & 0x7F
+def _e8cube_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """e8cube codes (specs/kv-codecs.md §4.2) of the vectors at pool rows `row` -> (even, odd) fp16 halves
+    [BLOCK_N, D/2], by bit operations: 4·value = ±(2 + 4·magnitude bit) ± 1, an odd integer in [-7, 7],
+    placed into fp16 like an int4 code, times the group scale / 4."""
+    G: tl.constexpr = D // 64
+    g = tl.arange(0, G)
+    h = tl.arange(0, 32)  # position within a group's half: sub-vector h // 4, element pair h % 4
+    m = tok_ok[:, None, None]
+    at = p0 + row[:, None, None] * W0 + 2 * (g[None, :, None] * 8 + h[None, None, :] // 4)
+    mag = tl.load(at, mask=m, other=0).to(tl.int32)  # [BLOCK_N, G, 32]
+    sign = tl.load(at + 1, mask=m, other=0).to(tl.int32)
+    parity = (sign & 0x7F) ^ mag
     parity ^= parity >> 4
     parity ^= parity >> 2
     parity ^= parity >> 1
-    signs = (meta & 0x7F) | ((parity & 1) << 7)
-    val = tl.where(((signs >> i[None, :]) & 1) != 0, -mag, mag) + tl.where(meta >= 128, -0.25, 0.25)
-    s = tl.load(p1 + row[:, None] * W1 + d[None, :] // 64, mask=m, other=0.0).to(tl.float32)
-    return val * s
+    neg = (sign & 0x7F) | ((parity & 1) << 7)  # coordinate 7's sign puts the point on E8
+    shift = 1 - ((sign >> 6) & 2)  # +1 or -1 quarter
+    s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None] * 0.25
+    i = 2 * (h % 4)[None, None, :]
+    q_even = (2 + 4 * ((mag >> i) & 1)) * (1 - 2 * ((neg >> i) & 1)) + shift
+    q_odd = (2 + 4 * ((mag >> (i + 1)) & 1)) * (1 - 2 * ((neg >> (i + 1)) & 1)) + shift
+    # q + 8 in 1..15 OR'd into 1024.0's mantissa reads as 1032 + q exactly
+    even = (((q_even + 8) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    odd = (((q_odd + 8) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    return tl.reshape(even, (BLOCK_N, D // 2)), tl.reshape(odd, (BLOCK_N, D // 2))
 
 
 @triton.jit
-def _code_halves(p0, p1, table_ptr, row, tok_ok, dh, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+def _code_halves(p0, p1, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
                  W1: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Vectors of the half-split codecs (int4 groups, nvfp4, e8p) at pool rows `row` as (even, odd)
+    """Vectors of the half-split codecs (int4 groups, nvfp4, e8cube) at pool rows `row` as (even, odd)
     fp16 halves [BLOCK_N, D/2]."""
     if KIND == 2:
         return _int4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     elif KIND == 4:
         return _nvfp4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     else:
-        return (_e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 0, D, W0, W1).to(tl.float16),
-                _e8p_half(p0, p1, table_ptr, row, tok_ok, dh, 1, D, W0, W1).to(tl.float16))
+        return _e8cube_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
 
 
 @triton.jit
@@ -167,7 +171,7 @@ def _nibble_f16(b, ODD: tl.constexpr):
 
 
 @triton.jit
-def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
+def _decode_rows(p0, p1, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
                  W1: tl.constexpr, BLOCK_N: tl.constexpr):
     """Whole vectors [BLOCK_N, D] (bf16 for the bf16 cache, else fp16) for the byte-per-element codecs.
     Nibble codecs stay as even/odd halves: interleaving them with join + reshape before a dot
@@ -196,7 +200,7 @@ def _decode_rows(p0, p1, table_ptr, row, tok_ok, KIND: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, table_ptr, block_table_ptr, ctx_len_ptr,
+def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block_table_ptr, ctx_len_ptr,
                             T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_TOKENS, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                             KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
@@ -247,10 +251,10 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
         if K_HALVES:
-            k_even, k_odd = _code_halves(k0, k1, table_ptr, row, n_ok, dh, KK, D, KW0, KW1, BLOCK_N)
+            k_even, k_odd = _code_halves(k0, k1, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         else:
-            k = _decode_rows(k0, k1, table_ptr, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
+            k = _decode_rows(k0, k1, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
             s = tl.dot(q, tl.trans(k))
         s = s * scale
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -261,12 +265,12 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, tabl
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_HALVES:
-            v_even, v_odd = _code_halves(v0, v1, table_ptr, row, n_ok, dh, VK, D, VW0, VW1, BLOCK_N)
+            v_even, v_odd = _code_halves(v0, v1, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
             p16 = p.to(tl.float16)
             acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
         else:
-            v = _decode_rows(v0, v1, table_ptr, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
+            v = _decode_rows(v0, v1, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if DIRECT:  # prefill: one split holds every key, so the rows are final and go to the output itself
@@ -329,13 +333,6 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     tl.store(o_ptr + ((lane * T + t) * HQ + head) * D + d, out.to(o_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=8)
-def _e8p_table(device: str) -> torch.Tensor:
-    from runtime.kv.e8 import e8p_patterns
-
-    return e8p_patterns()[0].to(device=device, dtype=torch.float32).contiguous()
-
-
 def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
                     ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [lanes, T, HQ, D] (rotated when the codec rotates keys); pool planes of one layer; block_table
@@ -363,7 +360,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     part_ml = torch.empty(1 if direct else lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
     grid = (lanes * hkv, triton.cdiv(rows, block_m), splits)
     _paged_attention_kernel[grid](
-        q.contiguous(), part_o, part_ml, k0, k1, v0, v1, _e8p_table(str(q.device)), block_table, ctx_len,
+        q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len,
         t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .e8 import E8P_SCALE_PER_RMS, e8_lattice_round, e8p_decode, e8p_encode
+from .e8 import E8CUBE_SCALE_PER_RMS, e8_lattice_round, e8cube_decode, e8cube_encode
 from .hadamard import rotate_groups
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -88,7 +88,7 @@ CODECS = MappingProxyType({
     "rk8v4": Codec("rk8v4", "int8g64", "int4g64", True, True),
     "rk4v4": Codec("rk4v4", "int4g64", "int4g64", True, True),
     "rk4v4-e8": Codec("rk4v4-e8", "int4g64e8", "int4g64", True, True),
-    "rk2v4-e8": Codec("rk2v4-e8", "e8p", "int4g64", True, True),
+    "rk2v4-e8": Codec("rk2v4-e8", "e8cube", "int4g64", True, True),
 })
 
 
@@ -114,7 +114,7 @@ def sub_codec_planes(kind: str, d: int) -> list[Plane]:
         return [Plane("codes", torch.uint8, d), Plane("scales", torch.float16, 1)]
     if kind == "nvfp4":
         return [Plane("codes", torch.uint8, d // 2), Plane("scales", torch.uint8, d // 16)]
-    if kind == "e8p":
+    if kind == "e8cube":
         return [Plane("codes", torch.uint8, d // 4), Plane("scales", torch.float16, d // 64)]
     raise ValueError(kind)
 
@@ -172,11 +172,11 @@ def encode_sub_codec(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = (y.abs()[..., None] - values).abs().argmin(-1)  # nearest magnitude, ties to the smaller
         codes = (idx | ((y < 0) & (idx > 0)).to(idx.dtype) << 3).reshape(x.shape)
         return {"codes": _pack_nibbles(codes.to(torch.int16)), "scales": s8.view(torch.uint8)}
-    if kind == "e8p":
+    if kind == "e8cube":
         g = x.float().reshape(*x.shape[:-1], -1, 64)
-        s = _f16_scale(g.pow(2).mean(-1).sqrt(), 1.0 / E8P_SCALE_PER_RMS)
+        s = _f16_scale(g.pow(2).mean(-1).sqrt(), 1.0 / E8CUBE_SCALE_PER_RMS)
         inv = torch.where(s > 0, 1.0 / s.float(), torch.zeros_like(s, dtype=torch.float32))
-        codes = e8p_encode((g * inv[..., None]).reshape(-1, 8))
+        codes = e8cube_encode((g * inv[..., None]).reshape(-1, 8))
         return {"codes": codes.reshape(*x.shape[:-1], -1), "scales": s}
     raise ValueError(kind)
 
@@ -199,10 +199,10 @@ def decode_sub_codec(kind: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
         val = torch.where(c >= 8, -mag, mag)
         s = p["scales"].view(torch.float8_e4m3fn).float()
         return (val.reshape(*val.shape[:-1], -1, 16) * s[..., None]).reshape(val.shape)
-    if kind == "e8p":
+    if kind == "e8cube":
         codes = p["codes"]
         lead = codes.shape[:-1]
         groups = codes.shape[-1] // 16
-        vec = e8p_decode(codes.reshape(*lead, groups, 8, 2))  # [..., groups, 8, 8] in units of the scale
+        vec = e8cube_decode(codes.reshape(*lead, groups, 8, 2))  # [..., groups, 8, 8] in units of the scale
         return (vec * p["scales"].float()[..., None, None]).reshape(*lead, groups * 64)
     raise ValueError(kind)
