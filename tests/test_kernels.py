@@ -320,6 +320,33 @@ def test_paged_attention(codec, t, split_tokens, monkeypatch):
     _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
 
 
+@pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8", "rk2v4-e8"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_paged_attention_spreads_a_short_context_over_the_capacitys_splits(codec, t, monkeypatch):
+    """The grid is sized for the block table's capacity (8 splits of 48 keys here); lanes holding 70 and
+    150 keys spread them over all 8 splits (16 and 32 keys per split), in the kernel and in the combine."""
+    from runtime.kernels import paged_attention as module
+    from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference
+
+    monkeypatch.setattr(module, "MIN_SPLIT", 16)
+    monkeypatch.setitem(module.ATTENTION_TUNING, "block_n", 16)
+    monkeypatch.setitem(module.ATTENTION_TUNING, "programs", 2 * 2 * 8)  # lanes x kv heads x 8 splits
+    c = CODECS[codec]
+    lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 6
+    g = torch.Generator().manual_seed(5 + t)
+    total = lanes * per_lane
+    pool = c.encode(torch.randn(total, PAGE, hkv, d, generator=g), torch.randn(total, PAGE, hkv, d, generator=g))
+    block_table = torch.randperm(total, generator=g).view(lanes, per_lane).int()
+    ctx = torch.tensor([70, 150], dtype=torch.int32)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g))
+    assert module.split_size(per_lane * PAGE, lanes * hkv, 16, 2 * 2 * 8) == 48
+    want = paged_attention_reference(q, pool, c, block_table, ctx, d ** -0.5)
+    dev = {k: v.to(DEVICE) for k, v in pool.items()}
+    got = paged_attention(q.to(DEVICE), dev, c, block_table.to(DEVICE), ctx.to(DEVICE), d ** -0.5,
+                          out=_poison(q.shape, torch.float32))
+    _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
+
+
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 37, 4), (3, 256, 8)])
 def test_moe_routing(t, e, k):
     from runtime.kernels.moe import route, route_reference

@@ -2,8 +2,9 @@
 
 Pool planes are [pages, 64, kv_heads, width]; a lane's block table maps its logical pages to
 physical ones. Each program takes a block of query rows of one (lane, kv head) — every query head
-of the GQA group at once — and one split of SPLIT_TOKENS keys, decodes K and V tiles in registers
-and keeps an online softmax; a second kernel merges the splits. Vectors
+of the GQA group at once — and one split of the lane's keys (the grid is sized for the pool's capacity;
+a lane's context is spread over all its splits), decodes K and V tiles in registers and keeps an online
+softmax; a second kernel merges the splits. Vectors
 are handled as even/odd element halves, so packed nibble codecs never interleave in registers.
 Rotations (rk codecs) happen outside: queries arrive rotated, outputs leave rotated.
 
@@ -33,9 +34,10 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
 # two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
 # no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
-# layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us.
+# layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us;
+# e8cube (run 25) one-warp 16-key programs: 709 -> 416 us (T = 1), 1,100 -> 760 us (T = 4).
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
-                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8cube": (16, 4, 1024)}
+                   "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8cube": (16, 1, 1024)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                  "nvfp4": (16, 4), "e8cube": (16, 4)}
@@ -201,7 +203,7 @@ def _decode_rows(p0, p1, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: t
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block_table_ptr, ctx_len_ptr,
-                            T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_TOKENS, scale,
+                            T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                             KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
@@ -222,6 +224,7 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
     t_of = r // group
     head = kvh * group + r % group
     ctx = tl.load(ctx_len_ptr + lane)
+    split_len = _split_len(ctx, SPLITS, SPLIT_MIN, BLOCK_N)
     q_pos = ctx - T + t_of
     q_base = q_ptr + ((lane * T + t_of[:, None]) * HQ + head[:, None]) * D
     K_HALVES: tl.constexpr = (KK == 2) or (KK == 4) or (KK == 5)
@@ -243,8 +246,8 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     last_row_t = tl.minimum((mblock * BLOCK_M + BLOCK_M - 1) // group, T - 1)
     visible_end = ctx - T + last_row_t + 1  # keys past the block's last query are never visible
-    begin = split * SPLIT_TOKENS
-    end = tl.minimum(begin + SPLIT_TOKENS, visible_end)
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, visible_end)
     for n0 in range(begin, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -294,8 +297,16 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_TOKENS, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _split_len(ctx, SPLITS, SPLIT_MIN, BLOCK_N: tl.constexpr):
+    """Keys per split for a lane holding ctx keys: the lane's keys spread over all SPLITS programs (at
+    least SPLIT_MIN each), so a short context under a long capacity still fills the GPU. The grid stays
+    the capacity's, so a captured decode graph serves every depth."""
+    return tl.maximum(SPLIT_MIN, tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N)
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read). Each
     program takes BLOCK_D of the D lanes, so a long context's many splits are read by several
@@ -307,8 +318,9 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     kvh = lane_kvh % HKV
     group = HQ // HKV
     rows_total = T * group
-    visible_end = tl.load(ctx_len_ptr + lane) - T + r // group + 1
-    used = tl.minimum(tl.cdiv(visible_end, SPLIT_TOKENS), SPLITS)
+    ctx = tl.load(ctx_len_ptr + lane)
+    visible_end = ctx - T + r // group + 1
+    used = tl.minimum(tl.cdiv(visible_end, _split_len(ctx, SPLITS, SPLIT_MIN, BLOCK_N)), SPLITS)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     m_all = tl.full((1,), float("-inf"), tl.float32)
     l_all = tl.zeros((1,), tl.float32)
@@ -355,21 +367,23 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, target)
     splits = triton.cdiv(capacity, split_tokens)
+    split_min = split_tokens if SPLIT_TOKENS else -(-MIN_SPLIT // block_n) * block_n  # tests pin the split
     direct = splits == 1  # prefill chunks: enough row blocks to fill the GPU without splitting keys
     part_o = o if direct else torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(1 if direct else lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
     grid = (lanes * hkv, triton.cdiv(rows, block_m), splits)
     _paged_attention_kernel[grid](
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len,
-        t, hq, hkv, block_table.shape[1], splits, split_tokens, scale,
+        t, hq, hkv, block_table.shape[1], splits, split_min, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, num_warps=num_warps, **LAUNCH)
     if direct:
         return o
     block_d = 64 if d % 64 == 0 else d
-    _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_tokens,
-                                                       D=d, BLOCK_S=64, BLOCK_D=block_d, num_warps=4, **LAUNCH)
+    _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min,
+                                                       D=d, BLOCK_S=64, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+                                                       **LAUNCH)
     return o
 
 
@@ -388,8 +402,9 @@ def query_block_rows(codec: Codec, rows: int) -> int:
 
 
 def split_size(capacity: int, programs: int, block_n: int, target: int) -> int:
-    """Keys per split: enough splits that ~`target` programs stream the cache, each at least MIN_SPLIT keys
-    (a split beyond a lane's context exits at once)."""
+    """Keys per split at full capacity: enough splits that ~`target` programs stream the cache, each at
+    least MIN_SPLIT keys. This fixes the grid; the kernels spread a shorter context over the same splits
+    (`_split_len`), and a split beyond a lane's context exits at once."""
     if SPLIT_TOKENS:
         return max(block_n, min(SPLIT_TOKENS, capacity))
     splits = max(1, target // max(1, programs))
