@@ -85,8 +85,8 @@ def _e4m3(byte):
 def _e8cube_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """e8cube codes (specs/kv-codecs.md §4.2) of the vectors at pool rows `row` -> (even, odd) fp16 halves
-    [BLOCK_N, D/2], by bit operations: 4·value = ±(2 + 4·magnitude bit) ± 1, an odd integer in [-7, 7],
-    placed into fp16 like an int4 code, times the group scale / 4."""
+    [BLOCK_N, D/2], by bit operations: 4·value = q = ±(2 + 4·magnitude bit) ± 1, an odd integer in
+    [-7, 7], placed into fp16 like an int4 code, times the group scale / 4."""
     G: tl.constexpr = D // 64
     g = tl.arange(0, G)
     h = tl.arange(0, 32)  # position within a group's half: sub-vector h // 4, element pair h % 4
@@ -99,14 +99,18 @@ def _e8cube_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: t
     parity ^= parity >> 2
     parity ^= parity >> 1
     neg = (sign & 0x7F) | ((parity & 1) << 7)  # coordinate 7's sign puts the point on E8
-    shift = 1 - ((sign >> 6) & 2)  # +1 or -1 quarter
+    # q + 8 = 2w + 1 with w = (not minus, magnitude bit xor minus, not shifted down) as bits 2..0: per
+    # sub-vector, bit i of x4 (>> 2) and y8 (>> 3) are element i's bits 2 and 3; base carries bits 0-1
+    # and 1024.0's exponent, so one shift and one mask per bit place an element into fp16 as 1032 + q
+    x4 = (mag ^ neg) << 2
+    y8 = (~neg & 0xFF) << 3
+    base = 0x6401 | (((sign >> 6) & 2) ^ 2)
     s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None] * 0.25
     i = 2 * (h % 4)[None, None, :]
-    q_even = (2 + 4 * ((mag >> i) & 1)) * (1 - 2 * ((neg >> i) & 1)) + shift
-    q_odd = (2 + 4 * ((mag >> (i + 1)) & 1)) * (1 - 2 * ((neg >> (i + 1)) & 1)) + shift
-    # q + 8 in 1..15 OR'd into 1024.0's mantissa reads as 1032 + q exactly
-    even = (((q_even + 8) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
-    odd = (((q_odd + 8) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    u_even = base | ((x4 >> i) & 4) | ((y8 >> i) & 8)
+    u_odd = base | ((x4 >> (i + 1)) & 4) | ((y8 >> (i + 1)) & 8)
+    even = (u_even.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
+    odd = (u_odd.to(tl.int16).to(tl.float16, bitcast=True) - 1032.0) * s
     return tl.reshape(even, (BLOCK_N, D // 2)), tl.reshape(odd, (BLOCK_N, D // 2))
 
 
