@@ -38,6 +38,30 @@ def e8_lattice_round(x: torch.Tensor) -> torch.Tensor:
 E8CUBE_SCALE_PER_RMS = 1.0  # group scale = rms × this (Gaussian groups: cosine 0.9490 at 1.0, 0.9482 at 0.9)
 
 
+def _e8cube_nearest(y: torch.Tensor, shift: float, shift_bit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nearest codebook point with shift `shift` for rows y [N, 8] (spec §4.2 steps 1-2):
+    (squared error [N], codes [N, 2] long)."""
+    z = y.float() - shift
+    m = z.abs()
+    big = m > 1.0
+    level = torch.where(big, 1.5, 0.5)
+    neg = z < 0
+    err = (m - level) ** 2
+    flip_cost = 4.0 * m * level
+    toggle_cost = (m - (2.0 - level)) ** 2 - err
+    cost = torch.minimum(flip_cost, toggle_cost)
+    at = cost.argmin(-1, keepdim=True)
+    mismatch = (neg.sum(-1, keepdim=True) + big.sum(-1, keepdim=True)) % 2 == 1
+    fix = mismatch & torch.zeros_like(neg).scatter_(1, at, True)
+    by_flip = fix & (flip_cost <= toggle_cost)
+    neg = neg ^ by_flip
+    big = big ^ (fix & ~by_flip)
+    total = err.sum(-1) + torch.where(mismatch[:, 0], cost.gather(1, at)[:, 0], 0.0)
+    bit = 1 << torch.arange(8, device=y.device)
+    codes = torch.stack([(big.long() * bit).sum(-1), (neg[:, :7].long() * bit[:7]).sum(-1) | (shift_bit << 7)], -1)
+    return total, codes
+
+
 def e8cube_encode(y: torch.Tensor) -> torch.Tensor:
     """y [N, 8] in units of the group scale -> codes uint8 [N, 2]: the nearest point of the codebook.
 
@@ -46,32 +70,9 @@ def e8cube_encode(y: torch.Tensor) -> torch.Tensor:
     (a sign flip or the other magnitude, on the first coordinate of least extra error; a flip before a
     magnitude change on ties) restores it. The shift with the smaller error wins (+¼ on ties).
     """
-    best_err = best_codes = None
-    bit = 1 << torch.arange(8, device=y.device)
-    for shift_bit, shift in ((0, 0.25), (1, -0.25)):
-        z = y.float() - shift
-        m = z.abs()
-        big = m > 1.0
-        level = torch.where(big, 1.5, 0.5)
-        neg = z < 0
-        err = (m - level) ** 2
-        flip_cost = 4.0 * m * level
-        toggle_cost = (m - (2.0 - level)) ** 2 - err
-        cost = torch.minimum(flip_cost, toggle_cost)
-        at = cost.argmin(-1, keepdim=True)
-        mismatch = (neg.sum(-1, keepdim=True) + big.sum(-1, keepdim=True)) % 2 == 1
-        fix = mismatch & torch.zeros_like(neg).scatter_(1, at, True)
-        by_flip = fix & (flip_cost <= toggle_cost)
-        neg = neg ^ by_flip
-        big = big ^ (fix & ~by_flip)
-        total = err.sum(-1) + torch.where(mismatch[:, 0], cost.gather(1, at)[:, 0], 0.0)
-        codes = torch.stack([(big.long() * bit).sum(-1), (neg[:, :7].long() * bit[:7]).sum(-1) | (shift_bit << 7)], -1)
-        if best_err is None:
-            best_err, best_codes = total, codes
-        else:
-            take = total < best_err  # ties keep +¼
-            best_codes = torch.where(take[:, None], codes, best_codes)
-    return best_codes.to(torch.uint8)
+    err_up, codes_up = _e8cube_nearest(y, 0.25, 0)
+    err_down, codes_down = _e8cube_nearest(y, -0.25, 1)
+    return torch.where((err_down < err_up)[:, None], codes_down, codes_up).to(torch.uint8)
 
 
 def e8cube_decode(codes: torch.Tensor) -> torch.Tensor:
