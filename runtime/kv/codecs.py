@@ -126,10 +126,15 @@ def _f16_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.where(tiny, torch.full_like(s, 2.0 ** -24), s)
 
 
+def _inverse(s: torch.Tensor) -> torch.Tensor:
+    """1 / (stored scale) in float32, 0 for a zero scale: codes are computed with the stored scale."""
+    return torch.where(s > 0, 1.0 / s.float(), torch.zeros_like(s, dtype=torch.float32))
+
+
 def _grouped_int(x: torch.Tensor, group: int, qmax: int):
     g = x.float().reshape(*x.shape[:-1], -1, group)
     s = _f16_scale(g.abs().amax(-1), qmax)
-    inv = torch.where(s > 0, 1.0 / s.float(), torch.zeros_like(s, dtype=torch.float32))
+    inv = _inverse(s)
     return g * inv[..., None], s
 
 
@@ -160,7 +165,7 @@ def encode_sub_codec(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"codes": _pack_nibbles(codes), "scales": s}
     if kind == "fp8row":
         s = _f16_scale(x.float().abs().amax(-1, keepdim=True), FP8_MAX)
-        inv = torch.where(s > 0, 1.0 / s.float(), torch.zeros_like(s, dtype=torch.float32))
+        inv = _inverse(s)
         codes = (x.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return {"codes": codes.view(torch.uint8), "scales": s}
     if kind == "nvfp4":
@@ -175,7 +180,7 @@ def encode_sub_codec(kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
     if kind == "e8cube":
         g = x.float().reshape(*x.shape[:-1], -1, 64)
         s = _f16_scale(g.pow(2).mean(-1).sqrt(), 1.0 / E8CUBE_SCALE_PER_RMS)
-        inv = torch.where(s > 0, 1.0 / s.float(), torch.zeros_like(s, dtype=torch.float32))
+        inv = _inverse(s)
         codes = e8cube_encode((g * inv[..., None]).reshape(-1, 8))
         return {"codes": codes.reshape(*x.shape[:-1], -1), "scales": s}
     raise ValueError(kind)
