@@ -28,6 +28,10 @@ def real_shaped_kv(tokens: int, heads: int, head_dim: int, seed: int = 42):
     return q * (LOGIT_STD / logits_std), k, v
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=dim)
+
+
 def _attention(q, k, v):
     scores = torch.einsum("qhd,thd->hqt", q.float(), k.float()) / q.shape[-1] ** 0.5
     return torch.einsum("hqt,thd->qhd", scores.softmax(-1), v.float())
@@ -42,12 +46,11 @@ def codec_quality(name: str, tokens: int = 1024, heads: int = 4, head_dim: int =
     keys = codec.decode_keys(planes)
     out = codec.finish_output(_attention(codec.prepare_queries(q.bfloat16().float()), keys, codec.decode_values(planes)))
     stored_k = codec.prepare_queries(k16) if codec.rotate_keys else k16
-    cos = lambda a, b, dim: torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=dim)  # noqa: E731
     return {
         "codec": name,
         "bytes_per_token_head": codec.bytes_per_token_head(head_dim),
-        "key_tile_cosine": cos(keys.flatten(), stored_k.flatten(), dim=0).item(),
-        "attention_output_cosine": cos(out.flatten(1), reference.flatten(1), dim=-1).mean().item(),
+        "key_tile_cosine": _cosine(keys.flatten(), stored_k.flatten(), dim=0).item(),
+        "attention_output_cosine": _cosine(out.flatten(1), reference.flatten(1), dim=-1).mean().item(),
     }
 
 
@@ -57,7 +60,7 @@ def gaussian_key_cosine(name: str, tokens: int = 4096, head_dim: int = 256, seed
     k = torch.randn(tokens, 1, head_dim, generator=torch.Generator().manual_seed(seed))
     stored = codec.prepare_queries(k) if codec.rotate_keys else k
     keys = codec.decode_keys(codec.encode(k, k))
-    return torch.nn.functional.cosine_similarity(keys.flatten().double(), stored.flatten().double(), dim=0).item()
+    return _cosine(keys.flatten(), stored.flatten(), dim=0).item()
 
 
 def main() -> None:
