@@ -3,11 +3,12 @@
 One program per (token, kv head) vector. The integer sub-codecs of specs/kv-codecs.md (bf16, int8g64,
 int4g64, int4g64e8) are encoded here with the reference's exact arithmetic: correctly rounded
 divisions, round-half-to-even, the same E8 nearest-point rule; given the same (already rotated)
-input they write the reference encoder's bytes. e8cube (rk2v4-e8's keys) follows the reference's rule; its
-group scale comes from a sum of squares, whose summation order can move a scale by one f16 step, so
-its bytes match the reference almost always and its decoded vectors always closely. The other
-sub-codecs (fp8row, nvfp4) keep the torch encoder (`SUPPORTED` says which). Without this kernel each attention layer paid ~40 small
-torch launches for the E8 rounding, nibble packing and scattered plane writes per decode step.
+input they write the reference encoder's bytes. e8cube (rk2v4-e8's keys) follows the reference's rule;
+its group scale comes from a sum of squares, whose summation order can move a scale by one f16 step,
+so its bytes match the reference almost always and its decoded vectors always closely. The other
+sub-codecs (fp8row, nvfp4) keep the torch encoder (`SUPPORTED` says which). Without this kernel each
+attention layer paid ~40 small torch launches for the E8 rounding, nibble packing and scattered plane
+writes per decode step.
 """
 
 from __future__ import annotations
