@@ -46,8 +46,10 @@ def _old_module():
     path = Path(".carry/old_paged_attention.py")
     if not path.exists():
         return None
-    spec = importlib.util.spec_from_file_location("old_paged_attention", path)
+    # loaded as a sibling of the current module, so its relative imports (launch, interpreted) resolve
+    spec = importlib.util.spec_from_file_location("runtime.kernels.old_paged_attention", path)
     module = importlib.util.module_from_spec(spec)
+    module.__package__ = "runtime.kernels"
     spec.loader.exec_module(module)
     return module
 

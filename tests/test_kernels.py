@@ -592,6 +592,40 @@ def test_rmsnorm_sums_deferred_split_partials():
     assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)
 
 
+@pytest.mark.parametrize("t,deferred", [(1, True), (3, False)])
+def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, deferred):
+    """Decode rows spread over several programs (each summing the whole row's squares, normalizing and
+    quantizing its own chunk, writing a new residual) == one program per row: the residual sum and the
+    next product's words exactly (against the words of its own stored output), the normed rows within
+    a rounding step (the sum of squares is taken in another order); the input residual is not written."""
+    import runtime.kernels.rmsnorm as rn
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials, quantize_x
+
+    h = 2 * rn.SPREAD_CHUNK + 200  # the last chunk part-filled; the next product's K_pad past h
+    nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
+    assert nxt.k_pad > h
+    norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
+    if deferred:  # a K-split product's float32 partials
+        y_in = SplitPartials(torch.randn(4, t, h, device=DEVICE), torch.empty(t, h, device=DEVICE, dtype=DTYPE))
+    else:
+        y_in = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    residual = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    results = {}
+    for spread in (True, False):
+        monkeypatch.setattr(rn, "SPREAD_MAX_ROWS", 32 if spread else 0)
+        xq = QuantizedX.empty(t, nxt, DEVICE)
+        res_in = residual.clone()
+        y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=res_in, out=_poison((t, h)), xq=xq)
+        assert spread == (res.data_ptr() != res_in.data_ptr())
+        if spread:
+            assert torch.equal(res_in, residual)
+        assert torch.equal(xq.words, quantize_x(y, nxt))
+        results[spread] = (y.float(), res)
+    assert torch.equal(results[True][1], results[False][1])
+    diff = (results[True][0] - results[False][0]).abs().max().item()
+    assert diff <= (1e-5 if DTYPE == torch.float32 else 2e-2), diff
+
+
 @pytest.mark.parametrize("n,heads,kv_heads,d,rot", [(1, 6, 2, 64, 16), (3, 4, 1, 32, 12), (2, 2, 2, 16, 16), (3, 3, 1, 256, 64)])
 def test_qk_norm_rope(n, heads, kv_heads, d, rot):
     from runtime.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference

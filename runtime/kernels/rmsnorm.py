@@ -1,6 +1,12 @@
 """Zero-centred RMSNorm, optionally fused with the residual add: h = x + r; y = norm(h) * (1 + w).
 x may be a product's unsummed K-split partials (SplitPartials), and y may also be written in the dp4a
-words of the next quantized product (QuantizedX): the launches before and after it fold in here."""
+words of the next quantized product (QuantizedX): the launches before and after it fold in here.
+
+A few rows (decode, verify blocks) are spread over several programs per row: each reads the whole
+row for its sum of squares (from L2) and normalizes, stores and quantizes only its own chunk. One
+program per 5,120-lane row took ~4.5 us on the H200, most of it the one-SM quantization of the whole
+row (bench/RESULTS.md §14); the decode step runs 129 of these norms. Spread programs cannot update
+the residual in place (another program may still be reading it), so they write a new residual tensor."""
 
 from __future__ import annotations
 
@@ -11,40 +17,69 @@ import triton.language as tl
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
+SPREAD_MAX_ROWS = 32  # more rows than this fill the GPU with one program per row
+SPREAD_CHUNK = 512  # lanes each spread program normalizes, stores and quantizes
+SUM_BLOCK = 1024  # lanes per step of a spread program's sum-of-squares pass
+
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, stride_x, stride_r, stride_y,
-                    split_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                    QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                    GROUP: tl.constexpr):
-    pdl_wait()
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < H
+def _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL: tl.constexpr,
+                SPLITS: tl.constexpr):
+    """h = x + residual at lanes `cols` of `row`, float32; with SPLITS, x is the float32 partials summed in
+    split order and rounded to y's dtype as finish_splits would."""
     if SPLITS == 0:
         h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    else:  # float32 partials summed in split order and rounded as finish_splits would
-        h = tl.zeros((BLOCK,), tl.float32)
-        for s in tl.static_range(SPLITS):
+    else:
+        h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
             h += tl.load(x_ptr + s * split_stride + row * stride_x + cols, mask=ok, other=0.0)
         h = h.to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(res_out_ptr + row * stride_r + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
-    var = tl.sum(h * h, axis=0) / H
+    return h
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, stride_x, stride_r, stride_y,
+                    stride_ro, split_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                    SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
+                    QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """Program (row, chunk) normalizes lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row; with SPREAD
+    its sum of squares comes from a pass over the whole row (SUM_STEPS x SUM_LANES lanes, unrolled so
+    the loads go out together), else from its own lanes (BLOCK covers the row)."""
+    pdl_wait()
+    row = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK
+    cols = k0 + tl.arange(0, BLOCK)
+    ok = cols < H
+    h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS)
+    if SPREAD:
+        squares = tl.zeros((SUM_LANES,), tl.float32)
+        for i in tl.static_range(SUM_STEPS):
+            all_cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
+            hs = _summed_row(x_ptr, res_ptr, y_ptr, row, all_cols, all_cols < H, stride_x, stride_r, split_stride,
+                             HAS_RESIDUAL, SPLITS)
+            squares += hs * hs
+        var = tl.sum(squares, axis=0) / H
+    else:
+        var = tl.sum(h * h, axis=0) / H
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + row * stride_ro + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
     if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
-        write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), 0, K_PAD, QBITS, GROUP, BLOCK)
+        write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
 
 
 def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
             out: torch.Tensor | None = None, xq: QuantizedX | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H] (or a product's SplitPartials, summed here). With `residual`, returns
-    (norm(x + residual), x + residual) and writes the sum in place of `residual`. Without, returns
-    (norm(x), None). With `xq` (made by QuantizedX.empty for the next product's weight), the normed
-    rows are also written there as dp4a words."""
+    (norm(x + residual), x + residual); the sum is written in place of `residual` when each row is one
+    program, else into a new tensor (use the returned one). Without, returns (norm(x), None). With `xq`
+    (made by QuantizedX.empty for the next product's weight), the normed rows are also written there as
+    dp4a words."""
     splits, split_stride = 0, 0
     if isinstance(x, SplitPartials):
         parts, x = x.parts, x.y  # x: the unwritten product output, for shape and dtype
@@ -52,17 +87,27 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
-    block = triton.next_power_of_2(h)
-    fused, words, quant = producer_words(xq, y, t, h, block, block)
+    spread = t <= SPREAD_MAX_ROWS and h > 2 * SPREAD_CHUNK
+    if spread:  # chunks cover the next product's padded lanes too (zeros), so its words are filled here
+        block, chunks = SPREAD_CHUNK, triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
+        sum_lanes = min(SUM_BLOCK, triton.next_power_of_2(h))
+        res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if residual is not None else y
+        num_warps = 4
+    else:
+        block, chunks, sum_lanes = triton.next_power_of_2(h), 1, 1
+        res_out = res
+        num_warps = min(16, max(4, block // 512))  # a one-program row: latency-bound
+    fused, words, quant = producer_words(xq, y, t, h, block, block * chunks)
     source = parts if splits else x
-    _rmsnorm_kernel[(t,)](source, res, weight, y, res, words, h, eps,
-                          source.stride(1) if splits else x.stride(0), res.stride(0), y.stride(0), split_stride,
-                          HAS_RESIDUAL=residual is not None, BLOCK=block, SPLITS=splits,
-                          **quant,
-                          num_warps=min(16, max(4, block // 512)), **LAUNCH)  # a one-program row: latency-bound
+    _rmsnorm_kernel[(t, chunks)](source, res, weight, y, res_out, words, h, eps,
+                                 source.stride(1) if splits else x.stride(0), res.stride(0), y.stride(0),
+                                 res_out.stride(0), split_stride,
+                                 HAS_RESIDUAL=residual is not None, BLOCK=block, SPLITS=splits, SPREAD=spread,
+                                 SUM_STEPS=triton.cdiv(h, sum_lanes), SUM_LANES=sum_lanes, **quant,
+                                 num_warps=num_warps, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
-    return y, residual
+    return y, (res_out if residual is not None else None)
 
 
 def rmsnorm_reference(x, weight, eps, residual=None):
