@@ -40,7 +40,7 @@ def main(out_path: str) -> None:
             outputs[label] = (y.float(), res.clone(), xq.words.clone())
             scratch = residual.clone()  # one program per row adds into its residual in place, on every replay
             row[label + "_us"] = graph_ms(lambda: rn.rmsnorm(parts, w, 1e-6, residual=scratch, xq=xq), reps=50) * 1e3
-        rn.SPREAD_MAX_ROWS, rn.SPREAD_CHUNK = 32, 512
+        rn.SPREAD_MAX_ROWS, rn.SPREAD_CHUNK = 32, 256
         base = outputs["one_program"]
         for label, (y, res, words) in outputs.items():
             row[label + "_maxdiff"] = (y - base[0]).abs().max().item()

@@ -38,6 +38,9 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # e8cube (run 25) one-warp 16-key programs: 709 -> 416 us (T = 1), 1,100 -> 760 us (T = 4).
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),
                    "fp8row": (32, 4, 1024), "nvfp4": (32, 2, 512), "e8cube": (16, 1, 1024)}
+# Verify blocks (17..32 rows, e.g. MTP3's 24) of int4 codes: 32-key tiles with fp16 operands through ldmatrix
+# (run 26, T = 4 at 200K: 310 -> 266 us per layer)
+VERIFY_TILES = {"int4g64": (32, 2, 512), "int4g64e8": (32, 2, 512)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                  "nvfp4": (16, 4), "e8cube": (16, 4)}
@@ -116,11 +119,11 @@ def _e8cube_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: t
 
 @triton.jit
 def _code_halves(p0, p1, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: tl.constexpr,
-                 W1: tl.constexpr, BLOCK_N: tl.constexpr):
+                 W1: tl.constexpr, BLOCK_N: tl.constexpr, LDMATRIX: tl.constexpr):
     """Vectors of the half-split codecs (int4 groups, nvfp4, e8cube) at pool rows `row` as (even, odd)
     fp16 halves [BLOCK_N, D/2]."""
     if KIND == 2:
-        return _int4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
+        return _int4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N, LDMATRIX)
     elif KIND == 4:
         return _nvfp4_halves(p0, p1, row, tok_ok, D, W0, W1, BLOCK_N)
     else:
@@ -129,7 +132,7 @@ def _code_halves(p0, p1, row, tok_ok, KIND: tl.constexpr, D: tl.constexpr, W0: t
 
 @triton.jit
 def _int4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, LDMATRIX: tl.constexpr):
     """int4 g64 codes of the vectors at pool rows `row` -> (even, odd) halves [BLOCK_N, D/2] fp16.
     Byte j of a group holds elements 2j (low nibble) and 2j+1; the code byte tile is loaded once."""
     G: tl.constexpr = D // 64
@@ -138,8 +141,8 @@ def _int4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl.
     m = tok_ok[:, None, None]
     b = tl.load(p0 + row[:, None, None] * W0 + g[None, :, None] * 32 + j[None, None, :], mask=m, other=0)
     s = tl.load(p1 + row[:, None] * W1 + g[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float16)[:, :, None]
-    lo = (_nibble_f16(b, 0) - 1032.0) * s
-    hi = (_nibble_f16(b, 1) - 1032.0) * s
+    lo = (_nibble_f16(b, 0, LDMATRIX) - 1032.0) * s
+    hi = (_nibble_f16(b, 1, LDMATRIX) - 1032.0) * s
     return tl.reshape(lo, (BLOCK_N, D // 2)), tl.reshape(hi, (BLOCK_N, D // 2))
 
 
@@ -162,20 +165,22 @@ def _nvfp4_halves(p0, p1, row, tok_ok, D: tl.constexpr, W0: tl.constexpr, W1: tl
 
 
 @triton.jit
-def _nibble_f16(b, ODD: tl.constexpr):
+def _nibble_f16(b, ODD: tl.constexpr, LDMATRIX: tl.constexpr):
     """Code bytes (uint8) -> 1032 + n in fp16 for the low (ODD = 0) or high nibble n (two's complement):
     n ^ 8 = n + 8 in 0..15, OR'd into the mantissa of 1024.0. Natively two bytes per 32-bit op pair:
     one byte permute spreads them into the two fp16 halves of a register, one logic op masks, flips the
     sign bit and sets the exponent (Triton's per-byte integer ops cost ~5 instructions per element).
-    Marked impure so Triton keeps the layout change for the dot after it: pure, the change was hoisted
-    onto the code bytes, and value tiles (whose operand pairs run along keys, not along a byte row)
-    were read from shared memory one byte per instruction (sm_90a loop: 2,556 -> 2,086 instructions
-    with fp16 operands through ldmatrix instead)."""
+    With LDMATRIX the asm is marked impure, so Triton keeps the layout change for the dot after it:
+    pure, the change is hoisted onto the code bytes, and value tiles (whose operand pairs run along
+    keys, not along a byte row) are read from shared memory one byte per instruction. Impure, the fp16
+    operands go through ldmatrix (sm_90a loop 2,556 -> 2,086 instructions) but take 2x the shared
+    memory: on the H200 faster for 32-row verify blocks (T = 4 at 200K: 310 -> 266 us per layer),
+    slower for 16-row decode blocks (166 -> 185 us at best), run 26."""
     if _NATIVE:
         return tl.inline_asm_elementwise(
             f"{{ .reg .b32 t; shr.u32 t, $2, {4 * ODD}; prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; "
             "lop3.b32 $0, $0, 0x000F000F, 0x64086408, 0x6a; lop3.b32 $1, $1, 0x000F000F, 0x64086408, 0x6a; }",
-            "=r,=r,r", [b], dtype=tl.float16, is_pure=False, pack=4)
+            "=r,=r,r", [b], dtype=tl.float16, is_pure=not LDMATRIX, pack=4)
     else:
         return (((b.to(tl.int32) >> (4 * ODD)) & 0xF) ^ 0x6408).to(tl.int16).to(tl.float16, bitcast=True)
 
@@ -214,10 +219,12 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
                             T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, scale,
                             D: tl.constexpr, KK: tl.constexpr, VK: tl.constexpr,
                             KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+                            LDMATRIX: tl.constexpr):
     """One (lane, kv head, row block, key split). Rows are (t, g) pairs of the kv head's query group,
     so each key tile is decoded once for all of its G query heads (GQA packing). DIRECT (one split):
-    part_o_ptr is the output [lanes, T, HQ, D] itself and the rows are finished here, no combine."""
+    part_o_ptr is the output [lanes, T, HQ, D] itself and the rows are finished here, no combine.
+    LDMATRIX: int4 operands reach the dots as fp16 through ldmatrix (see _nibble_f16)."""
     pdl_wait()
     lane_kvh = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -262,7 +269,7 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n // 64, mask=n_ok, other=0)
         row = (page * 64 + n % 64) * HKV + kvh
         if K_HALVES:
-            k_even, k_odd = _code_halves(k0, k1, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
+            k_even, k_odd = _code_halves(k0, k1, row, n_ok, KK, D, KW0, KW1, BLOCK_N, LDMATRIX)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))
         else:
             k = _decode_rows(k0, k1, row, n_ok, KK, D, KW0, KW1, BLOCK_N)
@@ -276,7 +283,7 @@ def _paged_attention_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, bloc
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_HALVES:
-            v_even, v_odd = _code_halves(v0, v1, row, n_ok, VK, D, VW0, VW1, BLOCK_N)
+            v_even, v_odd = _code_halves(v0, v1, row, n_ok, VK, D, VW0, VW1, BLOCK_N, LDMATRIX)
             p16 = p.to(tl.float16)
             acc_even = acc_even * alpha[:, None] + tl.dot(p16, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(p16, v_odd)
@@ -366,8 +373,11 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     group = hq // hkv
     rows = t * group
     block_m = ATTENTION_TUNING.get("block_m", query_block_rows(codec, rows))
+    ldmatrix = 16 < block_m <= VERIFY_MAX_BLOCK_M and codec.key in VERIFY_TILES
     if block_m > VERIFY_MAX_BLOCK_M:
         (block_n, num_warps), target = PREFILL_TILES[codec.key], PREFILL_PROGRAMS
+    elif ldmatrix:
+        block_n, num_warps, target = VERIFY_TILES[codec.key]
     else:
         block_n, num_warps, target = ATTENTION_TILES[codec.key]
     block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
@@ -385,7 +395,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         t, hq, hkv, block_table.shape[1], splits, split_min, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, num_warps=num_warps, **LAUNCH)
+        BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, LDMATRIX=ldmatrix, num_warps=num_warps, **LAUNCH)
     if direct:
         return o
     block_d = 64 if d % 64 == 0 else d
