@@ -2,7 +2,7 @@
 x may be a product's unsummed K-split partials (SplitPartials), and y may also be written in the dp4a
 words of the next quantized product (QuantizedX): the launches before and after it fold in here.
 
-A few rows (decode, verify blocks) are spread over several programs per row: each reads the whole
+A single decode row is spread over several programs: each reads the whole
 row for its sum of squares (from L2) and normalizes, stores and quantizes only its own chunk. One
 program per 5,120-lane row took ~4.5 us on the H200, most of it the one-SM quantization of the whole
 row (bench/RESULTS.md §14); the decode step runs 129 of these norms. Spread programs cannot update
@@ -17,7 +17,11 @@ import triton.language as tl
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
-SPREAD_MAX_ROWS = 32  # more rows than this fill the GPU with one program per row
+# Spread only single decode rows: spreading MTP3's 4-row verify forwards too (products split 8 ways along K,
+# each spread program re-reading all 8 partials of its whole row) cost ~2.7 ms per round on the H200 (run 26,
+# call 4: 218 vs 264 tok/s with spreading only for one row; 4 rows x 4 partials timed alone were faster)
+SPREAD_MAX_ROWS = 1
+SPREAD_MAX_SPLITS = 4  # the T = 1 products hand over at most 4 K-split partials (the measured case)
 # lanes each spread program normalizes, stores and quantizes; H200 at 5,120 lanes with 4 partials (run 26):
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
@@ -89,7 +93,7 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
-    spread = t <= SPREAD_MAX_ROWS and h > 2 * SPREAD_CHUNK
+    spread = t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS and h > 2 * SPREAD_CHUNK
     if spread:  # chunks cover the next product's padded lanes too (zeros), so its words are filled here
         block, chunks = SPREAD_CHUNK, triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
         sum_lanes = min(SUM_BLOCK, triton.next_power_of_2(h))
