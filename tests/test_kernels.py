@@ -320,6 +320,23 @@ def test_paged_attention(codec, t, split_tokens, monkeypatch):
     _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
 
 
+def test_attention_tiles_by_query_rows():
+    """int4 keys take the ldmatrix verify tiles only for 17..32-row blocks (MTP3's 24 rows on the 27B):
+    decode rows (16-row blocks) keep the pure decode and their tiles, prefill blocks the prefill tiles;
+    codecs without verify tiles never use ldmatrix."""
+    from runtime.kernels import paged_attention as pa
+
+    int4 = CODECS["rk4v4-e8"]
+    rows_27b = {1: 6, 4: 24, 512: 3072}  # T -> query rows of a 6-head GQA group
+    blocks = {t: pa.query_block_rows(int4, rows) for t, rows in rows_27b.items()}
+    assert blocks == {1: 16, 4: 32, 512: pa.PREFILL_BLOCK_M}
+    assert pa.attention_tile(int4, blocks[1]) == (*pa.ATTENTION_TILES[int4.key], False)
+    assert pa.attention_tile(int4, blocks[4]) == (*pa.VERIFY_TILES[int4.key], True)
+    assert pa.attention_tile(int4, blocks[512]) == (*pa.PREFILL_TILES[int4.key], pa.PREFILL_PROGRAMS, False)
+    for name in ("bf16", "int8", "nvfp4", "rk2v4-e8"):
+        assert not pa.attention_tile(CODECS[name], 32)[3], name
+
+
 @pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8", "rk2v4-e8"])
 @pytest.mark.parametrize("t", [1, 4])
 def test_paged_attention_spreads_a_short_context_over_the_capacitys_splits(codec, t, monkeypatch):

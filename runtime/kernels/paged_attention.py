@@ -373,15 +373,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     group = hq // hkv
     rows = t * group
     block_m = ATTENTION_TUNING.get("block_m", query_block_rows(codec, rows))
-    ldmatrix = 16 < block_m <= VERIFY_MAX_BLOCK_M and codec.key in VERIFY_TILES
-    if block_m > VERIFY_MAX_BLOCK_M:
-        (block_n, num_warps), target = PREFILL_TILES[codec.key], PREFILL_PROGRAMS
-    elif ldmatrix:
-        block_n, num_warps, target = VERIFY_TILES[codec.key]
-    else:
-        block_n, num_warps, target = ATTENTION_TILES[codec.key]
-    block_n, num_warps = ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps)
-    target = ATTENTION_TUNING.get("programs", target)
+    block_n, num_warps, target, ldmatrix = attention_tile(codec, block_m)
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, target)
     splits = triton.cdiv(capacity, split_tokens)
@@ -403,6 +395,21 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
                                                        D=d, BLOCK_S=64, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
                                                        **LAUNCH)
     return o
+
+
+def attention_tile(codec: Codec, block_m: int) -> tuple[int, int, int, bool]:
+    """(keys per tile, warps, target programs, int4 operands through ldmatrix) for `block_m`-row query
+    blocks: prefill tiles past VERIFY_MAX_BLOCK_M rows, VERIFY_TILES for int4 keys in 17..32-row verify
+    blocks, else ATTENTION_TILES; ATTENTION_TUNING overrides (sweeps)."""
+    ldmatrix = 16 < block_m <= VERIFY_MAX_BLOCK_M and codec.key in VERIFY_TILES
+    if block_m > VERIFY_MAX_BLOCK_M:
+        (block_n, num_warps), target = PREFILL_TILES[codec.key], PREFILL_PROGRAMS
+    elif ldmatrix:
+        block_n, num_warps, target = VERIFY_TILES[codec.key]
+    else:
+        block_n, num_warps, target = ATTENTION_TILES[codec.key]
+    return (ATTENTION_TUNING.get("block_n", block_n), ATTENTION_TUNING.get("num_warps", num_warps),
+            ATTENTION_TUNING.get("programs", target), ldmatrix)
 
 
 def query_block_rows(codec: Codec, rows: int) -> int:
