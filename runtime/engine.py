@@ -28,7 +28,7 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import expert_gemv, route
+from .kernels.moe import expert_gemv, expert_prefill, route
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
@@ -337,9 +337,12 @@ class Engine:
         gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
         shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
         shared = shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
-        if n <= GEMV_MAX_T and isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
-            # decode / verify: every (token, expert) pair in one launch per matrix, no host sync
+        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
             ids, weights = route(self.lin[m + "router"](h), k)
+            if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, one grouped GEMM per matrix, no host sync
+                return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
+                                      swiglu)
+            # decode / verify: every (token, expert) pair in one launch per matrix, no host sync
             pairs = ids.reshape(-1)
             x_rows = torch.arange(n, device=h.device, dtype=torch.int32).repeat_interleave(k)
             act = swiglu(expert_gemv(h, x_rows, pairs, gate_up.packed, 2 * inter))
@@ -350,7 +353,7 @@ class Engine:
         weights, idx = torch.topk(probs, k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
         out = torch.zeros_like(h)
-        for e in idx.unique().tolist():  # prefill: one dense GEMM per active expert
+        for e in idx.unique().tolist():  # unquantized experts: one dense GEMM per active expert
             rows, slot = (idx == e).nonzero(as_tuple=True)
             y = down.rows(e * hid, (e + 1) * hid)(swiglu(gate_up.rows(e * 2 * inter, (e + 1) * 2 * inter)(h[rows].contiguous())))
             out.index_add_(0, rows, y * weights[rows, slot, None])

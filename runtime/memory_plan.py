@@ -31,6 +31,9 @@ GPU_VRAM_MIB = {
     "rtx3090": 24576, "rtx4090": 24564, "rtx5090": 32607, "l40s": 46068, "rtx6000ada": 49140,
     "a100-40g": 40960, "a100-80g": 81920, "h100": 81559, "h100-nvl": 95830, "h200": 143771, "b200": 183359,
 }
+# MoE prefill: (token, expert) pairs sorted by expert, each expert's run padded to whole blocks of this many
+# rows (runtime/kernels/moe.py); the workspace counts the padding rows
+MOE_BLOCK_ROWS = 32
 SPECS = ("none", "mtp", "dflash2")
 
 
@@ -205,6 +208,12 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
                   + t * hv * 64 * 4 + t * hv * 4 * 2  # block-local matrices, cumulative gates
                   + 2 * t * cfg.linear_num_key_heads * dk * 2  # contiguous q, k
                   + 2 * lanes * hv * dk * dv * 4)  # initial and final states
+    if cfg.is_moe and t > 16:  # grouped prefill experts: the phase terms hold T x k pair rows of gate_up and
+        # SwiGLU output; add the padding rows, the down output of every pair row, and the sort's indices
+        pairs = t * cfg.experts_per_token
+        slots = -(-(pairs + cfg.num_experts * (MOE_BLOCK_ROWS - 1)) // MOE_BLOCK_ROWS) * MOE_BLOCK_ROWS
+        arena.add("moe_pairs", (slots - pairs) * 3 * cfg.moe_intermediate_size * 2 + slots * h * 2
+                  + pairs * 8 * 6 + slots * 4 * 3)
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
         widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
         arena.add("gemm_dequant", min(64 << 20, widest * h * 2))

@@ -181,7 +181,9 @@ class MtpState:
         first_t = torch.tensor(first, device=dev)
         rows_t = torch.tensor([L - m for L, m in zip(held, first)], device=dev)
         key = len(lanes)  # graphs are per batch size; the lane indices are a graph input
-        moe_sync = e.cfg.is_moe and len(lanes) * (k + 1) > 16  # the MoE prefill path syncs the host
+        # blocks of more than 16 rows take the MoE prefill path: grouped, without host syncs, but not yet
+        # captured in a CUDA graph on a GPU, so these steps stay eager
+        moe_sync = e.cfg.is_moe and len(lanes) * (k + 1) > 16
         if moe_sync:
             e._eager_keys.update({("draft", key), ("verify", key)})
         drafts = e.run_step(("draft", key), self._draft, lanes_t, torch.tensor(tail_tokens, device=dev), first_t, rows_t)

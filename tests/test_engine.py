@@ -63,6 +63,20 @@ def test_greedy_tokens_equal_reference(artifacts, name, kv):
     _assert_matches_reference(engine, artifacts[name], PROMPT, NEW)
 
 
+def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(artifacts, monkeypatch):
+    """A MoE prompt of more than 16 tokens (one 53-row prefill chunk through the grouped experts, then
+    decode) generates the reference's tokens, and the grouped expert path is what ran."""
+    import runtime.engine as engine_module
+
+    calls = []
+    grouped = engine_module.expert_prefill
+    monkeypatch.setattr(engine_module, "expert_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or grouped(*a, **k))
+    engine = Engine(artifacts["moe-q5"], PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128), device=DEVICE)
+    prompt = (PROMPT * 5)[:53]
+    _assert_matches_reference(engine, artifacts["moe-q5"], prompt, 4)
+    assert calls and max(calls) == 53
+
+
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)

@@ -387,6 +387,55 @@ def test_expert_gemv(fmt):
     _check(expert_gemv(x, x_rows, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), x_rows.cpu(), ex.cpu(), _to_cpu(w), rows_per_expert))
 
 
+def test_sort_pairs_groups_pairs_by_expert_in_whole_blocks():
+    """Every block holds one expert's pairs (or only padding), runs keep token order, and each pair's
+    slot points back at its token and expert; the row count is the fixed bound (no host sync)."""
+    from runtime.kernels.moe import sort_pairs
+
+    experts, block_m = 7, 4
+    ids = torch.randint(0, experts - 1, (23, 3), generator=torch.Generator().manual_seed(5)).int()  # expert 6 unused
+    x_rows, block_experts, slot = sort_pairs(ids.to(DEVICE), experts, block_m)
+    x_rows, block_experts, slot = x_rows.cpu(), block_experts.cpu(), slot.cpu()
+    assert x_rows.numel() == -(-(23 * 3 + experts * (block_m - 1)) // block_m) * block_m
+    assert torch.equal(x_rows[slot], torch.arange(23)[:, None].expand(23, 3).int())
+    assert torch.equal(block_experts[slot // block_m], ids)
+    for b, e in enumerate(block_experts.tolist()):
+        rows = x_rows[b * block_m:(b + 1) * block_m]
+        if e < 0:
+            assert (rows == -1).all()
+        else:
+            real = rows[rows >= 0]
+            assert real.numel() > 0 and torch.equal(real, real.sort().values)
+    assert (x_rows >= 0).sum() == 23 * 3
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
+def test_expert_prefill_matches_per_pair_products(fmt):
+    """Grouped prefill experts (sorted pairs, padded blocks, one launch per matrix, weighted combine with
+    the shared expert) == each pair's gate_up, SwiGLU and down products with dequantized weights."""
+    from runtime.kernels.moe import expert_prefill, route
+    from runtime.kernels.qlinear import qlinear_reference
+    from runtime.kernels.swiglu import swiglu, swiglu_reference
+
+    experts, top_k, t, hid, inter = 6, 2, 37, 96, 40
+    gate_up = _packed(experts * 2 * inter, hid, fmt, seed=3)
+    down = _packed(experts * hid, inter, fmt, seed=4)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(t, hid, generator=g).to(DTYPE)
+    shared = torch.randn(t, hid, generator=g).to(DTYPE)
+    ids, weights = route(torch.randn(t, experts, generator=g).to(DEVICE), top_k)
+    got = expert_prefill(h.to(DEVICE), ids, weights, gate_up, down, inter, experts, shared.to(DEVICE), swiglu)
+    gu_all = qlinear_reference(h.float(), _to_cpu(gate_up)).float()
+    want = shared.float().clone()
+    for i in range(t):
+        for j in range(top_k):
+            e = int(ids[i, j])
+            act = swiglu_reference(gu_all[i : i + 1, e * 2 * inter:(e + 1) * 2 * inter])
+            y = qlinear_reference(act, _to_cpu(down)).float()[0, e * hid:(e + 1) * hid]
+            want[i] += float(weights[i, j]) * y
+    _check(got.cpu(), want)
+
+
 def _to_cpu(w):
     from runtime.kernels.qlinear import PackedLinear
 

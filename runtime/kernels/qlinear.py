@@ -109,6 +109,35 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
 
 
 @triton.jit
+def _dequant_block_dot(acc, x_ptr, x_off, tok_ok, base_ptr, high_ptr, scale_ptr, rows, row_ok, k0, K,
+                       GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] + x[:, k0:k0 + BLOCK_K] @ W[rows, k0:k0 + BLOCK_K]^T, W dequantized in
+    registers; row t of x starts at x_ptr + x_off[t] (masked by tok_ok)."""
+    gpb: tl.constexpr = BLOCK_K // GROUP  # groups per block
+    gidx = k0 // GROUP + tl.arange(0, gpb)
+    scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if BITS == 8:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    else:
+        ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
+        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
+        lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
+        w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
+        w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
+        x_even = tl.load(x_ptr + x_off[:, None] + ke[None, :], mask=tok_ok[:, None] & (ke[None, :] < K), other=0.0)
+        x_odd = tl.load(x_ptr + x_off[:, None] + ke[None, :] + 1, mask=tok_ok[:, None] & (ke[None, :] + 1 < K),
+                        other=0.0)
+        acc += tl.dot(x_even, tl.trans(w_even))
+        acc += tl.dot(x_odd, tl.trans(w_odd))
+    return acc
+
+
+@triton.jit
 def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_xt, K_PER_SPLIT,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -121,28 +150,10 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
     row_ok = rows < N
     tok_ok = toks < T
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    gpb: tl.constexpr = BLOCK_K // GROUP  # groups per block
     k_begin = split * K_PER_SPLIT
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        gidx = k0 // GROUP + tl.arange(0, gpb)
-        scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        if BITS == 8:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
-            x = tl.load(x_ptr + toks[:, None] * stride_xt + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        else:
-            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
-            lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
-            lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
-            hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
-            w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
-            w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
-            x_even = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :], mask=tok_ok[:, None] & (ke[None, :] < K), other=0.0)
-            x_odd = tl.load(x_ptr + toks[:, None] * stride_xt + ke[None, :] + 1,
-                            mask=tok_ok[:, None] & (ke[None, :] + 1 < K), other=0.0)
-            acc += tl.dot(x_even, tl.trans(w_even))
-            acc += tl.dot(x_odd, tl.trans(w_odd))
+        acc = _dequant_block_dot(acc, x_ptr, toks * stride_xt, tok_ok, base_ptr, high_ptr, scale_ptr, rows, row_ok, k0,
+                                 K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
     out = y_ptr + split * T * N + toks[:, None] * N + rows[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
 
