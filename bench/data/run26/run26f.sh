@@ -3,8 +3,7 @@
 # 35B-A3B prefill at 8K (earlier runs: 2,901-3,103 tok/s with the per-expert loop; transformers 6,834)
 set -u
 R=/tmp/r26f; mkdir -p $R
-export PYTHONPATH=.
-t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
+. bench/device_env.sh  # flash-linear-attention for the chunked GDN prefill, as in the earlier 35B runs
 timeout 35 python -m pytest -q tests/test_kernels.py -k "expert_prefill or sort_pairs" -p no:warnings > $R/gpu-pytest.log 2>&1; echo "pytest rc=$? t=$(el)"; tail -2 $R/gpu-pytest.log
 timeout 95 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 4 --json-out $R/bench-35b.json > $R/bench-35b.log 2>&1; echo "bench rc=$? t=$(el)"
 grep -i "prefill\|tok/s\|│" $R/bench-35b.log | tail -6
