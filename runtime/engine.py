@@ -112,6 +112,9 @@ class Engine:
         self.use_graphs = on_gpu and cuda_graphs
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
         self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
+        # MoE prefill through the grouped expert GEMM (NINFER_MOE_PREFILL=loop: one GEMM per active expert, the
+        # path before it, for side-by-side runs)
+        self.grouped_experts = os.environ.get("NINFER_MOE_PREFILL", "grouped") != "loop"
         if self.chunked_gdn and self.cfg.num_layers > sum(map(self.cfg.is_full_attention, range(self.cfg.num_layers))):
             c = self.cfg
             why = chunked_probe(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -337,7 +340,8 @@ class Engine:
         gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
         shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
         shared = shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
-        if isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear):
+        quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
+        if quantized and (n <= GEMV_MAX_T or self.grouped_experts):
             ids, weights = route(self.lin[m + "router"](h), k)
             if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, one grouped GEMM per matrix, no host sync
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
@@ -353,7 +357,7 @@ class Engine:
         weights, idx = torch.topk(probs, k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
         out = torch.zeros_like(h)
-        for e in idx.unique().tolist():  # unquantized experts: one dense GEMM per active expert
+        for e in idx.unique().tolist():  # unquantized experts (or NINFER_MOE_PREFILL=loop): a GEMM per expert
             rows, slot = (idx == e).nonzero(as_tuple=True)
             y = down.rows(e * hid, (e + 1) * hid)(swiglu(gate_up.rows(e * 2 * inter, (e + 1) * 2 * inter)(h[rows].contiguous())))
             out.index_add_(0, rows, y * weights[rows, slot, None])
