@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -59,8 +60,10 @@ def attention(kk, vk, block_m, block_n, warps, stages=3):
            "PAGES_PER_LANE": "i32", "SPLITS": "i32", "SPLIT_MIN": "i32", "scale": "fp32"}
     sig |= {name: "constexpr" for name in ("D", "KK", "VK", "KW0", "KW1", "VW0", "VW1", "BLOCK_M", "BLOCK_N", "DIRECT",
                                              "LDMATRIX")}
+    key = next(name for name, kind in pa.KIND_IDS.items() if kind == kk)  # the key sub-codec of kind KK
+    ldmatrix = pa.attention_tile(SimpleNamespace(key=key), block_m)[3]  # as the runtime would choose it
     consts = {"D": 256, "KK": kk, "VK": vk, "KW0": 128, "KW1": 4, "VW0": 128, "VW1": 4, "BLOCK_M": block_m,
-              "BLOCK_N": block_n, "DIRECT": False, "LDMATRIX": 16 < block_m <= pa.VERIFY_MAX_BLOCK_M}
+              "BLOCK_N": block_n, "DIRECT": False, "LDMATRIX": ldmatrix}
     return compile_sm90(pa._paged_attention_kernel, sig, consts, warps, stages)
 
 
