@@ -217,7 +217,7 @@ def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     t, hid = h.shape
     x_rows, block_experts, slot = sort_pairs(ids, experts)
     act = activation(expert_gemm(h, x_rows, block_experts, gate_up, 2 * inter))
-    own = torch.where(x_rows >= 0, torch.arange(x_rows.numel(), device=h.device, dtype=torch.int32), -1).int()
+    own = torch.where(x_rows >= 0, torch.arange(x_rows.numel(), device=h.device, dtype=torch.int32), -1)
     y = expert_gemm(act, own, block_experts, down, hid)
     out = torch.empty_like(h)
     block_h = min(1024, triton.next_power_of_2(hid))
