@@ -112,9 +112,11 @@ class Engine:
         self.use_graphs = on_gpu and cuda_graphs
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
         self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
-        # MoE prefill through the grouped expert GEMM (NINFER_MOE_PREFILL=loop: one GEMM per active expert, the
-        # path before it, for side-by-side runs)
-        self.grouped_experts = os.environ.get("NINFER_MOE_PREFILL", "grouped") != "loop"
+        # MoE prefill experts (kernels/moe.py): NINFER_MOE_PREFILL=fused or dense forces one of expert_prefill's
+        # paths (auto: by chunk length), loop: one GEMM per active expert (the path before them, for side-by-side runs)
+        self.moe_prefill = os.environ.get("NINFER_MOE_PREFILL", "auto")
+        if self.moe_prefill not in ("auto", "fused", "dense", "loop"):
+            raise ValueError(f"NINFER_MOE_PREFILL={self.moe_prefill!r}: use auto, fused, dense or loop")
         if self.chunked_gdn and self.cfg.num_layers > sum(map(self.cfg.is_full_attention, range(self.cfg.num_layers))):
             c = self.cfg
             why = chunked_probe(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -341,11 +343,11 @@ class Engine:
         shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
         shared = shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
-        if quantized and (n <= GEMV_MAX_T or self.grouped_experts):
+        if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
             ids, weights = route(self.lin[m + "router"](h), k)
-            if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, one grouped GEMM per matrix, no host sync
+            if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, grouped products
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
-                                      swiglu)
+                                      swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill)
             # decode / verify: every (token, expert) pair in one launch per matrix, no host sync
             pairs = ids.reshape(-1)
             x_rows = torch.arange(n, device=h.device, dtype=torch.int32).repeat_interleave(k)

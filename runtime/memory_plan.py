@@ -34,6 +34,12 @@ GPU_VRAM_MIB = {
 # MoE prefill: (token, expert) pairs sorted by expert, each expert's run padded to whole blocks of this many
 # rows (runtime/kernels/moe.py); the workspace counts the padding rows
 MOE_BLOCK_ROWS = 32
+
+
+def moe_dense_chunk_rows(tokens: int, top_k: int) -> int:
+    """The most pair rows one expert chunk of the dense-experts prefill multiplies at once (its temporary
+    output), unless a single expert has more (at most `tokens`: an expert meets a token once)."""
+    return max(tokens, -(-tokens * top_k // 4))
 SPECS = ("none", "mtp", "dflash2")
 
 
@@ -208,14 +214,19 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
                   + t * hv * 64 * 4 + t * hv * 4 * 2  # block-local matrices, cumulative gates
                   + 2 * t * cfg.linear_num_key_heads * dk * 2  # contiguous q, k
                   + 2 * lanes * hv * dk * dv * 4)  # initial and final states
-    if cfg.is_moe and t > 16:  # grouped prefill experts: the phase terms hold T x k pair rows of gate_up and
-        # SwiGLU output; add the padding rows, the down output of every pair row, and the sort's indices
+    if cfg.is_moe and t > 16:  # prefill experts (either path): the phase terms hold T x k pair rows of gate_up
+        # and SwiGLU output; fused: add the padding rows, the down output of every pair row, the sort's indices
         pairs = t * cfg.experts_per_token
         slots = -(-(pairs + cfg.num_experts * (MOE_BLOCK_ROWS - 1)) // MOE_BLOCK_ROWS) * MOE_BLOCK_ROWS
-        arena.add("moe_pairs", (slots - pairs) * 3 * cfg.moe_intermediate_size * 2 + slots * h * 2
-                  + pairs * 8 * 6 + slots * 4 * 3)
+        fused = (slots - pairs) * 3 * cfg.moe_intermediate_size * 2 + slots * h * 2 + pairs * 8 * 6 + slots * 4 * 3
+        # dense experts: gathered rows (later the down outputs), one chunk's output, sort indices, row bounds
+        dense = (pairs + moe_dense_chunk_rows(t, cfg.experts_per_token)) * h * 2 + pairs * 8 * 5 \
+            + cfg.num_experts * 8 * 2
+        arena.add("moe_pairs", max(fused, dense))
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
         widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
+        if cfg.is_moe:  # the dense-experts prefill dequantizes runs of whole experts' gate_up (or down) rows
+            widest = max(widest, cfg.num_experts * 2 * cfg.moe_intermediate_size)
         arena.add("gemm_dequant", min(64 << 20, widest * h * 2))
     return arena
 

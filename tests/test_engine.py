@@ -65,24 +65,29 @@ def test_greedy_tokens_equal_reference(artifacts, name, kv):
 
 def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(artifacts, monkeypatch):
     """A MoE prompt of more than 16 tokens (one 21-row prefill chunk through the grouped experts, then
-    decode) generates the reference's tokens, and the grouped expert path is what ran; the per-expert
-    loop kept for side-by-side runs (NINFER_MOE_PREFILL=loop) generates them too."""
+    decode) generates the reference's tokens through either grouped path (fused kernel, dense experts with
+    the vendor grouped GEMM), and the grouped experts are what ran; the per-expert loop kept for
+    side-by-side runs (NINFER_MOE_PREFILL=loop) generates them too."""
     import runtime.engine as engine_module
 
-    calls = []
-    grouped = engine_module.expert_prefill
+    import runtime.kernels.moe as moe
+
+    calls, dense_calls = [], []
+    grouped, dense = engine_module.expert_prefill, moe._dense_experts
     monkeypatch.setattr(engine_module, "expert_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or grouped(*a, **k))
+    monkeypatch.setattr(moe, "_dense_experts", lambda *a: dense_calls.append(a[0].shape[0]) or dense(*a))
     prompt, path = (PROMPT * 2)[:21], artifacts["moe-q5"]
     ref_tokens = _reference(path, prompt, 4) if DEVICE == "cpu" else None
-    for mode in ("grouped", "loop"):
+    for mode in ("auto", "fused", "dense", "loop"):
         monkeypatch.setenv("NINFER_MOE_PREFILL", mode)
-        calls.clear()
+        calls.clear(), dense_calls.clear()
         engine = Engine(path, PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128), device=DEVICE)
         if DEVICE == "cpu":
             assert engine.generate(prompt, 4) == ref_tokens, mode
         else:
             _assert_matches_reference(engine, path, prompt, 4)
-        assert (max(calls, default=0) == 21) == (mode == "grouped"), (mode, calls)
+        assert (max(calls, default=0) == 21) == (mode != "loop"), (mode, calls)
+        assert (set(dense_calls) == {21}) == (mode == "dense"), (mode, dense_calls)  # auto: 21 x k pairs are few
 
 
 def test_chunked_prefill_across_pages_and_chunks(artifacts):

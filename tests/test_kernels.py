@@ -409,10 +409,15 @@ def test_sort_pairs_groups_pairs_by_expert_in_whole_blocks():
     assert (x_rows >= 0).sum() == 23 * 3
 
 
+@pytest.mark.parametrize("path", ["fused", "dense", "dense-loop"])
 @pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
-def test_expert_prefill_matches_per_pair_products(fmt):
-    """Grouped prefill experts (sorted pairs, padded blocks, one launch per matrix, weighted combine with
-    the shared expert) == each pair's gate_up, SwiGLU and down products with dequantized weights."""
+def test_expert_prefill_matches_per_pair_products(fmt, path, monkeypatch):
+    """Grouped prefill experts == each pair's gate_up, SwiGLU and down products with dequantized weights,
+    through the fused path (sorted pairs, padded blocks, one launch per matrix) and the dense one (experts
+    dequantized in chunks, torch's grouped GEMM; dense-loop: one matmul per expert, for a torch without
+    it), both with the weighted combine with the shared expert. The chunk scratch is shrunk so the dense
+    path runs several expert chunks."""
+    import runtime.kernels.moe as moe
     from runtime.kernels.moe import expert_prefill, route
     from runtime.kernels.qlinear import qlinear_reference
     from runtime.kernels.swiglu import swiglu, swiglu_reference
@@ -424,7 +429,11 @@ def test_expert_prefill_matches_per_pair_products(fmt):
     h = torch.randn(t, hid, generator=g).to(DTYPE)
     shared = torch.randn(t, hid, generator=g).to(DTYPE)
     ids, weights = route(torch.randn(t, experts, generator=g).to(DEVICE), top_k)
-    got = expert_prefill(h.to(DEVICE), ids, weights, gate_up, down, inter, experts, shared.to(DEVICE), swiglu)
+    monkeypatch.setattr(moe, "GEMM_DEQUANT_BYTES", 2 * inter * hid * h.element_size() * 2)  # two experts a chunk
+    if path == "dense-loop":
+        monkeypatch.setattr(moe, "_vendor_grouped_mm", lambda: None)
+    got = expert_prefill(h.to(DEVICE), ids, weights, gate_up, down, inter, experts, shared.to(DEVICE), swiglu,
+                         path=path.removesuffix("-loop"))
     gu_all = qlinear_reference(h.float(), _to_cpu(gate_up)).float()
     want = shared.float().clone()
     for i in range(t):
@@ -434,6 +443,23 @@ def test_expert_prefill_matches_per_pair_products(fmt):
             y = qlinear_reference(act, _to_cpu(down)).float()[0, e * hid:(e + 1) * hid]
             want[i] += float(weights[i, j]) * y
     _check(got.cpu(), want)
+
+
+def test_expert_chunks_cover_every_row_once_within_the_caps():
+    """Expert runs for the dense prefill: consecutive, no empty run, at most per_chunk experts and row_cap
+    rows unless one expert alone is bigger, and together every expert with rows exactly once."""
+    from runtime.kernels.moe import expert_chunks
+
+    counts = [3, 0, 0, 9, 1, 1, 1, 0, 2, 0]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    chunks = expert_chunks(bounds, per_chunk=3, row_cap=4)
+    assert chunks == [(0, 3), (3, 4), (4, 7), (7, 10)]
+    for e0, e1 in chunks:
+        assert e1 - e0 <= 3 and bounds[e1] > bounds[e0]
+        assert bounds[e1] - bounds[e0] <= 4 or e1 - e0 == 1
+    assert expert_chunks([0, 0, 0], per_chunk=4, row_cap=8) == []
 
 
 def _to_cpu(w):

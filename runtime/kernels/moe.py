@@ -6,7 +6,13 @@ Prefill: the (token, expert) pairs are sorted by expert and each expert's run is
 BLOCK_M-row blocks; one launch per matrix runs every block against its expert's weights (dequantized
 in registers, tensor-core dots), and one more weighs and sums each token's k outputs. The per-expert
 loop it replaces synced the host for every active expert and launched ~8 kernels per expert: ~80K
-launches per 8K-token chunk of the 35B-A3B (bench/RESULTS.md §7: prefill 0.44x transformers)."""
+launches per 8K-token chunk of the 35B-A3B (bench/RESULTS.md §7: prefill 0.44x transformers).
+
+Long prefill chunks (at least DENSE_EXPERTS_MIN_PAIRS pairs per expert on average) take another path:
+the sorted pairs' rows are gathered once, every expert's weights are dequantized to bf16 in chunks of
+experts (the dense prefill GEMM's scratch) and torch's grouped GEMM multiplies each chunk's rows. The
+fused kernel above dequantizes an expert's weights once per 32-row block, which left it at ~44 TFLOPS
+on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap at that length."""
 
 from __future__ import annotations
 
@@ -14,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..memory_plan import MOE_BLOCK_ROWS
+from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
-from .qlinear import GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dequant_block_dot, _dot_rows
+from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dequant_block_dot,
+                      _dot_rows, dequantize_rows)
 from .launch import LAUNCH, pdl_wait
 
 
@@ -210,17 +217,95 @@ def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, out_ptr, H, TOPK: 
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# average pairs per expert from which a prefill chunk takes the dense-experts path (dequantize every expert
+# once, vendor grouped GEMM); below it the fused kernel, which touches only the experts in use
+DENSE_EXPERTS_MIN_PAIRS = 16
+
+
 def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: PackedLinear,
-                   down: PackedLinear, inter: int, experts: int, shared: torch.Tensor, activation) -> torch.Tensor:
+                   down: PackedLinear, inter: int, experts: int, shared: torch.Tensor, activation,
+                   path: str | None = None) -> torch.Tensor:
     """The routed experts of a prefill chunk plus the shared expert's output: h [T, H], ids / weights
-    [T, k] -> [T, H]. `activation` maps gate_up rows [S, 2 * inter] to [S, inter] (SwiGLU)."""
+    [T, k] -> [T, H]. `activation(gate_up, out=None)` maps gate_up rows [S, 2 * inter] to [S, inter]
+    (SwiGLU). `path`: "fused" or "dense" (default: by the pairs per expert, see DENSE_EXPERTS_MIN_PAIRS)."""
     t, hid = h.shape
-    x_rows, block_experts, slot = sort_pairs(ids, experts)
-    act = activation(expert_gemm(h, x_rows, block_experts, gate_up, 2 * inter))
-    own = torch.where(x_rows >= 0, torch.arange(x_rows.numel(), device=h.device, dtype=torch.int32), -1)
-    y = expert_gemm(act, own, block_experts, down, hid)
+    if path is None:
+        path = "dense" if ids.numel() >= DENSE_EXPERTS_MIN_PAIRS * experts else "fused"
+    if path == "dense":
+        y, slot = _dense_experts(h, ids, gate_up, down, inter, experts, activation)
+    elif path == "fused":
+        x_rows, block_experts, slot = sort_pairs(ids, experts)
+        act = activation(expert_gemm(h, x_rows, block_experts, gate_up, 2 * inter))
+        own = torch.where(x_rows >= 0, torch.arange(x_rows.numel(), device=h.device, dtype=torch.int32), -1)
+        y = expert_gemm(act, own, block_experts, down, hid)
+    else:
+        raise ValueError(f"expert_prefill: path {path!r} is not 'fused' or 'dense'")
     out = torch.empty_like(h)
     block_h = min(1024, triton.next_power_of_2(hid))
     _combine_kernel[(t, triton.cdiv(hid, block_h))](y, slot.contiguous(), weights.contiguous(), shared.contiguous(),
                                                     out, hid, TOPK=ids.shape[1], BLOCK_H=block_h, **LAUNCH)
+    return out
+
+
+def _dense_experts(h, ids, gate_up: PackedLinear, down: PackedLinear, inter: int, experts: int, activation):
+    """Every pair's down output, in expert-sorted rows, and where each pair landed: (y [T * k, H], slot [T, k])."""
+    t, k = ids.shape
+    hid = h.shape[1]
+    pairs = ids.reshape(-1).long()
+    order = torch.argsort(pairs, stable=True)
+    ends = torch.cumsum(torch.bincount(pairs, minlength=experts), 0)
+    bounds = [0, *ends.tolist()]  # the one host sync: which rows each chunk of experts multiplies
+    row_cap = moe_dense_chunk_rows(t, k)
+    rows = h.index_select(0, order // k)
+    act = torch.empty(pairs.numel(), inter, dtype=h.dtype, device=h.device)
+    for e0, e1 in expert_chunks(bounds, _experts_per_chunk(gate_up, 2 * inter, h), row_cap):
+        r0, r1 = bounds[e0], bounds[e1]
+        w = dequantize_rows(gate_up, e0 * 2 * inter, (e1 - e0) * 2 * inter, h.dtype).view(e1 - e0, 2 * inter, hid)
+        activation(grouped_matmul(rows[r0:r1], w, ends[e0:e1] - r0, bounds[e0:e1 + 1]), out=act[r0:r1])
+    y = rows  # the gathered rows are spent: the down outputs take their place
+    for e0, e1 in expert_chunks(bounds, _experts_per_chunk(down, hid, h), row_cap):
+        r0, r1 = bounds[e0], bounds[e1]
+        w = dequantize_rows(down, e0 * hid, (e1 - e0) * hid, h.dtype).view(e1 - e0, hid, inter)
+        y[r0:r1] = grouped_matmul(act[r0:r1], w, ends[e0:e1] - r0, bounds[e0:e1 + 1])
+    slot = torch.empty_like(pairs)
+    slot[order] = torch.arange(pairs.numel(), device=h.device)
+    return y, slot.view(t, k)
+
+
+def _experts_per_chunk(w: PackedLinear, rows_per_expert: int, h: torch.Tensor) -> int:
+    return max(1, GEMM_DEQUANT_BYTES // (rows_per_expert * w.cols * h.element_size()))
+
+
+def expert_chunks(bounds: list[int], per_chunk: int, row_cap: int) -> list[tuple[int, int]]:
+    """Runs of consecutive experts [e0, e1) with pair rows (bounds[e] = first row of expert e), at most
+    `per_chunk` experts and `row_cap` rows each (a single expert may exceed the cap: it is never split)."""
+    chunks, e0, experts = [], 0, len(bounds) - 1
+    while e0 < experts:
+        e1 = e0 + 1
+        while e1 < experts and e1 - e0 < per_chunk and bounds[e1 + 1] - bounds[e0] <= row_cap:
+            e1 += 1
+        if bounds[e1] > bounds[e0]:
+            chunks.append((e0, e1))
+        e0 = e1
+    return chunks
+
+
+def _vendor_grouped_mm():
+    import torch.nn.functional as F
+
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """a [R, K] (rows grouped by expert) x w [G, N, K] -> [R, N]: rows [bounds[g], bounds[g + 1]) - bounds[0]
+    times w[g]^T; `offs` [G] the groups' ends relative to bounds[0] on the device (the vendor kernel's input).
+    torch's grouped GEMM where this torch has it (bf16 on CUDA; any dtype on the CPU), else one matmul per group."""
+    vendor = _vendor_grouped_mm()
+    if vendor is not None and (not a.is_cuda or a.dtype == torch.bfloat16):
+        return vendor(a, w.transpose(1, 2), offs=offs.int())
+    out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    for g in range(w.shape[0]):
+        lo, hi = bounds[g] - bounds[0], bounds[g + 1] - bounds[0]
+        if hi > lo:
+            torch.matmul(a[lo:hi], w[g].t(), out=out[lo:hi])
     return out
