@@ -7,11 +7,6 @@ R=/tmp/r27c; mkdir -p $R
 . bench/device_env.sh
 timeout 90 python bench/profile_decode.py qwen3.6-35b-a3b $R/profile-35b-decode.json decode bf16 > $R/profile.log 2>&1; echo "profile rc=$? t=$(el)"
 grep -v "^\[" $R/profile.log | head -27 | cut -c1-150
-import json; d = json.load(open("$R/profile-35b-decode.json"))
-print({k: v for k, v in d.items() if not isinstance(v, (list, dict))})
-rows = d.get("kernels") or d.get("rows") or []
-for r in rows[:22]: print(r)
-PY
 B="python -m ninfer_cli.main bench --prefill-limit 8k --decode-tokens 32 --depths 8k,200k --kv-dtype bf16,int8,rk4v4-e8"
 timeout 150 $B --random-weights qwen3.6-35b-a3b --recipe q4 --json-out $R/bench-35b-q4.json > $R/bench-35b-q4.log 2>&1; echo "35b q4 rc=$? t=$(el)"
 timeout 150 $B --random-weights qwen3.6-35b-a3b --recipe q5 --json-out $R/bench-35b-q5.json > $R/bench-35b-q5.log 2>&1; echo "35b q5 rc=$? t=$(el)"
