@@ -28,7 +28,7 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import expert_gemv, expert_prefill, route
+from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
@@ -341,20 +341,21 @@ class Engine:
         inter, hid = c.moe_intermediate_size, c.hidden_size
         gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
         shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
-        shared = shared * torch.sigmoid(self.lin[m + "shared_gate"](h))
+        shared_gate = self.lin[m + "shared_gate"](h)  # logits: the combine applies the sigmoid
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
             ids, weights = route(self.lin[m + "router"](h), k)
             if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, grouped products
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
-                                      swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill)
-            # decode / verify: every (token, expert) pair in one launch per matrix, no host sync
+                                      swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill,
+                                      shared_gate=shared_gate)
+            # decode / verify: every (token, expert) pair in one launch per matrix (pair p reads x row p // k,
+            # then its own row), no host sync, and one launch weighs, gates and sums
             pairs = ids.reshape(-1)
-            x_rows = torch.arange(n, device=h.device, dtype=torch.int32).repeat_interleave(k)
-            act = swiglu(expert_gemv(h, x_rows, pairs, gate_up.packed, 2 * inter))
-            own = torch.arange(n * k, device=h.device, dtype=torch.int32)
-            y = expert_gemv(act, own, pairs, down.packed, hid)
-            return (y.view(n, k, hid).float() * weights[..., None]).sum(1).to(h.dtype) + shared
+            act = swiglu(expert_gemv(h, k, pairs, gate_up.packed, 2 * inter))
+            y = expert_gemv(act, 1, pairs, down.packed, hid)
+            return combine_experts(y, weights, shared, shared_gate=shared_gate)
+        shared = shared * torch.sigmoid(shared_gate)
         probs = torch.softmax(self.lin[m + "router"](h).float(), dim=-1)
         weights, idx = torch.topk(probs, k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)

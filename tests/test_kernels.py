@@ -385,6 +385,27 @@ def test_expert_gemv(fmt):
     x_rows = torch.tensor([0, 0, 1, 2, 2, 1], dtype=torch.int32, device=DEVICE)
     ex = torch.tensor([4, 0, 2, 2, 3, 1], dtype=torch.int32, device=DEVICE)
     _check(expert_gemv(x, x_rows, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), x_rows.cpu(), ex.cpu(), _to_cpu(w), rows_per_expert))
+    # x rows by pair index (pair p reads row p // 2): a decode step's k = 2 pairs per token, no index tensor
+    _check(expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert))
+
+
+@pytest.mark.parametrize("slotted", [False, True], ids=["pair-order", "slots"])
+@pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
+def test_combine_experts(slotted, gated):
+    """out[t] = sum_j w[t, j] y[slot or t * k + j] + sigmoid(gate[t]) * shared[t], one launch, float32 sums."""
+    from runtime.kernels.moe import combine_experts, combine_experts_reference
+
+    t, k, hid = 5, 3, 200
+    g = torch.Generator().manual_seed(4)
+    y = torch.full((t * k + 4, hid), float("nan")).to(DTYPE)  # rows no slot names stay NaN: must not be read
+    slot = torch.randperm(t * k, generator=g).view(t, k) if slotted else None
+    y[slot.reshape(-1) if slotted else torch.arange(t * k)] = torch.randn(t * k, hid, generator=g).to(DTYPE)
+    weights = torch.rand(t, k, generator=g)
+    shared = torch.randn(t, hid, generator=g).to(DTYPE)
+    gate = torch.randn(t, 1, generator=g).to(DTYPE) if gated else None
+    dev = lambda a: None if a is None else a.to(DEVICE)
+    got = combine_experts(dev(y), dev(weights), dev(shared), dev(slot), dev(gate))
+    _check(got.cpu(), combine_experts_reference(y, weights, shared, slot, gate))
 
 
 def test_sort_pairs_groups_pairs_by_expert_in_whole_blocks():
@@ -428,14 +449,15 @@ def test_expert_prefill_matches_per_pair_products(fmt, path, monkeypatch):
     g = torch.Generator().manual_seed(9)
     h = torch.randn(t, hid, generator=g).to(DTYPE)
     shared = torch.randn(t, hid, generator=g).to(DTYPE)
+    shared_gate = torch.randn(t, 1, generator=g).to(DTYPE)
     ids, weights = route(torch.randn(t, experts, generator=g).to(DEVICE), top_k)
     monkeypatch.setattr(moe, "GEMM_DEQUANT_BYTES", 2 * inter * hid * h.element_size() * 2)  # two experts a chunk
     if path == "dense-loop":
         monkeypatch.setattr(moe, "_vendor_grouped_mm", lambda: None)
     got = expert_prefill(h.to(DEVICE), ids, weights, gate_up, down, inter, experts, shared.to(DEVICE), swiglu,
-                         path=path.removesuffix("-loop"))
+                         path=path.removesuffix("-loop"), shared_gate=shared_gate.to(DEVICE))
     gu_all = qlinear_reference(h.float(), _to_cpu(gate_up)).float()
-    want = shared.float().clone()
+    want = shared.float() * torch.sigmoid(shared_gate.float())
     for i in range(t):
         for j in range(top_k):
             e = int(ids[i, j])

@@ -68,13 +68,17 @@ def route_reference(router_logits, top_k):
 def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, ROWS_PER_EXPERT, K,
                         stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INT8: tl.constexpr, USE_ASM: tl.constexpr):
+                        INT8: tl.constexpr, USE_ASM: tl.constexpr, PAIRS_PER_X_ROW: tl.constexpr):
+    """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread)."""
     pdl_wait()
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = local < ROWS_PER_EXPERT
     expert = tl.load(experts_ptr + pair)
-    x_row = tl.load(x_rows_ptr + pair)
+    if PAIRS_PER_X_ROW > 0:
+        x_row = pair // PAIRS_PER_X_ROW
+    else:
+        x_row = tl.load(x_rows_ptr + pair)
     rows = expert * ROWS_PER_EXPERT + local
     if INT8:
         # expert matrices are small: each program quantizes its row of x (no extra launch)
@@ -88,11 +92,13 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor, experts: torch.Tensor, w: PackedLinear,
+def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tensor, w: PackedLinear,
                 rows_per_expert: int) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
-    ([E * rows_per_expert, K] packed). Returns [pairs, rows_per_expert] in x's dtype. Rows of x are
-    quantized per group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
+    ([E * rows_per_expert, K] packed); `x_rows` an int n: x row p // n (a decode step's k pairs per token
+    are n = k; the down product's own rows n = 1), without an index tensor to build per step. Returns
+    [pairs, rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
+    qgemv_int8) unless NINFER_GEMV=float."""
     pairs = experts.numel()
     y = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
     int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
@@ -105,11 +111,13 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor, experts: torch.Tensor, w:
         base, high = code_words(w.base), high_plane(w)
     else:
         base, high = w.base, (w.high if w.high is not None else w.base)
+    per_row = x_rows if isinstance(x_rows, int) else 0
+    x_rows = experts if per_row else x_rows.contiguous()  # unread when per_row
     _expert_gemv_kernel[(pairs, triton.cdiv(rows_per_expert, block_n))](
-        x, x_rows.contiguous(), experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
+        x, x_rows, experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
         x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, INT8=int8, USE_ASM=native_dp4a(),
-        num_warps=tuning["num_warps"], **LAUNCH)
+        PAIRS_PER_X_ROW=per_row, num_warps=tuning["num_warps"], **LAUNCH)
     return y
 
 
@@ -121,6 +129,8 @@ def expert_gemv_reference(x, x_rows, experts, w: PackedLinear, rows_per_expert):
         dense_out = qgemv_int8_reference(x, w).float()
     else:
         dense_out = qlinear_reference(x, w).float()  # [T, E * rows]
+    if isinstance(x_rows, int):
+        x_rows = torch.arange(experts.numel()) // x_rows
     out = [dense_out[int(r), int(e) * rows_per_expert:(int(e) + 1) * rows_per_expert] for r, e in zip(x_rows, experts)]
     return torch.stack(out).to(x.dtype)
 
@@ -202,19 +212,51 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_m: int = EXPERT_BLOCK_M):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = shared[t] + sum_j weights[t, j] * y[slot[t, j]] (float32, in j order)."""
+def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, gate_ptr, out_ptr, H, TOPK: tl.constexpr,
+                    SLOTS: tl.constexpr, GATED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j weights[t, j] * y[slot[t, j]] + sigmoid(gate[t]) * shared[t], in float32 and j order;
+    without SLOTS, pair (t, j) is y row t * TOPK + j; without GATED, the shared output counts whole."""
     pdl_wait()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for j in tl.static_range(TOPK):
-        s = tl.load(slot_ptr + t * TOPK + j)
+        if SLOTS:
+            s = tl.load(slot_ptr + t * TOPK + j)
+        else:
+            s = t * TOPK + j
         w = tl.load(weights_ptr + t * TOPK + j).to(tl.float32)
         acc += w * tl.load(y_ptr + s * H + cols, mask=ok, other=0.0).to(tl.float32)
-    acc += tl.load(shared_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    shared = tl.load(shared_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
+    if GATED:
+        shared = shared * tl.sigmoid(tl.load(gate_ptr + t).to(tl.float32))
+    tl.store(out_ptr + t * H + cols, (acc + shared).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor, slot: torch.Tensor | None = None,
+                    shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE block's output in one launch: y [pairs, H] the routed experts' outputs, weights [T, k], shared
+    [T, H] the shared expert's output, `slot` [T, k] the y row of pair (t, j) (None: t * k + j), `shared_gate`
+    [T] or [T, 1] the shared expert's gate logits (None: ungated). Returns [T, H] in shared's dtype."""
+    t, k = weights.shape
+    hid = shared.shape[1]
+    out = torch.empty_like(shared)
+    block_h = min(1024, triton.next_power_of_2(hid))
+    slots = slot.contiguous() if slot is not None else weights
+    gate = shared_gate.contiguous() if shared_gate is not None else shared
+    _combine_kernel[(t, triton.cdiv(hid, block_h))](y, slots, weights.contiguous(), shared.contiguous(), gate, out,
+                                                    hid, TOPK=k, SLOTS=slot is not None, GATED=shared_gate is not None,
+                                                    BLOCK_H=block_h, **LAUNCH)
+    return out
+
+
+def combine_experts_reference(y, weights, shared, slot=None, shared_gate=None):
+    t, k = weights.shape
+    rows = slot.reshape(-1).long() if slot is not None else torch.arange(t * k)
+    routed = (y.float()[rows].view(t, k, -1) * weights.float()[..., None]).sum(1)
+    gate = torch.sigmoid(shared_gate.float().reshape(t, 1)) if shared_gate is not None else 1.0
+    return (routed + gate * shared.float()).to(shared.dtype)
 
 
 # average pairs per expert from which a prefill chunk takes the dense-experts path (dequantize every expert
@@ -226,10 +268,11 @@ DENSE_EXPERTS_MIN_PAIRS = 96
 
 def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: PackedLinear,
                    down: PackedLinear, inter: int, experts: int, shared: torch.Tensor, activation,
-                   path: str | None = None) -> torch.Tensor:
-    """The routed experts of a prefill chunk plus the shared expert's output: h [T, H], ids / weights
-    [T, k] -> [T, H]. `activation(gate_up, out=None)` maps gate_up rows [S, 2 * inter] to [S, inter]
-    (SwiGLU). `path`: "fused" or "dense" (default: by the pairs per expert, see DENSE_EXPERTS_MIN_PAIRS)."""
+                   path: str | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts of a prefill chunk plus the shared expert's output (gated by sigmoid(shared_gate)
+    when given): h [T, H], ids / weights [T, k] -> [T, H]. `activation(gate_up, out=None)` maps gate_up rows
+    [S, 2 * inter] to [S, inter] (SwiGLU). `path`: "fused" or "dense" (default: by the pairs per expert,
+    see DENSE_EXPERTS_MIN_PAIRS)."""
     t, hid = h.shape
     if path is None:
         path = "dense" if ids.numel() >= DENSE_EXPERTS_MIN_PAIRS * experts else "fused"
@@ -242,11 +285,7 @@ def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         y = expert_gemm(act, own, block_experts, down, hid)
     else:
         raise ValueError(f"expert_prefill: path {path!r} is not 'fused' or 'dense'")
-    out = torch.empty_like(h)
-    block_h = min(1024, triton.next_power_of_2(hid))
-    _combine_kernel[(t, triton.cdiv(hid, block_h))](y, slot.contiguous(), weights.contiguous(), shared.contiguous(),
-                                                    out, hid, TOPK=ids.shape[1], BLOCK_H=block_h, **LAUNCH)
-    return out
+    return combine_experts(y, weights, shared, slot, shared_gate)
 
 
 def _dense_experts(h, ids, gate_up: PackedLinear, down: PackedLinear, inter: int, experts: int, activation):
