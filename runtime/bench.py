@@ -6,6 +6,7 @@ so decode at 200K can be timed without a minutes-long prefill; the result says s
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -114,8 +115,11 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
     for kv in opts.kv_dtypes:
         plan_opts = PlanOptions(max_context=max_context, kv_dtype=kv, prefill_chunk=opts.prefill_chunk,
                                 spec=opts.spec, draft_tokens=opts.draft_tokens, lm_head_draft=opts.lm_head_draft)
+        resident_before = 0
         if device.startswith("cuda"):
+            gc.collect()  # the previous engine (its MTP drafter refers back to it) and its graphs' pools
             torch.cuda.empty_cache()
+            resident_before = torch.cuda.memory_allocated(device)  # not this engine's: left out of its peak
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         engine = Engine(path, plan_opts, device=device, random_weights_seed=opts.random_weights_seed)
@@ -165,7 +169,8 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
                 row["roofline_tok_s"] = bw / need
                 row["of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
             if device.startswith("cuda"):
-                row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+                row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - resident_before
+                row["resident_before_bytes"] = resident_before
             row["planned_bytes"] = engine.plan.total_bytes
             results["rows"].append(row)
             log(f"[{kv}] depth {depth}: " + (f"prefill {row['prefill_tok_s']:.0f} tok/s, " if row["prefill_tok_s"] else
