@@ -40,6 +40,8 @@ def moe_dense_chunk_rows(tokens: int, top_k: int) -> int:
     """The most pair rows one expert chunk of the dense-experts prefill multiplies at once (its temporary
     output), unless a single expert has more (at most `tokens`: an expert meets a token once)."""
     return max(tokens, -(-tokens * top_k // 4))
+
+
 SPECS = ("none", "mtp", "dflash2")
 
 
