@@ -467,6 +467,28 @@ def test_expert_prefill_matches_per_pair_products(fmt, path, monkeypatch):
     _check(got.cpu(), want)
 
 
+def test_grouped_matmul_falls_back_to_a_loop_when_the_vendor_kernel_refuses(monkeypatch):
+    """A torch whose grouped GEMM raises for this device (older releases: Hopper only) gets the per-group
+    loop, with the same result, and is not asked again."""
+    import runtime.kernels.moe as moe
+
+    g = torch.Generator().manual_seed(5)
+    a, w = torch.randn(9, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    bounds = [4, 6, 6, 13]  # the run starts at row 4 of the sorted pairs; the middle group is empty
+    offs = torch.tensor(bounds[1:]) - bounds[0]
+    want = torch.cat([a[0:2] @ w[0].t(), a[2:9] @ w[2].t()])
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("grouped gemm is not supported on this device")
+    monkeypatch.setattr(moe, "_vendor_grouped_mm", lambda: refuse)
+    monkeypatch.setattr(moe, "_VENDOR_REFUSED", set())
+    for _ in range(2):
+        torch.testing.assert_close(moe.grouped_matmul(a, w, offs, bounds), want)
+    assert calls == [1]
+
+
 def test_expert_chunks_cover_every_row_once_within_the_caps():
     """Expert runs for the dense prefill: consecutive, no empty run, at most per_chunk experts and row_cap
     rows unless one expert alone is bigger, and together every expert with rows exactly once."""

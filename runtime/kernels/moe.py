@@ -331,6 +331,9 @@ def expert_chunks(bounds: list[int], per_chunk: int, row_cap: int) -> list[tuple
     return chunks
 
 
+_VENDOR_REFUSED: set[str] = set()  # devices whose torch grouped GEMM raised once: the loop from then on
+
+
 def _vendor_grouped_mm():
     import torch.nn.functional as F
 
@@ -340,10 +343,15 @@ def _vendor_grouped_mm():
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """a [R, K] (rows grouped by expert) x w [G, N, K] -> [R, N]: rows [bounds[g], bounds[g + 1]) - bounds[0]
     times w[g]^T; `offs` [G] the groups' ends relative to bounds[0] on the device (the vendor kernel's input).
-    torch's grouped GEMM where this torch has it (bf16 on CUDA; any dtype on the CPU), else one matmul per group."""
+    torch's grouped GEMM where this torch has it (bf16 on CUDA; any dtype on the CPU), else one matmul per
+    group; also when the vendor kernel refuses this GPU (older torch releases have it for Hopper only)."""
     vendor = _vendor_grouped_mm()
-    if vendor is not None and (not a.is_cuda or a.dtype == torch.bfloat16):
-        return vendor(a, w.transpose(1, 2), offs=offs.int())
+    where = str(a.device)
+    if vendor is not None and (not a.is_cuda or a.dtype == torch.bfloat16) and where not in _VENDOR_REFUSED:
+        try:
+            return vendor(a, w.transpose(1, 2), offs=offs.int())
+        except RuntimeError:
+            _VENDOR_REFUSED.add(where)
     out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
     for g in range(w.shape[0]):
         lo, hi = bounds[g] - bounds[0], bounds[g + 1] - bounds[0]
