@@ -116,7 +116,8 @@ class Engine:
         # paths (auto: by chunk length), loop: one GEMM per active expert (the path before them, for side-by-side runs)
         self.moe_prefill = os.environ.get("NINFER_MOE_PREFILL", "auto")
         if self.moe_prefill not in ("auto", "fused", "dense", "loop"):
-            raise ValueError(f"NINFER_MOE_PREFILL={self.moe_prefill!r}: use auto, fused, dense or loop")
+            raise MemoryPlanError(f"NINFER_MOE_PREFILL={self.moe_prefill!r} is not a MoE prefill path; "
+                                  "use auto, fused, dense or loop (or unset it)")
         if self.chunked_gdn and self.cfg.num_layers > sum(map(self.cfg.is_full_attention, range(self.cfg.num_layers))):
             c = self.cfg
             why = chunked_probe(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,

@@ -90,6 +90,14 @@ def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(art
         assert (set(dense_calls) == {21}) == (mode == "dense"), (mode, dense_calls)  # auto: 21 x k pairs are few
 
 
+def test_unknown_moe_prefill_path_is_refused_in_one_line(artifacts, monkeypatch):
+    from runtime.memory_plan import MemoryPlanError
+
+    monkeypatch.setenv("NINFER_MOE_PREFILL", "grouped")  # stop 16's name for what is now "fused"
+    with pytest.raises(MemoryPlanError, match="NINFER_MOE_PREFILL='grouped' .* auto, fused, dense or loop"):
+        Engine(artifacts["moe-q5"], PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
+
+
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
