@@ -12,16 +12,11 @@ try:  # no GPU: run every Triton kernel in the interpreter (must be set before t
 
     if not _torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers: share the cores, not each take all
+        _torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 except ImportError:
     pass
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers: share the cores instead of each taking all
-    try:
-        import torch as _torch
-
-        _torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    except ImportError:
-        pass
 
 SEED = 42
 

@@ -294,7 +294,7 @@ def _dense_experts(h, ids, gate_up: PackedLinear, down: PackedLinear, inter: int
     hid = h.shape[1]
     pairs = ids.reshape(-1).long()
     order = torch.argsort(pairs, stable=True)
-    ends = torch.cumsum(torch.bincount(pairs, minlength=experts), 0)
+    ends = torch.cumsum(torch.bincount(pairs, minlength=experts), 0, dtype=torch.int32)  # the vendor's offs dtype
     bounds = [0, *ends.tolist()]  # the one host sync: which rows each chunk of experts multiplies
     row_cap = moe_dense_chunk_rows(t, k)
     rows = h.index_select(0, order // k)
@@ -349,7 +349,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, bounds:
     where = str(a.device)
     if vendor is not None and (not a.is_cuda or a.dtype == torch.bfloat16) and where not in _VENDOR_REFUSED:
         try:
-            return vendor(a, w.transpose(1, 2), offs=offs.int())
+            return vendor(a, w.transpose(1, 2), offs=offs.to(torch.int32))  # a no-op for _dense_experts' offs
         except RuntimeError:
             _VENDOR_REFUSED.add(where)
     out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
