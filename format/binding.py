@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from .container import Artifact
 from .errors import ArtifactError, BindingError, ConvertError
 from .inventory import (
+    DFLASH2_CONFIG,
     DRAFT_HEAD,
     DRAFT_TOKEN_IDS,
     FIXED_ROLE_FORMATS,
     RESOURCE_NAMES,
+    dflash2_inventory,
     required_mtp_names,
     required_text_names,
 )
-from .model_config import ModelConfig
+from .model_config import DFlash2Config, ModelConfig
 from .numeric import FORMATS
 
 MATRIX_FORMATS = tuple(f for f in FORMATS if f not in ("FP32", "I32"))
@@ -55,6 +57,15 @@ def load_config(art: Artifact) -> ModelConfig:
         raise BindingError(str(exc)) from None
 
 
+def load_dflash2_config(art: Artifact) -> DFlash2Config:
+    if not art.has(DFLASH2_CONFIG):
+        raise BindingError(f"required artifact object is missing: {DFLASH2_CONFIG}")
+    try:
+        return DFlash2Config.from_json_bytes(art.resource_bytes(DFLASH2_CONFIG))
+    except ConvertError as exc:
+        raise BindingError(str(exc)) from None
+
+
 def check_inventory(art: Artifact) -> InventoryReport:
     try:
         cfg = load_config(art)
@@ -91,11 +102,26 @@ def check_inventory(art: Artifact) -> InventoryReport:
                 problems.append("lm-head draft token ids fall outside the vocabulary")
         report.companions["lm_head_draft"] = problems[0] if problems else "complete"
         consumed |= {DRAFT_HEAD, DRAFT_TOKEN_IDS}
-    for comp, prefix in (("dflash2", "dflash2/"), ("vision", "vision/")):
-        if comp in art.components:
-            names = {n for n in art.objects if n.startswith(prefix)}
-            report.companions[comp] = "complete" if names else "no objects"
-            consumed |= names
+    if "dflash2" in art.components:
+        names = {n for n in art.objects if n.startswith("dflash2/")}
+        problems = []
+        try:
+            dcfg = load_dflash2_config(art)
+            dcfg.check_target(cfg)
+        except (BindingError, ConvertError) as exc:
+            problems.append(str(exc))
+        else:
+            required = {s.name: s for s in dflash2_inventory(dcfg)}
+            for spec in required.values():
+                _check_object(art, spec, problems)
+            problems += [f"artifact object was not consumed by the DFlash2 drafter: {n}"
+                         for n in sorted(names - set(required) - {DFLASH2_CONFIG})]
+        report.companions["dflash2"] = problems[0] if problems else "complete"
+        consumed |= names
+    if "vision" in art.components:
+        names = {n for n in art.objects if n.startswith("vision/")}
+        report.companions["vision"] = "complete" if names else "no objects"
+        consumed |= names
     for name, e in art.objects.items():
         if name not in consumed:
             report.problems.append(f"artifact object was not consumed by the selected target: {name}")
@@ -114,4 +140,4 @@ def require_runnable(art: Artifact) -> InventoryReport:
     return report
 
 
-__all__ = ["InventoryReport", "check_inventory", "require_runnable", "load_config", "ArtifactError"]
+__all__ = ["InventoryReport", "check_inventory", "require_runnable", "load_config", "load_dflash2_config", "ArtifactError"]

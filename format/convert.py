@@ -17,16 +17,18 @@ from .checkpoint import Checkpoint
 from .container import ArtifactPlan, ArtifactWriter
 from .errors import ConvertError
 from .inventory import (
+    DFLASH2_CONFIG,
     DRAFT_HEAD,
     DRAFT_TOKEN_IDS,
     RESOURCE_NAMES,
     ObjectSpec,
     SourceNames,
     SourcePart,
+    dflash2_inventory,
     mtp_inventory,
     text_inventory,
 )
-from .model_config import ModelConfig
+from .model_config import DFlash2Config, ModelConfig
 from .numeric import GroupedFormat, get_format
 from .quantize import encode_rows
 from .recipes import RECIPES, format_for
@@ -91,6 +93,13 @@ def _source_names(ckpt: Checkpoint, cfg: ModelConfig) -> SourceNames:
         head = f"{prefix}embed_tokens.weight"
     fused = any(k.endswith("mlp.experts.gate_up_proj") for k in ckpt.tensors)
     return SourceNames(prefix, head, fused)
+
+
+def load_dflash2_source_config(directory: Path) -> DFlash2Config:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{directory} has no config.json (expected a DFlash2 drafter checkpoint directory)")
+    return DFlash2Config.from_json_bytes(path.read_bytes())
 
 
 def _part_shape(ckpt: Checkpoint, part: SourcePart) -> tuple[int, ...]:
@@ -233,13 +242,16 @@ def _plan_jobs(src: Path, ckpt: Checkpoint, cfg: ModelConfig, opts: ConvertOptio
     if opts.dflash2 is not None:
         if opts.version == 2:
             raise ConvertError("version 2 cannot carry companion weights (DFlash2 drafter); use --version 3")
+        dcfg = load_dflash2_source_config(opts.dflash2)
+        dcfg.check_target(cfg)
         drafter = Checkpoint(opts.dflash2)
-        for k in sorted(drafter.tensors):
-            shape = drafter.shape(k)
-            matrix = len(shape) == 2 and min(shape) >= 32 and "norm" not in k
-            role = "companion_matrix" if matrix else "small"
-            spec = ObjectSpec(f"dflash2/{k}", shape, role, "dflash2", (SourcePart(k),))
-            jobs.append(_Job(spec, format_for(opts.recipe, role), drafter))
+        specs = dflash2_inventory(dcfg)
+        jobs += [_Job(s, format_for(opts.recipe, s.role), drafter) for s in specs]
+        used = {p.key for s in specs for p in s.parts}
+        unused = sorted(k for k in drafter.tensors if k not in used)
+        if unused:
+            notes.append(f"skipped {len(unused)} drafter tensor(s) DFlash2 does not use: {', '.join(unused[:4])}"
+                         + (" ..." if len(unused) > 4 else ""))
     for job in jobs:
         _check_sources(job)
     return jobs
@@ -320,9 +332,9 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, opts: Con
                         metadata={"converter": "ninfer", "recipe": opts.recipe, "source": src.name})
     for name, data in resources.items():
         plan.add_resource(name, len(data), "text")
-    if opts.dflash2 is not None and (opts.dflash2 / "config.json").is_file():
-        resources["dflash2/config.json"] = (opts.dflash2 / "config.json").read_bytes()
-        plan.add_resource("dflash2/config.json", len(resources["dflash2/config.json"]), "dflash2")
+    if opts.dflash2 is not None:
+        resources[DFLASH2_CONFIG] = (opts.dflash2 / "config.json").read_bytes()
+        plan.add_resource(DFLASH2_CONFIG, len(resources[DFLASH2_CONFIG]), "dflash2")
     for job in jobs:
         plan.add_tensor(job.spec.name, job.spec.shape, job.fmt, job.spec.component)
 

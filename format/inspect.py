@@ -15,12 +15,11 @@ from .layouts import unpack_row_split
 SUPPORTED_FEATURES = {
     "text": "text generation (reference and Triton runtimes), serve, fit, bench",
     "mtp": "MTP speculative decoding (--spec mtp, Triton runtime)",
-    "lm_head_draft": "reduced lm-head drafting (--spec mtp --lm-head-draft)",
+    "lm_head_draft": "reduced lm-head drafting (--spec mtp|dflash2 --lm-head-draft)",
+    "dflash2": "DFlash2 block-diffusion speculative decoding (--spec dflash2, Triton runtime)",
     "vision": "image input (--vision: generate --image, serve image parts)",
 }
-NOT_YET = {
-    "dflash2": "DFlash2 drafting is not in this build yet; the drafter is carried, not used",
-}
+NOT_YET: dict[str, str] = {}  # components this build carries but cannot run
 
 
 def summarize(art: Artifact) -> dict:

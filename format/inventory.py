@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model_config import ModelConfig
+from .model_config import DFlash2Config, ModelConfig
 
 # Roles whose format is fixed regardless of recipe.
 FIXED_ROLE_FORMATS = {"norm": "BF16", "conv": "BF16", "router": "BF16", "small": "BF16", "fp32": "FP32", "ids": "I32"}
@@ -155,6 +155,44 @@ def required_mtp_names(cfg: ModelConfig, layers: int) -> dict[str, ObjectSpec]:
     return {s.name: s for s in mtp_inventory(cfg, SourceNames("", "", False), layers)}
 
 
+def dflash2_inventory(d: DFlash2Config) -> list[ObjectSpec]:
+    """The DFlash2 drafter's objects, from its config; sources are the drafter checkpoint's keys. The
+    drafter has no embedding or head of its own: it uses the target's."""
+    h, hd, comp = d.hidden_size, d.head_dim, "dflash2"
+
+    def spec(name, shape, role, *keys):
+        return ObjectSpec(f"dflash2/{name}", shape, role, comp, tuple(SourcePart(k) for k in keys))
+
+    specs = [spec("feature_projection", (h, d.tap_width), "companion_matrix", "fc.weight"),
+             spec("context_norm", (h,), "norm", "hidden_norm.weight")]
+    for i in range(d.num_layers):
+        o, s = f"layers/{i}/", f"layers.{i}."
+        a = f"{s}self_attn."
+        specs += [
+            spec(o + "input_norm", (h,), "norm", s + "input_layernorm.weight"),
+            spec(o + "attention/query_key_value", (d.num_heads * hd + 2 * d.kv_rows, h), "companion_matrix",
+                 a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            spec(o + "attention/query_norm", (hd,), "norm", a + "q_norm.weight"),
+            spec(o + "attention/key_norm", (hd,), "norm", a + "k_norm.weight"),
+            spec(o + "attention/output", (h, d.num_heads * hd), "companion_matrix", a + "o_proj.weight"),
+            spec(o + "post_attention_norm", (h,), "norm", s + "post_attention_layernorm.weight"),
+            spec(o + "mlp/gate_up", (2 * d.intermediate_size, h), "companion_matrix",
+                 s + "mlp.gate_proj.weight", s + "mlp.up_proj.weight"),
+            spec(o + "mlp/down", (h, d.intermediate_size), "companion_matrix", s + "mlp.down_proj.weight"),
+        ]
+        for conv in ("attention_conv", "mlp_conv"):
+            specs += [spec(f"{o}{conv}/base_kernel", (2, d.conv_kernel_size, h), "small", f"{s}{conv}.base_kernel"),
+                      spec(f"{o}{conv}/kernel_projection", (2 * d.conv_kernel_size * d.conv_groups, h), "small",
+                           f"{s}{conv}.kernel_projection.weight")]
+    r, v = d.selector_rank, d.vocab_size
+    specs += [spec("final_norm", (h,), "norm", "norm.weight"),
+              spec("candidate_selector/hidden_projection", (r, h), "small", "candidate_selector.hidden_projection.weight"),
+              spec("candidate_selector/predecessor_codebook", (v, r), "small", "candidate_selector.predecessor_codebook"),
+              spec("candidate_selector/successor_codebook", (v, r), "small", "candidate_selector.successor_codebook")]
+    return specs
+
+
+DFLASH2_CONFIG = "dflash2/config.json"
 RESOURCE_NAMES = {
     "config": "resource/config.json",
     "generation_config": "resource/generation_config.json",

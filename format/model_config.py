@@ -147,3 +147,117 @@ class ModelConfig:
         if not isinstance(cfg, dict):
             raise ConvertError("config resource must be a JSON object")
         return cls.from_hf_dict(cfg, gen)
+
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    """A DFlash2 block-diffusion drafter (HF config.json of e.g. incoai/Qwen3.8-27B-DFlash2): Qwen3-style
+    layers with non-causal sliding attention over context K/V projected from target hidden states, two
+    dynamic short convolutions per layer, and a bigram candidate selector. Draft-specific fields may sit
+    in `dflash_config` or at the top level (`dflash_config` wins)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    sliding_window: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    input_embedding_scale: float = 1.0
+
+    @property
+    def conv_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
+    @property
+    def kv_rows(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def tap_width(self) -> int:
+        """Columns of the feature projection's input: one hidden row per tapped target layer."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "DFlash2Config":
+        if not isinstance(cfg, dict):
+            raise ConvertError("the DFlash2 drafter config must be a JSON object")
+        arch = cfg.get("architectures") or []
+        if DFLASH2_ARCHITECTURE not in arch:
+            raise ConvertError(f"the drafter config names architectures {arch}, not {DFLASH2_ARCHITECTURE}; "
+                               "--dflash2 takes a DFlash2 drafter checkpoint directory")
+        draft = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+
+        def need(key):
+            value = draft.get(key, cfg.get(key))
+            if value is None:
+                raise ConvertError(f"the DFlash2 drafter config lacks {key!r} (in dflash_config or at the top level)")
+            return value
+
+        n_layers = int(need("num_hidden_layers"))
+        hidden = int(need("hidden_size"))
+        n_heads = int(need("num_attention_heads"))
+        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+        if len(layer_types) != n_layers or any(t != "sliding_attention" for t in layer_types):
+            raise ConvertError("this build runs DFlash2 drafters whose layers are all sliding_attention "
+                               f"(config layer_types {layer_types})")
+        if cfg.get("is_causal"):
+            raise ConvertError("the DFlash2 drafter config sets is_causal; DFlash2 blocks are non-causal")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            raise ConvertError("the DFlash2 drafter config lacks rope_theta")
+        if rope.get("rope_type", "default") != "default":
+            raise ConvertError(f"the DFlash2 drafter uses rope_type {rope.get('rope_type')!r}; this build runs 'default'")
+        out = cls(
+            hidden_size=hidden, intermediate_size=int(need("intermediate_size")), num_layers=n_layers,
+            num_heads=n_heads, num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads), vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            sliding_window=int(need("sliding_window")), block_size=int(need("block_size")),
+            mask_token_id=int(need("mask_token_id")),
+            target_layer_ids=tuple(int(x) for x in need("target_layer_ids")),
+            conv_kernel_size=int(need("conv_kernel_size")), conv_group_size=int(need("conv_group_size")),
+            selector_rank=int(need("selector_rank")), selector_top_k=int(need("selector_top_k")),
+            input_embedding_scale=float(draft.get("input_embedding_scale", cfg.get("input_embedding_scale", 1.0))),
+        )
+        if out.hidden_size % out.conv_group_size or out.num_heads % out.num_kv_heads or out.head_dim % 2:
+            raise ConvertError("the DFlash2 drafter's widths do not divide (hidden by conv_group_size, "
+                               "heads by KV heads, head_dim by 2)")
+        if not out.target_layer_ids or out.sliding_window < 2 or out.selector_top_k < 1 or out.conv_kernel_size < 1:
+            raise ConvertError("the DFlash2 drafter config needs target_layer_ids, sliding_window >= 2, "
+                               "selector_top_k >= 1 and conv_kernel_size >= 1")
+        return out
+
+    @classmethod
+    def from_json_bytes(cls, data: bytes) -> "DFlash2Config":
+        try:
+            return cls.from_hf_dict(json.loads(data))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConvertError(f"the DFlash2 drafter config is not valid JSON: {exc}") from None
+
+    def check_target(self, target: ModelConfig) -> None:
+        """The drafter shares the target's embedding and head and reads its hidden states."""
+        if self.hidden_size != target.hidden_size:
+            raise ConvertError(f"the DFlash2 drafter's hidden size {self.hidden_size} differs from the target's "
+                               f"{target.hidden_size}: it was trained for another model")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConvertError(f"the DFlash2 drafter taps target layers {bad}, outside the target's "
+                               f"{target.num_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size or self.vocab_size > target.vocab_size:
+            raise ConvertError(f"the DFlash2 drafter's vocabulary ({self.vocab_size}, mask token "
+                               f"{self.mask_token_id}) does not fit the target's {target.vocab_size}")

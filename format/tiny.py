@@ -192,3 +192,64 @@ def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, voc
             tensors.update(_layer_tensors(g, text, f"mtp.layers.{j}.", True, moe))
     save_file({k: t.to(torch.bfloat16).contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"))
     return out
+
+
+def tiny_dflash2_config(target_text: dict, layers: int = 2, window: int = 8, taps: tuple[int, ...] = (1, 3),
+                        block_size: int = 4) -> dict:
+    """A DFlash2 drafter config (HF layout) sized for a tiny target: the drafter shares its hidden width,
+    embedding and head; a short sliding window so generation in tests wraps the context cache."""
+    h = target_text["hidden_size"]
+    return {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False,
+            "hidden_size": h, "intermediate_size": 96, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": target_text["vocab_size"],
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "sliding_window": window,
+            "layer_types": ["sliding_attention"] * layers, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+            "dflash_config": {"block_size": block_size, "mask_token_id": target_text["vocab_size"] - 1,
+                              "target_layer_ids": list(taps), "conv_kernel_size": 2, "conv_group_size": 16,
+                              "selector_rank": 8, "selector_top_k": 4}}
+
+
+def write_tiny_dflash2(out: str | Path, target_checkpoint: str | Path, seed: int = 0, **config_kw) -> Path:
+    """A random DFlash2 drafter checkpoint (config.json + model.safetensors, bf16) for the tiny target in
+    `target_checkpoint`, with the source key names of a real drafter."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = json.loads((Path(target_checkpoint) / "config.json").read_text())["text_config"]
+    cfg = tiny_dflash2_config(target, **config_kw)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    d = cfg["dflash_config"]
+    g = torch.Generator().manual_seed(seed)
+    h, hd, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    hq, hkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def mat(rows, cols, scale=1.0):
+        return torch.randn(rows, cols, generator=g) * (scale / cols ** 0.5)
+
+    def norm(n):
+        return 1 + torch.randn(n, generator=g) * 0.1  # plain RMSNorm weights (w, not 1 + w)
+
+    rank, vocab, kernel = d["selector_rank"], cfg["vocab_size"], d["conv_kernel_size"]
+    groups = h // d["conv_group_size"]
+    t = {"fc.weight": mat(h, h * len(d["target_layer_ids"])), "hidden_norm.weight": norm(h), "norm.weight": norm(h),
+         "candidate_selector.hidden_projection.weight": mat(rank, h),
+         "candidate_selector.predecessor_codebook": torch.randn(vocab, rank, generator=g),
+         "candidate_selector.successor_codebook": torch.randn(vocab, rank, generator=g)}
+    for j in range(cfg["num_hidden_layers"]):
+        p = f"layers.{j}."
+        t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+                  p + "self_attn.q_proj.weight": mat(hq, h), p + "self_attn.k_proj.weight": mat(hkv, h),
+                  p + "self_attn.v_proj.weight": mat(hkv, h), p + "self_attn.o_proj.weight": mat(h, hq),
+                  p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+                  p + "mlp.gate_proj.weight": mat(i, h), p + "mlp.up_proj.weight": mat(i, h),
+                  p + "mlp.down_proj.weight": mat(h, i)})
+        for conv in ("attention_conv", "mlp_conv"):
+            base = torch.ones(2, kernel, h)
+            base[:, 1:] = 0.3 * torch.randn(2, kernel - 1, h, generator=g)
+            t[f"{p}{conv}.base_kernel"] = base
+            t[f"{p}{conv}.kernel_projection.weight"] = mat(2 * kernel * groups, h, 0.2)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out

@@ -257,7 +257,7 @@ def generate(
     top_p: Annotated[float, typer.Option(help="Nucleus mass to keep.")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
-    spec: Annotated[Spec, typer.Option(help="Speculative decoding (triton runtime): mtp drafts from the MTP head.")] = Spec.none,
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding (triton runtime): mtp drafts from the MTP head, dflash2 from the DFlash2 drafter.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower (needed for --image).")] = False,
@@ -277,10 +277,6 @@ def generate(
 
         options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk),
                               spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
-        if spec == Spec.dflash2:
-            from runtime.memory_plan import MemoryPlanError
-
-            raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
         if temperature > 0:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     elif temperature > 0 or spec != Spec.none:
@@ -339,8 +335,6 @@ def bench(
         raise MemoryPlanError("ninfer bench measures GPU speed and needs a CUDA GPU; use `ninfer fit` for memory on CPU")
     if (artifact is None) == (random_weights is None):
         raise MemoryPlanError("give exactly one of ARTIFACT or --random-weights SHAPE")
-    if spec == Spec.dflash2:
-        raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
     if accepted_drafts is not None and not 0 <= accepted_drafts <= draft_tokens:
         raise MemoryPlanError(f"--accepted-drafts must be in 0..{draft_tokens} (--draft-tokens)")
     seed = None
@@ -349,7 +343,8 @@ def bench(
 
         workdir = Path(tempfile.mkdtemp(prefix="ninfer-bench-"))
         artifact = write_shape_artifact(random_weights, workdir / f"{random_weights}-{recipe}.nfer", recipe,
-                                        mtp=True, lm_head_draft=32768 if lm_head_draft else 0)
+                                        mtp=True, lm_head_draft=32768 if lm_head_draft else 0,
+                                        dflash2=spec == Spec.dflash2)
         seed = 0
     opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
                         decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
@@ -441,7 +436,7 @@ def serve(
     prefill_chunk: PrefillChunkOpt = "auto",
     kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
-    spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head.")] = Spec.none,
+    spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head, dflash2 with the DFlash2 drafter.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
@@ -459,10 +454,6 @@ def serve(
     from runtime.memory_plan import PlanOptions, parse_prefill_chunk
     from runtime.serve.launch import build_server
 
-    from runtime.memory_plan import MemoryPlanError
-
-    if spec == Spec.dflash2:
-        raise MemoryPlanError("--spec dflash2 is not implemented in this build; use --spec mtp")
     options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
                           prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                           lm_head_draft=lm_head_draft, vision=vision)

@@ -65,6 +65,8 @@ class DeviceMemory:
                 t = raw.view(torch.bfloat16)
                 if len(e.shape) == 2:
                     t.copy_(torch.randn(t.shape, generator=gen, device=self.device) * e.shape[1] ** -0.5)
+                elif e.component == "dflash2":
+                    t.fill_(1.0)  # the drafter's norms are plain w; its conv base kernels pass rows through
                 else:
                     t.zero_()  # norms are (1 + w)
             elif e.format == "FP32":

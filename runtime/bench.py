@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .memory_plan import PlanOptions
-from .mtp import SpecStats
+from .speculate import SpecStats
 
 
 @dataclass
@@ -81,9 +81,8 @@ def _synthetic_context(engine, depth: int, gen: torch.Generator) -> None:
     engine.reset_lane(0)
     engine.ctx_len[0] = depth
     engine.lane_tokens[0] = torch.randint(0, engine.cfg.vocab_size, (depth,), generator=gen).tolist()
-    if engine.opts.spec == "mtp":
-        engine.mtp.start[0] = depth - 1
-        engine.mtp.ctx[0] = depth - 1
+    if engine.speculator is not None:
+        engine.speculator.assume_context(0, depth)
 
 
 def _decode(engine, first_token: int, n: int) -> tuple[int, float]:
@@ -92,8 +91,8 @@ def _decode(engine, first_token: int, n: int) -> tuple[int, float]:
     _sync(engine)
     t0 = time.perf_counter()
     while produced < n:
-        if engine.opts.spec == "mtp" and engine.mtp.can_speculate(0):
-            new = engine.mtp.round([0], [nxt], [n - produced])[0]
+        if engine.speculator is not None and engine.speculator.can_speculate(0):
+            new = engine.speculator.round([0], [nxt], [n - produced])[0]
         else:
             new = [int(torch.argmax(engine.decode_step([0], [nxt])[0]))]
         produced += len(new)
@@ -124,8 +123,8 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
         t0 = time.perf_counter()
         engine = Engine(path, plan_opts, device=device, random_weights_seed=opts.random_weights_seed)
         load_s = time.perf_counter() - t0
-        if opts.spec == "mtp" and opts.accepted_drafts is not None:
-            engine.mtp.forced_accept = opts.accepted_drafts
+        if engine.speculator is not None and opts.accepted_drafts is not None:
+            engine.speculator.forced_accept = opts.accepted_drafts
         engine.mem.buffers["kv_pool"].zero_()
         log(f"[{kv}] engine ready in {load_s:.1f} s; plan {engine.plan.total_bytes / 2**30:.2f} GiB; "
             f"prefill chunk {engine.opts.prefill_chunk}")
@@ -157,12 +156,12 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
                     logits = engine.prefill(0, prompt)
                 else:
                     _synthetic_context(engine, depth, gen)
-            if engine.opts.spec == "mtp":
-                engine.mtp.stats = SpecStats(accepted_at=[0] * engine.mtp.k)
+            if engine.speculator is not None:
+                engine.speculator.stats = SpecStats(accepted_at=[0] * engine.speculator.k)
             n, secs = _decode(engine, first, opts.decode_tokens)
             row.update(decode_tokens=n, decode_s=secs, decode_tok_s=n / secs)
-            if opts.spec == "mtp":
-                row["spec_stats"] = engine.mtp.stats.as_dict()
+            if engine.speculator is not None:
+                row["spec_stats"] = engine.speculator.stats.as_dict()
             need = decode_bytes(engine, depth)
             row["decode_bytes_per_token"] = need
             if bw:

@@ -146,7 +146,8 @@ class Engine:
             t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
             if e.format == "BF16" and self.act_dtype != torch.bfloat16:
                 t = t.to(self.act_dtype)  # CPU interpreter path computes in float32
-            if len(e.shape) == 2 and e.component in ("text", "mtp", "lm_head_draft") and not r.name.endswith("convolution"):
+            if len(e.shape) == 2 and e.component in ("text", "mtp", "lm_head_draft", "dflash2") \
+                    and not r.name.endswith("convolution"):
                 self.lin[r.name] = DenseLinear(t)
             self.vec[r.name] = t
 
@@ -182,10 +183,16 @@ class Engine:
         # tokens covered by the lane's turn checkpoint (0 = none): its KV prefix plus the GDN state
         # saved in checkpoint_slot, so a prompt that diverges later can resume there
         self.checkpoint_at = [0] * lanes
+        # the speculative decoder (runtime/speculate.py), None without --spec
+        self.speculator = None
         if self.opts.spec == "mtp":
             from .mtp import MtpState
 
-            self.mtp = MtpState.bind(self)
+            self.speculator = MtpState.bind(self)
+        elif self.opts.spec == "dflash2":
+            from .dflash2 import DFlash2State
+
+            self.speculator = DFlash2State.bind(self)
 
     def reset_lane(self, lane: int) -> None:
         self.conv_stack[:, lane, 0].zero_()
@@ -195,8 +202,8 @@ class Engine:
         self.rope_delta[lane] = 0
         self.lane_has_images[lane] = False
         self.checkpoint_at[lane] = 0
-        if self.opts.spec == "mtp":
-            self.mtp.reset_lane(lane)
+        if self.speculator is not None:
+            self.speculator.reset_lane(lane)
 
     def held_tokens(self, lane: int) -> int:
         """Tokens in the lane's cache once its prefill is done (== ctx_len, read without a device sync)."""
@@ -212,8 +219,8 @@ class Engine:
         held = self.lane_tokens[lane]
         if self.lane_has_images[lane]:
             return 0  # placeholder ids do not identify the image they stood for
-        if self.opts.spec == "mtp" and not self.mtp.is_current(lane):
-            return 0  # the MTP cache would have a gap; start over
+        if self.speculator is not None and not self.speculator.is_current(lane):
+            return 0  # the drafter's state would have a gap; start over
         if held and len(held) < len(prompt) and prompt[: len(held)] == held:
             return len(held)
         return 0
@@ -391,13 +398,17 @@ class Engine:
     @torch.no_grad()
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False,
-                rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None):
+                rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None,
+                taps: tuple[int, ...] = (), tap_rows: int | None = None):
         """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
         [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
         [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
         `snapshot`, GDN layers also keep the state after every step (speculative verification).
         `image_rows` = (row mask [B*T], embeddings) puts vision-tower output in place of placeholders;
-        `rope_positions` ([B*T] or [3, B*T]) are the rotary positions when they differ from `positions`."""
+        `rope_positions` ([B*T] or [3, B*T]) are the rotary positions when they differ from `positions`.
+        With `taps` (layer indices), returns (logits, tapped) instead: each listed layer's output (the
+        residual stream after it; the final-normed state for the last layer) for the last `tap_rows`
+        positions of each lane (default all), side by side: [B, tap_rows, len(taps) * H]."""
         c = self.cfg
         b, t = tokens.shape
         x = self.embed(tokens.reshape(-1))
@@ -410,6 +421,8 @@ class Engine:
         xq = self._quantized_input(self._first_product(0), n)
         h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps, xq=xq)
         slots = self.kv_slots(self.block_table, self.ctx_len, lanes_idx, t, pos)
+        r = t if tap_rows is None else tap_rows
+        tapped = torch.empty(b, r, len(taps), c.hidden_size, dtype=x.dtype, device=x.device) if taps else None
         for i in range(c.num_layers):
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
@@ -424,11 +437,15 @@ class Engine:
             nxt = self.vec["text/final_norm"] if last else self.vec[f"text/layers/{i + 1}/input_norm"]
             xq = None if last else self._quantized_input(self._first_product(i + 1), n)
             h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual, xq=xq)
+            if i in taps:
+                tapped[:, :, taps.index(i)] = (h if last else residual).view(b, t, -1)[:, t - r :]
         hidden = h.view(b, t, -1)
         if all_logits:
             logits = self.lin["text/output_head"](h).float().view(b, t, -1)
         else:
             logits = self.lin["text/output_head"](hidden[:, -1].contiguous()).float()
+        if taps:
+            return logits, tapped.view(b, r, -1)
         return (logits, hidden) if with_hidden else logits
 
     # --- generation ---------------------------------------------------------------------
@@ -447,7 +464,8 @@ class Engine:
         prefix the lane already holds (see reusable_prefix) is not computed again. With `checkpoint_at`
         (a token count, e.g. where the final assistant header starts), the GDN state there is saved so
         the next turn, whose rendering may differ after that point, resumes from it. With MTP on, each
-        chunk's hidden states also run through the MTP layer, so drafting starts with a filled MTP cache."""
+        chunk's hidden states also run through the MTP layer (DFlash2: its tapped hidden states are projected
+        into the drafter's context cache), so drafting starts with a filled drafter state."""
         if not prompt:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
@@ -459,8 +477,8 @@ class Engine:
             c = self.checkpoint_slot
             self.conv_stack[:, lane, 0] = self.conv_stack[:, lane, c]
             self.rec_stack[:, lane, 0] = self.rec_stack[:, lane, c]
-            if self.opts.spec == "mtp":
-                self.mtp.restore_checkpoint(lane, held)
+            if self.speculator is not None:
+                self.speculator.restore_checkpoint(lane, held)
         elif held == 0:
             self.reset_lane(lane)
         if images or not checkpoint_at or checkpoint_at > len(prompt) or checkpoint_at <= held:
@@ -471,7 +489,7 @@ class Engine:
         self.lane_tokens[lane] = list(prompt)
         lane_t = torch.tensor([lane], device=self.device)
         chunk = self.opts.prefill_chunk
-        mtp = self.opts.spec == "mtp"
+        spec = self.speculator
         rope3 = embeds = None
         if images:
             if self.vision is None:
@@ -503,9 +521,9 @@ class Engine:
                 used += count
             elif self.rope_delta[lane]:
                 extra = {"rope_positions": pos.reshape(-1) + self.rope_delta[lane]}
-            if mtp:
-                logits, hidden = self.forward(lane_t, toks, pos, with_hidden=True, **extra)
-                self.mtp.absorb_prefill(lane, prompt, start, hidden[0])
+            if spec is not None:
+                logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra)
+                spec.absorb_prefill(lane, prompt, start, stop, aux[0])
             else:
                 logits = self.forward(lane_t, toks, pos, **extra)
             self.stats.prefill_tokens += len(piece)
@@ -514,8 +532,8 @@ class Engine:
                 self.conv_stack[:, lane, c] = self.conv_stack[:, lane, 0]
                 self.rec_stack[:, lane, c] = self.rec_stack[:, lane, 0]
                 self.checkpoint_at[lane] = stop
-                if mtp:
-                    self.mtp.save_checkpoint(lane)
+                if spec is not None:
+                    spec.save_checkpoint(lane)
             yield logits[0] if stop == len(prompt) else None
 
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
@@ -529,9 +547,9 @@ class Engine:
         for lane, token in zip(lanes, tokens):
             self.lane_tokens[lane].append(token)
         toks = torch.tensor(tokens, device=self.device)[:, None]
-        if self.opts.spec == "mtp":  # a plain step leaves the MTP cache behind: no more drafting here
+        if self.speculator is not None:  # a plain step leaves the drafter behind: no more drafting here
             for lane in lanes:
-                self.mtp.mark_stale(lane)
+                self.speculator.mark_stale(lane)
         if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
             shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
             logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
@@ -584,7 +602,7 @@ class Engine:
                  params: SamplingParams | None = None, generator: torch.Generator | None = None,
                  images=None) -> list[int]:
         """Greedy by default; with `params`, the device sampler (penalties count this lane's output).
-        With --spec mtp, tokens come in speculative rounds; the output is the same as without.
+        With --spec, tokens come in speculative rounds; the output is the same as without.
         `images` (runtime.vision.ImageInput, in placeholder order) need --vision."""
         logits = None
         for logits in self.prefill_chunks(lane, prompt, images=images):
@@ -594,8 +612,8 @@ class Engine:
         out = [nxt]
         while nxt not in stop_ids and len(out) < max_new_tokens and len(prompt) + len(out) < self.opts.max_context:
             budget = min(max_new_tokens - len(out), self.opts.max_context - len(prompt) - len(out))
-            if self.opts.spec == "mtp" and self.mtp.can_speculate(lane):
-                new = self.mtp.round([lane], [nxt], [budget], stop_ids, params, counts, generator)[0]
+            if self.speculator is not None and self.speculator.can_speculate(lane):
+                new = self.speculator.round([lane], [nxt], [budget], stop_ids, params, counts, generator)[0]
             else:
                 new = [pick_token(self.decode_step([lane], [nxt])[0], params, counts, generator)]
             out += new

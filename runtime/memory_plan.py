@@ -11,10 +11,10 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from format.binding import load_config
+from format.binding import load_config, load_dflash2_config
 from format.container import Artifact
 from format.layouts import align_up
-from format.model_config import ModelConfig
+from format.model_config import DFlash2Config, ModelConfig
 
 from .kv.codecs import get_codec
 
@@ -177,6 +177,31 @@ def _resident_weight_names(art: Artifact, opts: PlanOptions) -> list[str]:
     return names
 
 
+def dflash2_state_bytes(d: DFlash2Config, lanes: int, draft_tokens: int) -> dict[str, int]:
+    """Per lane: each drafter layer's context K and V in a cyclic window (one spare slot takes the writes
+    of rejected rows), the target position each slot holds, the verified rows' tapped hidden states that
+    wait to be projected, and three counters (runtime/dflash2.py)."""
+    slots = d.sliding_window + 1
+    plane = d.num_layers * lanes * slots * d.kv_rows * 2
+    return {"dflash2_context_keys": plane, "dflash2_context_values": plane,
+            "dflash2_context_positions": lanes * slots * 4,
+            "dflash2_pending_taps": lanes * (draft_tokens + 1) * d.tap_width * 2,
+            "dflash2_counters": 3 * lanes * 4}
+
+
+def dflash2_workspace_bytes(d: DFlash2Config, cfg: ModelConfig, opts: PlanOptions) -> int:
+    """The drafter's temporaries: tapped rows of a prefill chunk (its last window) and their projection,
+    one block forward (float32 conv and attention temporaries) and its proposal logits."""
+    rows = opts.max_concurrency * (opts.draft_tokens + 1)
+    tapped = max(min(opts.prefill_chunk, opts.max_context, d.sliding_window), rows)
+    projection = tapped * (d.tap_width * 2 + 3 * d.hidden_size * 4 + 4 * d.kv_rows * 4)
+    block = rows * (3 * d.intermediate_size + 8 * d.hidden_size + 2 * d.num_heads * d.head_dim) * 4
+    scores = 2 * rows * d.num_heads * (d.sliding_window + opts.draft_tokens + 1) * 4 \
+        + 2 * opts.max_concurrency * d.num_layers * (d.sliding_window + 1) * d.kv_rows * 4
+    logits = rows * cfg.vocab_size * 4 + rows * d.selector_top_k * (d.selector_rank * 4 + 16)
+    return projection + block + scores + logits
+
+
 def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
     """Activation buffers shared by all phases; the size of the largest phase."""
     t = min(opts.prefill_chunk, opts.max_context)
@@ -273,13 +298,21 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
               * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
     state.add("lane_tokens", lanes * (opts.max_context + opts.draft_tokens + 1) * 4)
     state.add("lane_context_lengths", lanes * 4)
+    drafter = None
     if opts.spec == "dflash2":
-        state.add("dflash2_context_cache", lanes * 5 * 2048 * 8 * 128 * 2 * 2)
+        drafter = load_dflash2_config(art)
+        if opts.draft_tokens + 1 > drafter.sliding_window:
+            raise MemoryPlanError(f"--draft-tokens {opts.draft_tokens} does not fit the DFlash2 drafter's "
+                                  f"sliding window of {drafter.sliding_window}")
+        for name, nbytes in dflash2_state_bytes(drafter, lanes, opts.draft_tokens).items():
+            state.add(name, nbytes)
     if opts.spec == "mtp":
         state.add("mtp_hidden_tail", lanes * (opts.draft_tokens + 2) * cfg.hidden_size * 2)  # + checkpoint row
         state.add("mtp_context_lengths", lanes * 4)
 
     workspace = _workspace(cfg, opts)
+    if drafter is not None:
+        workspace.add("dflash2", dflash2_workspace_bytes(drafter, cfg, opts))
     if opts.vision:
         workspace.add("vision", 16_384 * 1152 * 2 * 6)  # one 16K-patch image item through the tower
     arenas = {"weights": weights, "kv_pool": kv, "sequence_state": state, "workspace": workspace}

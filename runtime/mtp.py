@@ -11,41 +11,14 @@ compares with the draft: exact for greedy and, since the drafts are point propos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-
-from format.inventory import DRAFT_HEAD, DRAFT_TOKEN_IDS
 
 from .kernels.paged_attention import PAGE
 from .kernels.rmsnorm import rmsnorm
-from .kernels.sampling import pick_token
+from .speculate import Speculator
 
 
-@dataclass
-class SpecStats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # rounds whose draft i was accepted
-
-    def as_dict(self) -> dict:
-        rate = [a / self.rounds if self.rounds else 0.0 for a in self.accepted_at]
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
-                "tokens_per_round": (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0,
-                "acceptance_by_position": rate}
-
-
-class MtpState:
-    def __init__(self, engine):
-        self.e = engine
-        self.k = engine.opts.draft_tokens
-        self.stats = SpecStats(accepted_at=[0] * self.k)
-        # benchmarks on random weights: accept exactly this many drafts per round (speed at a given
-        # acceptance; the output is then no longer the target's greedy output)
-        self.forced_accept: int | None = None
-
+class MtpState(Speculator):
     @classmethod
     def bind(cls, engine) -> "MtpState":
         self = cls(engine)
@@ -70,7 +43,6 @@ class MtpState:
         # first position whose hidden row still waits for the MTP layer (its rows sit in the tail);
         # None when plain decode steps left the MTP cache behind
         self.start: list[int | None] = [0] * lanes
-        self.use_draft_head = engine.opts.lm_head_draft
         return self
 
     # --- lane bookkeeping --------------------------------------------------------------
@@ -94,12 +66,10 @@ class MtpState:
     def is_current(self, lane: int) -> bool:
         return self.start[lane] is not None
 
-    def can_speculate(self, lane: int) -> bool:
-        """Drafting needs a current MTP cache and room for K+1 verified positions in the lane's pages."""
-        held = self.e.held_tokens(lane)
-        # lanes with images use shifted (MRoPE) positions, which the draft and verify graphs do not take
-        return (self.is_current(lane) and not self.e.rope_delta[lane]
-                and held + self.k + 1 <= self.e.plan.pages_per_lane * PAGE)
+    def assume_context(self, lane: int, depth: int) -> None:
+        """Benchmarks: the lane holds `depth` tokens (synthetic) and the MTP cache all but the last."""
+        self.start[lane] = depth - 1
+        self.ctx[lane] = depth - 1
 
     # --- the MTP layer -----------------------------------------------------------------
 
@@ -119,20 +89,15 @@ class MtpState:
         out, _ = rmsnorm(e._ffn(p, h), e.vec["mtp/final_norm"], eps, residual=residual)
         return out.view(b, t, -1)
 
-    def _propose(self, h):
-        """Greedy proposal from MTP hidden rows [B, H]: the full head, or the reduced draft head."""
-        e = self.e
-        if self.use_draft_head:
-            best = torch.argmax(e.lin[DRAFT_HEAD](h.contiguous()).float(), dim=-1)
-            return e.vec[DRAFT_TOKEN_IDS][best].long()
-        return torch.argmax(e.lin["text/output_head"](h.contiguous()).float(), dim=-1)
+    def prefill_outputs(self, rows: int) -> dict:
+        """What the target forward of a prefill chunk hands back: its final-normed hidden rows."""
+        return {"with_hidden": True}
 
-    def absorb_prefill(self, lane: int, prompt: list[int], start: int, hidden: torch.Tensor) -> None:
-        """After a target prefill chunk at [start, start+T): run the MTP layer over every row whose
-        next token the prompt already gives; keep the chunk's last row in the tail."""
+    def absorb_prefill(self, lane: int, prompt: list[int], start: int, end: int, hidden: torch.Tensor) -> None:
+        """After a target prefill chunk at [start, end): run the MTP layer over every row whose next
+        token the prompt already gives; keep the chunk's last row in the tail."""
         e = self.e
         m = self.start[lane]
-        end = start + hidden.shape[0]
         rows = torch.cat([self.tail[lane, : start - m].to(hidden.dtype), hidden[:-1]]) if start > m else hidden[:-1]
         if end - 1 > m:
             lanes_t = torch.tensor([lane], device=e.device)
@@ -150,84 +115,30 @@ class MtpState:
         self.ctx[lanes_t] = (first + t).to(torch.int32)
         out = self._forward(0, lanes_t, tail_tokens, self.tail[lanes_t, :t], first[:, None] + ar[None])
         last = out[torch.arange(b, device=out.device), rows - 1]
-        drafts = [self._propose(last)]
+        drafts = [self.propose(last)]
         for j in range(1, self.k):
             pos = first + rows + (j - 1)
             self.ctx[lanes_t] = (pos + 1).to(torch.int32)
             last = self._forward(j % self.layers, lanes_t, drafts[-1][:, None], last[:, None], pos[:, None])[:, 0]
-            drafts.append(self._propose(last))
+            drafts.append(self.propose(last))
         return torch.stack(drafts, dim=1)
 
     def _verify(self, lanes_t, tokens, positions):
         return self.e.forward(lanes_t, tokens, positions, all_logits=True, snapshot=True, with_hidden=True)
 
-    # --- one speculative round ---------------------------------------------------------
+    # --- one speculative round (Speculator.round) -------------------------------------------
 
-    def round(self, lanes: list[int], next_tokens: list[int], budgets: list[int], stop_ids=(), params=None,
-              counts=None, generator=None) -> list[list[int]]:
-        """Draft K tokens per lane, verify them in one target forward, keep the longest agreeing prefix
-        plus the target's own next token. Returns each lane's new tokens (1..K+1; the last one is not
-        yet in the cache, like a sampled token after decode_step). stop_ids, params, counts and
-        generator are shared, or lists with one entry per lane."""
+    def _draft_block(self, lanes, lanes_t, held, next_tokens, key):
         e, k = self.e, self.k
-        dev = e.device
-        held = [e.held_tokens(lane) for lane in lanes]
         first = [self.start[lane] for lane in lanes]
         tail_tokens = []
         for lane, L, m, nxt in zip(lanes, held, first, next_tokens):
             toks = e.lane_tokens[lane][m + 1 : L] + [nxt]
             tail_tokens.append(toks + [0] * (k + 1 - len(toks)))
-        lanes_t = torch.tensor(lanes, device=dev)
-        first_t = torch.tensor(first, device=dev)
-        rows_t = torch.tensor([L - m for L, m in zip(held, first)], device=dev)
-        key = len(lanes)  # graphs are per batch size; the lane indices are a graph input
-        # blocks of more than 16 rows take the MoE prefill path: grouped, without host syncs, but not yet
-        # captured in a CUDA graph on a GPU, so these steps stay eager
-        moe_sync = e.cfg.is_moe and len(lanes) * (k + 1) > 16
-        if moe_sync:
-            e._eager_keys.update({("draft", key), ("verify", key)})
-        drafts = e.run_step(("draft", key), self._draft, lanes_t, torch.tensor(tail_tokens, device=dev), first_t, rows_t)
-        verify_tokens = torch.cat([torch.tensor(next_tokens, device=dev)[:, None], drafts], dim=1)
-        positions = torch.tensor(held, device=dev)[:, None] + torch.arange(k + 1, device=dev)[None]
-        e.ctx_len[lanes_t] = torch.tensor([L + k + 1 for L in held], device=dev, dtype=torch.int32)
-        logits, hidden = e.run_step(("verify", key), self._verify, lanes_t, verify_tokens, positions)
-        draft_rows = drafts.tolist()
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        results = []
-        for b, lane in enumerate(lanes):
-            stops, p, cnt, g = (_per_lane(stop_ids, b), _per_lane(params, b), _per_lane(counts, b),
-                                _per_lane(generator, b))
-            emitted = []
-            for i in range(k + 1):
-                tok = greedy[b][i] if p is None else pick_token(logits[b, i], p, cnt, g)
-                if self.forced_accept is not None:
-                    if i < k:
-                        d = draft_rows[b][i]
-                        tok = d if i < self.forced_accept else (d + 1) % e.cfg.vocab_size
-                emitted.append(tok)
-                if tok in stops or len(emitted) >= budgets[b] or i == k or tok != draft_rows[b][i]:
-                    break
-            keep = len(emitted)  # verify rows now in the cache: next_token and the agreeing drafts
-            self._commit(lane, held[b], keep, [next_tokens[b]] + emitted[:-1], hidden[b])
-            self.stats.rounds += 1
-            self.stats.drafted += k
-            self.stats.accepted += keep - 1
-            for i in range(keep - 1):
-                self.stats.accepted_at[i] += 1
-            e.stats.decode_tokens += keep
-            results.append(emitted)
-        return results
+        rows = torch.tensor([L - m for L, m in zip(held, first)], device=e.device)
+        return e.run_step(("draft", key), self._draft, lanes_t, torch.tensor(tail_tokens, device=e.device),
+                          torch.tensor(first, device=e.device), rows)
 
-    def _commit(self, lane: int, held: int, keep: int, tokens: list[int], hidden: torch.Tensor) -> None:
-        e = self.e
-        e.ctx_len[lane] = held + keep
-        e.lane_tokens[lane].extend(tokens)
-        if keep < self.k + 1:  # roll the GDN state back to the snapshot after `keep` tokens
-            e.conv_stack[:, lane, 0] = e.conv_stack[:, lane, keep]
-            e.rec_stack[:, lane, 0] = e.rec_stack[:, lane, keep]
-        self.tail[lane, :keep] = hidden[:keep].to(self.tail.dtype)
+    def _commit_drafter(self, lane: int, b: int, held: int, keep: int, hidden: torch.Tensor) -> None:
+        self.tail[lane, :keep] = hidden[b, :keep].to(self.tail.dtype)
         self.start[lane] = held
-
-
-def _per_lane(value, b: int):
-    return value[b] if isinstance(value, list) else value

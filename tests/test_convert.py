@@ -124,13 +124,9 @@ def test_fused_expert_checkpoint_gives_identical_artifact(hf_moe, tmp_path):
 
 
 def test_v3_carries_companions_and_v2_refuses_them(tiny_with_mtp, tmp_path):
-    drafter = tmp_path / "dflash2"
-    drafter.mkdir()
-    g = torch.Generator().manual_seed(1)
-    save_file({"fc.weight": torch.randn(64, 128, generator=g).bfloat16(),
-               "layers.0.input_layernorm.weight": torch.randn(64, generator=g).bfloat16()},
-              str(drafter / "model.safetensors"))
-    (drafter / "config.json").write_text('{"architectures": ["DFlash2DraftModel"]}')
+    from format.tiny import write_tiny_dflash2
+
+    drafter = write_tiny_dflash2(tmp_path / "dflash2", tiny_with_mtp, seed=1)
     out = tmp_path / "full.nfer"
     convert_checkpoint(tiny_with_mtp, out, ConvertOptions(version=3, recipe="q4", lm_head_draft=96, dflash2=drafter))
     with Artifact(out) as art:
@@ -143,15 +139,19 @@ def test_v3_carries_companions_and_v2_refuses_them(tiny_with_mtp, tmp_path):
             head = f.get_tensor("lm_head.weight").float().numpy()
         codes, bits = quantize_reference(head[ids], "Q4G64_F16S")
         assert np.array_equal(art.read_float("lm_head_draft/head"), dequantize(*pack_row_split(codes, bits, FORMATS["Q4G64_F16S"]), 96, 64, "Q4G64_F16S"))
-        assert art.entry("dflash2/fc.weight").format == "W8G32_F16S"
-        assert art.entry("dflash2/layers.0.input_layernorm.weight").format == "BF16"
+        assert art.entry("dflash2/feature_projection").format == "W8G32_F16S"
+        assert art.entry("dflash2/feature_projection").shape == (64, 128)  # two taps of hidden 64
+        assert art.entry("dflash2/layers/0/attention/query_key_value").format == "W8G32_F16S"
+        assert art.entry("dflash2/layers/0/input_norm").format == "BF16"
+        assert art.entry("dflash2/candidate_selector/successor_codebook").format == "BF16"
+        assert len([n for n in art.objects if n.startswith("dflash2/") and n != "dflash2/config.json"]) == 6 + 2 * 12
         assert art.entry("mtp/input_projection").shape == (64, 128)
         assert art.resource_bytes("dflash2/config.json").startswith(b"{")
         from format.inspect import summarize
 
         s = summarize(art)
-        assert s["runnable"] and set(s["companions"]) == {"dflash2"}  # carried, not runnable yet
-        assert any("MTP" in f for f in s["features"]) and any("lm-head" in f for f in s["features"])
+        assert s["runnable"] and not s["companions"]
+        assert all(any(word in f for f in s["features"]) for word in ("MTP", "lm-head", "DFlash2"))
 
     for opts, word in [(dict(mtp=True), "MTP head"), (dict(lm_head_draft=8), "lm-head draft"),
                        (dict(dflash2=drafter), "DFlash2")]:

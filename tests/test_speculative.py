@@ -52,7 +52,7 @@ def test_speculative_greedy_equals_plain_greedy(artifacts, name, k, lm_head_draf
     want = _plain(path)
     eng = _engine(path, spec="mtp", draft_tokens=k, lm_head_draft=lm_head_draft)
     assert eng.generate(PROMPT, NEW) == want
-    s = eng.mtp.stats
+    s = eng.speculator.stats
     assert s.rounds >= 1 and s.drafted == s.rounds * k
     assert len(s.as_dict()["acceptance_by_position"]) == k
 
@@ -64,16 +64,16 @@ def test_matching_drafts_are_all_accepted(artifacts, monkeypatch):
     path, k = artifacts["dense"], 3
     want = _plain(path, n=13)
     eng = _engine(path, spec="mtp", draft_tokens=k)
-    real_draft = eng.mtp._draft
+    real_draft = eng.speculator._draft
 
     def oracle(lanes_t, tail_tokens, first, rows):
         real_draft(lanes_t, tail_tokens, first, rows)  # keep the MTP cache work identical
         done = len(eng.lane_tokens[0]) - len(PROMPT) + 1  # generated tokens so far (incl. the pending one)
         return torch.tensor([want[done : done + k] + [0] * k][:1], device=eng.device)[:, :k]
 
-    monkeypatch.setattr(eng.mtp, "_draft", oracle)
+    monkeypatch.setattr(eng.speculator, "_draft", oracle)
     assert eng.generate(PROMPT, 13) == want
-    s = eng.mtp.stats
+    s = eng.speculator.stats
     assert s.accepted == s.drafted == 3 * k
     assert s.as_dict()["tokens_per_round"] == k + 1
     assert s.accepted_at == [3] * k
@@ -85,7 +85,7 @@ def test_wrong_drafts_roll_back_exactly(artifacts, monkeypatch):
     path, k = artifacts["dense"], 4
     want = _plain(path)
     eng = _engine(path, spec="mtp", draft_tokens=k)
-    real_draft = eng.mtp._draft
+    real_draft = eng.speculator._draft
     vocab = eng.cfg.vocab_size
 
     def wrong(lanes_t, tail_tokens, first, rows):
@@ -95,9 +95,9 @@ def test_wrong_drafts_roll_back_exactly(artifacts, monkeypatch):
             d[:, 0] = (want[done] + 1) % vocab
         return d
 
-    monkeypatch.setattr(eng.mtp, "_draft", wrong)
+    monkeypatch.setattr(eng.speculator, "_draft", wrong)
     assert eng.generate(PROMPT, NEW) == want
-    assert eng.mtp.stats.accepted == 0
+    assert eng.speculator.stats.accepted == 0
 
 
 @exact_only_on_cpu
@@ -149,7 +149,7 @@ def test_turn_checkpoint_with_speculation(artifacts):
     rest = []
     nxt = first
     while len(rest) < 6:
-        new = eng.mtp.round([0], [nxt], [6 - len(rest)])[0]
+        new = eng.speculator.round([0], [nxt], [6 - len(rest)])[0]
         rest += new
         nxt = new[-1]
     assert [first] + rest == _plain(path, prompt=turn2, n=7)

@@ -166,14 +166,14 @@ class Scheduler:
             state.request.on_done(reason, error)
 
     def _speculate(self, decoding: list[int]) -> list[int]:
-        """One MTP round for every lane that can draft (batched); returns the lanes left for a plain step."""
+        """One speculative round (MTP or DFlash2) for every lane that can draft (batched); returns the lanes left for a plain step."""
         eng = self.engine
-        spec = [lane for lane in decoding if eng.mtp.can_speculate(lane)]
+        spec = [lane for lane in decoding if eng.speculator.can_speculate(lane)]
         if spec:
             states = [self.lanes[lane] for lane in spec]
             budgets = [max(1, min(s.request.max_tokens - s.generated, eng.opts.max_context - eng.held_tokens(lane) - 1))
                        for lane, s in zip(spec, states)]
-            new = eng.mtp.round(spec, [s.last_token for s in states], budgets, [s.request.stop_ids for s in states],
+            new = eng.speculator.round(spec, [s.last_token for s in states], budgets, [s.request.stop_ids for s in states],
                                 [s.request.params for s in states], [s.counts for s in states],
                                 [s.generator for s in states])
             for lane, tokens in zip(spec, new):
@@ -199,7 +199,7 @@ class Scheduler:
         decoding = [lane for lane, s in self.lanes.items() if s.last_token is not None]
         if not decoding:
             return
-        if self.engine.opts.spec == "mtp":
+        if self.engine.speculator is not None:
             decoding = self._speculate(decoding)
             if not decoding:
                 return
