@@ -292,16 +292,17 @@ def generate(
     result = session.complete(prompt, max_new_tokens, chat=not raw, params=params, seed=seed,
                               image_files=tuple(image or ()))
     dt = time.monotonic() - t0
+    speculator = getattr(session.model, "speculator", None)
+    stats = speculator.stats.as_dict() if speculator is not None and speculator.stats.rounds else None
     if as_json:
-        print(json.dumps({**result, "seconds": round(dt, 3)}))
+        print(json.dumps({**result, "seconds": round(dt, 3)} | ({"spec_stats": stats} if stats else {})))
         return
     print(result["text"])
     err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device} "
               f"({runtime.value} runtime)")
-    mtp = getattr(session.model, "mtp", None)
-    if mtp is not None and mtp.stats.rounds:
-        st = mtp.stats.as_dict()
-        err.print(f"MTP: {st['rounds']} rounds, acceptance {st['acceptance']:.1%}, {st['tokens_per_round']:.2f} tokens/round")
+    if stats:
+        err.print(f"{spec.value}: {stats['rounds']} rounds, acceptance {stats['acceptance']:.1%}, "
+                  f"{stats['tokens_per_round']:.2f} tokens/round")
 
 
 @app.command()

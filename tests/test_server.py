@@ -52,8 +52,11 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def artifact(tiny_with_mtp, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "tiny.nfer"
-    return convert_checkpoint(tiny_with_mtp, out, ConvertOptions(recipe="q4")).output
+    from format.tiny import write_tiny_dflash2
+
+    d = tmp_path_factory.mktemp("serve")
+    drafter = write_tiny_dflash2(d / "drafter", tiny_with_mtp, seed=2)
+    return convert_checkpoint(tiny_with_mtp, d / "tiny.nfer", ConvertOptions(recipe="q4", dflash2=drafter)).output
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +164,9 @@ def test_concurrent_clients_get_their_own_tokens(server):
     assert together == alone
 
 
-def test_speculative_server_answers_like_the_plain_one(server, artifact):
-    """--spec mtp: two lanes speculate in one batched round; greedy text equals the plain server's."""
+@pytest.mark.parametrize("method", ["mtp", "dflash2"])
+def test_speculative_server_answers_like_the_plain_one(server, artifact, method):
+    """--spec mtp|dflash2: two lanes speculate in one batched round; greedy text equals the plain server's."""
     prompts = ["alpha beta", "def add(a, b):"]
 
     def ask(srv, p):
@@ -171,7 +175,7 @@ def test_speculative_server_answers_like_the_plain_one(server, artifact):
         return r.choices[0].message.content, r.usage.completion_tokens
 
     plain = [ask(server, p) for p in prompts]
-    spec = _Server(artifact, lanes=2, spec="mtp", draft_tokens=2)
+    spec = _Server(artifact, lanes=2, spec=method, draft_tokens=2)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             together = list(pool.map(lambda p: ask(spec, p), prompts))

@@ -300,9 +300,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             "# TYPE ninfer_queue_depth gauge", f"ninfer_queue_depth {server.scheduler.queue_depth}",
             "# TYPE ninfer_active_lanes gauge", f"ninfer_active_lanes {server.scheduler.active_lanes}",
         ]
-        mtp = getattr(server.engine, "mtp", None)
-        if mtp is not None:  # speculative decoding: rounds, drafted and accepted tokens, per draft position
-            st = mtp.stats
+        speculator = getattr(server.engine, "speculator", None)
+        if speculator is not None:  # speculative decoding: rounds, drafted and accepted tokens, per draft position
+            st = speculator.stats
             lines += ["# TYPE ninfer_spec_rounds_total counter", f"ninfer_spec_rounds_total {st.rounds}",
                       "# TYPE ninfer_spec_drafted_tokens_total counter", f"ninfer_spec_drafted_tokens_total {st.drafted}",
                       "# TYPE ninfer_spec_accepted_tokens_total counter",
