@@ -145,14 +145,19 @@ class DFlash2State(Speculator):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.d.rms_norm_eps)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, D] float32 at positions [N]: rotate-half RoPE over the whole head."""
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, 1, D] of rotate-half RoPE over the whole head at positions [N] (shared by the
+        queries and keys of every layer)."""
         freq = positions.float()[:, None] * self.inv_freq[None]
-        cos = torch.cat([freq.cos(), freq.cos()], dim=-1)[:, None]
-        sin = torch.cat([freq.sin(), freq.sin()], dim=-1)[:, None]
+        freq = torch.cat([freq, freq], dim=-1)[:, None]
+        return freq.cos(), freq.sin()
+
+    @staticmethod
+    def _rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [N, heads, D] float32."""
+        cos, sin = tables
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
     def _write_context(self, lanes_t, tapped, positions, valid) -> None:
         """Tapped target rows [N*R, taps*H] of lanes_t at positions [N, R] -> every layer's context K/V;
@@ -165,11 +170,11 @@ class DFlash2State(Speculator):
         if valid is not None:
             slot = torch.where(valid, slot, self.window)
         lane_idx = lanes_t[:, None].expand(n, r)
-        flat_pos = positions.reshape(-1)
+        tables = self._rope_tables(positions.reshape(-1))
         for j, layer in enumerate(self.layers):
             kv = layer["kv"](ctx).float()
             k = self._norm(kv[:, : d.kv_rows].view(n * r, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = self._rope(k, flat_pos)
+            k = self._rope(k, tables)
             self.keys[j][lane_idx, slot] = k.view(n, r, d.num_kv_heads, d.head_dim).to(self.keys.dtype)
             self.values[j][lane_idx, slot] = kv[:, d.kv_rows :].reshape(n, r, d.num_kv_heads, d.head_dim).to(
                 self.values.dtype)
@@ -184,23 +189,25 @@ class DFlash2State(Speculator):
             out[:, offset:] += weight[:, offset:, offset] * x[:, :-offset]
         return out
 
-    def _attend(self, j: int, lanes_t, q, k, v, qpos) -> torch.Tensor:
-        """Block queries [N, B, Hq, D] over the lane's context slots and the whole block (non-causal)."""
-        d = self.d
+    def _attention_mask(self, lanes_t, qpos) -> torch.Tensor:
+        """Which keys each block row reads, [N, 1, B, W + B]: context slots holding a committed position
+        inside the row's window, then every row of its block (non-causal). The same for every layer."""
         n, b = qpos.shape
         w = self.window
         held = self.slot_positions[lanes_t, :w]  # [N, W]
         ok = (held >= 0) & (held < self.context_end[lanes_t][:, None])
         ok = ok[:, None, :] & (qpos[:, :, None] - held[:, None, :] < w)  # [N, B, W]
-        mask = torch.cat([ok, torch.ones(n, b, b, dtype=torch.bool, device=ok.device)], dim=2)
-        keys = torch.cat([self.keys[j][lanes_t, :w].float(), k], dim=1)  # [N, W+B, Hkv, D]
-        values = torch.cat([self.values[j][lanes_t, :w].float(), v], dim=1)
-        group = d.num_heads // d.num_kv_heads
-        scores = torch.einsum("nbkgd,nskd->nkgbs", q.view(n, b, d.num_kv_heads, group, d.head_dim), keys)
-        scores = scores * d.head_dim ** -0.5
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(dim=-1)
-        out = torch.einsum("nkgbs,nskd->nbkgd", scores, values)
-        return out.reshape(n * b, d.num_heads * d.head_dim)
+        return torch.cat([ok, torch.ones(n, b, b, dtype=torch.bool, device=ok.device)], dim=2)[:, None]
+
+    def _attend(self, j: int, lanes_t, q, k, v, mask) -> torch.Tensor:
+        """Block queries [N, B, Hq, D] over the lane's context slots and the whole block (non-causal)."""
+        d, act = self.d, self.e.act_dtype
+        n, b = q.shape[:2]
+        w = self.window
+        keys = torch.cat([self.keys[j][lanes_t, :w].to(act), k.to(act)], dim=1).transpose(1, 2)  # [N, Hkv, W+B, D]
+        values = torch.cat([self.values[j][lanes_t, :w].to(act), v.to(act)], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.to(act).transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(n * b, d.num_heads * d.head_dim)
 
     def block_hidden(self, lanes_t, anchors, starts) -> torch.Tensor:
         """The drafter over blocks [anchor, MASK x K] at positions starts..starts+K: final-normed rows
@@ -211,7 +218,8 @@ class DFlash2State(Speculator):
         ids[:, 0] = anchors
         h = e.embed(ids.reshape(-1)).float() * d.input_embedding_scale
         qpos = starts[:, None].long() + torch.arange(b, device=anchors.device)[None]
-        flat = qpos.reshape(-1)
+        tables = self._rope_tables(qpos.reshape(-1))
+        mask = self._attention_mask(lanes_t, qpos)
         shape = (n, b, 2, d.conv_kernel_size, d.conv_groups)
         for j, layer in enumerate(self.layers):
             projection, base = layer["attn_conv"]
@@ -220,12 +228,12 @@ class DFlash2State(Speculator):
             x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0]).view(n * b, -1)
             qkv = layer["qkv"](x.to(act)).float()
             q_rows = d.num_heads * d.head_dim
-            q = self._rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]), flat)
+            q = self._rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]), tables)
             k = self._norm(qkv[:, q_rows : q_rows + d.kv_rows].view(n * b, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = self._rope(k, flat)
+            k = self._rope(k, tables)
             v = qkv[:, q_rows + d.kv_rows :].reshape(n * b, d.num_kv_heads, d.head_dim)
             mixed = self._attend(j, lanes_t, q.view(n, b, d.num_heads, d.head_dim),
-                                 k.view(n, b, d.num_kv_heads, d.head_dim), v.view(n, b, d.num_kv_heads, d.head_dim), qpos)
+                                 k.view(n, b, d.num_kv_heads, d.head_dim), v.view(n, b, d.num_kv_heads, d.head_dim), mask)
             out = layer["out"](mixed.to(act)).float().view(n, b, -1)
             h = h + self._conv(out, delta[:, :, 1], base[1]).view(n * b, -1)
             projection, base = layer["mlp_conv"]
