@@ -260,3 +260,41 @@ def test_plan_and_inspect_know_the_drafter(setup):
         build_plan(Artifact(convert_checkpoint(setup["hf"], setup["drafter"].parent / "plain.nfer",
                                                ConvertOptions(recipe="q4")).output),
                    PlanOptions(max_context=256, spec="dflash2"))
+
+
+@exact_only_on_cpu
+def test_sampled_output_is_the_plain_sampled_output(setup):
+    """Drafts are point proposals that consume no randomness: with the same seed, the sampled tokens
+    (penalties included) are the ones plain decoding samples."""
+    from runtime.kernels.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.1)
+    path = setup["artifacts"]["q4"]
+
+    def run(**kw):
+        return _engine(path, **kw).generate(PROMPT, 8, params=params, generator=torch.Generator(DEVICE).manual_seed(5))
+
+    assert run(spec="dflash2", draft_tokens=2) == run()
+
+
+@exact_only_on_cpu
+def test_turn_checkpoint_after_a_longer_turn(setup):
+    """Turn 1 generates past the window, so slots past the checkpoint hold its positions; turn 2 resumes
+    at the checkpoint (those slots are masked until overwritten) and generates what a fresh lane does."""
+    path, k = setup["artifacts"]["q4"], 2
+    eng = _engine(path, spec="dflash2", draft_tokens=k)
+    shared = PROMPT + [33, 44]
+    nxt = int(list(eng.prefill_chunks(0, shared + [1, 2, 3], reuse=True, checkpoint_at=len(shared)))[-1].argmax())
+    made = 0
+    while made < 10:
+        new = eng.speculator.round([0], [nxt], [10 - made])[0]
+        made, nxt = made + len(new), new[-1]
+    assert int(eng.speculator.slot_positions.max()) > len(shared) + eng.speculator.window
+    turn2 = shared + [1, 9, 9, 50]
+    assert eng.reusable_prefix(0, turn2) == len(shared)
+    first = int(list(eng.prefill_chunks(0, turn2, reuse=True))[-1].argmax())
+    rest, nxt = [], first
+    while len(rest) < 6:
+        new = eng.speculator.round([0], [nxt], [6 - len(rest)])[0]
+        rest, nxt = rest + new, new[-1]
+    assert [first] + rest == _engine(path).generate(turn2, 7)
