@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-
 from format.convert import ConvertOptions, convert_checkpoint
 from format.tiny import write_tiny_checkpoint, write_tiny_dflash2
 from runtime.engine import Engine
