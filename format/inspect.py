@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from .binding import check_inventory
+from .binding import check_inventory, load_dflash2_config
 from .container import Artifact
 from .numeric import GroupedFormat, get_format
 from .layouts import unpack_row_split
@@ -43,12 +43,18 @@ def summarize(art: Artifact) -> dict:
             unused[comp] = NOT_YET[comp]
         elif report.ok:
             features.append(SUPPORTED_FEATURES[comp])
+    drafter = None
+    if report.companions.get("dflash2") == "complete":
+        d = load_dflash2_config(art)
+        drafter = {"layers": d.num_layers, "hidden": d.hidden_size, "target_layer_ids": list(d.target_layer_ids),
+                   "sliding_window": d.sliding_window, "block_size": d.block_size,
+                   "selector_top_k": d.selector_top_k, "selector_rank": d.selector_rank}
     model = None
     if cfg is not None:
         model = {"model_type": cfg.model_type, "layers": cfg.num_layers,
                  "full_attention_layers": sum(cfg.is_full_attention(i) for i in range(cfg.num_layers)),
                  "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
-                 "experts": cfg.num_experts, "mtp_layers": report.mtp_layers}
+                 "experts": cfg.num_experts, "mtp_layers": report.mtp_layers, "dflash2": drafter}
     return {
         "path": str(art.path), "magic": "NINFER\\0" + f"\\x{art.version:02x}", "version": art.version,
         "file_bytes": art.file_bytes, "payload_offset": art.payload_offset,

@@ -115,6 +115,10 @@ def _print_inspect(s: dict) -> None:
         out.print(f"model: {m['model_type']}, {m['layers']} layers ({m['full_attention_layers']} full attention), "
                   f"hidden {m['hidden']}, vocab {m['vocab']}" + (f", {m['experts']} experts" if m["experts"] else "")
                   + (f", MTP {m['mtp_layers']} layer(s)" if m["mtp_layers"] else ""))
+        if m.get("dflash2"):
+            d = m["dflash2"]
+            out.print(f"DFlash2 drafter: {d['layers']} layers, taps target layers {d['target_layer_ids']}, window "
+                      f"{d['sliding_window']}, block {d['block_size']}, top-{d['selector_top_k']} selector")
     out.print(f"components: {', '.join(s['components'])}; {s['objects']} objects, {s['checksums']} with sha256")
     table = Table("format", "objects", "bytes", box=None)
     for fmt, v in sorted(s["by_format"].items()):

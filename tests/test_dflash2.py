@@ -249,6 +249,7 @@ def test_plan_and_inspect_know_the_drafter(setup):
     with Artifact(path) as art:
         s = summarize(art)
         assert s["runnable"] and not s["companions"] and any("--spec dflash2" in f for f in s["features"])
+        assert s["model"]["dflash2"]["target_layer_ids"] == [1, 3] and s["model"]["dflash2"]["sliding_window"] == 8
         plan = build_plan(art, PlanOptions(max_context=256, max_concurrency=2, spec="dflash2", draft_tokens=3))
         state = plan.arenas["sequence_state"].regions
         keys = next(r for r in state if r.name == "dflash2_context_keys")
