@@ -22,10 +22,8 @@ from format.tiny import write_tiny_dflash2  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 from runtime.memory_plan import MemoryPlanError, PlanOptions, build_plan  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-exact_only_on_cpu = pytest.mark.skipif(DEVICE == "cuda", reason="bf16 T=1 and T=K+1 kernels round differently; "
-                                                               "exactness is checked in float32 on CPU")
-PROMPT = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128]
+from .speculation import DEVICE, PROMPT, exact_only_on_cpu  # noqa: E402
+
 NEW = 12
 
 
