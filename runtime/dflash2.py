@@ -55,6 +55,7 @@ class DFlash2State(Speculator):
             t.zero_()  # finite values in slots a masked read still multiplies
         self.slot_positions.fill_(-1)
         self.current = [True] * lanes
+        self.pending_rows = [0] * lanes  # host copy of pending_keep
 
         def lin(name):
             return e.lin[f"dflash2/{name}"]
@@ -88,6 +89,7 @@ class DFlash2State(Speculator):
     # --- lane bookkeeping --------------------------------------------------------------
 
     def _set_context(self, lane: int, end: int) -> None:
+        self.pending_rows[lane] = 0
         self.pending_start[lane] = end
         self.pending_keep[lane] = 0
         self.context_end[lane] = end
@@ -125,10 +127,14 @@ class DFlash2State(Speculator):
 
     def absorb_prefill(self, lane: int, prompt: list[int], start: int, stop: int, tapped: torch.Tensor) -> None:
         """After a target prefill chunk [start, stop): project its tapped rows (the chunk's last ones, at
-        most a window) into the context cache."""
+        most a window) into the context cache. A continued conversation first commits the rows its last
+        round accepted (they precede `start`)."""
+        lane_t = torch.tensor([lane], device=self.e.device)
+        if self.pending_rows[lane]:
+            self.commit_pending(lane_t)
         rows = tapped.shape[0]
         pos = torch.arange(stop - rows, stop, device=self.e.device)[None]
-        self._write_context(torch.tensor([lane], device=self.e.device), tapped, pos, None)
+        self._write_context(lane_t, tapped, pos, None)
         self._set_context(lane, stop)
 
     def _verify(self, lanes_t, tokens, positions):
@@ -139,6 +145,7 @@ class DFlash2State(Speculator):
     def _commit_drafter(self, lane: int, b: int, held: int, keep: int, aux) -> None:
         self.pending_start[lane] = held
         self.pending_keep[lane] = keep
+        self.pending_rows[lane] = keep
 
     # --- the drafter -------------------------------------------------------------------
 

@@ -181,6 +181,15 @@ def test_drafter_after_wrapping_the_window_matches_the_direct_reference(setup):
     err = (ours - want).norm() / want.norm()
     assert err < 1e-3, err
 
+    # a continued conversation commits the last round's accepted rows before its new prompt's rows
+    eng.generate(PROMPT, 3)  # refill the lane: its last round leaves accepted rows pending
+    pending_at, kept = eng.speculator.pending_start[0].item(), eng.speculator.pending_rows[0]
+    assert kept > 0
+    follow = eng.lane_tokens[0] + [11, 12, 13]
+    assert eng.reusable_prefix(0, follow) == len(eng.lane_tokens[0])
+    list(eng.prefill_chunks(0, follow, reuse=True))
+    assert set(range(pending_at, pending_at + kept)) <= set(spec.slot_positions[0].tolist())
+
 
 def test_selector_walks_the_chain_not_each_rows_argmax(setup):
     """select() against a loop over every lane, row and candidate with the same codebooks."""
