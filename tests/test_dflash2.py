@@ -169,6 +169,7 @@ def test_drafter_after_wrapping_the_window_matches_the_direct_reference(setup):
     # the tap semantics: layer i's output (the final-normed state for the last layer), as transformers'
     # hidden_states[i + 1]; the target's bf16 KV cache keeps ours within ~1e-2 of its float32 run
     plain = _engine(path)
+    plain.reset_lane(0)  # a fresh engine's state arena is uninitialized until a lane is reset
     plain.ctx_len[0] = len(held)
     _, taps = plain.forward(torch.tensor([0]), torch.tensor([held]), torch.arange(len(held))[None], taps=spec.taps)
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(setup["hf"], dtype=torch.float32).eval()
