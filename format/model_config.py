@@ -242,6 +242,21 @@ class DFlash2Config:
                                "selector_top_k >= 1 and conv_kernel_size >= 1")
         return out
 
+    def to_hf_dict(self) -> dict:
+        """The HF config.json layout from_hf_dict reads (draft fields nested in dflash_config)."""
+        return {"architectures": [DFLASH2_ARCHITECTURE], "model_type": "qwen3", "is_causal": False, "hidden_act": "silu",
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab_size,
+                "rms_norm_eps": self.rms_norm_eps, "sliding_window": self.sliding_window,
+                "layer_types": ["sliding_attention"] * self.num_layers,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+                "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                                  "target_layer_ids": list(self.target_layer_ids),
+                                  "conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                                  "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k,
+                                  "input_embedding_scale": self.input_embedding_scale}}
+
     @classmethod
     def from_json_bytes(cls, data: bytes) -> "DFlash2Config":
         try:

@@ -53,20 +53,16 @@ NAMED_SHAPES: dict[str, dict] = {
 }
 
 
-def dflash2_shape_config(text: dict) -> dict:
+def dflash2_shape_config(text: dict) -> DFlash2Config:
     """The DFlash2 drafter for a named shape: Qwen3.8-27B's (5 sliding-window layers over 5 target taps,
     32 / 8 heads x 128, window 2048, 16 selector candidates of rank 256); a MoE target gets an MLP of
     3 x hidden, as DFlash drafters of MoE models have."""
-    n = text["num_hidden_layers"]
-    return {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": text["hidden_size"],
-            "intermediate_size": text.get("intermediate_size", 3 * text["hidden_size"]), "num_hidden_layers": 5,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": text["vocab_size"],
-            "rms_norm_eps": 1e-6, "sliding_window": 2048, "layer_types": ["sliding_attention"] * 5,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
-            "dflash_config": {"block_size": 8, "mask_token_id": 248070,
-                              "target_layer_ids": [round(5 + i * (n - 8) / 4) for i in range(5)],
-                              "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                              "selector_top_k": 16}}
+    n, h = text["num_hidden_layers"], text["hidden_size"]
+    return DFlash2Config(hidden_size=h, intermediate_size=text.get("intermediate_size", 3 * h), num_layers=5,
+                         num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=text["vocab_size"], rms_norm_eps=1e-6,
+                         rope_theta=10000000.0, sliding_window=2048, block_size=8, mask_token_id=248070,
+                         target_layer_ids=tuple(round(5 + i * (n - 8) / 4) for i in range(5)), conv_kernel_size=2,
+                         conv_group_size=16, selector_rank=256, selector_top_k=16)
 
 
 def shape_config(name: str) -> dict:
@@ -97,8 +93,8 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
         plan.add_resource(rname, len(data), "text")
     if dflash2:
         drafter = dflash2_shape_config(text)
-        specs += dflash2_inventory(DFlash2Config.from_hf_dict(drafter))
-        resources[DFLASH2_CONFIG] = json.dumps(drafter).encode()
+        specs += dflash2_inventory(drafter)
+        resources[DFLASH2_CONFIG] = json.dumps(drafter.to_hf_dict()).encode()
         plan.add_resource(DFLASH2_CONFIG, len(resources[DFLASH2_CONFIG]), "dflash2")
     tensors = [(s.name, s.shape, format_for(recipe, s.role), s.component) for s in specs]
     if lm_head_draft:

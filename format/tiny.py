@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .model_config import DFlash2Config
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 # ids of the vision placeholders in tiny tokenizers (special tokens come first, in this order)
@@ -195,19 +197,15 @@ def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, voc
 
 
 def tiny_dflash2_config(target_text: dict, layers: int = 2, window: int = 8, taps: tuple[int, ...] = (1, 3),
-                        block_size: int = 4) -> dict:
-    """A DFlash2 drafter config (HF layout) sized for a tiny target: the drafter shares its hidden width,
-    embedding and head; a short sliding window so generation in tests wraps the context cache."""
-    h = target_text["hidden_size"]
-    return {"architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False,
-            "hidden_size": h, "intermediate_size": 96, "num_hidden_layers": layers, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": target_text["vocab_size"],
-            "rms_norm_eps": 1e-6, "hidden_act": "silu", "sliding_window": window,
-            "layer_types": ["sliding_attention"] * layers, "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
-            "dflash_config": {"block_size": block_size, "mask_token_id": target_text["vocab_size"] - 1,
-                              "target_layer_ids": list(taps), "conv_kernel_size": 2, "conv_group_size": 16,
-                              "selector_rank": 8, "selector_top_k": 4}}
+                        block_size: int = 4) -> DFlash2Config:
+    """A DFlash2 drafter sized for a tiny target: the drafter shares its hidden width, embedding and head;
+    a short sliding window so generation in tests wraps the context cache."""
+    vocab = target_text["vocab_size"]
+    return DFlash2Config(hidden_size=target_text["hidden_size"], intermediate_size=96, num_layers=layers, num_heads=4,
+                         num_kv_heads=2, head_dim=16, vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=10000000.0,
+                         sliding_window=window, block_size=block_size, mask_token_id=vocab - 1,
+                         target_layer_ids=tuple(taps), conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                         selector_top_k=4)
 
 
 def write_tiny_dflash2(out: str | Path, target_checkpoint: str | Path, seed: int = 0, **config_kw) -> Path:
@@ -219,12 +217,11 @@ def write_tiny_dflash2(out: str | Path, target_checkpoint: str | Path, seed: int
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     target = json.loads((Path(target_checkpoint) / "config.json").read_text())["text_config"]
-    cfg = tiny_dflash2_config(target, **config_kw)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    d = cfg["dflash_config"]
+    d = tiny_dflash2_config(target, **config_kw)
+    (out / "config.json").write_text(json.dumps(d.to_hf_dict(), indent=2))
     g = torch.Generator().manual_seed(seed)
-    h, hd, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
-    hq, hkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    h, hd, i = d.hidden_size, d.head_dim, d.intermediate_size
+    hq, hkv = d.num_heads * hd, d.kv_rows
 
     def mat(rows, cols, scale=1.0):
         return torch.randn(rows, cols, generator=g) * (scale / cols ** 0.5)
@@ -232,13 +229,12 @@ def write_tiny_dflash2(out: str | Path, target_checkpoint: str | Path, seed: int
     def norm(n):
         return 1 + torch.randn(n, generator=g) * 0.1  # plain RMSNorm weights (w, not 1 + w)
 
-    rank, vocab, kernel = d["selector_rank"], cfg["vocab_size"], d["conv_kernel_size"]
-    groups = h // d["conv_group_size"]
-    t = {"fc.weight": mat(h, h * len(d["target_layer_ids"])), "hidden_norm.weight": norm(h), "norm.weight": norm(h),
+    rank, vocab, kernel, groups = d.selector_rank, d.vocab_size, d.conv_kernel_size, d.conv_groups
+    t = {"fc.weight": mat(h, d.tap_width), "hidden_norm.weight": norm(h), "norm.weight": norm(h),
          "candidate_selector.hidden_projection.weight": mat(rank, h),
          "candidate_selector.predecessor_codebook": torch.randn(vocab, rank, generator=g),
          "candidate_selector.successor_codebook": torch.randn(vocab, rank, generator=g)}
-    for j in range(cfg["num_hidden_layers"]):
+    for j in range(d.num_layers):
         p = f"layers.{j}."
         t.update({p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
                   p + "self_attn.q_proj.weight": mat(hq, h), p + "self_attn.k_proj.weight": mat(hkv, h),

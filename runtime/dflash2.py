@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from format.binding import load_dflash2_config
 
+from .reference_ops import apply_partial_rope, rope_cos_sin
 from .speculate import Speculator
 
 
@@ -82,8 +83,6 @@ class DFlash2State(Speculator):
         self.selector_projection = lin("candidate_selector/hidden_projection")
         self.predecessors = e.vec["dflash2/candidate_selector/predecessor_codebook"]
         self.successors = e.vec["dflash2/candidate_selector/successor_codebook"]
-        half = torch.arange(0, d.head_dim, 2, device=e.device, dtype=torch.float32) / d.head_dim
-        self.inv_freq = 1.0 / (d.rope_theta ** half)
         return self
 
     # --- lane bookkeeping --------------------------------------------------------------
@@ -152,20 +151,6 @@ class DFlash2State(Speculator):
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), weight, self.d.rms_norm_eps)
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [N, 1, D] of rotate-half RoPE over the whole head at positions [N] (shared by the
-        queries and keys of every layer)."""
-        freq = positions.float()[:, None] * self.inv_freq[None]
-        freq = torch.cat([freq, freq], dim=-1)[:, None]
-        return freq.cos(), freq.sin()
-
-    @staticmethod
-    def _rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [N, heads, D] float32."""
-        cos, sin = tables
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     def _write_context(self, lanes_t, tapped, positions, valid) -> None:
         """Tapped target rows [N*R, taps*H] of lanes_t at positions [N, R] -> every layer's context K/V;
         rows where `valid` is False land in the spare slot."""
@@ -177,11 +162,11 @@ class DFlash2State(Speculator):
         if valid is not None:
             slot = torch.where(valid, slot, self.window)
         lane_idx = lanes_t[:, None].expand(n, r)
-        tables = self._rope_tables(positions.reshape(-1))
+        tables = rope_cos_sin(positions.reshape(-1), d.head_dim, d.rope_theta, torch.float32)
         for j, layer in enumerate(self.layers):
             kv = layer["kv"](ctx).float()
             k = self._norm(kv[:, : d.kv_rows].view(n * r, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = self._rope(k, tables)
+            k = apply_partial_rope(k, *tables)
             self.keys[j][lane_idx, slot] = k.view(n, r, d.num_kv_heads, d.head_dim).to(self.keys.dtype)
             self.values[j][lane_idx, slot] = kv[:, d.kv_rows :].reshape(n, r, d.num_kv_heads, d.head_dim).to(
                 self.values.dtype)
@@ -225,19 +210,20 @@ class DFlash2State(Speculator):
         ids[:, 0] = anchors
         h = e.embed(ids.reshape(-1)).float() * d.input_embedding_scale
         qpos = starts[:, None].long() + torch.arange(b, device=anchors.device)[None]
-        tables = self._rope_tables(qpos.reshape(-1))
+        tables = rope_cos_sin(qpos.reshape(-1), d.head_dim, d.rope_theta, torch.float32)  # shared by all layers
         mask = self._attention_mask(lanes_t, qpos)
         shape = (n, b, 2, d.conv_kernel_size, d.conv_groups)
+        q_rows = d.num_heads * d.head_dim
         for j, layer in enumerate(self.layers):
             projection, base = layer["attn_conv"]
             x = self._norm(h, layer["input_norm"])
             delta = projection(x.to(act)).float().view(shape)
             x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0]).view(n * b, -1)
             qkv = layer["qkv"](x.to(act)).float()
-            q_rows = d.num_heads * d.head_dim
-            q = self._rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]), tables)
+            q = apply_partial_rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]),
+                                   *tables)
             k = self._norm(qkv[:, q_rows : q_rows + d.kv_rows].view(n * b, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = self._rope(k, tables)
+            k = apply_partial_rope(k, *tables)
             v = qkv[:, q_rows + d.kv_rows :].reshape(n * b, d.num_kv_heads, d.head_dim)
             mixed = self._attend(j, lanes_t, q.view(n, b, d.num_heads, d.head_dim),
                                  k.view(n, b, d.num_kv_heads, d.head_dim), v.view(n, b, d.num_kv_heads, d.head_dim), mask)
