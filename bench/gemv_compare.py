@@ -1,8 +1,8 @@
 """Decode GEMV side by side at 27B shapes, as a fraction of the copy bandwidth measured in the same
 run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), with the dp4a kernel's
-error against the exact float product. `rows`: verify-sized blocks (T = 2, 4, 8, 16) through the
-tensor-core kernel (float dequantization), the dp4a row-block kernel and the int8 tensor-core kernel,
-and T = 1 for scale; CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
+error against the exact float product. `rows`: row blocks (T = 2, 4, 8, 16: lanes, verify blocks)
+through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1;
+CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 
 import torch
@@ -51,40 +52,65 @@ def _save(out: str, peak: float, rows: list) -> None:
         json.dump({"copy_GBps": peak / 1e9, "rows": rows}, f, indent=1)
 
 
+ROWS_SHAPES = [*SHAPES[:5], ("mlp gate_up W8", 34816, 5120, "W8G32_F16S"), ("mlp gate_up Q6", 34816, 5120, "Q6G64_F16S")]
+# bf16 row kernel tiles: rows per program, warps, groups per step, pipeline stages
+BF16_TILES = [(128, 4, 2, 3), (64, 4, 1, 3), (128, 4, 1, 3), (128, 4, 4, 3), (128, 8, 2, 3), (256, 8, 2, 3),
+              (64, 4, 2, 4), (128, 4, 2, 4)]
+
+
 def rows_main(out: str) -> None:
+    """Row blocks T = 2, 4, 8, 16 side by side with the one-row product: the int8 tensor-core kernel
+    (the previous default) and the bf16 tensor-core kernel over a tile sweep; fractions of the copy
+    bandwidth, and the bf16 kernel's error against the exact float product."""
     from bench.attention_compare import graph_ms  # CUDA-graph replays: no launch overhead in the timing
+    from runtime.kernels.qgemm_rows_bf16 import qgemm_rows_bf16
 
     peak = copy_bandwidth()
     rows = []
-    for w, nbytes, row in _matrices():
-        n, k = w.rows, w.cols
+    for label, n, k, fmt in ROWS_SHAPES:
+        w, nbytes = random_packed(n, k, fmt)
+        # copies of the weight, cycled through by the timed calls: >= 256 MB, so no replay reads them from L2
+        ws = [w] + [random_packed(n, k, fmt)[0] for _ in range(-(-(256 << 20) // nbytes) - 1)]
+        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}
+
+        def rotating(fn):
+            cycle = itertools.cycle(ws)
+            return graph_ms(lambda: fn(next(cycle))) * 1e3
+
         x1, y1 = _xy(1, k, n)
-        t1 = graph_ms(lambda: ql.qlinear(x1, w, out=y1)) * 1e3
+        t1 = rotating(lambda w: ql.qlinear(x1, w, out=y1))
         row.update(t1_us=t1, t1_frac=nbytes / (t1 * 1e-6) / peak)
         for t in (2, 4, 8, 16):
             x, y = _xy(t, k, n)
-            single = torch.cat([ql.qlinear(x[i : i + 1], w) for i in range(t)]).float()
-            for path in ("tensor", "int8", "mma", "auto"):
-                ql.ROWS_PATH = path
-                us = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
-                row[f"t{t}_{path}_us"] = us
-                row[f"t{t}_{path}_frac"] = nbytes / (us * 1e-6) / peak
-                row[f"t{t}_{path}_vs_single"] = ((ql.qlinear(x, w).float() - single).abs().max() / single.abs().max()).item()
-            if t == 4 and w.fmt.bits in (4, 5, 6):  # int8 tensor-core tiles: rows, warps, groups per step, stages
+            if w.fmt.bits != 8:
                 ql.ROWS_PATH = "mma"
-                default = dict(ql.ROWS_MMA_TUNING)
-                for bn, nw, gs, st in ((64, 4, 1, 3), (128, 4, 2, 3), (128, 4, 1, 4), (128, 4, 2, 4), (128, 8, 2, 3),
-                                       (256, 8, 1, 3), (64, 4, 2, 4)):
-                    ql.ROWS_MMA_TUNING.update(block_n=bn, num_warps=nw, groups_per_step=gs, num_stages=st)
-                    try:
-                        row[f"t{t}_mma_{bn}x{nw}g{gs}s{st}_us"] = graph_ms(lambda: ql.qlinear(x, w, out=y)) * 1e3
-                    except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                        row[f"t{t}_mma_{bn}x{nw}g{gs}s{st}_us"] = -1.0
-                        print("tile failed", bn, nw, gs, st, type(exc).__name__, str(exc)[:200], flush=True)
-                ql.ROWS_MMA_TUNING.update(default)
-        ql.ROWS_PATH = "auto"
+                us = rotating(lambda w: ql.qlinear(x, w, out=y))
+                row[f"t{t}_mma_us"], row[f"t{t}_mma_frac"] = us, nbytes / (us * 1e-6) / peak
+            ql.ROWS_PATH = "auto"
+            best = None
+            for bn, nw, gs, st in BF16_TILES:
+                blocks = -(-n // bn)
+                split = ql.k_splits(blocks, w.groups_per_row // gs, ql.TARGET_PROGRAMS)
+                try:
+                    us = rotating(lambda w: qgemm_rows_bf16(x, w, y, bn, split, nw, gs, st))
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
+                    print("tile failed", label, bn, nw, gs, st, type(exc).__name__, str(exc)[:300], flush=True)
+                    continue
+                row[f"t{t}_bf16_{bn}x{nw}g{gs}s{st}_us"] = us
+                if best is None or us < best[0]:
+                    best = (us, f"{bn}x{nw}g{gs}s{st}")
+            if best:
+                row[f"t{t}_bf16_best_us"], row[f"t{t}_bf16_best_tile"] = best
+                row[f"t{t}_bf16_frac"] = nbytes / (best[0] * 1e-6) / peak
+                row[f"t{t}_bf16_vs_t1"] = best[0] / t1
+            if t == 8:
+                exact = ql.qlinear_reference(x, w).float()
+                got = qgemm_rows_bf16(x, w, torch.empty(t, n, device="cuda"), 128, 1, 4, 1, 3)
+                row["t8_bf16_rel_err_vs_exact"] = ((got - exact).abs().max() / exact.abs().max()).item()
         rows.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        summary = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                   if not re.search(r"_bf16_\d+x", k)}
+        print(json.dumps(summary), flush=True)
     _save(out, peak, rows)
 
 

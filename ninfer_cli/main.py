@@ -324,16 +324,19 @@ def bench(
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced head.")] = False,
     prefill_chunk: PrefillChunkOpt = "auto",
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
-    plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth.")] = None,
+    lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane).")] = None,
+    concurrent_prefill: Annotated[Optional[str], typer.Option(help="Lanes mode: lane 0 also prefills this many tokens while the other lanes decode (inter-token gaps), e.g. 32k.")] = None,
+    plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth (or vs lanes).")] = None,
     json_out: Annotated[Optional[Path], typer.Option(help="Also write the results JSON to this file.")] = None,
     as_json: JsonOpt = False,
 ):
-    """Prefill and decode speed per depth against the bandwidth roofline (needs a CUDA GPU)."""
+    """Prefill and decode speed per depth against the bandwidth roofline, or decode with several lanes
+    at once (--lanes) against one weight read per step (needs a CUDA GPU)."""
     import tempfile
 
     import torch
 
-    from runtime.bench import BenchOptions, plot, run_bench
+    from runtime.bench import BenchOptions, plot, plot_lanes, run_bench, run_lanes_bench
     from runtime.memory_plan import MemoryPlanError, parse_prefill_chunk
 
     if not torch.cuda.is_available():
@@ -342,6 +345,11 @@ def bench(
         raise MemoryPlanError("give exactly one of ARTIFACT or --random-weights SHAPE")
     if accepted_drafts is not None and not 0 <= accepted_drafts <= draft_tokens:
         raise MemoryPlanError(f"--accepted-drafts must be in 0..{draft_tokens} (--draft-tokens)")
+    lane_counts = _lane_counts(lanes) if lanes else None
+    if concurrent_prefill and not lane_counts:
+        raise MemoryPlanError("--concurrent-prefill needs --lanes (e.g. --lanes 1,4 --concurrent-prefill 32k)")
+    if lane_counts and spec != Spec.none:
+        raise MemoryPlanError("--lanes measures plain decode; drop --spec (speculation has its own bench rows)")
     seed = None
     if random_weights is not None:
         from format.shapes import write_shape_artifact
@@ -351,6 +359,22 @@ def bench(
                                         mtp=True, lm_head_draft=32768 if lm_head_draft else 0,
                                         dflash2=spec == Spec.dflash2)
         seed = 0
+    if lane_counts:
+        results = run_lanes_bench(artifact, lane_counts, _tokens(depths.split(",")[0]), kv_dtype.split(","),
+                                  prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
+                                  prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
+                                  log=lambda m: err.print(m))
+        if random_weights is not None:
+            results["shape"], results["recipe"] = random_weights, recipe
+        if json_out:
+            json_out.write_text(json.dumps(results, indent=1))
+        if plot_png and not plot_lanes(results, plot_png):
+            err.print("--plot skipped: matplotlib is not installed (pip install matplotlib)")
+        if as_json:
+            print(json.dumps(results))
+            return
+        _print_lanes(results)
+        return
     opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
                         decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
                         accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, prefill_chunk=parse_prefill_chunk(prefill_chunk),
@@ -403,6 +427,39 @@ def _tokens(text: str) -> int:
         return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
     except ValueError:
         raise MemoryPlanError(f"cannot read a token count from {text!r}; write e.g. 8k, 32768 or 200k") from None
+
+
+def _lane_counts(text: str) -> list[int]:
+    from runtime.memory_plan import MemoryPlanError
+
+    try:
+        counts = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise MemoryPlanError(f"--lanes {text!r}: give lane counts such as 1,2,4,8") from None
+    if not counts or counts[0] < 1 or counts[-1] > 8:
+        raise MemoryPlanError(f"--lanes {text!r}: lane counts must be 1..8")
+    return counts
+
+
+def _print_lanes(r: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=f"{escape(r['artifact'])} on {escape(r['device'])}, {r['depth']} tokens per lane "
+                    f"(copy {r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
+    for col in ("KV", "lanes", "step ms", "x one lane", "aggregate tok/s", "per lane tok/s", "ideal tok/s", "of ideal"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for row in r["rows"]:
+        t.add_row(row["kv_dtype"], str(row["lanes"]), f"{row['step_ms']:.2f}", f"{row['step_vs_one_lane']:.2f}",
+                  f"{row['aggregate_tok_s']:.0f}", f"{row['per_lane_tok_s']:.1f}",
+                  f"{row.get('ideal_aggregate_tok_s', 0):.0f}", f"{row.get('of_ideal', 0):.2f}")
+    out.print(t)
+    for c in r.get("concurrent_prefill", []):
+        out.print(escape(f"[{c['kv_dtype']}] lane 0 prefills {c['prefill_tokens']} tokens ({c['prefill_chunk']}-token "
+                  f"chunks) while {c['decoding_lanes']} lanes decode: gap p50 {c['gap_p50_ms']:.1f} ms, p99 "
+                  f"{c['gap_p99_ms']:.1f} ms = {c['gap_vs_plain_step']:.1f}x the plain step "
+                  f"({c['plain_step_ms']:.1f} ms); prefill {c['prefill_with_decoders_tok_s']:.0f} tok/s vs "
+                  f"{c['prefill_alone_tok_s']:.0f} alone"), soft_wrap=True)
 
 
 def _print_bench(r: dict) -> None:

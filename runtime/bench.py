@@ -75,14 +75,14 @@ def _sync(engine):
         torch.cuda.synchronize(engine.device)
 
 
-def _synthetic_context(engine, depth: int, gen: torch.Generator) -> None:
-    """Lane 0 holds `depth` tokens of zeroed KV and state: decode then reads exactly what it would
+def _synthetic_context(engine, depth: int, gen: torch.Generator, lane: int = 0) -> None:
+    """`lane` holds `depth` tokens of zeroed KV and state: decode then reads exactly what it would
     after a real prefill of that length."""
-    engine.reset_lane(0)
-    engine.ctx_len[0] = depth
-    engine.lane_tokens[0] = torch.randint(0, engine.cfg.vocab_size, (depth,), generator=gen).tolist()
+    engine.reset_lane(lane)
+    engine.ctx_len[lane] = depth
+    engine.lane_tokens[lane] = torch.randint(0, engine.cfg.vocab_size, (depth,), generator=gen).tolist()
     if engine.speculator is not None:
-        engine.speculator.assume_context(0, depth)
+        engine.speculator.assume_context(lane, depth)
 
 
 def _decode(engine, first_token: int, n: int) -> tuple[int, float]:
@@ -179,6 +179,124 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
     return results
 
 
+def _weight_and_lane_bytes(engine, depth: int) -> tuple[int, int]:
+    """(bytes every decode step reads once whatever the lanes, bytes each lane adds: its KV at `depth`
+    and its GDN state). For MoE the routed experts count per lane (an upper bound: lanes share experts)."""
+    one = decode_bytes(engine, depth)
+    context = decode_bytes(engine, depth) - decode_bytes(engine, 0)
+    c = engine.cfg
+    full = sum(c.is_full_attention(i) for i in range(c.num_layers))
+    state = (c.num_layers - full) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 8
+    per_lane = context + state
+    return one - per_lane, per_lane
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], steps: int = 32,
+                    prefill_tokens: int = 0, prefill_chunk: int = 0, device: str = "cuda",
+                    random_weights_seed: int | None = None, log=print) -> dict:
+    """Decode with several lanes at once: each lane holds `depth` tokens (synthetic context), and one
+    step decodes one token for every lane. Per lane count: step time, aggregate and per-lane tok/s,
+    the step time over the one-lane step, and the ideal (one read of the weights serves every lane;
+    each lane adds its own KV and state). With `prefill_tokens`, the concurrent-prefill mode: lane 0
+    prefills that many tokens chunk by chunk while the other lanes decode, as the server interleaves
+    them; the decoding lanes' inter-token gaps (p50/p99) and the prefill's tok/s against it alone."""
+    from .engine import Engine
+
+    gen = torch.Generator().manual_seed(0)
+    top = max(lanes)
+    results = {"artifact": str(path), "mode": "lanes", "lanes": lanes, "depth": depth, "steps": steps,
+               "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "rows": []}
+    bw = copy_bandwidth(device) if device.startswith("cuda") else 0.0
+    results["copy_bandwidth_bytes_per_s"] = bw
+    max_context = -(-(max(depth, prefill_tokens) + steps + 64) // 64) * 64
+    for kv in kv_dtypes:
+        engine = Engine(path, PlanOptions(max_context=max_context, kv_dtype=kv, max_concurrency=top,
+                                          prefill_chunk=prefill_chunk), device=device,
+                        random_weights_seed=random_weights_seed)
+        engine.mem.buffers["kv_pool"].zero_()
+        shared, per_lane = _weight_and_lane_bytes(engine, depth)
+        base_step = None
+        for n in sorted(lanes):
+            ids = list(range(n))
+            for lane in ids:
+                _synthetic_context(engine, depth, gen, lane)
+            tokens = [1] * n
+            for _ in range(3):  # capture this batch size's graph, compile kernels
+                engine.decode_step(ids, tokens)
+            _sync(engine)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.decode_step(ids, tokens)
+            _sync(engine)
+            step = (time.perf_counter() - t0) / steps
+            base_step = base_step or step
+            row = {"kv_dtype": kv, "lanes": n, "depth": depth, "step_ms": step * 1e3, "aggregate_tok_s": n / step,
+                   "per_lane_tok_s": 1 / step, "step_vs_one_lane": step / base_step,
+                   "bytes_per_step": shared + n * per_lane}
+            if bw:
+                row["ideal_aggregate_tok_s"] = n * bw / (shared + n * per_lane)
+                row["of_ideal"] = row["aggregate_tok_s"] / row["ideal_aggregate_tok_s"]
+            results["rows"].append(row)
+            log(f"[{kv}] {n} lane(s) at {depth}: step {row['step_ms']:.2f} ms ({row['step_vs_one_lane']:.2f}x one lane), "
+                f"aggregate {row['aggregate_tok_s']:.0f} tok/s")
+        if prefill_tokens and top > 1:
+            results.setdefault("concurrent_prefill", []).append(_concurrent_prefill(engine, top, depth, prefill_tokens,
+                                                                                    gen, kv, log))
+        engine.close()
+        del engine
+        if device.startswith("cuda"):
+            gc.collect()
+            torch.cuda.empty_cache()
+    return results
+
+
+def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv: str, log) -> dict:
+    """Lane 0 prefills `prompt_len` tokens while lanes 1..lanes-1 decode: the gaps between the decoding
+    lanes' tokens, and the prefill's speed against the same prefill alone."""
+    prompt = torch.randint(0, engine.cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+    _sync(engine)
+    t0 = time.perf_counter()
+    engine.prefill(0, prompt)
+    _sync(engine)
+    alone = time.perf_counter() - t0
+    decoders = list(range(1, lanes))
+    for lane in decoders:
+        _synthetic_context(engine, depth, gen, lane)
+    tokens = [1] * len(decoders)
+    engine.decode_step(decoders, tokens)
+    _sync(engine)
+    gaps, last = [], time.perf_counter()
+    t0 = last
+    for _ in engine.prefill_chunks(0, prompt):  # one chunk, then one decode step for the others
+        engine.decode_step(decoders, tokens)
+        _sync(engine)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    mixed = time.perf_counter() - t0
+    plain = []
+    for _ in range(16):
+        engine.decode_step(decoders, tokens)
+        _sync(engine)
+        now = time.perf_counter()
+        plain.append(now - last)
+        last = now
+    row = {"kv_dtype": kv, "prefill_tokens": prompt_len, "prefill_chunk": engine.opts.prefill_chunk,
+           "decoding_lanes": len(decoders), "gap_p50_ms": _percentile(gaps, 0.5) * 1e3,
+           "gap_p99_ms": _percentile(gaps, 0.99) * 1e3, "plain_step_ms": _percentile(plain, 0.5) * 1e3,
+           "prefill_alone_tok_s": prompt_len / alone, "prefill_with_decoders_tok_s": prompt_len / mixed}
+    row["gap_vs_plain_step"] = row["gap_p99_ms"] / row["plain_step_ms"]
+    log(f"[{kv}] lane 0 prefills {prompt_len} while {len(decoders)} decode: gap p50 {row['gap_p50_ms']:.1f} ms, "
+        f"p99 {row['gap_p99_ms']:.1f} ms (plain step {row['plain_step_ms']:.1f} ms); prefill "
+        f"{row['prefill_with_decoders_tok_s']:.0f} tok/s vs {row['prefill_alone_tok_s']:.0f} alone")
+    return row
+
+
 def plot(results: dict, out_png) -> bool:
     """tok/s vs depth per KV dtype (decode solid, roofline dashed). False when matplotlib is absent."""
     try:
@@ -201,6 +319,34 @@ def plot(results: dict, out_png) -> bool:
     ax.set_xlabel("context depth (tokens)")
     ax.set_ylabel("tokens / s")
     ax.set_title(f"{results['artifact'].rsplit('/', 1)[-1]} on {results['device']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_lanes(results: dict, out_png) -> bool:
+    """Aggregate decode tok/s vs lanes per KV dtype (measured solid, ideal dashed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kv in sorted({r["kv_dtype"] for r in results["rows"]}):
+        rows = sorted((r for r in results["rows"] if r["kv_dtype"] == kv), key=lambda r: r["lanes"])
+        xs = [r["lanes"] for r in rows]
+        line, = ax.plot(xs, [r["aggregate_tok_s"] for r in rows], marker="o", label=f"aggregate {kv}")
+        if all("ideal_aggregate_tok_s" in r for r in rows):
+            ax.plot(xs, [r["ideal_aggregate_tok_s"] for r in rows], linestyle="--", color=line.get_color(),
+                    label=f"one weight read per step {kv}")
+    ax.set_xlabel("lanes decoding at once")
+    ax.set_ylabel("tokens / s (all lanes)")
+    ax.set_title(f"{results['artifact'].rsplit('/', 1)[-1]} on {results['device']}, {results['depth']} tokens per lane")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -489,6 +489,46 @@ def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def group_code_bytes(code_ptr, high_ptr, rows, row_ok, g, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Weight group `g` of `rows` as bytes: nibble formats -> (even, odd) lanes as unsigned int8 codes
+    q + 2^(BITS-1), [BLOCK_N, GROUP / 2] each; W8 -> (codes, codes) as signed int8 [BLOCK_N, GROUP].
+    `code_ptr` is the code plane as bytes (int8 for W8), or as int32 words for the interpreted Q5/Q6
+    path, which reuses the dp4a kernel's word-level unpacking."""
+    NIBBLES: tl.constexpr = BITS != 8
+    WIDTH: tl.constexpr = GROUP // 2 if NIBBLES else GROUP  # code bytes per group
+    j = tl.arange(0, WIDTH)
+    if BITS == 8:
+        c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+        return c, c
+    if BITS == 4 or USE_ASM:
+        b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+    if BITS == 4:
+        even = _nibble_bytes(b, 0, USE_ASM)
+        odd = _nibble_bytes(b, 1, USE_ASM)
+    elif BITS == 5 and USE_ASM:
+        hb8 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
+                      mask=row_ok[:, None], other=0)
+        hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
+        even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
+        odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
+    elif BITS == 6 and USE_ASM:  # int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
+        h16 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
+                      + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        k = tl.arange(0, 4)[None, None, :]
+        hb = tl.reshape(((h16[:, :, None] >> (8 * (k // 2))) & 255).to(tl.uint8), (BLOCK_N, WIDTH))
+        low_bit = (1 << (4 * ((j % 4) % 2))).to(tl.uint8)[None, :]
+        even = _q6_bytes(b, hb, low_bit, 0)
+        odd = _q6_bytes(b, hb, low_bit << 2, 1)
+    else:  # interpreted Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's bytes
+        widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
+        ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
+        even = _word_bytes(ew, BLOCK_N, WIDTH)
+        odd = _word_bytes(ow, BLOCK_N, WIDTH)
+    return even, odd
+
+
+@triton.jit
 def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr, T, N, GROUPS_PER_SPLIT,
                            ROW_INTS: tl.constexpr, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
                            GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -518,38 +558,15 @@ def _qgemm_rows_mma_kernel(xb_ptr, xi_ptr, code_ptr, high_ptr, scale_ptr, y_ptr,
             g = g0 + gg
             x_hi = tl.load(x_rows + g * WIDTH, mask=xm, other=0)
             x_lo = tl.load(x_rows + PLANE + g * WIDTH, mask=xm, other=0)
-            if BITS == 4 or (NIBBLES and USE_ASM):  # code bytes (the interpreted Q5/Q6 path reads words)
-                b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-            if BITS == 4:
-                even = _nibble_bytes(b, 0, USE_ASM)
-                odd = _nibble_bytes(b, 1, USE_ASM)
-            elif BITS == 5 and USE_ASM:
-                hb8 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
-                              mask=row_ok[:, None], other=0)
-                hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
-                even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
-                odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
-            elif BITS == 6 and USE_ASM:  # int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
-                h16 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
-                              + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-                k = tl.arange(0, 4)[None, None, :]
-                hb = tl.reshape(((h16[:, :, None] >> (8 * (k // 2))) & 255).to(tl.uint8), (BLOCK_N, WIDTH))
-                low_bit = (1 << (4 * ((j % 4) % 2))).to(tl.uint8)[None, :]
-                even = _q6_bytes(b, hb, low_bit, 0)
-                odd = _q6_bytes(b, hb, low_bit << 2, 1)
-            elif NIBBLES:  # interpreted Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's bytes
-                widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
-                ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)
-                even = _word_bytes(ew, BLOCK_N, WIDTH)
-                odd = _word_bytes(ow, BLOCK_N, WIDTH)
+            even, odd = group_code_bytes(code_ptr, high_ptr, rows, row_ok, g, GPR, K_PAD, BITS, GROUP, HIGH_BYTES,
+                                         BLOCK_N, USE_ASM)
             if NIBBLES:
                 xo_hi = tl.load(x_rows + 2 * PLANE + g * WIDTH, mask=xm, other=0)
                 xo_lo = tl.load(x_rows + 3 * PLANE + g * WIDTH, mask=xm, other=0)
                 d = tl.dot(odd, xo_hi, tl.dot(even, x_hi, out_dtype=tl.int32), out_dtype=tl.int32)
                 d = tl.dot(odd, xo_lo, tl.dot(even, x_lo, d << 7, out_dtype=tl.int32), out_dtype=tl.int32)
             else:
-                c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-                d = tl.dot(c, x_lo, tl.dot(c, x_hi, out_dtype=tl.int32) << 7, out_dtype=tl.int32)
+                d = tl.dot(even, x_lo, tl.dot(even, x_hi, out_dtype=tl.int32) << 7, out_dtype=tl.int32)
             x_info = xi_ptr + toks * ROW_INTS + 4 * row_words + g
             x_scale = tl.load(x_info, mask=tok_ok, other=0).to(tl.float32, bitcast=True)
             if OFFSET != 0:

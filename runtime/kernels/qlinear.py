@@ -20,6 +20,7 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from . import interpreted
+from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
                          qgemv_int8, split_partials)
 from .launch import LAUNCH, pdl_wait
@@ -44,12 +45,14 @@ GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # bytes with 32-bit logic ops; bench/RESULTS.md §11), W8 (small shared-expert matrices) through the
 # float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
-ROWS_PATHS = ("auto", "tensor", "int8", "mma")
+ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16")
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
 ROWS_BY_BITS = {4: "mma", 5: "mma", 6: "mma", 8: "tensor"}
 ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 # int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
+# bf16 tensor-core kernel (exact codes, scales per group after each dot)
+ROWS_BF16_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 2, "num_stages": 3}
 
 
 def rows_path(bits: int) -> str:
@@ -307,6 +310,18 @@ def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: Quan
                           xq)
 
 
+def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
+    tuning = ROWS_BF16_TUNING
+    block_n, programs, step = tuning["block_n"], TARGET_PROGRAMS, tuning["groups_per_step"]
+    if interpreted():
+        block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
+    while w.groups_per_row % step:
+        step //= 2
+    blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
+    split = k_splits(blocks, w.groups_per_row // step, programs)
+    return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], step, tuning["num_stages"])
+
+
 class PackedLinear:
     """A row-split weight resident on the device: its three planes and its geometry."""
 
@@ -361,6 +376,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         return _gemm_rows_int8(x, w, y, xq)
     if path == "mma":
         return _gemm_rows_mma(x, w, y, xq)
+    if path == "bf16":
+        return _gemm_rows_bf16(x, w, y)
     block_t, block_n, block_k, split = _config(t, w.rows, w.k_pad)
     target = split_partials(y, split)
     grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), split)
