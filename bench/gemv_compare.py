@@ -53,9 +53,10 @@ def _save(out: str, peak: float, rows: list) -> None:
 
 
 ROWS_SHAPES = [*SHAPES[:5], ("mlp gate_up W8", 34816, 5120, "W8G32_F16S"), ("mlp gate_up Q6", 34816, 5120, "Q6G64_F16S")]
-# bf16 row kernel tiles: rows per program, warps, groups per step, pipeline stages
-BF16_TILES = [(128, 4, 2, 3), (64, 4, 1, 3), (128, 4, 1, 3), (128, 4, 4, 3), (128, 8, 2, 3), (256, 8, 2, 3),
-              (64, 4, 2, 4), (128, 4, 2, 4)]
+# bf16 row kernel tiles: rows per program, warps, pipeline stages, target programs (sets the K splits),
+# prefetch by hand (else triton's pipeliner)
+BF16_TILES = [(128, 4, 3, 512, False), (128, 4, 4, 512, False), (64, 4, 3, 1024, False), (256, 8, 3, 512, False),
+              (128, 4, 1, 512, True), (64, 4, 1, 1024, True), (128, 8, 1, 512, True)]
 
 
 def rows_main(out: str) -> None:
@@ -88,24 +89,24 @@ def rows_main(out: str) -> None:
                 row[f"t{t}_mma_us"], row[f"t{t}_mma_frac"] = us, nbytes / (us * 1e-6) / peak
             ql.ROWS_PATH = "auto"
             best = None
-            for bn, nw, gs, st in BF16_TILES:
-                blocks = -(-n // bn)
-                split = ql.k_splits(blocks, w.groups_per_row // gs, ql.TARGET_PROGRAMS)
+            for bn, nw, st, programs, pre in BF16_TILES:
+                split = ql.k_splits(-(-n // bn), w.groups_per_row, programs)
+                tile = f"{bn}x{nw}s{st}p{programs}{'f' if pre else ''}"
                 try:
-                    us = rotating(lambda w: qgemm_rows_bf16(x, w, y, bn, split, nw, gs, st))
+                    us = rotating(lambda w: qgemm_rows_bf16(x, w, y, bn, split, nw, st, pre))
                 except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                    print("tile failed", label, bn, nw, gs, st, type(exc).__name__, str(exc)[:300], flush=True)
+                    print("tile failed", label, tile, type(exc).__name__, str(exc)[-600:], flush=True)
                     continue
-                row[f"t{t}_bf16_{bn}x{nw}g{gs}s{st}_us"] = us
+                row[f"t{t}_bf16_{tile}_us"] = us
                 if best is None or us < best[0]:
-                    best = (us, f"{bn}x{nw}g{gs}s{st}")
+                    best = (us, tile)
             if best:
                 row[f"t{t}_bf16_best_us"], row[f"t{t}_bf16_best_tile"] = best
                 row[f"t{t}_bf16_frac"] = nbytes / (best[0] * 1e-6) / peak
                 row[f"t{t}_bf16_vs_t1"] = best[0] / t1
             if t == 8:
-                exact = ql.qlinear_reference(x, w).float()
-                got = qgemm_rows_bf16(x, w, torch.empty(t, n, device="cuda"), 128, 1, 4, 1, 3)
+                exact = ql.qlinear_reference(x.float(), w)  # float32: not rounded to bf16
+                got = qgemm_rows_bf16(x, w, torch.empty(t, n, device="cuda"), 128, 1, 4)
                 row["t8_bf16_rel_err_vs_exact"] = ((got - exact).abs().max() / exact.abs().max()).item()
         rows.append(row)
         summary = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()

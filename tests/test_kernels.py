@@ -110,9 +110,10 @@ def test_qgemm_rows_mma(bits, t, n, k, split):
     assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("t,n,k,split", [(3, 70, 200, 1), (16, 33, 1024, 2), (5, 130, 512, 4)])
-def test_qgemm_rows_bf16(bits, t, n, k, split):
+def test_qgemm_rows_bf16(bits, t, n, k, split, prefetch):
     """The bf16 tensor-core row kernel == the exact float product (codes exact in bf16, scales applied
     to each group's float32 dot), every row and column written."""
     from runtime.kernels.qgemm_rows_bf16 import qgemm_rows_bf16, qgemm_rows_bf16_reference
@@ -122,7 +123,7 @@ def test_qgemm_rows_bf16(bits, t, n, k, split):
     x = (torch.randn(t, k, device=DEVICE) * torch.rand(t, k, device=DEVICE) * 4).to(DTYPE)
     x[1, 64:128] = 0.0
     got = qgemm_rows_bf16(x, w, _poison((t, n), torch.float32), block_n=64, split=split if k > 256 else 1,
-                          num_warps=4)
+                          num_warps=4, prefetch=prefetch)
     assert not torch.isnan(got).any(), "kernel left NaN-poisoned output unwritten"
     want = qgemm_rows_bf16_reference(x.float(), w)
     err = ((got - want).abs().max() / want.abs().max()).item()

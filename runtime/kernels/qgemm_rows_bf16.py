@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_wait
-from .qgemv_int8 import finish_splits, group_code_bytes, native_dp4a, split_partials
+from .qgemv_int8 import finish_splits, native_dp4a, split_partials, unpack_group_bytes
 
 
 def _bf16_pair(value: float) -> str:
@@ -90,89 +90,154 @@ def _w8_bf16(c):
 
 
 @triton.jit
-def _group_codes(code_ptr, high_ptr, rows, row_ok, g, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
-                 DTYPE: tl.constexpr):
-    """Weight group `g` of `rows` as exact codes q in DTYPE: nibble formats (even, odd) lanes
-    [BLOCK_N, GROUP / 2] each; W8 (codes, codes) [BLOCK_N, GROUP]."""
-    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
-    if USE_ASM and BITS == 4:  # straight from the code bytes
+def _load_planes(code_ptr, high_ptr, scale_ptr, rows, ok, g, GPR: tl.constexpr, K_PAD: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr):
+    """Weight group `g` of `rows` as loaded (where `ok`, [BLOCK_N, 1]): code bytes [BLOCK_N, GROUP / 2]
+    (W8: int8 codes [BLOCK_N, GROUP]), the high plane (Q5: 8 bytes, Q6: 8 int16; else the codes again,
+    unused) and the scales [BLOCK_N, 1]."""
+    if BITS == 8:
+        j = tl.arange(0, GROUP)
+        b = tl.load(code_ptr + rows[:, None] * K_PAD + g * GROUP + j[None, :], mask=ok, other=0)
+        hb = b
+    else:
         j = tl.arange(0, GROUP // 2)
-        b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * (GROUP // 2) + j[None, :], mask=row_ok[:, None],
-                    other=0)
-        return _q4_bf16(b, 0), _q4_bf16(b, 1)
-    even, odd = group_code_bytes(code_ptr, high_ptr, rows, row_ok, g, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N,
-                                 USE_ASM)
+        b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * (GROUP // 2) + j[None, :], mask=ok, other=0)
+        h = tl.arange(0, 8)
+        if BITS == 5:
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + h[None, :], mask=ok, other=0)
+        elif BITS == 6:
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2) + h[None, :],
+                         mask=ok, other=0)
+        else:
+            hb = b
+    scale = tl.load(scale_ptr + rows[:, None] * GPR + g, mask=ok, other=0.0)
+    return b, hb, scale
+
+
+@triton.jit
+def _codes(b, hb, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+           DTYPE: tl.constexpr):
+    """Loaded planes (_load_planes) -> exact codes q in DTYPE: nibble formats (even, odd) lanes
+    [BLOCK_N, GROUP / 2]; W8 (codes, codes)."""
     if USE_ASM:
         if BITS == 8:
-            w = _w8_bf16(even)
-            return w, w
-        return _unsigned_bf16(even, BITS), _unsigned_bf16(odd, BITS)
-    if BITS == 8:
-        w = even.to(tl.int32).to(DTYPE)
-        return w, w
-    return (even.to(tl.int32) - OFFSET).to(DTYPE), (odd.to(tl.int32) - OFFSET).to(DTYPE)
+            even = _w8_bf16(b)
+            odd = even
+        elif BITS == 4:
+            even = _q4_bf16(b, 0)
+            odd = _q4_bf16(b, 1)
+        else:
+            ue, uo = unpack_group_bytes(b, hb, BITS, GROUP, BLOCK_N, USE_ASM)
+            even = _unsigned_bf16(ue, BITS)
+            odd = _unsigned_bf16(uo, BITS)
+    else:  # plain integer ops (interpreter, or x not bf16)
+        if BITS == 8:
+            even = b.to(tl.int32).to(DTYPE)
+            odd = even
+        else:
+            v = b.to(tl.int32)
+            lo = v & 0xF
+            hi = (v >> 4) & 0xF
+            j = tl.arange(0, GROUP // 2)[None, :]
+            if BITS == 5:  # lane l's fifth bit: bit l % 8 of high byte l / 8
+                hbb = tl.reshape(tl.broadcast_to(hb.to(tl.int32)[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, GROUP // 2))
+                lo = lo | (((hbb >> (2 * (j % 4))) & 1) << 4)
+                hi = hi | (((hbb >> (2 * (j % 4) + 1)) & 1) << 4)
+            elif BITS == 6:  # lane l's bits 4-5: bits 2(l % 4), 2(l % 4) + 1 of high byte l / 4
+                k = tl.arange(0, 4)[None, None, :]
+                hbb = tl.reshape((hb.to(tl.int32)[:, :, None] >> (8 * (k // 2))) & 255, (BLOCK_N, GROUP // 2))
+                lo = lo | (((hbb >> (4 * (j % 2))) & 3) << 4)
+                hi = hi | (((hbb >> (4 * (j % 2) + 2)) & 3) << 4)
+            sign: tl.constexpr = 1 << (BITS - 1)
+            even = ((lo ^ sign) - sign).to(DTYPE)
+            odd = ((hi ^ sign) - sign).to(DTYPE)
+    return even, odd
+
+
+@triton.jit
+def _x_tiles(x_cols, ok_toks, k0, K, NIBBLES: tl.constexpr, lanes):
+    """x^T tiles [lanes, BLOCK_T] of the group at lane k0: (even, odd) lanes, or (all, all) for W8."""
+    xe = tl.load(x_cols + k0, mask=ok_toks & (k0 + lanes[:, None] < K), other=0.0)
+    if NIBBLES:
+        xo = tl.load(x_cols + k0 + 1, mask=ok_toks & (k0 + lanes[:, None] + 1 < K), other=0.0)
+    else:
+        xo = xe
+    return xe, xo
 
 
 @triton.jit
 def _qgemm_rows_bf16_kernel(x_ptr, code_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride_x, GROUPS_PER_SPLIT,
                             GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                             HIGH_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                            GROUPS_PER_STEP: tl.constexpr, USE_ASM: tl.constexpr):
+                            USE_ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """y^T [rows, toks] = sum over groups of scale * (codes . x^T): per weight group one tensor-core dot of
-    the exact codes [BLOCK_N, lanes] with x^T [lanes, BLOCK_T], scaled in float32."""
-    pdl_wait()
+    the exact codes [BLOCK_N, lanes] with x^T [lanes, BLOCK_T], scaled in float32. PREFETCH: the next
+    group's planes and x tiles are loaded before the current group's arithmetic (by hand: triton's
+    pipeliner does not take loads that reach the dot through bit operations)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     toks = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < N
-    tok_ok = toks < T
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     NIBBLES: tl.constexpr = BITS != 8
     WIDTH: tl.constexpr = GROUP // 2 if NIBBLES else GROUP  # lanes per dot
     STEP: tl.constexpr = 2 if NIBBLES else 1  # nibble formats: x's even and odd lanes meet the two nibbles
     lanes = STEP * tl.arange(0, WIDTH)
     x_cols = x_ptr + toks[None, :] * stride_x + lanes[:, None]  # [WIDTH, BLOCK_T]: x^T
+    ok_toks = (toks < T)[None, :]
+    g_begin = split * GROUPS_PER_SPLIT
+    g_end = g_begin + GROUPS_PER_SPLIT
+    pdl_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for g0 in range(split * GROUPS_PER_SPLIT, (split + 1) * GROUPS_PER_SPLIT, GROUPS_PER_STEP):
-        for gg in tl.static_range(GROUPS_PER_STEP):  # several groups per iteration: more loads in flight
-            g = g0 + gg
-            k0 = g * GROUP
-            xm = tok_ok[None, :] & (k0 + lanes[:, None] < K)
-            even, odd = _group_codes(code_ptr, high_ptr, rows, row_ok, g, GPR, K_PAD, BITS, GROUP, HIGH_BYTES,
-                                     BLOCK_N, USE_ASM, DTYPE)
-            d = tl.dot(even, tl.load(x_cols + k0, mask=xm, other=0.0))
+    if PREFETCH:
+        b, hb, scale = _load_planes(code_ptr, high_ptr, scale_ptr, rows, row_ok[:, None], g_begin, GPR, K_PAD, BITS,
+                                    GROUP, HIGH_BYTES)
+        xe, xo = _x_tiles(x_cols, ok_toks, g_begin * GROUP, K, NIBBLES, lanes)
+        for g in range(g_begin, g_end):
+            # a block-shaped condition: triton 3.9's interpreter rejects a scalar bool broadcast into a mask
+            more = tl.full((1, 1), g + 1, tl.int32) < g_end
+            nb, nhb, nscale = _load_planes(code_ptr, high_ptr, scale_ptr, rows, row_ok[:, None] & more, g + 1, GPR,
+                                           K_PAD, BITS, GROUP, HIGH_BYTES)
+            nxe, nxo = _x_tiles(x_cols, ok_toks & more, (g + 1) * GROUP, K, NIBBLES, lanes)
+            even, odd = _codes(b, hb, BITS, GROUP, BLOCK_N, USE_ASM, DTYPE)
+            d = tl.dot(even, xe)
             if NIBBLES:
-                xm_odd = tok_ok[None, :] & (k0 + lanes[:, None] + 1 < K)
-                d = tl.dot(odd, tl.load(x_cols + k0 + 1, mask=xm_odd, other=0.0), d)
-            w_scale = tl.load(scale_ptr + rows * GPR + g, mask=row_ok, other=0.0).to(tl.float32)
-            acc += d * w_scale[:, None]
+                d = tl.dot(odd, xo, d)
+            acc += d * scale.to(tl.float32)
+            b, hb, scale, xe, xo = nb, nhb, nscale, nxe, nxo
+    else:  # loads in the loop: triton converts the code bytes (not the bf16 codes) to the dot's layout
+        for g in range(g_begin, g_end):
+            b, hb, scale = _load_planes(code_ptr, high_ptr, scale_ptr, rows, row_ok[:, None], g, GPR, K_PAD, BITS,
+                                        GROUP, HIGH_BYTES)
+            xe, xo = _x_tiles(x_cols, ok_toks, g * GROUP, K, NIBBLES, lanes)
+            even, odd = _codes(b, hb, BITS, GROUP, BLOCK_N, USE_ASM, DTYPE)
+            d = tl.dot(even, xe)
+            if NIBBLES:
+                d = tl.dot(odd, xo, d)
+            acc += d * scale.to(tl.float32)
     out = y_ptr + split * T * N + toks[None, :] * N + rows[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & ok_toks)
 
 
 def qgemm_rows_bf16(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: int, num_warps: int,
-                    groups_per_step: int = 1, num_stages: int = 3) -> torch.Tensor:
+                    num_stages: int = 1, prefetch: bool = True) -> torch.Tensor:
     """y = x @ W^T for a block of rows of x on bf16 tensor cores (16 rows per program); x [T, K], y [T, N].
     x is bf16 on a GPU (float32 allowed under the interpreter)."""
     t, k = x.shape
-    if w.groups_per_row % (split * groups_per_step):
-        raise ValueError(f"qgemm_rows_bf16: {split} K-splits of {groups_per_step}-group steps do not tile "
-                         f"{w.groups_per_row} groups")
+    if w.groups_per_row % split:
+        raise ValueError(f"qgemm_rows_bf16: {split} K-splits do not tile {w.groups_per_row} groups")
     use_asm = native_dp4a() and x.dtype == torch.bfloat16
     if not use_asm and x.is_cuda and x.dtype != torch.float32:
         x = x.float()  # plain conversions: codes and x meet as float32 (fp16 x would round codes' products)
     target = split_partials(y, split)
     bits = w.fmt.bits
     code = w.base.view(torch.int8) if bits == 8 else w.base.view(torch.uint8)
-    if bits in (5, 6) and not use_asm:
-        code = w.base.view(torch.int32)  # the word-level unpacking of the interpreted path
     high = w.base if w.high is None else (w.high.view(torch.int16) if bits == 6 else w.high)
     _qgemm_rows_bf16_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
         x, code, high, w.scale, target, t, w.rows, k, x.stride(0), w.groups_per_row // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, GROUPS_PER_STEP=groups_per_step,
-        USE_ASM=use_asm, num_warps=num_warps, num_stages=num_stages, **LAUNCH)
+        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=16, BLOCK_N=block_n, USE_ASM=use_asm, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages, **LAUNCH)
     return finish_splits(target, y)
 
 

@@ -489,6 +489,29 @@ def _word_bytes(words, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def unpack_group_bytes(b, hb, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """A weight group's loaded planes -> (even, odd) lanes as unsigned int8 codes q + 2^(BITS-1): `b` the
+    code bytes [BLOCK_N, GROUP / 2]; `hb` Q5's 8 high bytes, Q6's 8 high int16 words (else unused).
+    Q5 / Q6 need the inline-PTX path (the interpreter takes group_code_bytes' word path)."""
+    WIDTH: tl.constexpr = GROUP // 2
+    j = tl.arange(0, WIDTH)
+    if BITS == 4:
+        even = _nibble_bytes(b, 0, USE_ASM)
+        odd = _nibble_bytes(b, 1, USE_ASM)
+    elif BITS == 5:
+        hbb = tl.reshape(tl.broadcast_to(hb[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
+        even = _q5_bytes(b, hbb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
+        odd = _q5_bytes(b, hbb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
+    else:  # BITS == 6: int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
+        k = tl.arange(0, 4)[None, None, :]
+        hbb = tl.reshape(((hb.to(tl.int32)[:, :, None] >> (8 * (k // 2))) & 255).to(tl.uint8), (BLOCK_N, WIDTH))
+        low_bit = (1 << (4 * ((j % 4) % 2))).to(tl.uint8)[None, :]
+        even = _q6_bytes(b, hbb, low_bit, 0)
+        odd = _q6_bytes(b, hbb, low_bit << 2, 1)
+    return even, odd
+
+
+@triton.jit
 def group_code_bytes(code_ptr, high_ptr, rows, row_ok, g, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
     """Weight group `g` of `rows` as bytes: nibble formats -> (even, odd) lanes as unsigned int8 codes
@@ -498,28 +521,21 @@ def group_code_bytes(code_ptr, high_ptr, rows, row_ok, g, GPR: tl.constexpr, K_P
     NIBBLES: tl.constexpr = BITS != 8
     WIDTH: tl.constexpr = GROUP // 2 if NIBBLES else GROUP  # code bytes per group
     j = tl.arange(0, WIDTH)
+    # one if-chain, no early return: triton compiles the statements after a return inside a static if
     if BITS == 8:
-        c = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-        return c, c
-    if BITS == 4 or USE_ASM:
+        even = tl.load(code_ptr + rows[:, None] * K_PAD + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
+        odd = even
+    elif BITS == 4 or USE_ASM:
         b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * WIDTH + j[None, :], mask=row_ok[:, None], other=0)
-    if BITS == 4:
-        even = _nibble_bytes(b, 0, USE_ASM)
-        odd = _nibble_bytes(b, 1, USE_ASM)
-    elif BITS == 5 and USE_ASM:
-        hb8 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
-                      mask=row_ok[:, None], other=0)
-        hb = tl.reshape(tl.broadcast_to(hb8[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, WIDTH))
-        even = _q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8)[None, :], 0)
-        odd = _q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8)[None, :], 1)
-    elif BITS == 6 and USE_ASM:  # int16 per word: byte k's lanes use bits 4k..4k+3; take its byte
-        h16 = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
-                      + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
-        k = tl.arange(0, 4)[None, None, :]
-        hb = tl.reshape(((h16[:, :, None] >> (8 * (k // 2))) & 255).to(tl.uint8), (BLOCK_N, WIDTH))
-        low_bit = (1 << (4 * ((j % 4) % 2))).to(tl.uint8)[None, :]
-        even = _q6_bytes(b, hb, low_bit, 0)
-        odd = _q6_bytes(b, hb, low_bit << 2, 1)
+        if BITS == 5:
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + tl.arange(0, 8)[None, :],
+                         mask=row_ok[:, None], other=0)
+        elif BITS == 6:
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2)
+                         + tl.arange(0, 8)[None, :], mask=row_ok[:, None], other=0)
+        else:
+            hb = b
+        even, odd = unpack_group_bytes(b, hb, BITS, GROUP, BLOCK_N, USE_ASM)
     else:  # interpreted Q5 / Q6: the dp4a kernel's word-level unpacking, then each word's bytes
         widx = g * (GROUP // 8) + tl.arange(0, GROUP // 8)
         ew, ow = _code_bytes(code_ptr, high_ptr, rows, row_ok, widx, K_PAD // 8, GPR, HIGH_BYTES, BITS)

@@ -52,7 +52,10 @@ ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 # int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
 # bf16 tensor-core kernel (exact codes, scales per group after each dot)
-ROWS_BF16_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 2, "num_stages": 3}
+ROWS_BF16_TUNING = {"block_n": 128, "num_warps": 4, "num_stages": 3, "programs": TARGET_PROGRAMS, "prefetch": False}
+if os.environ.get("NINFER_ROWS_BF16_TILE"):  # side-by-side runs: rows,warps,stages,programs,prefetch(0/1)
+    _tile = [int(v) for v in os.environ["NINFER_ROWS_BF16_TILE"].split(",")]
+    ROWS_BF16_TUNING = dict(zip(("block_n", "num_warps", "num_stages", "programs"), _tile[:4]), prefetch=bool(_tile[4]))
 
 
 def rows_path(bits: int) -> str:
@@ -312,14 +315,12 @@ def _gemm_rows_mma(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, xq: Quan
 
 def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     tuning = ROWS_BF16_TUNING
-    block_n, programs, step = tuning["block_n"], TARGET_PROGRAMS, tuning["groups_per_step"]
+    block_n, programs = tuning["block_n"], tuning["programs"]
     if interpreted():
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
-    while w.groups_per_row % step:
-        step //= 2
     blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
-    split = k_splits(blocks, w.groups_per_row // step, programs)
-    return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], step, tuning["num_stages"])
+    split = k_splits(blocks, w.groups_per_row, programs)
+    return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], tuning["num_stages"], tuning["prefetch"])
 
 
 class PackedLinear:
