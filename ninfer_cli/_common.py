@@ -38,7 +38,10 @@ def friendly(fn):
         except Exception as exc:  # noqa: BLE001 - mapped below, re-raised when unknown or debugging
             if os.environ.get("NINFER_DEBUG") == "1" or not isinstance(exc, user_errors()):
                 raise
-            err.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+            from rich.markup import escape
+
+            # the message may quote data (names, paths, JSON): escaped, so brackets print as themselves
+            err.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err.print("[red]interrupted[/red]")

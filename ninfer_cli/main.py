@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -502,16 +503,22 @@ def serve(
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
-    allow_local_images: Annotated[bool, typer.Option("--allow-local-images/--no-local-images", help="With --vision: accept image_url paths / file:// URLs on this machine.")] = True,
+    allow_local_images: Annotated[Optional[Path], typer.Option("--allow-local-images", help="With --vision: accept image_url paths / file:// URLs under this directory (off by default).")] = None,
     allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="With --vision: fetch http(s) image URLs.")] = False,
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
     api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
     request_log_jsonl: Annotated[Optional[Path], typer.Option(help="Append one JSON line per finished request.")] = None,
+    max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted (413 beyond).")] = 8 << 20,
+    shutdown_grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM / SIGINT: stop admitting, let running requests finish for this long, then cancel them and exit 0.")] = 30.0,
 ):
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
     import uvicorn
 
+    from runtime.memory_plan import MemoryPlanError
+
+    # the port first: a taken one fails in a second, not after loading the weights
+    sock = _bind(host, port)
     prepare_device(device)
     from runtime.memory_plan import PlanOptions, parse_prefill_chunk
     from runtime.serve.launch import build_server
@@ -521,13 +528,47 @@ def serve(
                           lm_head_draft=lm_head_draft, vision=vision)
     if kv_capacity is not None:
         options = _kv_capacity_options(artifact, options, kv_capacity, vram_reserve, device)
+    if allow_local_images is not None and not allow_local_images.is_dir():
+        raise MemoryPlanError(f"--allow-local-images {allow_local_images}: not a directory; give the folder images may be read from")
     app, summary = build_server(artifact, options, device=device, model_id=model_id, api_key=api_key, cors=cors,
                                 preserve_thinking=preserve_thinking, max_pending=max_pending_requests,
                                 pending_timeout_ms=pending_timeout_ms,
                                 request_log=str(request_log_jsonl) if request_log_jsonl else None,
-                                allow_local_images=allow_local_images, allow_remote_images=allow_remote_images)
+                                allow_local_images=str(allow_local_images) if allow_local_images else None,
+                                allow_remote_images=allow_remote_images, max_request_bytes=max_request_bytes,
+                                on_fatal=_exit_after_fatal)
     err.print(summary)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
+    server.run(sockets=[sock])  # SIGTERM / SIGINT: uvicorn stops accepting, waits up to the grace, returns
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound before anything slow happens; a taken port is one line."""
+    import socket
+
+    from runtime.memory_plan import MemoryPlanError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise MemoryPlanError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or stop the "
+                              "process holding it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _exit_after_fatal(exc: BaseException) -> None:
+    """The generation worker died: say so once, let /health answer 503 for a moment, exit non-zero so a
+    supervisor restarts the server (clients were already answered with errors)."""
+    import threading
+
+    err.print(f"[red]error:[/red] the generation worker stopped ({type(exc).__name__}); exiting for a restart")
+    threading.Timer(1.0, os._exit, args=(70,)).start()
 
 
 @app.command()

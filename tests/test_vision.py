@@ -256,14 +256,20 @@ def test_image_sink_sources_and_limits(tmp_path):
     png = base64.b64decode(png_data_url().split(",", 1)[1])
     f = tmp_path / "a.png"
     f.write_bytes(png)
-    sink = ImageSink(allow_files=True)
+    sink = ImageSink(allow_files=str(tmp_path))
     msgs = normalize_openai_messages([{"role": "user", "content": [
         {"type": "text", "text": "compare "}, {"type": "image_url", "image_url": {"url": png_data_url()}},
         {"type": "image_url", "image_url": {"url": f"file://{f}"}}]}], sink)
     assert msgs[0]["content"] == "compare " + IMAGE_PLACEHOLDER * 2 and sink.images == [png, png]
     with pytest.raises(RequestError, match="local image files are off"):
         normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(f)}}]}],
-                                  ImageSink(allow_files=False))
+                                  ImageSink(allow_files=None))
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.png"
+    outside.write_bytes(png)
+    for url in (str(outside), f"file://{tmp_path}/../{outside.name}", str(tmp_path / "missing.png"), "/etc/passwd"):
+        with pytest.raises(RequestError, match="not readable under the server's allowed image directory"):
+            normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+                                      ImageSink(allow_files=str(tmp_path)))
     with pytest.raises(RequestError, match="exceeds the 10-byte limit"):
         normalize_openai_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}}]}],
                                   ImageSink(max_bytes=10))

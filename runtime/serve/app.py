@@ -1,13 +1,15 @@
 """HTTP server: OpenAI Chat Completions + Responses, Anthropic Messages, health, models, metrics.
 
-Every generation goes through the lane scheduler; request bodies are validated by hand so each API
-answers malformed input in its own error shape, and nothing a client sends can stop the server.
+Every generation goes through the lane scheduler; request bodies are validated at the edge so each API
+answers malformed input in its own error shape (unexpected failures too: a JSON 500, never plain text),
+prompts are rendered and tokenized off the event loop, and nothing a client sends can stop the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from .chat_template import (
     normalize_responses_input,
 )
 from .output_parser import OutputParser
-from .scheduler import GenerationRequest, QueueFull, Scheduler
+from .scheduler import SEED_MASK, GenerationRequest, QueueFull, Scheduler, SchedulerDead
 
 
 @dataclass
@@ -37,8 +39,10 @@ class ServerConfig:
     api_key: str | None = None
     preserve_thinking: bool = False
     vision: bool = False
-    allow_local_images: bool = False
+    allow_local_images: str | None = None  # the directory local image paths must lie under
     allow_remote_images: bool = False
+    max_request_bytes: int = 8 << 20  # larger bodies: 413
+    pending_timeout_ms: int = 0  # queue wait before 503 (0 = forever)
     default_max_tokens: int = 4096
     request_log: str | None = None  # JSON lines: one record per finished generation
     stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
@@ -54,17 +58,51 @@ class TokenizedPrompt(list):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, kind: str, message: str):
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+
+RETRY_AFTER_S = "1"  # what 429 / 529 / 503 tell a client to wait before retrying
+
+
+def _headers(e: ApiError) -> dict | None:
+    return {"Retry-After": RETRY_AFTER_S} if e.status in (429, 503, 529) else None
 
 
 def _openai_error(e: ApiError) -> JSONResponse:
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": None, "code": e.kind}}, e.status)
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.kind}}, e.status,
+                        headers=_headers(e))
+
+
+# Anthropic's documented error types by status
+_ANTHROPIC_KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
 
 
 def _anthropic_error(e: ApiError) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": e.kind, "message": e.message}}, e.status)
+    kind = _ANTHROPIC_KIND.get(e.status, "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, e.status, headers=_headers(e))
+
+
+def object_field(body: dict, key: str) -> dict:
+    """An optional field that must be a JSON object when present ({} when absent or null)."""
+    value = body.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "invalid_request_error", f"{key} must be an object", key)
+    return value
+
+
+def bool_field(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, "invalid_request_error", f"{key} must be true or false", key)
+    return value
 
 
 class Generation:
@@ -74,13 +112,23 @@ class Generation:
                  seed: int | None):
         self.server = server
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.admitted = asyncio.Event()  # set once a lane holds the request (or it ended before that)
         loop = asyncio.get_running_loop()
-        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+
+        def put(item):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+                loop.call_soon_threadsafe(self.admitted.set)
+
+        def admit():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.admitted.set)
+
         self.request = GenerationRequest(prompt, max_tokens, on_token=lambda t: put(("token", t)),
                                          on_done=lambda r, e: put(("done", r, e)), params=params,
                                          stop_ids=frozenset(server.stop_ids), seed=seed,
                                          images=getattr(prompt, "images", None) or None,
-                                         checkpoint_at=getattr(prompt, "checkpoint_at", None))
+                                         checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit)
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -90,6 +138,41 @@ class Generation:
             server.scheduler.submit(self.request)
         except QueueFull as exc:
             raise ApiError(429, "rate_limit_error", f"server overloaded: {exc}; retry later") from None
+        except SchedulerDead as exc:
+            raise ApiError(503, "overloaded_error", str(exc)) from None
+
+    async def admission(self) -> None:
+        """Wait until a lane holds the request; past --pending-timeout-ms with every lane busy it leaves
+        the queue and the client gets a 503 (before a stream sends anything)."""
+        timeout = self.server.config.pending_timeout_ms / 1000 or None
+        try:
+            await asyncio.wait_for(self.admitted.wait(), timeout)
+        except asyncio.TimeoutError:
+            if self.server.scheduler.expire(self.request):
+                raise ApiError(503, "overloaded_error", f"request timed out in the queue: no lane became free within "
+                               f"{timeout * 1000:.0f} ms (--pending-timeout-ms); retry later") from None
+            await self.admitted.wait()  # a lane is free: the worker admits it now
+        except asyncio.CancelledError:
+            self.server.scheduler.cancel(self.request)
+            raise
+
+    async def collect(self, request: Request) -> None:
+        """Run a non-streaming generation to its end; a client that disconnects frees its lane (or its
+        place in the queue) within a fraction of a second."""
+        async def watch():
+            while True:
+                await asyncio.sleep(0.1)
+                if await request.is_disconnected():
+                    self.server.scheduler.cancel(self.request)
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self.admission()
+            async for _ in self.events():
+                pass
+        finally:
+            watcher.cancel()
 
     async def events(self):
         """Yields parser events; sets finish_reason ('stop', 'length', 'tool_calls', ...) at the end."""
@@ -113,6 +196,9 @@ class Generation:
                 _, reason, error = item
                 if reason == "error":
                     raise ApiError(500, "server_error", error or "generation failed")
+                if reason == "cancelled":
+                    self.finish_reason = "cancelled"
+                    break
                 if reason == "timeout":
                     raise ApiError(503, "overloaded_error", f"request timed out in the queue: {error}")
                 self.finish_reason = reason
@@ -161,7 +247,9 @@ class Server:
     def tokenize(self, messages, tools, thinking: bool, sink=None) -> list[int]:
         prompt = self.template.render(messages, tools, enable_thinking=thinking,
                                       preserve_thinking=self.config.preserve_thinking)
-        ids = TokenizedPrompt(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+        # encode_batch releases the GIL (encode holds it for seconds on a multi-megabyte prompt, which
+        # would stall the event loop even from a worker thread)
+        ids = TokenizedPrompt(self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
         if sink and sink.images:
             from ..vision import expand_image_tokens, preprocess
 
@@ -191,30 +279,36 @@ class Server:
         if value is None:
             return min(self.config.default_max_tokens, room)
         if type(value) is not int or value < 1:
-            raise ApiError(400, "invalid_request_error", "max_tokens must be a positive integer")
+            raise ApiError(400, "invalid_request_error", "max_tokens must be a positive integer", "max_tokens")
         return min(value, room)
 
     @staticmethod
     def sampling(body: dict) -> tuple[SamplingParams | None, int | None]:
-        def num(key, default, lo=None, hi=None):
+        def num(key, default, lo, hi):
             v = body.get(key, default)
             if v is None:
                 return default
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ApiError(400, "invalid_request_error", f"{key} must be a number")
-            if (lo is not None and v < lo) or (hi is not None and v > hi):
-                raise ApiError(400, "invalid_request_error", f"{key} must be in [{lo}, {hi}]")
+                raise ApiError(400, "invalid_request_error", f"{key} must be a number", key)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ApiError(400, "invalid_request_error", f"{key} must be a finite number", key)
+            if not lo <= v <= hi:
+                raise ApiError(400, "invalid_request_error", f"{key} must be in [{lo}, {hi}]", key)
             return v
 
         temperature = num("temperature", 1.0, 0, 2)
-        params = SamplingParams(temperature=float(temperature), top_k=int(num("top_k", 0, 0)), top_p=float(num("top_p", 1.0, 0, 1)),
+        top_k = body.get("top_k")
+        if top_k is not None and (type(top_k) is not int or not 0 <= top_k < 1 << 31):
+            raise ApiError(400, "invalid_request_error", "top_k must be an integer in [0, 2^31)", "top_k")
+        params = SamplingParams(temperature=float(temperature), top_k=top_k or 0, top_p=float(num("top_p", 1.0, 0, 1)),
                                 min_p=float(num("min_p", 0.0, 0, 1)), presence_penalty=float(num("presence_penalty", 0.0, -2, 2)),
                                 frequency_penalty=float(num("frequency_penalty", 0.0, -2, 2)),
                                 repetition_penalty=float(num("repetition_penalty", 1.0, 0.01, 10)))
         seed = body.get("seed")
         if seed is not None and type(seed) is not int:
-            raise ApiError(400, "invalid_request_error", "seed must be an integer")
-        return (None if params.temperature == 0 else params), seed
+            raise ApiError(400, "invalid_request_error", "seed must be an integer", "seed")
+        # any integer is a seed: reduced to the generator's 64 bits (the same seed always samples the same)
+        return (None if params.temperature == 0 else params), None if seed is None else seed & SEED_MASK
 
     @staticmethod
     def stops(value) -> list[str]:
@@ -224,13 +318,23 @@ class Server:
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-        raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings")
+        raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings", "stop")
 
     def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop) -> Generation:
         """Validate the sampling fields, length limit and stop strings, then queue the generation."""
         params, seed = self.sampling(body)
         max_tokens = self.max_tokens(limit, len(prompt))
         return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed)
+
+    async def prompt(self, build):
+        """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
+        and /health); a failure while reading the request's own content is a 400, not a 500."""
+        try:
+            return await asyncio.to_thread(build)
+        except (ApiError, RequestError):
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+            raise ApiError(400, "invalid_request_error", f"malformed request: {type(exc).__name__}: {exc}"[:500]) from None
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -252,10 +356,20 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             key = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
             if key != cfg.api_key:
                 raise ApiError(401, "authentication_error", "missing or wrong API key")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cfg.max_request_bytes:
+            raise ApiError(413, "request_too_large", f"request body of {declared} bytes exceeds the server's "
+                           f"{cfg.max_request_bytes}-byte limit (--max-request-bytes)")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > cfg.max_request_bytes:
+                raise ApiError(413, "request_too_large", f"request body exceeds the server's {cfg.max_request_bytes}-byte "
+                               "limit (--max-request-bytes)")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, "invalid_request_error", f"request body is not valid JSON: {exc}") from None
+            body = await asyncio.to_thread(json.loads, bytes(raw))
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # ValueError: also integers of > 4,300 digits
+            raise ApiError(400, "invalid_request_error", f"request body is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "invalid_request_error", "request body must be a JSON object")
         cfg.stats["requests"] += 1
@@ -273,12 +387,22 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                     cfg.stats["errors"] += 1
                     kind = "vision_disabled" if str(e).startswith("vision_disabled") else "invalid_request_error"
                     return shape(ApiError(400, kind, str(e)))
+                except Exception as e:  # noqa: BLE001 - a bug must still answer in the API's shape
+                    import traceback
+
+                    traceback.print_exc()
+                    cfg.stats["errors"] += 1
+                    return shape(ApiError(500, "server_error", f"internal error ({type(e).__name__}); the server keeps "
+                                                               "serving other requests"))
             handler.__name__ = fn.__name__
             return handler
         return wrap
 
     @app.get("/health")
     async def health():
+        failure = getattr(server.scheduler, "failure", None)
+        if failure is not None:
+            return JSONResponse({"status": "error", "error": f"generation worker stopped: {type(failure).__name__}"}, 503)
         return {"status": "ok", "model": cfg.model_id, "active_lanes": server.scheduler.active_lanes,
                 "queued": server.scheduler.queue_depth}
 
@@ -295,6 +419,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             "# TYPE ninfer_request_errors_total counter", f"ninfer_request_errors_total {cfg.stats['errors']}",
             "# TYPE ninfer_generated_tokens_total counter", f"ninfer_generated_tokens_total {s['generated_tokens']}",
             "# TYPE ninfer_rejected_total counter", f"ninfer_rejected_total {s['rejected_queue_full']}",
+            "# TYPE ninfer_queue_timeouts_total counter", f"ninfer_queue_timeouts_total {s['timed_out']}",
+            "# TYPE ninfer_failed_generations_total counter", f"ninfer_failed_generations_total {s['finished_error']}",
             "# TYPE ninfer_prefix_reused_tokens_total counter",
             f"ninfer_prefix_reused_tokens_total {getattr(getattr(server.engine, 'stats', None), 'reused_tokens', 0)}",
             "# TYPE ninfer_queue_depth gauge", f"ninfer_queue_depth {server.scheduler.queue_depth}",
@@ -319,21 +445,26 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     async def chat_completions(request: Request):
         body = await body_of(request)
         server.check_model(body)
-        tools = normalize_openai_tools(body.get("tools"))
-        sink = server.image_sink()
-        messages = normalize_openai_messages(body.get("messages"), sink)
-        kwargs = body.get("chat_template_kwargs") or {}
-        thinking = bool(kwargs.get("enable_thinking", body.get("reasoning_effort") != "none"))
-        prompt = server.tokenize(messages, tools, thinking, sink)
+        kwargs = object_field(body, "chat_template_kwargs")
+        thinking = bool_field(kwargs, "enable_thinking", body.get("reasoning_effort") != "none")
+        streaming = bool_field(body, "stream")
+        include_usage = bool_field(object_field(body, "stream_options"), "include_usage")
+
+        def build():
+            tools = normalize_openai_tools(body.get("tools"))
+            sink = server.image_sink()
+            messages = normalize_openai_messages(body.get("messages"), sink)
+            return tools, server.tokenize(messages, tools, thinking, sink)
+
+        tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
-        if not body.get("stream"):
-            async for _ in gen.events():
-                pass
+        if not streaming:
+            await gen.collect(request)
             r = gen.parser.result
             message = {"role": "assistant", "content": r.content or (None if r.tool_calls else ""),
                        "reasoning_content": r.reasoning or None}
@@ -344,7 +475,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                     "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason, "logprobs": None}],
                     "usage": usage()}
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        await gen.admission()  # a queue timeout is a 503 before any stream bytes
 
         def chunk(delta, finish=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_id,
@@ -377,19 +508,24 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
     # --- Anthropic Messages ---------------------------------------------------------------
 
-    def anthropic_prompt(body: dict):
+    async def anthropic_prompt(body: dict):
         server.check_model(body)
-        tools = normalize_anthropic_tools(body.get("tools"))
-        sink = server.image_sink()
-        messages = normalize_anthropic_messages(body.get("system"), body.get("messages"), sink)
-        thinking = (body.get("thinking") or {}).get("type") == "enabled"
-        return tools, thinking, server.tokenize(messages, tools, thinking, sink)
+        thinking = object_field(body, "thinking").get("type") == "enabled"
+
+        def build():
+            tools = normalize_anthropic_tools(body.get("tools"))
+            sink = server.image_sink()
+            messages = normalize_anthropic_messages(body.get("system"), body.get("messages"), sink)
+            return tools, server.tokenize(messages, tools, thinking, sink)
+
+        tools, prompt = await server.prompt(build)
+        return tools, thinking, prompt
 
     @app.post("/v1/messages/count_tokens")
     @guarded(_anthropic_error)
     async def count_tokens(request: Request):
         body = await body_of(request)
-        _, _, prompt = anthropic_prompt(body)
+        _, _, prompt = await anthropic_prompt(body)
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
@@ -397,8 +533,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     async def messages(request: Request):
         body = await body_of(request)
         if body.get("max_tokens") is None:
-            raise ApiError(400, "invalid_request_error", "max_tokens is required")
-        tools, thinking, prompt = anthropic_prompt(body)
+            raise ApiError(400, "invalid_request_error", "max_tokens is required", "max_tokens")
+        streaming = bool_field(body, "stream")
+        tools, thinking, prompt = await anthropic_prompt(body)
         try:
             gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"))
         except ApiError as e:
@@ -409,9 +546,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         stop_reason = lambda: {"length": "max_tokens", "tool_calls": "tool_use"}.get(  # noqa: E731
             gen.finish_reason, "stop_sequence" if gen.parser.result.stopped_by else "end_turn")
 
-        if not body.get("stream"):
-            async for _ in gen.events():
-                pass
+        if not streaming:
+            await gen.collect(request)
             r = gen.parser.result
             content = []
             if r.reasoning:
@@ -422,6 +558,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             return {"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id, "content": content,
                     "stop_reason": stop_reason(), "stop_sequence": r.stopped_by,
                     "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}}
+
+        await gen.admission()
 
         async def stream():
             yield _sse({"type": "message_start", "message": {
@@ -482,12 +620,17 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     async def responses(request: Request):
         body = await body_of(request)
         server.check_model(body)
-        tools = normalize_openai_tools(body.get("tools"))
-        sink = server.image_sink()
-        messages = normalize_responses_input(body.get("instructions"), body.get("input"), sink)
-        effort = (body.get("reasoning") or {}).get("effort")
+        effort = object_field(body, "reasoning").get("effort")
         thinking = effort not in ("none", "minimal")
-        prompt = server.tokenize(messages, tools, thinking, sink)
+        streaming = bool_field(body, "stream")
+
+        def build():
+            tools = normalize_openai_tools(body.get("tools"))
+            sink = server.image_sink()
+            messages = normalize_responses_input(body.get("instructions"), body.get("input"), sink)
+            return tools, server.tokenize(messages, tools, thinking, sink)
+
+        tools, prompt = await server.prompt(build)
         gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
@@ -520,14 +663,15 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             return {"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
                     "arguments": c.arguments_json, "status": "completed"}
 
-        if not body.get("stream"):
-            async for _ in gen.events():
-                pass
+        if not streaming:
+            await gen.collect(request)
             r = gen.parser.result
             output = ([reasoning_item(r.reasoning)] if r.reasoning else []) + \
                      ([message_item(f"msg_{uuid.uuid4().hex}", r.content)] if r.content or not r.tool_calls else []) + \
                      [call_item(c) for c in r.tool_calls]
             return final(output)
+
+        await gen.admission()
 
         async def stream():
             seq = 0

@@ -66,7 +66,8 @@ class ImageSink:
     """Collects the images of one request (raw bytes, in prompt order) while messages are normalized;
     passed where a `vision` flag is expected (truthy = vision on)."""
 
-    def __init__(self, allow_files: bool = False, allow_remote: bool = False, max_bytes: int = MAX_IMAGE_BYTES):
+    def __init__(self, allow_files=None, allow_remote: bool = False, max_bytes: int = MAX_IMAGE_BYTES):
+        """allow_files: None (local files refused) or the directory local image paths must lie under."""
         self.images: list[bytes] = []
         self.allow_files, self.allow_remote, self.max_bytes = allow_files, allow_remote, max_bytes
 
@@ -107,12 +108,21 @@ class ImageSink:
             return self.add(r.content, where)
         path = url[len("file://"):] if url.startswith("file://") else url
         if not self.allow_files:
-            raise RequestError(f"{where}: local image files are off (--no-local-images); send a data: URL")
+            raise RequestError(f"{where}: local image files are off; send a data: URL (or start the server with "
+                               "--allow-local-images DIR)")
+        import os
+
+        root = os.path.realpath(self.allow_files)
+        real = os.path.realpath(os.path.join(root, path))
+        # one answer for every path it cannot serve: a client learns nothing about what exists where
+        unreadable = RequestError(f"{where}: the image file is not readable under the server's allowed image directory")
+        if os.path.commonpath([root, real]) != root:
+            raise unreadable
         try:
-            with open(path, "rb") as f:
+            with open(real, "rb") as f:
                 return self.add(f.read(self.max_bytes + 1), where)
-        except OSError as exc:
-            raise RequestError(f"{where}: cannot read image file {path} ({exc.strerror})") from None
+        except OSError:
+            raise unreadable from None
 
 
 def _image_part(part: dict, where: str, vision) -> str:

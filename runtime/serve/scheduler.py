@@ -22,7 +22,10 @@ from ..kernels.sampling import SamplingParams, pick_token
 
 
 class QueueFull(RuntimeError):
-    """Every lane is busy and the pending queue is at --max-pending-requests."""
+    """Running plus queued requests are at lanes + --max-pending-requests."""
+
+
+SEED_MASK = (1 << 64) - 1  # torch generators take 64-bit seeds: larger ones are reduced to their low 64 bits
 
 
 @dataclass
@@ -36,6 +39,7 @@ class GenerationRequest:
     seed: int | None = None
     images: list | None = None  # runtime.vision.ImageInput per placeholder run, in order
     checkpoint_at: int | None = None  # save GDN state here for the next turn (see Engine.prefill_chunks)
+    on_admit: Callable[[], None] | None = None  # called (worker thread) once the request holds a lane
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -50,8 +54,13 @@ class _Lane:
     generator: torch.Generator | None = None
 
 
+class SchedulerDead(RuntimeError):
+    """The worker loop stopped on an error it could not contain; the server must be restarted."""
+
+
 class Scheduler:
-    def __init__(self, engine, max_pending: int = 64, pending_timeout_ms: int = 0):
+    def __init__(self, engine, max_pending: int = 64, pending_timeout_ms: int = 0,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.max_pending = max_pending
         self.pending_timeout = pending_timeout_ms / 1000.0
@@ -59,17 +68,25 @@ class Scheduler:
         self.lanes: dict[int, _Lane] = {}
         self.cond = threading.Condition()
         self.stopping = False
+        self.stopping_admission = False
+        self.failure: BaseException | None = None  # set when the worker loop died: /health turns 503
+        self.on_fatal = on_fatal
         self.stats = collections.Counter()
-        self.thread = threading.Thread(target=self._run, name="ninfer-scheduler", daemon=True)
+        self.thread = threading.Thread(target=self._supervised, name="ninfer-scheduler", daemon=True)
         self.thread.start()
 
     # --- client side ----------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest) -> None:
+        """Queue a request, or raise QueueFull at once: running + queued never exceed the lanes plus
+        --max-pending-requests, whether or not the worker has admitted the earlier ones yet."""
         with self.cond:
-            if len(self.pending) >= self.max_pending and len(self.lanes) >= self.engine.lanes:
+            if self.failure is not None or self.stopping:
+                raise SchedulerDead("the generation worker has stopped; the server is shutting down")
+            if len(self.pending) + len(self.lanes) >= self.engine.lanes + self.max_pending:
                 self.stats["rejected_queue_full"] += 1
-                raise QueueFull(f"all {self.engine.lanes} lanes are busy and {len(self.pending)} requests are waiting")
+                raise QueueFull(f"{len(self.lanes)} of {self.engine.lanes} lanes are busy and {len(self.pending)} "
+                                f"requests are waiting (--max-pending-requests {self.max_pending})")
             self.pending.append(request)
             self.stats["submitted"] += 1
             self.cond.notify()
@@ -78,6 +95,28 @@ class Scheduler:
         request.cancelled = True
         with self.cond:
             self.cond.notify()
+
+    def expire(self, request: GenerationRequest) -> bool:
+        """Take a request that is still waiting out of the queue (its wait ran out); False when it
+        already holds a lane or is about to (a lane is free)."""
+        with self.cond:
+            if request in self.pending and len(self.lanes) >= self.engine.lanes:
+                self.pending.remove(request)
+                self.stats["timed_out"] += 1
+                return True
+            return False
+
+    def drain(self) -> None:
+        """Stop admitting: every waiting request is answered now; running ones finish."""
+        with self.cond:
+            self.stopping_admission = True
+            for req in self.pending:
+                req.on_done("error", "the server is shutting down")
+            self.pending.clear()
+
+    @property
+    def busy(self) -> int:
+        return len(self.lanes) + len(self.pending)
 
     def close(self) -> None:
         with self.cond:
@@ -95,6 +134,23 @@ class Scheduler:
 
     # --- worker ---------------------------------------------------------------------------
 
+    def _supervised(self) -> None:
+        """The worker loop; if anything escapes it, every waiting client gets an error (never a hang),
+        `failure` is set (health 503) and on_fatal runs (the CLI exits non-zero for a supervisor)."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - the loop must never die silently
+            traceback.print_exc(file=sys.stderr)
+            with self.cond:
+                self.failure = exc
+                waiting = list(self.pending) + [state.request for state in self.lanes.values()]
+                self.pending.clear()
+                self.lanes.clear()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+            for req in waiting:
+                req.on_done("error", f"generation worker stopped: {type(exc).__name__}")
+
     def _run(self) -> None:
         while True:
             with self.cond:
@@ -108,7 +164,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 traceback.print_exc(file=sys.stderr)
                 for lane in list(self.lanes):
-                    self._finish(lane, "error", f"engine failure: {exc}")
+                    self._finish(lane, "error", f"engine failure: {type(exc).__name__}")
 
     def _expire_and_admit(self) -> None:
         now = time.monotonic()
@@ -123,25 +179,29 @@ class Scheduler:
                 kept.append(req)
         self.pending = kept
         free = [i for i in range(self.engine.lanes) if i not in self.lanes]
-        while free and self.pending:
+        while free and self.pending and not self.stopping_admission:
             req = self.pending.popleft()
             # a returning conversation goes back to the lane that still holds its prefix
             lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
             free.remove(lane)
-            try:
+            try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at)
+                state = _Lane(req, chunks)
+                if req.params is not None:
+                    device = self.engine.device
+                    state.counts = torch.zeros(1, self.engine.cfg.vocab_size, dtype=torch.int32, device=device)
+                    state.generator = torch.Generator(device)
+                    state.generator.manual_seed((req.seed if req.seed is not None else torch.seed()) & SEED_MASK)
             except Exception as exc:  # noqa: BLE001
+                traceback.print_exc(file=sys.stderr)
+                self.stats["finished_error"] += 1
                 req.on_done("error", str(exc))
                 continue
-            state = _Lane(req, chunks)
-            if req.params is not None:
-                device = self.engine.device
-                state.counts = torch.zeros(1, self.engine.cfg.vocab_size, dtype=torch.int32, device=device)
-                state.generator = torch.Generator(device)
-                state.generator.manual_seed(req.seed if req.seed is not None else torch.seed())
             self.lanes[lane] = state
             self.stats["admitted"] += 1
+            if req.on_admit is not None:
+                req.on_admit()
 
     def _pick(self, state: _Lane, logits: torch.Tensor) -> int:
         return pick_token(logits, state.request.params, state.counts, state.generator)
@@ -163,7 +223,10 @@ class Scheduler:
         state = self.lanes.pop(lane, None)
         if state is not None:
             self.stats[f"finished_{reason}"] += 1
-            state.request.on_done(reason, error)
+            try:
+                state.request.on_done(reason, error)
+            except Exception:  # noqa: BLE001 - a client's callback failing (its loop gone) ends only that client
+                traceback.print_exc(file=sys.stderr)
 
     def _speculate(self, decoding: list[int]) -> list[int]:
         """One speculative round (MTP or DFlash2) for every lane that can draft (batched); returns the lanes left for a plain step."""
@@ -195,7 +258,7 @@ class Scheduler:
                     self._finish(lane, "error", str(exc))
                     continue
                 if logits is not None:
-                    self._emit(lane, self._pick(state, logits))
+                    self._pick_and_emit(lane, logits)
         decoding = [lane for lane, s in self.lanes.items() if s.last_token is not None]
         if not decoding:
             return
@@ -205,4 +268,13 @@ class Scheduler:
                 return
         logits = self.engine.decode_step(decoding, [self.lanes[lane].last_token for lane in decoding])
         for row, lane in enumerate(decoding):
-            self._emit(lane, self._pick(self.lanes[lane], logits[row]))
+            self._pick_and_emit(lane, logits[row])
+
+    def _pick_and_emit(self, lane: int, logits: torch.Tensor) -> None:
+        """Sample this lane's next token and hand it to its client; a failure here (its sampling
+        values, its callback) ends this lane's request alone."""
+        try:
+            self._emit(lane, self._pick(self.lanes[lane], logits))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc(file=sys.stderr)
+            self._finish(lane, "error", f"generation failed: {type(exc).__name__}")

@@ -8,9 +8,9 @@ timeout 150 python -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py -
 echo "tests done $(el) s"
 timeout 300 python bench/gemv_compare.py "$OUT/gemv_rows.json" rows 2>&1 | grep -E "^\{|failed" | cut -c1-1200
 echo "gemv done $(el) s"
-TILE=$(python - <<'PY'
+TILE=$(OUT_DIR="$OUT" python - <<'PY'
 import json, collections
-rows = json.load(open("/tmp/out/gemv_rows.json"))["rows"]
+rows = json.load(open(__import__("os").environ["OUT_DIR"] + "/gemv_rows.json"))["rows"]
 score = collections.Counter()
 for r in rows:
     if r["op"].endswith("W8") or r["op"].startswith("head"):

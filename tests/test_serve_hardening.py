@@ -1,0 +1,317 @@
+"""`ninfer serve` against hostile and careless clients: the real app and the real lane scheduler over a
+fake engine (deterministic logits in microseconds), on loopback. Every malformed request is a 4xx in
+its API's own JSON shape, one request's failure never reaches another, admission is bounded at
+arrival, disconnects free their place, the event loop stays responsive, and a dead worker is loud."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from format.tiny import CHAT_TEMPLATE, build_tokenizer
+from runtime.serve.app import Server, ServerConfig, build_app
+from runtime.serve.chat_template import ChatTemplate
+from runtime.serve.scheduler import Scheduler
+
+VOCAB = 384
+POISON = "poison-pill"  # a prompt holding this fails in the middle of its prefill (fault injection)
+
+
+class FakeEngine:
+    """The engine surface the scheduler uses. Greedy next token = a function of the last token only, so
+    a lane's output depends on its own prompt alone; prefill yields one chunk per 16 prompt tokens."""
+
+    def __init__(self, tokenizer, lanes: int = 2, step_s: float = 0.002):
+        self.lanes, self.step_s = lanes, step_s
+        self.device = torch.device("cpu")
+        self.cfg = SimpleNamespace(vocab_size=VOCAB)
+        self.opts = SimpleNamespace(max_context=4096)
+        self.speculator = None
+        self.held: dict[int, int] = {}
+        self.stop = tokenizer.token_to_id("<|im_end|>")
+        self.poison = set(tokenizer.encode(POISON, add_special_tokens=False).ids)
+
+    def logits(self, token: int) -> torch.Tensor:
+        nxt = (token * 7 + 3) % VOCAB
+        if nxt == self.stop:
+            nxt = (nxt + 1) % VOCAB
+        out = torch.zeros(VOCAB)
+        out[nxt] = 10.0
+        return out
+
+    def reusable_prefix(self, lane, prompt):
+        return 0
+
+    def held_tokens(self, lane):
+        return self.held.get(lane, 0)
+
+    def prefill_chunks(self, lane, prompt, **_):
+        poisoned = self.poison.issubset(prompt)
+
+        def chunks():
+            for start in range(0, len(prompt), 16):
+                time.sleep(self.step_s)
+                if poisoned and start > 0:
+                    raise RuntimeError("injected fault in the middle of a prefill")
+                self.held[lane] = min(len(prompt), start + 16)
+                yield self.logits(prompt[-1]) if start + 16 >= len(prompt) else None
+
+        return chunks()
+
+    def decode_step(self, lanes, tokens):
+        time.sleep(self.step_s)
+        for lane in lanes:
+            self.held[lane] += 1
+        return torch.stack([self.logits(t) for t in tokens])
+
+
+class Running:
+    def __init__(self, lanes=2, max_pending=4, pending_timeout_ms=0, step_s=0.002, max_request_bytes=1 << 20,
+                 on_fatal=None):
+        import uvicorn
+
+        tok = build_tokenizer(VOCAB)
+        self.engine = FakeEngine(tok, lanes, step_s)
+        self.scheduler = Scheduler(self.engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
+                                   on_fatal=on_fatal)
+        config = ServerConfig("tiny", 4096, pending_timeout_ms=pending_timeout_ms, max_request_bytes=max_request_bytes)
+        server = Server(self.engine, tok, ChatTemplate(CHAT_TEMPLATE), config, {self.engine.stop}, self.scheduler)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.scheduler.close()
+
+    def healthy(self) -> bool:
+        return httpx.get(self.url + "/health", timeout=10).status_code == 200
+
+    def chat(self, content="hello", timeout=30, **extra):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 6,
+                "temperature": 0, **extra}
+        return httpx.post(self.url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Running()
+    yield s
+    s.stop()
+
+
+CHAT, MESSAGES, RESPONSES, COUNT = "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/messages/count_tokens"
+USER = [{"role": "user", "content": "hi"}]
+BASES = {CHAT: {"messages": USER, "max_tokens": 4}, MESSAGES: {"messages": USER, "max_tokens": 4},
+         RESPONSES: {"input": "hi", "max_output_tokens": 4}, COUNT: {"messages": USER}}
+# fields every API reads, with values no client may send
+SHARED_BAD = [("temperature", "hot"), ("temperature", float("nan")), ("temperature", 3), ("temperature", -1),
+              ("temperature", [1]), ("top_p", 2), ("top_p", "x"), ("top_k", 10 ** 30), ("top_k", -1), ("top_k", 1.5),
+              ("seed", "x"), ("seed", 1.5), ("model", "gpt-9"), ("stream", "yes"), ("tools", "x"), ("tools", [5]),
+              ("presence_penalty", 9), ("min_p", float("inf"))]
+PER_API_BAD = {
+    CHAT: [("messages", "nope"), ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+           ("messages", [{"role": "user", "content": [{"type": "video", "video": 1}]}]), ("messages", [5]),
+           ("messages", [{"role": "wizard", "content": "x"}]), ("chat_template_kwargs", "x"),
+           ("chat_template_kwargs", {"enable_thinking": "maybe"}), ("stream_options", "yes"), ("max_tokens", 0),
+           ("max_tokens", "many"), ("stop", 5), ("stop", [1, 2]),
+           ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])],
+    MESSAGES: [("messages", "nope"), ("thinking", "yes"), ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+               ("messages", [{"role": "assistant", "content": [{"type": "thinking", "thinking": None}]}]),
+               ("messages", [{"role": "user", "content": [{"type": "tool_result"}]}]), ("max_tokens", -3),
+               ("stop_sequences", 7), ("system", 5), ("messages", [{"role": "user"}])],
+    RESPONSES: [("reasoning", "high"), ("input", 5), ("input", [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]),
+                ("input", [{"type": "function_call_output"}]), ("max_output_tokens", 0), ("instructions", 5)],
+    COUNT: [("messages", "nope"), ("thinking", "yes"), ("system", [5])],
+}
+
+
+def _cases():
+    cases = []
+    for path, base in BASES.items():
+        for key, value in SHARED_BAD if path != COUNT else [("model", "gpt-9"), ("tools", "x"), ("tools", [5])]:
+            cases.append((path, {**base, key: value}))
+        for key, value in PER_API_BAD[path]:
+            cases.append((path, {**base, key: value}))
+        cases += [(path, "{not json"), (path, "[1, 2]"), (path, "null"), (path, "[" * 200_000 + "]" * 200_000),
+                  (path, '{"max_tokens": ' + "9" * 5000 + "}"), (path, b"\xff\xfe{}")]
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_matrix_is_large():
+    assert len(CASES) >= 80
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=lambda v: v if isinstance(v, str) and v.startswith("/") else None)
+def test_malformed_requests_are_4xx_in_the_api_shape(srv, path, body):
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body, allow_nan=True)
+    r = httpx.post(srv.url + path, content=data, headers={"content-type": "application/json"}, timeout=60)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    payload = r.json()  # JSON, never plain text
+    if path.startswith("/v1/messages"):
+        assert payload["type"] == "error" and payload["error"]["type"] in (
+            "invalid_request_error", "not_found_error", "request_too_large")
+    else:
+        assert payload["error"]["type"] in ("invalid_request_error", "not_found_error", "vision_disabled",
+                                            "context_length_exceeded")
+    assert payload["error"]["message"]
+    assert srv.healthy()
+
+
+def test_well_formed_request_after_the_matrix(srv):
+    r = srv.chat()
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_any_integer_seed_samples_deterministically(srv):
+    big = 1180591620717411303424  # 2^70: reduced to 64 bits, the same seed gives the same text
+    a = srv.chat(temperature=1, seed=big).json()["choices"][0]["message"]["content"]
+    b = srv.chat(temperature=1, seed=big).json()["choices"][0]["message"]["content"]
+    assert a == b
+    assert srv.chat(temperature=1, seed=-5).status_code == 200
+    assert srv.healthy() and srv.chat().status_code == 200
+
+
+def test_a_failing_request_does_not_touch_its_neighbour(srv):
+    alone = srv.chat("the neighbour", max_tokens=12).json()["choices"][0]["message"]["content"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(srv.chat, f"{POISON} " + "word " * 60, max_tokens=12)
+        good = pool.submit(srv.chat, "the neighbour", max_tokens=12)
+        bad, good = bad.result(), good.result()
+    assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
+    assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == alone
+    assert srv.healthy()
+
+
+def test_admission_is_bounded_at_arrival():
+    s = Running(lanes=1, max_pending=1, step_s=0.02)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            results = list(pool.map(lambda i: s.chat(f"burst {i}", max_tokens=8), range(10)))
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) <= 2 and codes.count(429) >= 8, codes
+        refused = next(r for r in results if r.status_code == 429)
+        assert refused.headers.get("retry-after") == "1" and refused.json()["error"]["type"] == "rate_limit_error"
+        anthropic = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 4}, timeout=30)
+        assert anthropic.status_code == 200  # idle again: admitted
+        metrics = httpx.get(s.url + "/metrics").text
+        assert f"ninfer_rejected_total {codes.count(429)}" in metrics
+    finally:
+        s.stop()
+
+
+def test_queue_timeout_is_a_503_before_any_stream_bytes():
+    s = Running(lanes=1, max_pending=4, pending_timeout_ms=200, step_s=0.05)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(s.chat, "long one", max_tokens=40)
+            time.sleep(0.3)
+            t0 = time.time()
+            second = s.chat("waits", stream=True)
+            waited = time.time() - t0
+            assert first.result().status_code == 200
+        assert second.status_code == 503 and second.headers["content-type"].startswith("application/json")
+        assert "timed out in the queue" in second.json()["error"]["message"] and waited < 2.0
+        assert "ninfer_queue_timeouts_total 1" in httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_disconnecting_client_frees_its_lane(stream):
+    s = Running(lanes=1, step_s=0.02)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "goes away"}], "max_tokens": 3000,
+                "stream": stream}
+        if stream:
+            with httpx.stream("POST", s.url + CHAT, json=body, timeout=30) as r:
+                next(r.iter_lines())  # the first chunk: the request holds the lane; then the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(s.url + CHAT, json=body, timeout=0.5)
+        deadline = time.time() + 5
+        while httpx.get(s.url + "/health").json()["active_lanes"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(s.url + "/health").json()["active_lanes"] == 0
+        assert s.chat("next").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_queued_client_that_disconnects_leaves_the_queue():
+    s = Running(lanes=1, max_pending=4, step_s=0.02)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(s.chat, "holder", max_tokens=60)
+            time.sleep(0.2)
+            with pytest.raises(httpx.ReadTimeout):
+                s.chat("queued then gone", timeout=0.3)
+            time.sleep(0.3)
+            assert httpx.get(s.url + "/health").json()["queued"] == 0
+            assert first.result().status_code == 200
+    finally:
+        s.stop()
+
+
+def test_large_bodies_are_413_and_health_stays_fast():
+    s = Running(max_request_bytes=4 << 20)
+    try:
+        too_big = httpx.post(s.url + CHAT, content=b"{" + b" " * (5 << 20) + b"}",
+                             headers={"content-type": "application/json"}, timeout=60)
+        assert too_big.status_code == 413 and "--max-request-bytes" in too_big.json()["error"]["message"]
+        latencies, done = [], threading.Event()
+
+        def poll():
+            while not done.is_set():
+                t0 = time.perf_counter()
+                assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        big = s.chat("word " * 700_000, timeout=120)  # 3.5 MB rendered and tokenized off the event loop
+        done.set()
+        poller.join()
+        assert big.status_code == 400 and "tokens" in big.json()["error"]["message"]
+        assert len(latencies) >= 3 and max(latencies) < 0.5, max(latencies)
+    finally:
+        s.stop()
+
+
+def test_a_dead_worker_is_loud_not_a_hang(monkeypatch):
+    fatal = []
+    s = Running(lanes=1, step_s=0.01, on_fatal=fatal.append)
+    try:
+        def broken():
+            raise SystemError("worker bug")
+
+        monkeypatch.setattr(s.scheduler, "_expire_and_admit", broken)  # outside the per-step guard: escapes the loop
+        first = s.chat("wakes the worker", timeout=10)
+        assert first.status_code == 500 and "worker stopped" in first.json()["error"]["message"]  # answered, no hang
+        assert len(fatal) == 1 and isinstance(fatal[0], SystemError)
+        health = httpx.get(s.url + "/health", timeout=5)
+        assert health.status_code == 503 and "worker stopped" in health.json()["error"]
+        r = s.chat("anyone?", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+    finally:
+        s.stop()
