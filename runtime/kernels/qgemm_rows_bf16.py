@@ -11,8 +11,8 @@ bf16). The codes of one weight group meet x's bf16 rows in one tensor-core dot (
 the group's fp16 scale is applied to that dot's [rows, T] result, so no product is rounded before
 it is summed: y = sum over groups of scale[row, g] * (q[row, g, :] . x[t, g, :]).
 
-Q5/Q6 codes come from the same byte-parallel unpacking as the int8 kernel (_q5_bytes / _q6_bytes,
-with each code byte's high-plane byte loaded beside it) and then the same move under 128.0. W8 codes (8 bits do not fit under one bf16 exponent) go through
+Q5/Q6 codes come from the same byte-parallel unpacking as the int8 kernel (unpack_group_bytes) and
+then the same move under 128.0. W8 codes (8 bits do not fit under one bf16 exponent) go through
 float32's 2^23 magic instead. Under the interpreter the codes are converted with plain integer ops.
 
 `qgemm_rows_bf16_reference` is the exact float product (qlinear_reference's dequantized weights).
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_wait
-from .qgemv_int8 import _q5_bytes, _q6_bytes, finish_splits, native_dp4a, split_partials
+from .qgemv_int8 import finish_splits, native_dp4a, split_partials, unpack_group_bytes
 
 
 def _bf16_pair(value: float) -> str:
@@ -93,10 +93,9 @@ def _w8_bf16(c):
 def _load_planes(code_ptr, high_ptr, rows, ok, g, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr):
     """Weight group `g` of `rows` as loaded (where `ok`, [BLOCK_N, 1]): code bytes [BLOCK_N, GROUP / 2]
-    (W8: int8 codes [BLOCK_N, GROUP]) and, for Q5 / Q6, the high-plane byte of each code byte (the same
-    shape: byte j's lanes 2j, 2j + 1 take their high bits from high byte j / 4 (Q5) or j / 2 (Q6), read
-    again from L1 for each code byte, so every later step is elementwise and the layout change to the
-    tensor-core operand happens on bytes); otherwise the codes again (unused)."""
+    (W8: int8 codes [BLOCK_N, GROUP]) and the high plane (Q5: 8 bytes, Q6: 8 int16; else the codes
+    again, unused). (Loading each code byte's high byte beside it, to keep every step elementwise, made
+    the Q5/Q6 products 5-15x slower on the H200: run 29 call 3.)"""
     if BITS == 8:
         j = tl.arange(0, GROUP)
         b = tl.load(code_ptr + rows[:, None] * K_PAD + g * GROUP + j[None, :], mask=ok, other=0)
@@ -104,12 +103,12 @@ def _load_planes(code_ptr, high_ptr, rows, ok, g, GPR: tl.constexpr, K_PAD: tl.c
     else:
         j = tl.arange(0, GROUP // 2)
         b = tl.load(code_ptr + rows[:, None] * (K_PAD // 2) + g * (GROUP // 2) + j[None, :], mask=ok, other=0)
+        h = tl.arange(0, 8)
         if BITS == 5:
-            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + (j // 4)[None, :], mask=ok,
-                         other=0)
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + h[None, :], mask=ok, other=0)
         elif BITS == 6:
-            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + g * HIGH_BYTES + (j // 2)[None, :], mask=ok,
-                         other=0)
+            hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES // 2) + g * (HIGH_BYTES // 2) + h[None, :],
+                         mask=ok, other=0)
         else:
             hb = b
     return b, hb
@@ -125,9 +124,7 @@ def _scales(scale_ptr, rows, ok, g, GPR: tl.constexpr):
 def _codes(b, hb, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
            DTYPE: tl.constexpr):
     """Loaded planes (_load_planes) -> exact codes q in DTYPE: nibble formats (even, odd) lanes
-    [BLOCK_N, GROUP / 2]; W8 (codes, codes). Q5: lane l's fifth bit is bit l % 8 of its high byte;
-    Q6: lane l's bits 4-5 are bits 2(l % 4), 2(l % 4) + 1 of its high byte."""
-    j = tl.arange(0, GROUP // 2)[None, :]
+    [BLOCK_N, GROUP / 2]; W8 (codes, codes)."""
     if USE_ASM:
         if BITS == 8:
             even = _w8_bf16(b)
@@ -135,13 +132,10 @@ def _codes(b, hb, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr
         elif BITS == 4:
             even = _q4_bf16(b, 0)
             odd = _q4_bf16(b, 1)
-        elif BITS == 5:
-            even = _unsigned_bf16(_q5_bytes(b, hb, (1 << (2 * (j % 4))).to(tl.uint8), 0), BITS)
-            odd = _unsigned_bf16(_q5_bytes(b, hb, (2 << (2 * (j % 4))).to(tl.uint8), 1), BITS)
         else:
-            low_bit = (1 << (4 * (j % 2))).to(tl.uint8)
-            even = _unsigned_bf16(_q6_bytes(b, hb, low_bit, 0), BITS)
-            odd = _unsigned_bf16(_q6_bytes(b, hb, low_bit << 2, 1), BITS)
+            ue, uo = unpack_group_bytes(b, hb, BITS, GROUP, BLOCK_N, USE_ASM)
+            even = _unsigned_bf16(ue, BITS)
+            odd = _unsigned_bf16(uo, BITS)
     else:  # plain integer ops (interpreter, or x not bf16)
         if BITS == 8:
             even = b.to(tl.int32).to(DTYPE)
@@ -150,13 +144,16 @@ def _codes(b, hb, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr
             v = b.to(tl.int32)
             lo = v & 0xF
             hi = (v >> 4) & 0xF
-            h = hb.to(tl.int32) & 0xFF
-            if BITS == 5:
-                lo = lo | (((h >> (2 * (j % 4))) & 1) << 4)
-                hi = hi | (((h >> (2 * (j % 4) + 1)) & 1) << 4)
-            elif BITS == 6:
-                lo = lo | (((h >> (4 * (j % 2))) & 3) << 4)
-                hi = hi | (((h >> (4 * (j % 2) + 2)) & 3) << 4)
+            j = tl.arange(0, GROUP // 2)[None, :]
+            if BITS == 5:  # lane l's fifth bit: bit l % 8 of high byte l / 8
+                hbb = tl.reshape(tl.broadcast_to(hb.to(tl.int32)[:, :, None], (BLOCK_N, 8, 4)), (BLOCK_N, GROUP // 2))
+                lo = lo | (((hbb >> (2 * (j % 4))) & 1) << 4)
+                hi = hi | (((hbb >> (2 * (j % 4) + 1)) & 1) << 4)
+            elif BITS == 6:  # lane l's bits 4-5: bits 2(l % 4), 2(l % 4) + 1 of high byte l / 4
+                k = tl.arange(0, 4)[None, None, :]
+                hbb = tl.reshape((hb.to(tl.int32)[:, :, None] >> (8 * (k // 2))) & 255, (BLOCK_N, GROUP // 2))
+                lo = lo | (((hbb >> (4 * (j % 2))) & 3) << 4)
+                hi = hi | (((hbb >> (4 * (j % 2) + 2)) & 3) << 4)
             sign: tl.constexpr = 1 << (BITS - 1)
             even = ((lo ^ sign) - sign).to(DTYPE)
             odd = ((hi ^ sign) - sign).to(DTYPE)
@@ -247,7 +244,7 @@ def qgemm_rows_bf16(x: torch.Tensor, w, y: torch.Tensor, block_n: int, split: in
     target = split_partials(y, split)
     bits = w.fmt.bits
     code = w.base.view(torch.int8) if bits == 8 else w.base.view(torch.uint8)
-    high = w.base if w.high is None else w.high.view(torch.uint8)
+    high = w.base if w.high is None else (w.high.view(torch.int16) if bits == 6 else w.high)
     _qgemm_rows_bf16_kernel[(triton.cdiv(w.rows, block_n), split, triton.cdiv(t, 16))](
         x, code, high, w.scale, target, t, w.rows, k, x.stride(0), w.groups_per_row // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=bits, GROUP=w.fmt.group_size,
