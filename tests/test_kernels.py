@@ -137,7 +137,7 @@ def test_rows_path_names_a_bad_override(monkeypatch):
     with pytest.raises(ValueError, match="NINFER_GEMV_ROWS='fast' is not one of"):
         ql.rows_path(4)
     monkeypatch.setattr(ql, "ROWS_PATH", "auto")
-    assert [ql.rows_path(b) for b in (4, 5, 6, 8)] == ["mma", "bf16", "mma", "tensor"]
+    assert [ql.rows_path(b) for b in (4, 5, 6, 8)] == ["mma", "mma", "mma", "tensor"]
 
 
 @pytest.mark.parametrize("fmt,path", [("Q4G64_F16S", "mma"), ("Q5G64_F16S", "mma"), ("Q6G64_F16S", "mma"),

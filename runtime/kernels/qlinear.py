@@ -47,9 +47,9 @@ GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
 ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16")
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
-# Q5 (MLP down, GDN out: few rows, long K) on the bf16 kernel: T = 4 / 8 down 66.1 / 70.5 -> 55.4 / 55.7 us,
-# GDN out 23.6 / 24.2 -> 22.7 / 22.8 (run 29 call 2, bench/RESULTS.md §19); Q4 / Q6 stay on the int8 kernel
-ROWS_BY_BITS = {4: "mma", 5: "bf16", 6: "mma", 8: "tensor"}
+# The bf16 kernel (NINFER_GEMV_ROWS=bf16) is faster on Q5 products alone (MLP down T = 4: 65.8 -> 52.7 us) but
+# not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, bench/RESULTS.md §19): int8 stays the default
+ROWS_BY_BITS = {4: "mma", 5: "mma", 6: "mma", 8: "tensor"}
 ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 # int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
