@@ -539,7 +539,15 @@ def serve(
                                 on_fatal=_exit_after_fatal)
     err.print(summary)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
-    server.run(sockets=[sock])  # SIGTERM / SIGINT: uvicorn stops accepting, waits up to the grace, returns
+    import signal
+
+    # uvicorn turns SIGTERM / SIGINT into a graceful shutdown (stop accepting, let running requests finish
+    # for up to the grace, cancel the rest), then re-raises the signal into the handler it found: a quiet
+    # one here, so a shutdown that went as planned exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
+    err.print("ninfer serve: shut down")
 
 
 def _bind(host: str, port: int):

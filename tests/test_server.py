@@ -133,8 +133,8 @@ def test_anthropic_messages_and_stream(server):
     ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "not served here"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "vision_disabled"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, 400, "--max-context"),
-    ("/v1/chat/completions", {"messages": "nope"}, 400, "messages must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature must be a number"),
+    ("/v1/chat/completions", {"messages": "nope"}, 400, "messages: Input should be a valid list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400, "temperature: Input should be a valid number"),
     ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens is required"),
 ])
 def test_malformed_requests_get_api_shaped_errors(server, path, body, status, text):

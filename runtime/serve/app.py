@@ -30,6 +30,8 @@ from .chat_template import (
 )
 from .output_parser import OutputParser
 from .scheduler import SEED_MASK, GenerationRequest, QueueFull, Scheduler, SchedulerDead
+from .schemas import (ChatRequest, CountTokensRequest, MessagesRequest, ResponsesRequest, ValidationError,
+                      first_error)
 
 
 @dataclass
@@ -86,23 +88,13 @@ def _anthropic_error(e: ApiError) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, e.status, headers=_headers(e))
 
 
-def object_field(body: dict, key: str) -> dict:
-    """An optional field that must be a JSON object when present ({} when absent or null)."""
-    value = body.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ApiError(400, "invalid_request_error", f"{key} must be an object", key)
-    return value
-
-
-def bool_field(body: dict, key: str, default: bool = False) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, "invalid_request_error", f"{key} must be true or false", key)
-    return value
+def parse(model, body: dict):
+    """The body checked against the API's typed request model (schemas.py): a 400 naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        param, message = first_error(exc)
+        raise ApiError(400, "invalid_request_error", message, param) from None
 
 
 class Generation:
@@ -444,11 +436,14 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     @guarded(_openai_error)
     async def chat_completions(request: Request):
         body = await body_of(request)
+        req = parse(ChatRequest, body)
         server.check_model(body)
-        kwargs = object_field(body, "chat_template_kwargs")
-        thinking = bool_field(kwargs, "enable_thinking", body.get("reasoning_effort") != "none")
-        streaming = bool_field(body, "stream")
-        include_usage = bool_field(object_field(body, "stream_options"), "include_usage")
+        kwargs = req.chat_template_kwargs
+        thinking = req.reasoning_effort != "none"
+        if kwargs is not None and kwargs.enable_thinking is not None:
+            thinking = kwargs.enable_thinking
+        streaming = bool(req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def build():
             tools = normalize_openai_tools(body.get("tools"))
@@ -508,9 +503,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
     # --- Anthropic Messages ---------------------------------------------------------------
 
-    async def anthropic_prompt(body: dict):
+    async def anthropic_prompt(body: dict, model):
+        req = parse(model, body)
         server.check_model(body)
-        thinking = object_field(body, "thinking").get("type") == "enabled"
+        thinking = req.thinking is not None and req.thinking.type in ("enabled", "adaptive")
 
         def build():
             tools = normalize_anthropic_tools(body.get("tools"))
@@ -525,7 +521,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     @guarded(_anthropic_error)
     async def count_tokens(request: Request):
         body = await body_of(request)
-        _, _, prompt = await anthropic_prompt(body)
+        _, _, prompt = await anthropic_prompt(body, CountTokensRequest)
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
@@ -534,8 +530,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         body = await body_of(request)
         if body.get("max_tokens") is None:
             raise ApiError(400, "invalid_request_error", "max_tokens is required", "max_tokens")
-        streaming = bool_field(body, "stream")
-        tools, thinking, prompt = await anthropic_prompt(body)
+        streaming = body.get("stream") is True
+        tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
         try:
             gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"))
         except ApiError as e:
@@ -619,10 +615,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     @guarded(_openai_error)
     async def responses(request: Request):
         body = await body_of(request)
+        req = parse(ResponsesRequest, body)
         server.check_model(body)
-        effort = object_field(body, "reasoning").get("effort")
-        thinking = effort not in ("none", "minimal")
-        streaming = bool_field(body, "stream")
+        thinking = (req.reasoning.effort if req.reasoning else None) not in ("none", "minimal")
+        streaming = bool(req.stream)
 
         def build():
             tools = normalize_openai_tools(body.get("tools"))
