@@ -171,8 +171,7 @@ def test_malformed_requests_are_4xx_in_the_api_shape(srv, path, body):
         assert payload["type"] == "error" and payload["error"]["type"] in (
             "invalid_request_error", "not_found_error", "request_too_large")
     else:
-        assert payload["error"]["type"] in ("invalid_request_error", "not_found_error", "vision_disabled",
-                                            "context_length_exceeded")
+        assert payload["error"]["type"] in ("invalid_request_error", "not_found_error")  # OpenAI's documented types
     assert payload["error"]["message"]
     assert srv.healthy()
 
@@ -293,7 +292,9 @@ def test_large_bodies_are_413_and_health_stays_fast():
         done.set()
         poller.join()
         assert big.status_code == 400 and "tokens" in big.json()["error"]["message"]
+        # 100 ms on an idle machine; the bound leaves room for a loaded two-core CI runner
         assert len(latencies) >= 3 and max(latencies) < 0.5, max(latencies)
+        print(f"/health during a 3.5 MB request: max {max(latencies) * 1e3:.0f} ms over {len(latencies)} polls")
     finally:
         s.stop()
 
@@ -312,6 +313,6 @@ def test_a_dead_worker_is_loud_not_a_hang(monkeypatch):
         health = httpx.get(s.url + "/health", timeout=5)
         assert health.status_code == 503 and "worker stopped" in health.json()["error"]
         r = s.chat("anyone?", timeout=10)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded_error"
     finally:
         s.stop()

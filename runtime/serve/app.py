@@ -72,8 +72,16 @@ def _headers(e: ApiError) -> dict | None:
     return {"Retry-After": RETRY_AFTER_S} if e.status in (429, 503, 529) else None
 
 
+# OpenAI's documented error types by status; the specific kind (context_length_exceeded, vision_disabled,
+# request_too_large, ...) goes in `code`
+_OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+                503: "server_error"}
+
+
 def _openai_error(e: ApiError) -> JSONResponse:
-    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.kind}}, e.status,
+    kind = _OPENAI_TYPE.get(e.status, "server_error")
+    return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param, "code": e.kind}}, e.status,
                         headers=_headers(e))
 
 

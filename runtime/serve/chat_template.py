@@ -100,12 +100,17 @@ class ImageSink:
                 raise RequestError(f"{where}: remote image URLs are off; send a data: URL (or start with --allow-remote-images)")
             import httpx
 
-            try:
-                r = httpx.get(url, timeout=10, follow_redirects=True)
-                r.raise_for_status()
-            except httpx.HTTPError as exc:
-                raise RequestError(f"{where}: cannot fetch the image ({exc})") from None
-            return self.add(r.content, where)
+            data = bytearray()
+            try:  # streamed: a huge or endless body stops at the size limit, a slow one at the timeout
+                with httpx.stream("GET", url, timeout=10, follow_redirects=True) as r:
+                    r.raise_for_status()
+                    for piece in r.iter_bytes():
+                        data += piece
+                        if len(data) > self.max_bytes:
+                            break
+            except httpx.HTTPError:
+                raise RequestError(f"{where}: the image URL could not be fetched") from None
+            return self.add(bytes(data), where)
         path = url[len("file://"):] if url.startswith("file://") else url
         if not self.allow_files:
             raise RequestError(f"{where}: local image files are off; send a data: URL (or start the server with "
