@@ -510,6 +510,9 @@ def serve(
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
     request_log_jsonl: Annotated[Optional[Path], typer.Option(help="Append one JSON line per finished request.")] = None,
     max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted (413 beyond).")] = 8 << 20,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Other model names clients may ask for, comma-separated (e.g. the names an agent CLI sends).")] = None,
+    accept_any_model: Annotated[bool, typer.Option("--accept-any-model", help="Answer whatever model name a client asks for.")] = False,
+    reasoning_budget: Annotated[Optional[int], typer.Option(min=0, help="Default thinking budget in tokens: the server ends the thinking block itself after this many (requests override it: budget_tokens, reasoning_effort low/medium/high = 1024/4096/16384, thinking_budget).")] = None,
     shutdown_grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM / SIGINT: stop admitting, let running requests finish for this long, then cancel them and exit 0.")] = 30.0,
 ):
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
@@ -536,7 +539,9 @@ def serve(
                                 request_log=str(request_log_jsonl) if request_log_jsonl else None,
                                 allow_local_images=str(allow_local_images) if allow_local_images else None,
                                 allow_remote_images=allow_remote_images, max_request_bytes=max_request_bytes,
-                                on_fatal=_exit_after_fatal)
+                                on_fatal=_exit_after_fatal, reasoning_budget=reasoning_budget,
+                                model_aliases=tuple(n.strip() for n in (served_model_name or "").split(",") if n.strip()),
+                                accept_any_model=accept_any_model)
     err.print(summary)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
     import signal

@@ -40,9 +40,7 @@ class FakeEngine:
         self.poison = set(tokenizer.encode(POISON, add_special_tokens=False).ids)
 
     def logits(self, token: int) -> torch.Tensor:
-        nxt = (token * 7 + 3) % VOCAB
-        if nxt == self.stop:
-            nxt = (nxt + 1) % VOCAB
+        nxt = 40 + (token * 7 + 3) % 50  # plain characters: no special tokens, never the end of thinking
         out = torch.zeros(VOCAB)
         out[nxt] = 10.0
         return out
@@ -75,14 +73,15 @@ class FakeEngine:
 
 class Running:
     def __init__(self, lanes=2, max_pending=4, pending_timeout_ms=0, step_s=0.002, max_request_bytes=1 << 20,
-                 on_fatal=None):
+                 on_fatal=None, **config):
         import uvicorn
 
         tok = build_tokenizer(VOCAB)
         self.engine = FakeEngine(tok, lanes, step_s)
         self.scheduler = Scheduler(self.engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
                                    on_fatal=on_fatal)
-        config = ServerConfig("tiny", 4096, pending_timeout_ms=pending_timeout_ms, max_request_bytes=max_request_bytes)
+        config = ServerConfig("tiny", 4096, pending_timeout_ms=pending_timeout_ms, max_request_bytes=max_request_bytes,
+                              **config)
         server = Server(self.engine, tok, ChatTemplate(CHAT_TEMPLATE), config, {self.engine.stop}, self.scheduler)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -222,8 +221,10 @@ def test_queue_timeout_is_a_503_before_any_stream_bytes():
     s = Running(lanes=1, max_pending=4, pending_timeout_ms=200, step_s=0.05)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = pool.submit(s.chat, "long one", max_tokens=40)
-            time.sleep(0.3)
+            first = pool.submit(s.chat, "long one", max_tokens=80)
+            deadline = time.time() + 10
+            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
+                time.sleep(0.02)  # the first request holds the only lane
             t0 = time.time()
             second = s.chat("waits", stream=True)
             waited = time.time() - t0
@@ -314,5 +315,88 @@ def test_a_dead_worker_is_loud_not_a_hang(monkeypatch):
         assert health.status_code == 503 and "worker stopped" in health.json()["error"]
         r = s.chat("anyone?", timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded_error"
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("api", ["chat", "effort", "messages", "responses"])
+def test_thinking_budget_closes_the_block_and_the_answer_follows(srv, api):
+    """The model here never ends its thinking: the budget makes the engine emit </think> itself after
+    exactly that many reasoning tokens, and the rest of max_tokens is the answer."""
+    user = [{"role": "user", "content": "think about it"}]
+    if api in ("chat", "effort"):
+        extra = {"thinking_budget": 5} if api == "chat" else {"reasoning_effort": "low"}
+        r = httpx.post(srv.url + CHAT, json={"messages": user, "max_tokens": 12 if api == "chat" else 1030, **extra},
+                       timeout=60).json()
+        want = 5 if api == "chat" else 1024
+        assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == want, (r["usage"], r["choices"][0]["finish_reason"])
+        assert r["choices"][0]["message"]["reasoning_content"] and r["choices"][0]["message"]["content"]
+    elif api == "messages":
+        r = httpx.post(srv.url + MESSAGES, json={"messages": user, "max_tokens": 12,
+                                                 "thinking": {"type": "enabled", "budget_tokens": 5}}, timeout=60).json()
+        kinds = [block["type"] for block in r["content"]]
+        assert kinds == ["thinking", "text"] and r["stop_reason"] == "max_tokens"
+    else:
+        r = httpx.post(srv.url + RESPONSES, json={"input": "think about it", "max_output_tokens": 12,
+                                                  "thinking_budget": 5}, timeout=60).json()
+        assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+        assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+
+
+def test_without_a_budget_thinking_runs_to_max_tokens(srv):
+    r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 8},
+                   timeout=60).json()
+    assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == 8
+    assert not r["choices"][0]["message"]["content"]
+
+
+def test_model_names_clients_ask_for():
+    s = Running(model_aliases=("claude-sonnet-4-5", "gpt-5-codex"))
+    try:
+        assert s.chat(model="gpt-5-codex").status_code == 200
+        r = httpx.post(s.url + MESSAGES, json={"model": "claude-sonnet-4-5", "messages": USER, "max_tokens": 3})
+        assert r.status_code == 200
+        missing = s.chat(model="other")
+        assert missing.status_code == 404 and "--accept-any-model" in missing.json()["error"]["message"]
+        names = [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        assert names == ["tiny", "claude-sonnet-4-5", "gpt-5-codex"]
+    finally:
+        s.stop()
+    s = Running(accept_any_model=True)
+    try:
+        assert s.chat(model="whatever-7b").status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_too_long_prompt_says_so_in_the_words_agents_parse():
+    s = Running()
+    try:
+        s.engine.opts.max_context = 64
+        s.scheduler.engine.opts.max_context = 64
+        r = httpx.post(s.url + MESSAGES, json={"messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 400
+        import re
+
+        assert re.search(r"prompt is too long: \d+ tokens > 4095 maximum", r.json()["error"]["message"])
+    finally:
+        s.stop()
+
+
+def test_streams_stay_alive_while_nothing_is_generated(monkeypatch):
+    """A long prefill sends no tokens: Anthropic streams get `ping` events, OpenAI streams SSE comments."""
+    import runtime.serve.app as app_module
+
+    monkeypatch.setattr(app_module, "HEARTBEAT_S", 0.05)
+    s = Running(lanes=1, step_s=0.3)  # each prefill chunk (and step) takes 0.3 s
+    try:
+        body = {"messages": USER, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", s.url + MESSAGES, json=body, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("event: ")]
+        assert "event: ping" in events and events[-1] == "event: message_stop"
+        with httpx.stream("POST", s.url + CHAT, json=body, timeout=30) as r:
+            lines = list(r.iter_lines())
+        assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
     finally:
         s.stop()

@@ -137,7 +137,6 @@ def test_render_openai_and_anthropic_conversations_identically():
 
 @pytest.mark.parametrize("messages,match", [
     ([], "non-empty"),
-    ([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}], "System message must be at the beginning"),
     ([{"role": "wizard", "content": "a"}], "unknown role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "vision_disabled"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [
@@ -147,6 +146,41 @@ def test_bad_conversations_get_request_errors(messages, match):
     t = ChatTemplate(CHAT_TEMPLATE)
     with pytest.raises(RequestError, match=match):
         t.render(normalize_openai_messages(messages))
+
+
+def test_system_messages_go_first_or_become_user_turns():
+    """Leading system / developer messages (Responses instructions + developer items) merge into one;
+    a late one becomes a user turn (the template refuses a system message after the start)."""
+    from runtime.serve.chat_template import normalize_anthropic_messages, normalize_responses_input
+
+    t = ChatTemplate(CHAT_TEMPLATE)
+    with pytest.raises(RequestError, match="System message must be at the beginning"):
+        t.render([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}])
+    msgs = normalize_openai_messages([{"role": "developer", "content": "d1"}, {"role": "system", "content": "s2"},
+                                      {"role": "user", "content": "a"}, {"role": "system", "content": "late"}])
+    assert msgs == [{"role": "system", "content": "d1\n\ns2"}, {"role": "user", "content": "a"},
+                    {"role": "user", "content": "late"}]
+    t.render(msgs)
+    codex = normalize_responses_input("be brief", [{"type": "message", "role": "developer", "content": "rules"},
+                                                   {"type": "message", "role": "developer", "content": "more"},
+                                                   {"type": "message", "role": "user", "content": "hi"}])
+    assert codex[0] == {"role": "system", "content": "be brief\n\nrules\n\nmore"} and len(codex) == 2
+    claude = normalize_anthropic_messages("sys", [{"role": "user", "content": "hi"},
+                                                  {"role": "system", "content": "reminder"}])
+    assert claude[-1] == {"role": "user", "content": "reminder"}
+    t.render(codex)
+    t.render(claude)
+
+
+def test_tools_the_model_cannot_call_are_left_out():
+    tools = normalize_openai_tools([{"type": "web_search"}, {"type": "local_shell"}, {"type": "custom", "name": "x"},
+                                    {"type": "namespace", "name": "ns", "tools": [
+                                        {"type": "function", "name": "inner", "parameters": {"type": "object"}}]},
+                                    {"type": "function", "name": "outer"}])
+    assert [x["function"]["name"] for x in tools] == ["inner", "outer"]
+    assert normalize_openai_tools([{"type": "web_search"}]) is None
+    with pytest.raises(RequestError, match=r"tools\[0\] must be"):
+        normalize_openai_tools([{"type": "function", "function": {"name": 5}}])
 
 
 def test_reasoning_dropped_before_last_query_unless_preserved():

@@ -13,6 +13,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -44,10 +45,21 @@ class ServerConfig:
     allow_local_images: str | None = None  # the directory local image paths must lie under
     allow_remote_images: bool = False
     max_request_bytes: int = 8 << 20  # larger bodies: 413
+    reasoning_budget: int | None = None  # default thinking budget in tokens (None: unlimited)
+    model_aliases: tuple[str, ...] = ()  # other names clients may ask for (--served-model-name)
+    accept_any_model: bool = False  # any model name is this model (--accept-any-model)
     pending_timeout_ms: int = 0  # queue wait before 503 (0 = forever)
     default_max_tokens: int = 4096
     request_log: str | None = None  # JSON lines: one record per finished generation
     stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
+
+
+HEARTBEAT_S = 10.0  # streams send a keep-alive after this long without tokens
+PING = SimpleNamespace(kind="ping")
+
+# reasoning effort (OpenAI reasoning_effort, Responses reasoning.effort) -> thinking budget in tokens;
+# "none" (and Responses' "minimal") switch thinking off
+EFFORT_BUDGETS = {"minimal": 512, "low": 1024, "medium": 4096, "high": 16384}
 
 
 class TokenizedPrompt(list):
@@ -109,8 +121,9 @@ class Generation:
     """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
 
     def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
-                 seed: int | None):
+                 seed: int | None, budget: int | None = None):
         self.server = server
+        self.thinking = thinking
         self.queue: asyncio.Queue = asyncio.Queue()
         self.admitted = asyncio.Event()  # set once a lane holds the request (or it ended before that)
         loop = asyncio.get_running_loop()
@@ -128,7 +141,8 @@ class Generation:
                                          on_done=lambda r, e: put(("done", r, e)), params=params,
                                          stop_ids=frozenset(server.stop_ids), seed=seed,
                                          images=getattr(prompt, "images", None) or None,
-                                         checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit)
+                                         checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit,
+                                         thinking_budget=budget if thinking else None, think_end=server.think_end)
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -174,11 +188,17 @@ class Generation:
         finally:
             watcher.cancel()
 
-    async def events(self):
-        """Yields parser events; sets finish_reason ('stop', 'length', 'tool_calls', ...) at the end."""
+    async def events(self, heartbeat: float | None = None):
+        """Yields parser events; sets finish_reason ('stop', 'length', 'tool_calls', ...) at the end.
+        With `heartbeat` (seconds), a PING event whenever nothing came for that long (a long prefill):
+        streaming clients that give up on a silent connection see it is alive."""
         try:
             while True:
-                item = await self.queue.get()
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), heartbeat)
+                except asyncio.TimeoutError:
+                    yield PING
+                    continue
                 if item[0] == "token":
                     self.ids.append(item[1])
                     # markers like <tool_call> and </think> may be special tokens: keep them in the text
@@ -226,6 +246,14 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.ids)
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens of the thinking block (the prompt opened it): up to the end-of-thinking token."""
+        if not self.thinking:
+            return 0
+        end = self.server.think_end
+        return self.ids.index(end) if end in self.ids else len(self.ids)
+
 
 def _sse(data: dict, event: str | None = None) -> str:
     head = f"event: {event}\n" if event else ""
@@ -236,6 +264,7 @@ class Server:
     def __init__(self, engine, tokenizer, template: ChatTemplate, config: ServerConfig, stop_ids, scheduler: Scheduler):
         self.engine, self.tokenizer, self.template, self.config = engine, tokenizer, template, config
         self.stop_ids, self.scheduler = set(stop_ids), scheduler
+        self.think_end = tokenizer.token_to_id("</think>")  # None: the model has no thinking block
 
     # --- shared helpers -------------------------------------------------------------------
 
@@ -269,9 +298,11 @@ class Server:
         if turn_start is not None and turn_start in ids:
             ids.checkpoint_at = len(ids) - 1 - ids[::-1].index(turn_start)
         if len(ids) >= self.config.max_context:
+            # the wording agents parse to compact their history ("prompt is too long: N tokens > M maximum")
             raise ApiError(400, "context_length_exceeded",
-                           f"the prompt has {len(ids)} tokens but --max-context is {self.config.max_context}; "
-                           "shorten the conversation or restart the server with a larger --max-context")
+                           f"prompt is too long: {len(ids)} tokens > {self.config.max_context - 1} maximum "
+                           f"(--max-context {self.config.max_context}); shorten the conversation or restart the "
+                           "server with a larger --max-context")
         return ids
 
     def max_tokens(self, value, prompt_len: int) -> int:
@@ -320,11 +351,13 @@ class Server:
             return value
         raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings", "stop")
 
-    def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop) -> Generation:
-        """Validate the sampling fields, length limit and stop strings, then queue the generation."""
+    def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None) -> Generation:
+        """Validate the sampling fields, length limit and stop strings, then queue the generation.
+        `budget`: the request's thinking budget (None: the server's --reasoning-budget)."""
         params, seed = self.sampling(body)
         max_tokens = self.max_tokens(limit, len(prompt))
-        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed)
+        budget = self.config.reasoning_budget if budget is None else budget
+        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget)
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
@@ -337,9 +370,11 @@ class Server:
             raise ApiError(400, "invalid_request_error", f"malformed request: {type(exc).__name__}: {exc}"[:500]) from None
 
     def check_model(self, body: dict) -> None:
-        model = body.get("model")
-        if model is not None and model != self.config.model_id:
-            raise ApiError(404, "not_found_error", f"model {model!r} is not served here; use {self.config.model_id!r}")
+        model, cfg = body.get("model"), self.config
+        if model is None or cfg.accept_any_model or model == cfg.model_id or model in cfg.model_aliases:
+            return
+        raise ApiError(404, "not_found_error", f"model {model!r} is not served here; use {cfg.model_id!r} (or start "
+                       "the server with --served-model-name NAME,... or --accept-any-model)")
 
 
 def build_app(server: Server, cors: bool = False) -> FastAPI:
@@ -408,8 +443,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": 0, "owned_by": "ninfer",
-                                            "context_length": cfg.max_context}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ninfer",
+                                            "context_length": cfg.max_context}
+                                           for name in dict.fromkeys((cfg.model_id, *cfg.model_aliases))]}
 
     @app.get("/metrics")
     async def metrics():
@@ -461,10 +497,12 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
         tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"))
+        budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(req.reasoning_effort)
+        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
-                         "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+                         "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+                         "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens}}
 
         if not streaming:
             await gen.collect(request)
@@ -487,8 +525,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         async def stream():
             yield chunk({"role": "assistant", "content": ""})
             try:
-                async for ev in gen.events():
-                    if ev.kind == "reasoning":
+                async for ev in gen.events(HEARTBEAT_S):
+                    if ev.kind == "ping":
+                        yield ": keep-alive\n\n"  # an SSE comment: clients skip it
+                    elif ev.kind == "reasoning":
                         yield chunk({"reasoning_content": ev.text})
                     elif ev.kind == "content":
                         yield chunk({"content": ev.text})
@@ -540,8 +580,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             raise ApiError(400, "invalid_request_error", "max_tokens is required", "max_tokens")
         streaming = body.get("stream") is True
         tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
+        budget = (body.get("thinking") or {}).get("budget_tokens")  # adaptive: the server's default
         try:
-            gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"))
+            gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"), budget)
         except ApiError as e:
             if e.status == 429:  # Anthropic's overload status
                 raise ApiError(529, "overloaded_error", e.message) from None
@@ -576,7 +617,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 return _sse({"type": "content_block_stop", "index": index}, "content_block_stop")
 
             try:
-                async for ev in gen.events():
+                async for ev in gen.events(HEARTBEAT_S):
+                    if ev.kind == "ping":
+                        yield _sse({"type": "ping"}, "ping")
+                        continue
                     if ev.kind in ("reasoning", "content"):
                         kind = "thinking" if ev.kind == "reasoning" else "text"
                         if open_kind != kind:
@@ -635,7 +679,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             return tools, server.tokenize(messages, tools, thinking, sink)
 
         tools, prompt = await server.prompt(build)
-        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None)
+        effort = req.reasoning.effort if req.reasoning else None
+        budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(effort)
+        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
@@ -647,7 +693,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
         def usage():
             return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                    "output_tokens": gen.completion_tokens,
+                    "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
                     "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
         def final(output):
@@ -707,7 +754,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 return events
 
             try:
-                async for e in gen.events():
+                async for e in gen.events(HEARTBEAT_S):
+                    if e.kind == "ping":
+                        yield ": keep-alive\n\n"
+                        continue
                     if e.kind in ("reasoning", "content"):
                         want = "reasoning" if e.kind == "reasoning" else "message"
                         if open_item is not None and open_item["type"] != want:

@@ -187,20 +187,46 @@ def _arguments(raw, where: str) -> dict:
     raise RequestError(f"{where}: tool call arguments must be a JSON object")
 
 
-def normalize_openai_tools(tools) -> list[dict] | None:
+def normalize_openai_tools(tools, where: str = "tools") -> list[dict] | None:
+    """Function tools in the template's shape. Tools the model cannot call as functions (web_search,
+    local_shell, custom, ... sent by real clients) are left out; a namespace's function tools are
+    taken in."""
     if not tools:
         return None
     if not isinstance(tools, list):
-        raise RequestError("tools must be a list")
+        raise RequestError(f"{where} must be a list")
     out = []
     for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise RequestError(f"{where}[{i}] must be an object")
+        if t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            out += normalize_openai_tools(t["tools"], f"{where}[{i}].tools") or []
+            continue
+        if t.get("type") != "function":
+            continue
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if fn is None and isinstance(t, dict) and t.get("type") == "function" and "name" in t:
             fn = t  # Responses API flattens the function into the tool
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+            raise RequestError(f"{where}[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
                                                      "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}})
+    return out or None
+
+
+def system_first(messages: list[dict]) -> list[dict]:
+    """One system message, first: the leading system / developer messages (Responses instructions plus
+    developer items, several developer items) joined; a system message later in the conversation (some
+    agents insert reminders) becomes a user turn, because the template allows a system message only at
+    the beginning and moving it there would change the prefix every turn."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead] if m["content"])})
+    for m in messages[lead:]:
+        out.append({"role": "user", "content": m["content"]} if m["role"] == "system" else m)
     return out
 
 
@@ -243,7 +269,7 @@ def normalize_openai_messages(messages, vision: bool = False) -> list[dict]:
         if role == "tool" and m.get("tool_call_id") is not None:
             msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
-    return out
+    return system_first(out)
 
 
 def normalize_anthropic_messages(system, messages, vision: bool = False) -> list[dict]:
@@ -254,8 +280,11 @@ def normalize_anthropic_messages(system, messages, vision: bool = False) -> list
         out.append({"role": "system", "content": _text_of(system, "system", vision)})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             raise RequestError(f"{where}: role must be 'user' or 'assistant'")
+        if m["role"] == "system":  # some clients put system entries among the messages
+            out.append({"role": "system", "content": _text_of(m.get("content"), where, vision)})
+            continue
         blocks = m.get("content")
         if isinstance(blocks, str):
             out.append({"role": m["role"], "content": blocks})
@@ -291,7 +320,7 @@ def normalize_anthropic_messages(system, messages, vision: bool = False) -> list
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
-    return out
+    return system_first(out)
 
 
 def normalize_responses_input(instructions, items, vision: bool = False) -> list[dict]:
@@ -300,7 +329,7 @@ def normalize_responses_input(instructions, items, vision: bool = False) -> list
     if instructions:
         out.append({"role": "system", "content": _text_of(instructions, "instructions", vision)})
     if isinstance(items, str):
-        return out + [{"role": "user", "content": items}]
+        return system_first(out + [{"role": "user", "content": items}])
     if not isinstance(items, list) or not items:
         raise RequestError("input must be a string or a non-empty list of items")
     for i, item in enumerate(items):
@@ -328,4 +357,4 @@ def normalize_responses_input(instructions, items, vision: bool = False) -> list
             continue  # the template decides which turns keep reasoning; clients' summaries are not replayed
         else:
             raise RequestError(f"{where}: unsupported item type {kind!r}")
-    return out
+    return system_first(out)

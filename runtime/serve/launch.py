@@ -18,7 +18,8 @@ from .scheduler import Scheduler
 def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str | None = None, api_key: str | None = None,
                  cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0,
                  request_log: str | None = None, allow_local_images: str | None = None, allow_remote_images: bool = False,
-                 max_request_bytes: int = 8 << 20, on_fatal=None):
+                 max_request_bytes: int = 8 << 20, on_fatal=None, reasoning_budget: int | None = None,
+                 model_aliases: tuple[str, ...] = (), accept_any_model: bool = False):
     from tokenizers import Tokenizer
 
     with Artifact(path) as art:
@@ -32,7 +33,9 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
                           preserve_thinking=preserve_thinking, request_log=request_log, vision=options.vision,
                           allow_local_images=allow_local_images, allow_remote_images=allow_remote_images,
-                          max_request_bytes=max_request_bytes, pending_timeout_ms=pending_timeout_ms)
+                          max_request_bytes=max_request_bytes, pending_timeout_ms=pending_timeout_ms,
+                          reasoning_budget=reasoning_budget, model_aliases=tuple(model_aliases),
+                          accept_any_model=accept_any_model)
     server = Server(engine, tokenizer, template, config, stop, scheduler)
     plan = engine.plan
     summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "

@@ -40,6 +40,10 @@ class GenerationRequest:
     images: list | None = None  # runtime.vision.ImageInput per placeholder run, in order
     checkpoint_at: int | None = None  # save GDN state here for the next turn (see Engine.prefill_chunks)
     on_admit: Callable[[], None] | None = None  # called (worker thread) once the request holds a lane
+    # the prompt opens a thinking block: at most this many reasoning tokens, then the engine emits
+    # `think_end` itself (the model's own end-of-thinking token) and the answer follows
+    thinking_budget: int | None = None
+    think_end: int | None = None
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -52,6 +56,11 @@ class _Lane:
     generated: int = 0
     counts: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    thinking: bool = False  # inside a budgeted thinking block
+    reasoning: int = 0  # reasoning tokens emitted so far
+
+    def budget_spent(self) -> bool:
+        return self.thinking and self.reasoning >= self.request.thinking_budget
 
 
 class SchedulerDead(RuntimeError):
@@ -187,7 +196,7 @@ class Scheduler:
             try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at)
-                state = _Lane(req, chunks)
+                state = _Lane(req, chunks, thinking=req.thinking_budget is not None and req.think_end is not None)
                 if req.params is not None:
                     device = self.engine.device
                     state.counts = torch.zeros(1, self.engine.cfg.vocab_size, dtype=torch.int32, device=device)
@@ -208,6 +217,11 @@ class Scheduler:
 
     def _emit(self, lane: int, token: int) -> None:
         state = self.lanes[lane]
+        if state.thinking:
+            if token == state.request.think_end:
+                state.thinking = False
+            else:
+                state.reasoning += 1
         state.generated += 1
         state.last_token = token
         self.stats["generated_tokens"] += 1
@@ -231,7 +245,8 @@ class Scheduler:
     def _speculate(self, decoding: list[int]) -> list[int]:
         """One speculative round (MTP or DFlash2) for every lane that can draft (batched); returns the lanes left for a plain step."""
         eng = self.engine
-        spec = [lane for lane in decoding if eng.speculator.can_speculate(lane)]
+        # a lane thinking under a budget decodes plainly (a round could run past the budget)
+        spec = [lane for lane in decoding if eng.speculator.can_speculate(lane) and not self.lanes[lane].thinking]
         if spec:
             states = [self.lanes[lane] for lane in spec]
             budgets = [max(1, min(s.request.max_tokens - s.generated, eng.opts.max_context - eng.held_tokens(lane) - 1))
@@ -274,7 +289,10 @@ class Scheduler:
         """Sample this lane's next token and hand it to its client; a failure here (its sampling
         values, its callback) ends this lane's request alone."""
         try:
-            self._emit(lane, self._pick(self.lanes[lane], logits))
+            state = self.lanes[lane]
+            # a spent thinking budget: the end-of-thinking token instead of a sample
+            token = state.request.think_end if state.budget_spent() else self._pick(state, logits)
+            self._emit(lane, token)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
             self._finish(lane, "error", f"generation failed: {type(exc).__name__}")

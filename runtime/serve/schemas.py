@@ -64,6 +64,7 @@ class ChatRequest(Sampling):
     parallel_tool_calls: Optional[StrictBool] = None
     n: Optional[Annotated[StrictInt, Field(ge=1, le=1)]] = None  # one choice per request
     user: Optional[StrictStr] = None
+    thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
 
 
 class ThinkingConfig(_Body):
@@ -109,6 +110,7 @@ class ResponsesRequest(Sampling):
     parallel_tool_calls: Optional[StrictBool] = None
     previous_response_id: Optional[StrictStr] = None
     store: Optional[StrictBool] = None
+    thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
 
 
 def first_error(exc: ValidationError) -> tuple[str, str]:
