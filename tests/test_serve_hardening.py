@@ -212,7 +212,8 @@ def test_admission_is_bounded_at_arrival():
         anthropic = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 4}, timeout=30)
         assert anthropic.status_code == 200  # idle again: admitted
         metrics = httpx.get(s.url + "/metrics").text
-        assert f"ninfer_rejected_total {codes.count(429)}" in metrics
+        assert f"ninfer_rejected_total {codes.count(429)}.0" in metrics
+        assert f'ninfer_api_requests_total{{api="chat",outcome="rejected"}} {codes.count(429)}.0' in metrics
     finally:
         s.stop()
 
@@ -231,7 +232,7 @@ def test_queue_timeout_is_a_503_before_any_stream_bytes():
             assert first.result().status_code == 200
         assert second.status_code == 503 and second.headers["content-type"].startswith("application/json")
         assert "timed out in the queue" in second.json()["error"]["message"] and waited < 2.0
-        assert "ninfer_queue_timeouts_total 1" in httpx.get(s.url + "/metrics").text
+        assert "ninfer_queue_timeouts_total 1.0" in httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
 
@@ -398,5 +399,29 @@ def test_streams_stay_alive_while_nothing_is_generated(monkeypatch):
         with httpx.stream("POST", s.url + CHAT, json=body, timeout=30) as r:
             lines = list(r.iter_lines())
         assert ": keep-alive" in lines and lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    finally:
+        s.stop()
+
+
+def test_metrics_histograms_timings_and_cached_tokens():
+    s = Running(lanes=1)
+    try:
+        first = s.chat("the same long conversation " * 4, max_tokens=4).json()
+        t = first["timings"]
+        assert t["prompt_n"] == first["usage"]["prompt_tokens"] - t["cache_n"] and t["predicted_n"] == 4
+        assert t["prompt_ms"] >= 0 and t["predicted_ms"] > 0 and t["predicted_per_second"] > 0
+        s.engine.reusable_prefix = lambda lane, prompt: 10  # as if the lane still held 10 tokens of it
+        again = s.chat("the same long conversation " * 4, max_tokens=4).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 == again["timings"]["cache_n"]
+        r = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 3}).json()
+        assert r["usage"]["cache_read_input_tokens"] == 10
+        text = httpx.get(s.url + "/metrics").text
+        for name in ("ninfer_queue_wait_seconds", "ninfer_time_to_first_token_seconds", "ninfer_request_duration_seconds"):
+            assert f'{name}_count{{api="chat"}} 2.0' in text, name  # one per request
+        assert 'ninfer_inter_token_latency_seconds_count{api="chat"} 6.0' in text  # one per gap: 3 a request
+        assert 'ninfer_api_requests_total{api="chat",outcome="length"} 2.0' in text
+        assert 'ninfer_api_requests_total{api="messages",outcome="length"} 1.0' in text
+        s.chat("x", temperature="hot")
+        assert 'ninfer_api_requests_total{api="chat",outcome="invalid"} 1.0' in httpx.get(s.url + "/metrics").text
     finally:
         s.stop()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..kernels.sampling import SamplingParams
 from .chat_template import (
@@ -29,6 +29,7 @@ from .chat_template import (
     normalize_openai_tools,
     normalize_responses_input,
 )
+from .metrics import ServerMetrics
 from .output_parser import OutputParser
 from .scheduler import SEED_MASK, GenerationRequest, QueueFull, Scheduler, SchedulerDead
 from .schemas import (ChatRequest, CountTokensRequest, MessagesRequest, ResponsesRequest, ValidationError,
@@ -121,9 +122,12 @@ class Generation:
     """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
 
     def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
-                 seed: int | None, budget: int | None = None):
+                 seed: int | None, budget: int | None = None, api: str = "chat"):
         self.server = server
         self.thinking = thinking
+        self.api = api
+        self.admitted_at = self.first_at = self.last_at = None  # monotonic seconds
+        self.outcome = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.admitted = asyncio.Event()  # set once a lane holds the request (or it ended before that)
         loop = asyncio.get_running_loop()
@@ -134,6 +138,7 @@ class Generation:
                 loop.call_soon_threadsafe(self.admitted.set)
 
         def admit():
+            self.admitted_at = time.monotonic()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self.admitted.set)
 
@@ -200,6 +205,11 @@ class Generation:
                     yield PING
                     continue
                 if item[0] == "token":
+                    now = time.monotonic()
+                    if self.last_at is not None:
+                        self.server.metrics.inter_token.labels(self.api).observe(now - self.last_at)
+                    self.first_at = self.first_at or now
+                    self.last_at = now
                     self.ids.append(item[1])
                     # markers like <tool_call> and </think> may be special tokens: keep them in the text
                     text = self.server.tokenizer.decode(self.ids, skip_special_tokens=False)
@@ -215,7 +225,10 @@ class Generation:
                     continue
                 _, reason, error = item
                 if reason == "error":
+                    self.outcome = "error"
                     raise ApiError(500, "server_error", error or "generation failed")
+                if reason == "timeout":
+                    self.outcome = "timeout"
                 if reason == "cancelled":
                     self.finish_reason = "cancelled"
                     break
@@ -230,7 +243,31 @@ class Generation:
         finally:
             if self.finish_reason is None:  # the client went away: free the lane
                 self.server.scheduler.cancel(self.request)
+            self._observe()
             self._log()
+
+    def _observe(self) -> None:
+        m, api, t0 = self.server.metrics, self.api, self.request.enqueued_at
+        m.outcomes.labels(api, self.outcome or self.finish_reason or "disconnected").inc()
+        if self.admitted_at is not None:
+            m.queue_wait.labels(api).observe(self.admitted_at - t0)
+        if self.first_at is not None:
+            m.ttft.labels(api).observe(self.first_at - t0)
+            m.e2e.labels(api).observe(self.last_at - t0)
+
+    def timings(self) -> dict:
+        """llama.cpp-style per-request timings: the prompt (prefill, from admission to the first token)
+        and the generated tokens after it."""
+        cached = self.request.cached_tokens
+        start = self.admitted_at or self.request.enqueued_at
+        first, last = self.first_at or start, self.last_at or start
+        prompt_ms, predicted_ms = (first - start) * 1e3, (last - first) * 1e3
+        computed, after_first = self.prompt_tokens - cached, max(0, self.completion_tokens - 1)
+        return {"cache_n": cached, "prompt_n": computed, "prompt_ms": round(prompt_ms, 3),
+                "prompt_per_second": round(computed / prompt_ms * 1e3, 2) if prompt_ms > 0 else None,
+                "predicted_n": self.completion_tokens, "predicted_ms": round(predicted_ms, 3),
+                "predicted_per_second": round(after_first / predicted_ms * 1e3, 2) if predicted_ms > 0 else None,
+                "queue_ms": round((start - self.request.enqueued_at) * 1e3, 3)}
 
     def _log(self) -> None:
         path = self.server.config.request_log
@@ -265,6 +302,7 @@ class Server:
         self.engine, self.tokenizer, self.template, self.config = engine, tokenizer, template, config
         self.stop_ids, self.scheduler = set(stop_ids), scheduler
         self.think_end = tokenizer.token_to_id("</think>")  # None: the model has no thinking block
+        self.metrics = ServerMetrics(self)
 
     # --- shared helpers -------------------------------------------------------------------
 
@@ -351,13 +389,14 @@ class Server:
             return value
         raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings", "stop")
 
-    def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None) -> Generation:
+    def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None,
+              api: str = "chat") -> Generation:
         """Validate the sampling fields, length limit and stop strings, then queue the generation.
         `budget`: the request's thinking budget (None: the server's --reasoning-budget)."""
         params, seed = self.sampling(body)
         max_tokens = self.max_tokens(limit, len(prompt))
         budget = self.config.reasoning_budget if budget is None else budget
-        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget)
+        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api)
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
@@ -410,25 +449,28 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         cfg.stats["requests"] += 1
         return body
 
-    def guarded(shape):
+    def guarded(shape, api: str):
+        def refused(e: ApiError):
+            cfg.stats["errors"] += 1
+            outcome = {429: "rejected", 529: "rejected", 503: "unavailable"}.get(e.status)
+            server.metrics.outcomes.labels(api, outcome or ("invalid" if e.status < 500 else "error")).inc()
+            return shape(e)
+
         def wrap(fn):
             async def handler(request: Request):
                 try:
                     return await fn(request)
                 except ApiError as e:
-                    cfg.stats["errors"] += 1
-                    return shape(e)
+                    return refused(e)
                 except RequestError as e:
-                    cfg.stats["errors"] += 1
                     kind = "vision_disabled" if str(e).startswith("vision_disabled") else "invalid_request_error"
-                    return shape(ApiError(400, kind, str(e)))
+                    return refused(ApiError(400, kind, str(e)))
                 except Exception as e:  # noqa: BLE001 - a bug must still answer in the API's shape
                     import traceback
 
                     traceback.print_exc()
-                    cfg.stats["errors"] += 1
-                    return shape(ApiError(500, "server_error", f"internal error ({type(e).__name__}); the server keeps "
-                                                               "serving other requests"))
+                    return refused(ApiError(500, "server_error", f"internal error ({type(e).__name__}); the server "
+                                                                 "keeps serving other requests"))
             handler.__name__ = fn.__name__
             return handler
         return wrap
@@ -449,35 +491,14 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        s = server.scheduler.stats
-        lines = [
-            "# TYPE ninfer_requests_total counter", f"ninfer_requests_total {cfg.stats['requests']}",
-            "# TYPE ninfer_request_errors_total counter", f"ninfer_request_errors_total {cfg.stats['errors']}",
-            "# TYPE ninfer_generated_tokens_total counter", f"ninfer_generated_tokens_total {s['generated_tokens']}",
-            "# TYPE ninfer_rejected_total counter", f"ninfer_rejected_total {s['rejected_queue_full']}",
-            "# TYPE ninfer_queue_timeouts_total counter", f"ninfer_queue_timeouts_total {s['timed_out']}",
-            "# TYPE ninfer_failed_generations_total counter", f"ninfer_failed_generations_total {s['finished_error']}",
-            "# TYPE ninfer_prefix_reused_tokens_total counter",
-            f"ninfer_prefix_reused_tokens_total {getattr(getattr(server.engine, 'stats', None), 'reused_tokens', 0)}",
-            "# TYPE ninfer_queue_depth gauge", f"ninfer_queue_depth {server.scheduler.queue_depth}",
-            "# TYPE ninfer_active_lanes gauge", f"ninfer_active_lanes {server.scheduler.active_lanes}",
-        ]
-        speculator = getattr(server.engine, "speculator", None)
-        if speculator is not None:  # speculative decoding: rounds, drafted and accepted tokens, per draft position
-            st = speculator.stats
-            lines += ["# TYPE ninfer_spec_rounds_total counter", f"ninfer_spec_rounds_total {st.rounds}",
-                      "# TYPE ninfer_spec_drafted_tokens_total counter", f"ninfer_spec_drafted_tokens_total {st.drafted}",
-                      "# TYPE ninfer_spec_accepted_tokens_total counter",
-                      f"ninfer_spec_accepted_tokens_total {st.accepted}",
-                      "# TYPE ninfer_spec_accepted_at_position_total counter"]
-            lines += [f'ninfer_spec_accepted_at_position_total{{position="{i + 1}"}} {n}'
-                      for i, n in enumerate(st.accepted_at)]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # --- OpenAI Chat Completions -----------------------------------------------------------
 
     @app.post("/v1/chat/completions")
-    @guarded(_openai_error)
+    @guarded(_openai_error, "chat")
     async def chat_completions(request: Request):
         body = await body_of(request)
         req = parse(ChatRequest, body)
@@ -498,10 +519,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(req.reasoning_effort)
-        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget)
+        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+                         "prompt_tokens_details": {"cached_tokens": gen.request.cached_tokens},
                          "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens}}
 
         if not streaming:
@@ -514,7 +536,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                                           "function": {"name": c.name, "arguments": c.arguments_json}} for c in r.tool_calls]
             return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_id,
                     "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason, "logprobs": None}],
-                    "usage": usage()}
+                    "usage": usage(), "timings": gen.timings()}
 
         await gen.admission()  # a queue timeout is a 503 before any stream bytes
 
@@ -544,7 +566,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             yield chunk({}, gen.finish_reason)
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_id,
-                            "choices": [], "usage": usage()})
+                            "choices": [], "usage": usage(), "timings": gen.timings()})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -566,14 +588,14 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         return tools, thinking, prompt
 
     @app.post("/v1/messages/count_tokens")
-    @guarded(_anthropic_error)
+    @guarded(_anthropic_error, "count_tokens")
     async def count_tokens(request: Request):
         body = await body_of(request)
         _, _, prompt = await anthropic_prompt(body, CountTokensRequest)
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
-    @guarded(_anthropic_error)
+    @guarded(_anthropic_error, "messages")
     async def messages(request: Request):
         body = await body_of(request)
         if body.get("max_tokens") is None:
@@ -582,7 +604,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
         budget = (body.get("thinking") or {}).get("budget_tokens")  # adaptive: the server's default
         try:
-            gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"), budget)
+            gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"), budget,
+                               "messages")
         except ApiError as e:
             if e.status == 429:  # Anthropic's overload status
                 raise ApiError(529, "overloaded_error", e.message) from None
@@ -602,7 +625,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.tool_calls]
             return {"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id, "content": content,
                     "stop_reason": stop_reason(), "stop_sequence": r.stopped_by,
-                    "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}}
+                    "usage": {"input_tokens": gen.prompt_tokens - gen.request.cached_tokens,
+                              "cache_read_input_tokens": gen.request.cached_tokens,
+                              "output_tokens": gen.completion_tokens}}
 
         await gen.admission()
 
@@ -664,7 +689,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
     # --- OpenAI Responses ------------------------------------------------------------------
 
     @app.post("/v1/responses")
-    @guarded(_openai_error)
+    @guarded(_openai_error, "responses")
     async def responses(request: Request):
         body = await body_of(request)
         req = parse(ResponsesRequest, body)
@@ -681,7 +706,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, prompt = await server.prompt(build)
         effort = req.reasoning.effort if req.reasoning else None
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(effort)
-        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget)
+        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses")
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
@@ -692,7 +717,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 "usage": None, "incomplete_details": None}
 
         def usage():
-            return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.request.cached_tokens},
                     "output_tokens": gen.completion_tokens,
                     "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
                     "total_tokens": gen.prompt_tokens + gen.completion_tokens}

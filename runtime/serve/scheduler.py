@@ -44,6 +44,7 @@ class GenerationRequest:
     # `think_end` itself (the model's own end-of-thinking token) and the answer follows
     thinking_budget: int | None = None
     think_end: int | None = None
+    cached_tokens: int = 0  # prompt tokens the lane already held (set at admission)
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -193,6 +194,7 @@ class Scheduler:
             # a returning conversation goes back to the lane that still holds its prefix
             lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
             free.remove(lane)
+            req.cached_tokens = 0 if req.images else self.engine.reusable_prefix(lane, req.prompt)
             try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at)
