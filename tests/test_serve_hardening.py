@@ -38,11 +38,14 @@ class FakeEngine:
         self.held: dict[int, int] = {}
         self.stop = tokenizer.token_to_id("<|im_end|>")
         self.poison = set(tokenizer.encode(POISON, add_special_tokens=False).ids)
+        self.prefer: int | None = None  # a token the model rates above everything else (tool_choice tests)
 
     def logits(self, token: int) -> torch.Tensor:
         nxt = 40 + (token * 7 + 3) % 50  # plain characters: no special tokens, never the end of thinking
         out = torch.zeros(VOCAB)
         out[nxt] = 10.0
+        if self.prefer is not None:
+            out[self.prefer] = 20.0
         return out
 
     def reusable_prefix(self, lane, prompt):
@@ -425,3 +428,62 @@ def test_metrics_histograms_timings_and_cached_tokens():
         assert 'ninfer_api_requests_total{api="chat",outcome="invalid"} 1.0' in httpx.get(s.url + "/metrics").text
     finally:
         s.stop()
+
+
+WEATHER = {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {}}}
+OTHER = {"name": "get_time", "description": "time", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.fixture
+def eager_caller():
+    """A server whose model always wants the next token to be a tool-call marker."""
+    s = Running(lanes=1)
+    yield s
+    s.stop()
+
+
+def _chat_tools(s, tool_choice, tools=(WEATHER, OTHER), **extra):
+    body = {"messages": USER, "max_tokens": 60, "tools": [{"type": "function", "function": t} for t in tools],
+            "tool_choice": tool_choice, "chat_template_kwargs": {"enable_thinking": False}, **extra}
+    return httpx.post(s.url + CHAT, json=body, timeout=60)
+
+
+def test_tool_choice_none_bans_the_call(eager_caller):
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("<tool_call>")
+    r = _chat_tools(s, "none").json()
+    assert r["choices"][0]["message"].get("tool_calls") is None and r["choices"][0]["message"]["content"]
+    r = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 6, "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object"}}], "tool_choice": {"type": "none"}}).json()
+    assert [b["type"] for b in r["content"]] == ["text"]
+
+
+@pytest.mark.parametrize("choice,want", [({"type": "function", "function": {"name": "get_time"}}, "get_time"),
+                                         ("required", None)])
+def test_tool_choice_forces_a_call(eager_caller, choice, want):
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("</tool_call>")  # left alone, it would never open a call
+    tools = (WEATHER, OTHER) if want else (WEATHER,)
+    r = _chat_tools(s, choice, tools, parallel_tool_calls=False).json()
+    calls = r["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == [want or "get_weather"]
+    assert r["choices"][0]["finish_reason"] == "tool_calls" and r["usage"]["completion_tokens"] < 60
+
+
+def test_tool_choice_forces_a_call_after_thinking_on_anthropic(eager_caller):
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("</tool_call>")
+    r = httpx.post(s.url + MESSAGES, json={
+        "messages": USER, "max_tokens": 60, "thinking": {"type": "enabled", "budget_tokens": 3},
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}, {"name": "get_time", "input_schema": {}}],
+        "tool_choice": {"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}}).json()
+    assert [b["type"] for b in r["content"]] == ["thinking", "tool_use"] and r["content"][1]["name"] == "get_time"
+    assert r["stop_reason"] == "tool_use"
+
+
+def test_tool_choice_errors(srv):
+    assert _chat_tools(srv, {"type": "function", "function": {"name": "nope"}}).status_code == 400
+    assert _chat_tools(srv, "required", ()).status_code == 400
+    assert _chat_tools(srv, "sometimes").status_code == 400
+    r = httpx.post(srv.url + MESSAGES, json={"messages": USER, "max_tokens": 3, "tool_choice": {"type": "maybe"}})
+    assert r.status_code == 400 and r.json()["type"] == "error"

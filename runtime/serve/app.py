@@ -109,6 +109,37 @@ def _anthropic_error(e: ApiError) -> JSONResponse:
     return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, e.status, headers=_headers(e))
 
 
+def openai_tool_choice(value) -> tuple[str, str | None]:
+    """OpenAI tool_choice (chat: {"type": "function", "function": {"name"}}; Responses: {"type":
+    "function", "name"}) -> (auto | none | required | named, name)."""
+    if value is None or value == "auto":
+        return "auto", None
+    if value in ("none", "required"):
+        return value, None
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function") if isinstance(value.get("function"), dict) else value
+        if isinstance(fn.get("name"), str):
+            return "named", fn["name"]
+    raise ApiError(400, "invalid_request_error", "tool_choice must be 'auto', 'none', 'required' or "
+                   "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+
+
+def anthropic_tool_choice(value) -> tuple[tuple[str, str | None], bool]:
+    """Anthropic tool_choice -> ((auto | none | required | named, name), parallel calls allowed)."""
+    if value is None:
+        return ("auto", None), True
+    parallel = not value.get("disable_parallel_tool_use", False)
+    kind = value.get("type")
+    if kind in ("auto", "none"):
+        return (kind, None), parallel
+    if kind == "any":
+        return ("required", None), parallel
+    if kind == "tool" and isinstance(value.get("name"), str):
+        return ("named", value["name"]), parallel
+    raise ApiError(400, "invalid_request_error", "tool_choice.type must be auto, any, tool (with a name) or none",
+                   "tool_choice")
+
+
 def parse(model, body: dict):
     """The body checked against the API's typed request model (schemas.py): a 400 naming the field."""
     try:
@@ -122,7 +153,7 @@ class Generation:
     """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
 
     def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
-                 seed: int | None, budget: int | None = None, api: str = "chat"):
+                 seed: int | None, budget: int | None = None, api: str = "chat", controls: dict | None = None):
         self.server = server
         self.thinking = thinking
         self.api = api
@@ -147,7 +178,8 @@ class Generation:
                                          stop_ids=frozenset(server.stop_ids), seed=seed,
                                          images=getattr(prompt, "images", None) or None,
                                          checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit,
-                                         thinking_budget=budget if thinking else None, think_end=server.think_end)
+                                         thinking_budget=budget if thinking else None, think_end=server.think_end,
+                                         thinks=thinking, **(controls or {}))
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -390,13 +422,41 @@ class Server:
         raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings", "stop")
 
     def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None,
-              api: str = "chat") -> Generation:
+              api: str = "chat", choice: tuple[str, str | None] = ("auto", None), parallel: bool = True) -> Generation:
         """Validate the sampling fields, length limit and stop strings, then queue the generation.
         `budget`: the request's thinking budget (None: the server's --reasoning-budget)."""
         params, seed = self.sampling(body)
         max_tokens = self.max_tokens(limit, len(prompt))
         budget = self.config.reasoning_budget if budget is None else budget
-        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api)
+        controls = self.tool_controls(choice, tools, parallel, thinking)
+        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api, controls)
+
+    def tool_controls(self, choice: tuple[str, str | None], tools, parallel: bool, thinking: bool) -> dict:
+        """tool_choice and parallel_tool_calls as decode-time controls (see GenerationRequest): "none"
+        bans the call marker; "required" and a named tool emit the call's opening (after the thinking
+        block) so the output is a call; no parallel calls: the generation ends with the first call."""
+        mode, name = choice
+        names = [t["function"]["name"] for t in tools or []]
+        ids = lambda text: tuple(self.tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
+        controls = {}
+        if not parallel and tools:
+            controls["stop_after"] = self.tokenizer.token_to_id("</tool_call>")
+            controls["call_open"] = self.tokenizer.token_to_id("<tool_call>")
+        if mode == "none":
+            marker = self.tokenizer.token_to_id("<tool_call>")
+            controls["banned_ids"] = () if marker is None else (marker,)
+        elif mode in ("required", "named"):
+            if not names:
+                raise ApiError(400, "invalid_request_error", "tool_choice requires a tool call but no tools were given",
+                               "tool_choice")
+            if mode == "named" and name not in names:
+                raise ApiError(400, "invalid_request_error", f"tool_choice names {name!r}, which is not among the "
+                               f"tools ({', '.join(names)})", "tool_choice")
+            if mode == "required" and len(names) == 1:
+                name = names[0]
+            opening = "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
+            controls["forced"] = ids(("\n\n" if thinking else "") + opening)
+        return controls
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
@@ -519,7 +579,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(req.reasoning_effort)
-        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat")
+        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat",
+                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens,
@@ -604,8 +665,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
         budget = (body.get("thinking") or {}).get("budget_tokens")  # adaptive: the server's default
         try:
+            choice, parallel = anthropic_tool_choice(body.get("tool_choice"))
             gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"), budget,
-                               "messages")
+                               "messages", choice, parallel)
         except ApiError as e:
             if e.status == 429:  # Anthropic's overload status
                 raise ApiError(529, "overloaded_error", e.message) from None
@@ -706,11 +768,12 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, prompt = await server.prompt(build)
         effort = req.reasoning.effort if req.reasoning else None
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(effort)
-        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses")
+        gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses",
+                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-                "parallel_tool_calls": True, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                 "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
                 "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
                 "reasoning": body.get("reasoning"), "text": {"format": {"type": "text"}}, "truncation": "disabled",

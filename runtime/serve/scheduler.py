@@ -44,7 +44,15 @@ class GenerationRequest:
     # `think_end` itself (the model's own end-of-thinking token) and the answer follows
     thinking_budget: int | None = None
     think_end: int | None = None
+    thinks: bool = False  # the prompt opens a thinking block (ended by think_end)
     cached_tokens: int = 0  # prompt tokens the lane already held (set at admission)
+    # tool_choice at decode time: tokens never sampled ("none": the call marker), tokens emitted first
+    # once any thinking is over (a required / named call's opening), and a token after which the
+    # generation ends (parallel_tool_calls false: the first call's close)
+    banned_ids: tuple[int, ...] = ()
+    forced: tuple[int, ...] = ()
+    stop_after: int | None = None  # counts once a call has opened (call_open) outside the thinking block
+    call_open: int | None = None
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -57,11 +65,19 @@ class _Lane:
     generated: int = 0
     counts: torch.Tensor | None = None
     generator: torch.Generator | None = None
-    thinking: bool = False  # inside a budgeted thinking block
+    thinking: bool = False  # inside the prompt's thinking block
     reasoning: int = 0  # reasoning tokens emitted so far
+    forced: list[int] = field(default_factory=list)  # still to emit once thinking is over
+    calls_opened: int = 0
 
     def budget_spent(self) -> bool:
-        return self.thinking and self.reasoning >= self.request.thinking_budget
+        budget = self.request.thinking_budget
+        return self.thinking and budget is not None and self.reasoning >= budget
+
+    def constrained(self) -> bool:
+        """Decoding this lane needs the scheduler's token choice (no speculative rounds)."""
+        return (self.thinking and self.request.thinking_budget is not None) or bool(self.forced) or \
+            bool(self.request.banned_ids)
 
 
 class SchedulerDead(RuntimeError):
@@ -198,7 +214,7 @@ class Scheduler:
             try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at)
-                state = _Lane(req, chunks, thinking=req.thinking_budget is not None and req.think_end is not None)
+                state = _Lane(req, chunks, thinking=req.thinks and req.think_end is not None, forced=list(req.forced))
                 if req.params is not None:
                     device = self.engine.device
                     state.counts = torch.zeros(1, self.engine.cfg.vocab_size, dtype=torch.int32, device=device)
@@ -215,6 +231,10 @@ class Scheduler:
                 req.on_admit()
 
     def _pick(self, state: _Lane, logits: torch.Tensor) -> int:
+        banned = state.request.banned_ids
+        if banned:
+            logits = logits.clone()
+            logits[list(banned)] = float("-inf")
         return pick_token(logits, state.request.params, state.counts, state.generator)
 
     def _emit(self, lane: int, token: int) -> None:
@@ -231,6 +251,11 @@ class Scheduler:
             self._finish(lane, "stop", None)
             return
         state.request.on_token(token)
+        if not state.thinking and token == state.request.call_open:
+            state.calls_opened += 1
+        if token == state.request.stop_after and state.calls_opened:
+            self._finish(lane, "stop", None)
+            return
         full = self.engine.held_tokens(lane) + 1 >= self.engine.opts.max_context
         if state.generated >= state.request.max_tokens or full:
             self._finish(lane, "length", None)
@@ -247,8 +272,9 @@ class Scheduler:
     def _speculate(self, decoding: list[int]) -> list[int]:
         """One speculative round (MTP or DFlash2) for every lane that can draft (batched); returns the lanes left for a plain step."""
         eng = self.engine
-        # a lane thinking under a budget decodes plainly (a round could run past the budget)
-        spec = [lane for lane in decoding if eng.speculator.can_speculate(lane) and not self.lanes[lane].thinking]
+        # a lane whose tokens the scheduler chooses decodes plainly (a round could run past a budget,
+        # or sample a banned token in its drafts)
+        spec = [lane for lane in decoding if eng.speculator.can_speculate(lane) and not self.lanes[lane].constrained()]
         if spec:
             states = [self.lanes[lane] for lane in spec]
             budgets = [max(1, min(s.request.max_tokens - s.generated, eng.opts.max_context - eng.held_tokens(lane) - 1))
@@ -292,8 +318,12 @@ class Scheduler:
         values, its callback) ends this lane's request alone."""
         try:
             state = self.lanes[lane]
-            # a spent thinking budget: the end-of-thinking token instead of a sample
-            token = state.request.think_end if state.budget_spent() else self._pick(state, logits)
+            if state.budget_spent():  # the end-of-thinking token instead of a sample
+                token = state.request.think_end
+            elif state.forced and not state.thinking:  # a required call's opening
+                token = state.forced.pop(0)
+            else:
+                token = self._pick(state, logits)
             self._emit(lane, token)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
