@@ -487,3 +487,26 @@ def test_tool_choice_errors(srv):
     assert _chat_tools(srv, "sometimes").status_code == 400
     r = httpx.post(srv.url + MESSAGES, json={"messages": USER, "max_tokens": 3, "tool_choice": {"type": "maybe"}})
     assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_responses_previous_response_id_store_and_incomplete_streams(srv):
+    first = httpx.post(srv.url + RESPONSES, json={"input": "hello there", "instructions": "be brief",
+                                                  "max_output_tokens": 5}, timeout=60).json()
+    assert first["status"] == "incomplete" and first["store"] is True
+    second = httpx.post(srv.url + RESPONSES, json={"input": [{"type": "message", "role": "user", "content": "and then?"}],
+                                                   "previous_response_id": first["id"], "max_output_tokens": 5},
+                        timeout=60).json()
+    alone = httpx.post(srv.url + RESPONSES, json={"input": [{"type": "message", "role": "user", "content": "and then?"}],
+                                                  "max_output_tokens": 5}, timeout=60).json()
+    # the earlier exchange is in the prompt (its instructions are not: they do not carry over)
+    assert second["usage"]["input_tokens"] > alone["usage"]["input_tokens"] + 5
+    assert second["previous_response_id"] == first["id"]
+    got = httpx.get(srv.url + f"/v1/responses/{first['id']}").json()
+    assert got["id"] == first["id"] and got["output"] == first["output"]
+    missing = httpx.post(srv.url + RESPONSES, json={"input": "x", "previous_response_id": "resp_nope"})
+    assert missing.status_code == 404 and "previous_response_id" in missing.json()["error"]["message"]
+    unstored = httpx.post(srv.url + RESPONSES, json={"input": "x", "store": False, "max_output_tokens": 2}).json()
+    assert httpx.get(srv.url + f"/v1/responses/{unstored['id']}").status_code == 404
+    with httpx.stream("POST", srv.url + RESPONSES, json={"input": "x", "max_output_tokens": 3, "stream": True}) as r:
+        kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[-1] == "response.incomplete"  # a length stop, as the OpenAI API reports it

@@ -8,6 +8,7 @@ prompts are rendered and tokenized off the event loop, and nothing a client send
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import time
@@ -28,6 +29,7 @@ from .chat_template import (
     normalize_openai_messages,
     normalize_openai_tools,
     normalize_responses_input,
+    system_first,
 )
 from .metrics import ServerMetrics
 from .output_parser import OutputParser
@@ -55,6 +57,7 @@ class ServerConfig:
     stats: dict = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
 
+STORED_RESPONSES = 512  # finished Responses kept for previous_response_id / GET (memory only)
 HEARTBEAT_S = 10.0  # streams send a keep-alive after this long without tokens
 PING = SimpleNamespace(kind="ping")
 
@@ -335,6 +338,7 @@ class Server:
         self.stop_ids, self.scheduler = set(stop_ids), scheduler
         self.think_end = tokenizer.token_to_id("</think>")  # None: the model has no thinking block
         self.metrics = ServerMetrics(self)
+        self.stored: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
 
     # --- shared helpers -------------------------------------------------------------------
 
@@ -343,9 +347,10 @@ class Server:
         cfg = self.config
         return ImageSink(cfg.allow_local_images, cfg.allow_remote_images) if cfg.vision else False
 
-    def tokenize(self, messages, tools, thinking: bool, sink=None) -> list[int]:
-        prompt = self.template.render(messages, tools, enable_thinking=thinking,
-                                      preserve_thinking=self.config.preserve_thinking)
+    def tokenize(self, messages, tools, thinking: bool, sink=None, preserve_thinking: bool | None = None) -> list[int]:
+        """`preserve_thinking`: keep earlier turns' reasoning (None: the server's --preserve-thinking)."""
+        keep = self.config.preserve_thinking if preserve_thinking is None else preserve_thinking
+        prompt = self.template.render(messages, tools, enable_thinking=thinking, preserve_thinking=keep)
         # encode_batch releases the GIL (encode holds it for seconds on a multi-megabyte prompt, which
         # would stall the event loop even from a worker thread)
         ids = TokenizedPrompt(self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0].ids)
@@ -457,6 +462,38 @@ class Server:
             opening = "<tool_call>\n<function=" + (f"{name}>\n" if name else "")
             controls["forced"] = ids(("\n\n" if thinking else "") + opening)
         return controls
+
+    def remember(self, response: dict, messages: list[dict] | None) -> None:
+        """Keep a finished response (and the conversation it answered, with its own output as the
+        assistant turn) for previous_response_id and GET /v1/responses/{id}; the oldest go first."""
+        if messages is None:
+            return
+        text, reasoning, calls = "", None, []
+        for item in response["output"]:
+            if item["type"] == "message":
+                text += "".join(part.get("text", "") for part in item["content"])
+            elif item["type"] == "reasoning":
+                reasoning = "".join(part.get("text", "") for part in item.get("content") or [])
+            elif item["type"] == "function_call":
+                calls.append({"id": item["call_id"], "type": "function",
+                              "function": {"name": item["name"], "arguments": json.loads(item["arguments"] or "{}")}})
+        turn = {"role": "assistant", "content": text}
+        if reasoning:
+            turn["reasoning_content"] = reasoning
+        if calls:
+            turn["tool_calls"] = calls
+        history = [m for m in messages if m["role"] != "system"] + [turn]
+        self.stored[response["id"]] = (response, history)
+        while len(self.stored) > STORED_RESPONSES:
+            self.stored.popitem(last=False)
+
+    def recall(self, response_id: str) -> list[dict]:
+        """The conversation up to and including a stored response (previous_response_id)."""
+        if response_id not in self.stored:
+            raise ApiError(404, "not_found_error", f"previous_response_id {response_id!r} is not stored here (the last "
+                           f"{STORED_RESPONSES} responses are kept in memory, not across restarts); send the whole "
+                           "conversation as input instead", "previous_response_id")
+        return list(self.stored[response_id][1])
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
@@ -574,7 +611,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             tools = normalize_openai_tools(body.get("tools"))
             sink = server.image_sink()
             messages = normalize_openai_messages(body.get("messages"), sink)
-            return tools, server.tokenize(messages, tools, thinking, sink)
+            keep = kwargs.preserve_thinking if kwargs is not None else None
+            return tools, server.tokenize(messages, tools, thinking, sink, keep)
 
         tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -750,6 +788,14 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
 
     # --- OpenAI Responses ------------------------------------------------------------------
 
+    @app.get("/v1/responses/{response_id}")
+    @guarded(_openai_error, "responses")
+    async def get_response(request: Request):
+        response_id = request.path_params["response_id"]
+        if response_id not in server.stored:
+            raise ApiError(404, "not_found_error", f"response {response_id!r} is not stored here", "response_id")
+        return server.stored[response_id][0]
+
     @app.post("/v1/responses")
     @guarded(_openai_error, "responses")
     async def responses(request: Request):
@@ -759,13 +805,19 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         thinking = (req.reasoning.effort if req.reasoning else None) not in ("none", "minimal")
         streaming = bool(req.stream)
 
+        prior = server.recall(req.previous_response_id) if req.previous_response_id else []
+
         def build():
             tools = normalize_openai_tools(body.get("tools"))
             sink = server.image_sink()
-            messages = normalize_responses_input(body.get("instructions"), body.get("input"), sink)
-            return tools, server.tokenize(messages, tools, thinking, sink)
+            turn = normalize_responses_input(None, body.get("input"), sink)
+            head = [{"role": "system", "content": req.instructions}] if req.instructions else []
+            conversation = system_first(head + prior + turn)  # a previous response's instructions do not carry over
+            return tools, conversation, server.tokenize(conversation, tools, thinking, sink)
 
-        tools, prompt = await server.prompt(build)
+        tools, messages, prompt = await server.prompt(build)
+        if req.store is False:
+            messages = None  # not kept: remember() skips it
         effort = req.reasoning.effort if req.reasoning else None
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(effort)
         gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses",
@@ -775,7 +827,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                 "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
+                "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": req.previous_response_id,
+                "store": req.store is not False,
                 "reasoning": body.get("reasoning"), "text": {"format": {"type": "text"}}, "truncation": "disabled",
                 "usage": None, "incomplete_details": None}
 
@@ -808,7 +861,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             output = ([reasoning_item(r.reasoning)] if r.reasoning else []) + \
                      ([message_item(f"msg_{uuid.uuid4().hex}", r.content)] if r.content or not r.tool_calls else []) + \
                      [call_item(c) for c in r.tool_calls]
-            return final(output)
+            done = final(output)
+            server.remember(done, messages)
+            return done
 
         await gen.admission()
 
@@ -885,9 +940,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             if open_item is not None:
                 for x in close_open():
                     yield x
-            # always `response.completed` as the last event (the SDK's stream helper waits for it);
-            # a length stop shows as status "incomplete" with incomplete_details inside it
-            yield ev("response.completed", response=final(output))
+            # as the OpenAI API does: a length stop ends with `response.incomplete` (status "incomplete",
+            # incomplete_details), anything else with `response.completed`
+            done = final(output)
+            server.remember(done, messages)
+            yield ev("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
