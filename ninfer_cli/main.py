@@ -491,7 +491,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8080,
     model_id: Annotated[Optional[str], typer.Option(help="Model name clients send (default: the file name).")] = None,
     device: Annotated[str, typer.Option(help="cuda or cpu (cpu runs the Triton interpreter: tests only).")] = "cuda",
-    max_context: Annotated[int, typer.Option(help="Tokens per lane.")] = 8192,
+    max_context: Annotated[str, typer.Option(help="Tokens per lane, or auto: the largest that fits the GPU's free memory (the fit solver; 8192 on CPU).")] = "auto",
     max_concurrency: Annotated[int, typer.Option(min=1, max=8, help="Lanes decoding together.")] = 1,
     max_pending_requests: Annotated[int, typer.Option(min=0, help="Waiting requests before 429 / 529.")] = 64,
     pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
@@ -526,9 +526,12 @@ def serve(
     from runtime.memory_plan import PlanOptions, parse_prefill_chunk
     from runtime.serve.launch import build_server
 
-    options = PlanOptions(max_context=max_context, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
-                          prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
-                          lm_head_draft=lm_head_draft, vision=vision)
+    auto = max_context.strip().lower() == "auto"
+    options = PlanOptions(max_context=8192 if auto else _tokens(max_context), max_concurrency=max_concurrency,
+                          kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value,
+                          draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
+    if kv_capacity is None and auto and device.startswith("cuda"):
+        kv_capacity = "auto"  # the longest context that fits, as `ninfer fit` computes it
     if kv_capacity is not None:
         options = _kv_capacity_options(artifact, options, kv_capacity, vram_reserve, device)
     if allow_local_images is not None and not allow_local_images.is_dir():
