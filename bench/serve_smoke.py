@@ -96,6 +96,14 @@ def main(work: str) -> None:
     check("chat with --spec mtp on cuda", st == 200, json.loads(body)["usage"])
     st, body = _post(url + "/v1/chat/completions", dict(text, max_tokens=16, stream=True))
     check("streamed chat with --spec mtp", st == 200 and body.rstrip().endswith("data: [DONE]"), f"{len(body)} bytes")
+    st, body = _post(url + "/v1/chat/completions", dict(text, max_tokens=12, thinking_budget=3))
+    usage = json.loads(body).get("usage", {})
+    check("thinking budget with --spec mtp", st == 200 and usage["completion_tokens_details"]["reasoning_tokens"] <= 3, usage)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+    st, body = _post(url + "/v1/chat/completions", dict(text, max_tokens=40, tools=tools, tool_choice="required",
+                                                        chat_template_kwargs={"enable_thinking": False}))
+    calls = json.loads(body)["choices"][0]["message"].get("tool_calls") or [] if st == 200 else []
+    check("tool_choice required on cuda", st == 200 and [c["function"]["name"] for c in calls] == ["get_time"], body[:200])
     srv.should_exit = True
     sys.exit(1 if failures else 0)
 

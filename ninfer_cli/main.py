@@ -365,32 +365,25 @@ def bench(
                                   prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
                                   prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
                                   log=lambda m: err.print(m))
-        if random_weights is not None:
-            results["shape"], results["recipe"] = random_weights, recipe
-        if json_out:
-            json_out.write_text(json.dumps(results, indent=1))
-        if plot_png and not plot_lanes(results, plot_png):
-            err.print("--plot skipped: matplotlib is not installed (pip install matplotlib)")
-        if as_json:
-            print(json.dumps(results))
-            return
-        _print_lanes(results)
-        return
-    opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
-                        decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
-                        accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, prefill_chunk=parse_prefill_chunk(prefill_chunk),
-                        prefill_limit=_tokens(prefill_limit), random_weights_seed=seed)
-    results = run_bench(artifact, opts, log=lambda m: err.print(m))
+        plotter, printer = plot_lanes, _print_lanes
+    else:
+        opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
+                            decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
+                            accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft,
+                            prefill_chunk=parse_prefill_chunk(prefill_chunk), prefill_limit=_tokens(prefill_limit),
+                            random_weights_seed=seed)
+        results = run_bench(artifact, opts, log=lambda m: err.print(m))
+        plotter, printer = plot, _print_bench
     if random_weights is not None:
         results["shape"], results["recipe"] = random_weights, recipe
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))
-    if plot_png and not plot(results, plot_png):
+    if plot_png and not plotter(results, plot_png):
         err.print("--plot skipped: matplotlib is not installed (pip install matplotlib)")
     if as_json:
         print(json.dumps(results))
         return
-    _print_bench(results)
+    printer(results)
 
 
 def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str, device: str):

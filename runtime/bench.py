@@ -297,38 +297,10 @@ def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv
     return row
 
 
-def plot(results: dict, out_png) -> bool:
-    """tok/s vs depth per KV dtype (decode solid, roofline dashed). False when matplotlib is absent."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    kvs = sorted({r["kv_dtype"] for r in results["rows"]})
-    for kv in kvs:
-        rows = sorted((r for r in results["rows"] if r["kv_dtype"] == kv), key=lambda r: r["depth"])
-        xs = [r["depth"] for r in rows]
-        line, = ax.plot(xs, [r["decode_tok_s"] for r in rows], marker="o", label=f"decode {kv}")
-        if all("roofline_tok_s" in r for r in rows):
-            ax.plot(xs, [r["roofline_tok_s"] for r in rows], linestyle="--", color=line.get_color(),
-                    label=f"roofline {kv}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context depth (tokens)")
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"{results['artifact'].rsplit('/', 1)[-1]} on {results['device']}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def plot_lanes(results: dict, out_png) -> bool:
-    """Aggregate decode tok/s vs lanes per KV dtype (measured solid, ideal dashed)."""
+def _plot(results: dict, out_png, x: str, y: str, ideal: str, labels: tuple[str, str], xlabel: str, ylabel: str,
+          title: str, log_x: bool) -> bool:
+    """One line per KV dtype: the measured `y` solid, the `ideal` dashed, against `x`. False when
+    matplotlib is absent."""
     try:
         import matplotlib
 
@@ -338,18 +310,32 @@ def plot_lanes(results: dict, out_png) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kv in sorted({r["kv_dtype"] for r in results["rows"]}):
-        rows = sorted((r for r in results["rows"] if r["kv_dtype"] == kv), key=lambda r: r["lanes"])
-        xs = [r["lanes"] for r in rows]
-        line, = ax.plot(xs, [r["aggregate_tok_s"] for r in rows], marker="o", label=f"aggregate {kv}")
-        if all("ideal_aggregate_tok_s" in r for r in rows):
-            ax.plot(xs, [r["ideal_aggregate_tok_s"] for r in rows], linestyle="--", color=line.get_color(),
-                    label=f"one weight read per step {kv}")
-    ax.set_xlabel("lanes decoding at once")
-    ax.set_ylabel("tokens / s (all lanes)")
-    ax.set_title(f"{results['artifact'].rsplit('/', 1)[-1]} on {results['device']}, {results['depth']} tokens per lane")
+        rows = sorted((r for r in results["rows"] if r["kv_dtype"] == kv), key=lambda r: r[x])
+        xs = [r[x] for r in rows]
+        line, = ax.plot(xs, [r[y] for r in rows], marker="o", label=f"{labels[0]} {kv}")
+        if all(ideal in r for r in rows):
+            ax.plot(xs, [r[ideal] for r in rows], linestyle="--", color=line.get_color(), label=f"{labels[1]} {kv}")
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{results['artifact'].rsplit('/', 1)[-1]} on {results['device']}{title}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return True
+
+
+def plot(results: dict, out_png) -> bool:
+    """tok/s vs depth per KV dtype (decode solid, roofline dashed)."""
+    return _plot(results, out_png, "depth", "decode_tok_s", "roofline_tok_s", ("decode", "roofline"),
+                 "context depth (tokens)", "tokens / s", "", True)
+
+
+def plot_lanes(results: dict, out_png) -> bool:
+    """Aggregate decode tok/s vs lanes per KV dtype (measured solid, one weight read per step dashed)."""
+    return _plot(results, out_png, "lanes", "aggregate_tok_s", "ideal_aggregate_tok_s",
+                 ("aggregate", "one weight read per step"), "lanes decoding at once", "tokens / s (all lanes)",
+                 f", {results['depth']} tokens per lane", False)

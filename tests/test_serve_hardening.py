@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -20,6 +19,7 @@ from format.tiny import CHAT_TEMPLATE, build_tokenizer
 from runtime.serve.app import Server, ServerConfig, build_app
 from runtime.serve.chat_template import ChatTemplate
 from runtime.serve.scheduler import Scheduler
+from .serving import Loopback
 
 VOCAB = 384
 POISON = "poison-pill"  # a prompt holding this fails in the middle of its prefill (fault injection)
@@ -77,8 +77,6 @@ class FakeEngine:
 class Running:
     def __init__(self, lanes=2, max_pending=4, pending_timeout_ms=0, step_s=0.002, max_request_bytes=1 << 20,
                  on_fatal=None, **config):
-        import uvicorn
-
         tok = build_tokenizer(VOCAB)
         self.engine = FakeEngine(tok, lanes, step_s)
         self.scheduler = Scheduler(self.engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
@@ -86,20 +84,11 @@ class Running:
         config = ServerConfig("tiny", 4096, pending_timeout_ms=pending_timeout_ms, max_request_bytes=max_request_bytes,
                               **config)
         server = Server(self.engine, tok, ChatTemplate(CHAT_TEMPLATE), config, {self.engine.stop}, self.scheduler)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started and time.time() < deadline:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port}"
+        self.loopback = Loopback(build_app(server))
+        self.url = self.loopback.url
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.loopback.stop()
         self.scheduler.close()
 
     def healthy(self) -> bool:

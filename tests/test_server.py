@@ -2,8 +2,6 @@
 
 import concurrent.futures
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -16,38 +14,24 @@ anthropic = pytest.importorskip("anthropic")
 from format.convert import ConvertOptions, convert_checkpoint  # noqa: E402
 from runtime.memory_plan import PlanOptions  # noqa: E402
 from runtime.serve.launch import build_server  # noqa: E402
+from .serving import Loopback  # noqa: E402
 
 DEVICE = "cpu"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, artifact, lanes, max_pending=8, max_context=256, pending_timeout_ms=0, **plan):
-        import uvicorn
-
         import tempfile
 
         self.log = tempfile.mktemp(suffix=".jsonl")
         app, _ = build_server(artifact, PlanOptions(max_context=max_context, max_concurrency=lanes, prefill_chunk=128, **plan),
                               device=DEVICE, model_id="tiny", max_pending=max_pending, pending_timeout_ms=pending_timeout_ms,
                               request_log=self.log)
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started and time.time() < deadline:
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.loopback = Loopback(app)
+        self.url = self.loopback.url
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.loopback.stop()
 
 
 @pytest.fixture(scope="module")

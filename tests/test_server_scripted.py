@@ -5,7 +5,6 @@ back a scripted completion token by token through the same callbacks the engine'
 """
 
 import json
-import socket
 import threading
 import time
 
@@ -17,6 +16,8 @@ anthropic = pytest.importorskip("anthropic")
 from format.tiny import CHAT_TEMPLATE, build_tokenizer  # noqa: E402
 from runtime.serve.app import Server, ServerConfig, build_app  # noqa: E402
 from runtime.serve.chat_template import ChatTemplate  # noqa: E402
+
+from .serving import Loopback  # noqa: E402
 
 SCRIPT = ("The user wants weather.\n</think>\n\nChecking now.\n\n<tool_call>\n<function=get_weather>\n"
           "<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
@@ -47,22 +48,12 @@ class ScriptedScheduler:
 
 @pytest.fixture(scope="module")
 def url():
-    import uvicorn
-
     tok = build_tokenizer(384)
     server = Server(None, tok, ChatTemplate(CHAT_TEMPLATE), ServerConfig("tiny", 4096), {tok.token_to_id("<|im_end|>")},
                     ScriptedScheduler(tok, SCRIPT))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    loopback = Loopback(build_app(server))
+    yield loopback.url
+    loopback.stop()
 
 
 def test_chat_completions_tool_call(url):
