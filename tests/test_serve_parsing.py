@@ -148,9 +148,9 @@ def test_bad_conversations_get_request_errors(messages, match):
         t.render(normalize_openai_messages(messages))
 
 
-def test_system_messages_go_first_or_become_user_turns():
-    """Leading system / developer messages (Responses instructions + developer items) merge into one;
-    a late one becomes a user turn (the template refuses a system message after the start)."""
+def test_system_messages_fold_into_one_first():
+    """Every system / developer message (Responses instructions + developer items, Anthropic system entries,
+    late reminders) folds into the one system message the template accepts at the start."""
     from runtime.serve.chat_template import normalize_anthropic_messages, normalize_responses_input
 
     t = ChatTemplate(CHAT_TEMPLATE)
@@ -158,8 +158,7 @@ def test_system_messages_go_first_or_become_user_turns():
         t.render([{"role": "user", "content": "a"}, {"role": "system", "content": "late"}])
     msgs = normalize_openai_messages([{"role": "developer", "content": "d1"}, {"role": "system", "content": "s2"},
                                       {"role": "user", "content": "a"}, {"role": "system", "content": "late"}])
-    assert msgs == [{"role": "system", "content": "d1\n\ns2"}, {"role": "user", "content": "a"},
-                    {"role": "user", "content": "late"}]
+    assert msgs == [{"role": "system", "content": "d1\n\ns2\n\nlate"}, {"role": "user", "content": "a"}]
     t.render(msgs)
     codex = normalize_responses_input("be brief", [{"type": "message", "role": "developer", "content": "rules"},
                                                    {"type": "message", "role": "developer", "content": "more"},
@@ -167,7 +166,7 @@ def test_system_messages_go_first_or_become_user_turns():
     assert codex[0] == {"role": "system", "content": "be brief\n\nrules\n\nmore"} and len(codex) == 2
     claude = normalize_anthropic_messages("sys", [{"role": "user", "content": "hi"},
                                                   {"role": "system", "content": "reminder"}])
-    assert claude[-1] == {"role": "user", "content": "reminder"}
+    assert claude == [{"role": "system", "content": "sys\n\nreminder"}, {"role": "user", "content": "hi"}]
     t.render(codex)
     t.render(claude)
 

@@ -215,19 +215,12 @@ def normalize_openai_tools(tools, where: str = "tools") -> list[dict] | None:
 
 
 def system_first(messages: list[dict]) -> list[dict]:
-    """One system message, first: the leading system / developer messages (Responses instructions plus
-    developer items, several developer items) joined; a system message later in the conversation (some
-    agents insert reminders) becomes a user turn, because the template allows a system message only at
-    the beginning and moving it there would change the prefix every turn."""
-    lead = 0
-    while lead < len(messages) and messages[lead]["role"] == "system":
-        lead += 1
-    out = []
-    if lead:
-        out.append({"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead] if m["content"])})
-    for m in messages[lead:]:
-        out.append({"role": "user", "content": m["content"]} if m["role"] == "system" else m)
-    return out
+    """One system message, first: every system / developer message (Responses instructions and developer
+    items, Anthropic system entries among the messages, later reminders) folded into it in order, because
+    the template accepts a system message only at the beginning."""
+    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
+    rest = [m for m in messages if m["role"] != "system"]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
 
 
 def normalize_anthropic_tools(tools) -> list[dict] | None:
