@@ -499,3 +499,22 @@ def test_responses_previous_response_id_store_and_incomplete_streams(srv):
     with httpx.stream("POST", srv.url + RESPONSES, json={"input": "x", "max_output_tokens": 3, "stream": True}) as r:
         kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds[-1] == "response.incomplete"  # a length stop, as the OpenAI API reports it
+
+
+def test_logprobs_and_top_logprobs(srv):
+    body = {"messages": USER, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    r = httpx.post(srv.url + CHAT, json=body, timeout=60).json()
+    entries = r["choices"][0]["logprobs"]["content"]
+    assert len(entries) == r["usage"]["completion_tokens"] == 6
+    for e in entries:  # greedy: the chosen token is the most likely one
+        assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 3
+        assert e["top_logprobs"][0]["token"] == e["token"] and abs(e["top_logprobs"][0]["logprob"] - e["logprob"]) < 1e-6
+    assert "".join(e["token"] for e in entries) == r["choices"][0]["message"]["content"]
+    with httpx.stream("POST", srv.url + CHAT, json={**body, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [e for c in chunks for choice in c["choices"] for e in ((choice.get("logprobs") or {}).get("content") or [])]
+    assert [e["token"] for e in streamed] == [e["token"] for e in entries]
+    bad = httpx.post(srv.url + CHAT, json={"messages": USER, "top_logprobs": 2}, timeout=60)
+    assert bad.status_code == 400 and "logprobs" in bad.json()["error"]["message"]
+    assert httpx.post(srv.url + CHAT, json={"messages": USER, "logprobs": True, "top_logprobs": 21}).status_code == 400

@@ -156,7 +156,8 @@ class Generation:
     """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
 
     def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
-                 seed: int | None, budget: int | None = None, api: str = "chat", controls: dict | None = None):
+                 seed: int | None, budget: int | None = None, api: str = "chat", controls: dict | None = None,
+                 logprobs: int | None = None):
         self.server = server
         self.thinking = thinking
         self.api = api
@@ -182,7 +183,8 @@ class Generation:
                                          images=getattr(prompt, "images", None) or None,
                                          checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit,
                                          thinking_budget=budget if thinking else None, think_end=server.think_end,
-                                         thinks=thinking, **(controls or {}))
+                                         thinks=thinking, logprobs=logprobs, **(controls or {}))
+        self.logprobs_sent = 0  # tokens whose logprobs a stream has already carried
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
         self.text = ""
@@ -318,6 +320,24 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.ids)
 
+    def logprob_entries(self, start: int = 0) -> list[dict]:
+        """OpenAI `logprobs.content` entries of the tokens from `start` on (as far as received)."""
+        tok = self.server.tokenizer
+        entry = lambda i, lp: {"token": (t := tok.decode([i], skip_special_tokens=False)), "logprob": lp,  # noqa: E731
+                               "bytes": list(t.encode("utf-8"))}
+        out = []
+        for token, (lp, top) in zip(self.ids[start:], self.request.logprob_sink[start:]):
+            out.append({**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]})
+        return out
+
+    def take_logprobs(self) -> dict | None:
+        """The logprobs of the tokens a stream has not sent yet (None without logprobs)."""
+        if self.request.logprobs is None:
+            return None
+        entries = self.logprob_entries(self.logprobs_sent)
+        self.logprobs_sent += len(entries)
+        return {"content": entries}
+
     @property
     def reasoning_tokens(self) -> int:
         """Tokens of the thinking block (the prompt opened it): up to the end-of-thinking token."""
@@ -427,14 +447,16 @@ class Server:
         raise ApiError(400, "invalid_request_error", "stop must be a string or a list of strings", "stop")
 
     def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None,
-              api: str = "chat", choice: tuple[str, str | None] = ("auto", None), parallel: bool = True) -> Generation:
+              api: str = "chat", choice: tuple[str, str | None] = ("auto", None), parallel: bool = True,
+              logprobs: int | None = None) -> Generation:
         """Validate the sampling fields, length limit and stop strings, then queue the generation.
         `budget`: the request's thinking budget (None: the server's --reasoning-budget)."""
         params, seed = self.sampling(body)
         max_tokens = self.max_tokens(limit, len(prompt))
         budget = self.config.reasoning_budget if budget is None else budget
         controls = self.tool_controls(choice, tools, parallel, thinking)
-        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api, controls)
+        return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api, controls,
+                          logprobs)
 
     def tool_controls(self, choice: tuple[str, str | None], tools, parallel: bool, thinking: bool) -> dict:
         """tool_choice and parallel_tool_calls as decode-time controls (see GenerationRequest): "none"
@@ -617,8 +639,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         tools, prompt = await server.prompt(build)
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(req.reasoning_effort)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "invalid_request_error", "top_logprobs needs logprobs: true", "top_logprobs")
         gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat",
-                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False)
+                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False,
+                           (req.top_logprobs or 0) if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens,
@@ -634,14 +659,17 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 message["tool_calls"] = [{"id": c.id, "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments_json}} for c in r.tool_calls]
             return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_id,
-                    "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason, "logprobs": None}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason,
+                                 "logprobs": {"content": gen.logprob_entries()} if req.logprobs else None}],
                     "usage": usage(), "timings": gen.timings()}
 
         await gen.admission()  # a queue timeout is a 503 before any stream bytes
 
         def chunk(delta, finish=None):
+            # each chunk carries the logprobs of the tokens that arrived since the previous one
+            logprobs = gen.take_logprobs() if delta else None
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_id,
-                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]})
 
         async def stream():
             yield chunk({"role": "assistant", "content": ""})

@@ -53,6 +53,10 @@ class GenerationRequest:
     forced: tuple[int, ...] = ()
     stop_after: int | None = None  # counts once a call has opened (call_open) outside the thinking block
     call_open: int | None = None
+    # logprobs: with a number (top alternatives, 0..20), each emitted token's (logprob, [(id, logprob)...])
+    # is appended to logprob_sink before on_token sees the token
+    logprobs: int | None = None
+    logprob_sink: list = field(default_factory=list)
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -77,7 +81,18 @@ class _Lane:
     def constrained(self) -> bool:
         """Decoding this lane needs the scheduler's token choice (no speculative rounds)."""
         return (self.thinking and self.request.thinking_budget is not None) or bool(self.forced) or \
-            bool(self.request.banned_ids)
+            bool(self.request.banned_ids) or self.request.logprobs is not None
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The token's log-probability under the model's distribution (before sampling filters) and the
+    `top` most likely alternatives."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives = []
+    if top:
+        values, ids = torch.topk(lp, top)
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), alternatives
 
 
 class SchedulerDead(RuntimeError):
@@ -324,6 +339,8 @@ class Scheduler:
                 token = state.forced.pop(0)
             else:
                 token = self._pick(state, logits)
+            if state.request.logprobs is not None:
+                state.request.logprob_sink.append(_logprobs(logits, token, state.request.logprobs))
             self._emit(lane, token)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)

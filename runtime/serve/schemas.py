@@ -65,6 +65,8 @@ class ChatRequest(Sampling):
     n: Optional[Annotated[StrictInt, Field(ge=1, le=1)]] = None  # one choice per request
     user: Optional[StrictStr] = None
     thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
 
 
 class ThinkingConfig(_Body):
