@@ -109,7 +109,6 @@ class Scheduler:
         self.lanes: dict[int, _Lane] = {}
         self.cond = threading.Condition()
         self.stopping = False
-        self.stopping_admission = False
         self.failure: BaseException | None = None  # set when the worker loop died: /health turns 503
         self.on_fatal = on_fatal
         self.stats = collections.Counter()
@@ -146,18 +145,6 @@ class Scheduler:
                 self.stats["timed_out"] += 1
                 return True
             return False
-
-    def drain(self) -> None:
-        """Stop admitting: every waiting request is answered now; running ones finish."""
-        with self.cond:
-            self.stopping_admission = True
-            for req in self.pending:
-                req.on_done("error", "the server is shutting down")
-            self.pending.clear()
-
-    @property
-    def busy(self) -> int:
-        return len(self.lanes) + len(self.pending)
 
     def close(self) -> None:
         with self.cond:
@@ -220,7 +207,7 @@ class Scheduler:
                 kept.append(req)
         self.pending = kept
         free = [i for i in range(self.engine.lanes) if i not in self.lanes]
-        while free and self.pending and not self.stopping_admission:
+        while free and self.pending:
             req = self.pending.popleft()
             # a returning conversation goes back to the lane that still holds its prefix
             lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
