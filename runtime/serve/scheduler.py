@@ -4,6 +4,13 @@ One worker thread owns the engine. Each turn of its loop it admits waiting reque
 lanes (first come, first served), runs one prefill chunk for every lane still prefilling, then one
 batched decode step over every decoding lane — so a long prompt never stalls the other lanes for
 more than a chunk. Requests talk to the worker only through callbacks and flags.
+
+Admission is bounded when a request arrives (running + queued <= lanes + max_pending). Whatever goes
+wrong with one request (its admission, its sampling values, its callbacks) ends that request alone; an
+error that escapes the loop itself answers every waiting client, marks the scheduler failed (health
+503) and calls on_fatal. The worker also applies the decode-time controls a request carries: a
+thinking budget (it emits the end-of-thinking token itself), banned and forced tokens (tool_choice),
+an early end after the first tool call, and per-token logprobs; such lanes take plain decode steps.
 """
 
 from __future__ import annotations
