@@ -250,15 +250,18 @@ def test_a_disconnecting_client_frees_its_lane(stream):
         s.stop()
 
 
-def test_a_queued_client_that_disconnects_leaves_the_queue():
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_queued_client_that_disconnects_leaves_the_queue(stream):
     s = Running(lanes=1, max_pending=4, step_s=0.02)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = pool.submit(s.chat, "holder", max_tokens=60)
-            time.sleep(0.2)
-            with pytest.raises(httpx.ReadTimeout):
-                s.chat("queued then gone", timeout=0.3)
-            time.sleep(0.3)
+            first = pool.submit(s.chat, "holder", max_tokens=100)
+            deadline = time.time() + 10
+            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(httpx.ReadTimeout):  # a stream waits for its lane before any bytes
+                s.chat("queued then gone", timeout=0.3, stream=stream)
+            time.sleep(0.4)
             assert httpx.get(s.url + "/health").json()["queued"] == 0
             assert first.result().status_code == 200
     finally:

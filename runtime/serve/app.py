@@ -197,10 +197,12 @@ class Generation:
         except SchedulerDead as exc:
             raise ApiError(503, "overloaded_error", str(exc)) from None
 
-    async def admission(self) -> None:
+    async def admission(self, request: Request | None = None) -> None:
         """Wait until a lane holds the request; past --pending-timeout-ms with every lane busy it leaves
-        the queue and the client gets a 503 (before a stream sends anything)."""
+        the queue and the client gets a 503 (before a stream sends anything). A client that disconnects
+        while it waits gives its place up within a scheduler step."""
         timeout = self.server.config.pending_timeout_ms / 1000 or None
+        watcher = asyncio.create_task(self._watch(request)) if request is not None else None
         try:
             await asyncio.wait_for(self.admitted.wait(), timeout)
         except asyncio.TimeoutError:
@@ -211,18 +213,22 @@ class Generation:
         except asyncio.CancelledError:
             self.server.scheduler.cancel(self.request)
             raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _watch(self, request: Request) -> None:
+        """Cancel the generation as soon as its client is gone (polled: ASGI reports it only when asked)."""
+        while True:
+            await asyncio.sleep(0.1)
+            if await request.is_disconnected():
+                self.server.scheduler.cancel(self.request)
+                return
 
     async def collect(self, request: Request) -> None:
         """Run a non-streaming generation to its end; a client that disconnects frees its lane (or its
         place in the queue) within a fraction of a second."""
-        async def watch():
-            while True:
-                await asyncio.sleep(0.1)
-                if await request.is_disconnected():
-                    self.server.scheduler.cancel(self.request)
-                    return
-
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(self._watch(request))
         try:
             await self.admission()
             async for _ in self.events():
@@ -663,7 +669,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                                  "logprobs": {"content": gen.logprob_entries()} if req.logprobs else None}],
                     "usage": usage(), "timings": gen.timings()}
 
-        await gen.admission()  # a queue timeout is a 503 before any stream bytes
+        await gen.admission(request)  # a queue timeout is a 503 before any stream bytes
 
         def chunk(delta, finish=None):
             # each chunk carries the logprobs of the tokens that arrived since the previous one
@@ -757,7 +763,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                               "cache_read_input_tokens": gen.request.cached_tokens,
                               "output_tokens": gen.completion_tokens}}
 
-        await gen.admission()
+        await gen.admission(request)
 
         async def stream():
             yield _sse({"type": "message_start", "message": {
@@ -893,7 +899,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             server.remember(done, messages)
             return done
 
-        await gen.admission()
+        await gen.admission(request)
 
         async def stream():
             seq = 0
