@@ -408,8 +408,10 @@ def test_metrics_histograms_timings_and_cached_tokens():
         s.engine.reusable_prefix = lambda lane, prompt: 10  # as if the lane still held 10 tokens of it
         again = s.chat("the same long conversation " * 4, max_tokens=4).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 10 == again["timings"]["cache_n"]
-        r = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 3}).json()
+        reply = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 3})
+        r = reply.json()
         assert r["usage"]["cache_read_input_tokens"] == 10
+        assert json.loads(reply.headers["x-ninfer-timings"])["predicted_n"] == 3  # every API: in a header
         text = httpx.get(s.url + "/metrics").text
         for name in ("ninfer_queue_wait_seconds", "ninfer_time_to_first_token_seconds", "ninfer_request_duration_seconds"):
             assert f'{name}_count{{api="chat"}} 2.0' in text, name  # one per request

@@ -298,6 +298,10 @@ class Generation:
             m.ttft.labels(api).observe(self.first_at - t0)
             m.e2e.labels(api).observe(self.last_at - t0)
 
+    def answer(self, body: dict) -> JSONResponse:
+        """A non-streaming reply with the request's timings also in the X-Ninfer-Timings header (any API)."""
+        return JSONResponse(body, headers={"X-Ninfer-Timings": json.dumps(self.timings(), separators=(",", ":"))})
+
     def timings(self) -> dict:
         """llama.cpp-style per-request timings: the prompt (prefill, from admission to the first token)
         and the generated tokens after it."""
@@ -664,10 +668,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             if r.tool_calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments_json}} for c in r.tool_calls]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_id,
-                    "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason,
-                                 "logprobs": {"content": gen.logprob_entries()} if req.logprobs else None}],
-                    "usage": usage(), "timings": gen.timings()}
+            return gen.answer({"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_id,
+                               "choices": [{"index": 0, "message": message, "finish_reason": gen.finish_reason,
+                                            "logprobs": {"content": gen.logprob_entries()} if req.logprobs else None}],
+                               "usage": usage(), "timings": gen.timings()})
 
         await gen.admission(request)  # a queue timeout is a 503 before any stream bytes
 
@@ -757,11 +761,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             if r.content:
                 content.append({"type": "text", "text": r.content})
             content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in r.tool_calls]
-            return {"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id, "content": content,
-                    "stop_reason": stop_reason(), "stop_sequence": r.stopped_by,
-                    "usage": {"input_tokens": gen.prompt_tokens - gen.request.cached_tokens,
-                              "cache_read_input_tokens": gen.request.cached_tokens,
-                              "output_tokens": gen.completion_tokens}}
+            return gen.answer({"id": mid, "type": "message", "role": "assistant", "model": cfg.model_id,
+                               "content": content, "stop_reason": stop_reason(), "stop_sequence": r.stopped_by,
+                               "usage": {"input_tokens": gen.prompt_tokens - gen.request.cached_tokens,
+                                         "cache_read_input_tokens": gen.request.cached_tokens,
+                                         "output_tokens": gen.completion_tokens}})
 
         await gen.admission(request)
 
@@ -897,7 +901,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                      [call_item(c) for c in r.tool_calls]
             done = final(output)
             server.remember(done, messages)
-            return done
+            return gen.answer(done)
 
         await gen.admission(request)
 
