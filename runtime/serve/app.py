@@ -170,7 +170,8 @@ class Generation:
         def put(item):
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
-                loop.call_soon_threadsafe(self.admitted.set)
+                if not self.admitted.is_set():  # it ended (or produced) before admission was seen
+                    loop.call_soon_threadsafe(self.admitted.set)
 
         def admit():
             self.admitted_at = time.monotonic()
