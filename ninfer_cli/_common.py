@@ -62,3 +62,9 @@ def prepare_device(device: str) -> None:
     """Before triton is imported: on a CPU run the kernels through Triton's interpreter."""
     if not device.startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def printable(text: str) -> str:
+    """Generated text for a terminal: control characters (other than newline and tab) as escapes, so a
+    random or hostile model cannot move the cursor or ring the bell (`--raw-output` prints as is)."""
+    return "".join(ch if ch in "\n\t" or (ch.isprintable() and ch != "\ufffd") else ascii(ch)[1:-1] for ch in text)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ._common import err, friendly, human_bytes, out, prepare_device
+from ._common import err, friendly, human_bytes, out, prepare_device, printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run one Qwen3.5-family model on one GPU at its physical limit.")
@@ -252,6 +252,7 @@ def generate(
     prompt: Annotated[str, typer.Option(help="User message (chat template applied) or raw text with --raw.")] = "Hello",
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 32,
     raw: Annotated[bool, typer.Option("--raw", help="Tokenize the prompt as is, without the chat template.")] = False,
+    raw_output: Annotated[bool, typer.Option("--raw-output", help="Print the generated text as is (default: control characters escaped).")] = False,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     runtime: Annotated[Runtime, typer.Option(help="reference (plain torch) or triton (paged KV, kernels, graphs).")] = Runtime.reference,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec (triton runtime).")] = KvDtype.bf16,
@@ -302,7 +303,7 @@ def generate(
     if as_json:
         print(json.dumps({**result, "seconds": round(dt, 3)} | ({"spec_stats": stats} if stats else {})))
         return
-    print(result["text"])
+    print(result["text"] if raw_output else printable(result["text"]))
     err.print(f"{result['prompt_tokens']} prompt + {len(result['tokens'])} new tokens in {dt:.2f} s on {device} "
               f"({runtime.value} runtime)")
     if stats:
@@ -607,7 +608,12 @@ def demo(
     session = TextSession.load(art_path, "cpu")
     result = session.complete("Tell me about ninfer.", 16, chat=True)
     err.print(f"4/4 generated {len(result['tokens'])} tokens (random weights, so the text is noise):")
-    print(result["text"])
+    print(printable(result["text"]))
+    if workdir is None:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+        err.print(f"removed {root} (pass --workdir DIR to keep the checkpoint and the artifact)")
 
 
 def main() -> None:

@@ -121,3 +121,9 @@ def test_bench_table_says_when_acceptance_is_forced(capsys):
     results["options"]["accepted_drafts"] = None
     main._print_bench(results)
     assert "forced" not in capsys.readouterr().out
+
+
+def test_generated_text_is_printed_safely():
+    from ninfer_cli._common import printable
+
+    assert printable("ok\x07\x1b[31mred\ufffd\nnext\ttab é") == "ok\\x07\\x1b[31mred\\ufffd\nnext\ttab é"
