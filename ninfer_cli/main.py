@@ -77,6 +77,8 @@ def inspect(
     as_json: JsonOpt = False,
 ):
     """Check an artifact and say whether this build can run it, and with which features."""
+    from rich.markup import escape
+
     from format.container import Artifact
     from format.errors import ArtifactError
     from format.inspect import summarize, verify as deep_verify
@@ -87,7 +89,7 @@ def inspect(
         if as_json:
             print(json.dumps({"path": str(artifact), "runnable": False, "problems": [str(exc)]}))
         else:
-            out.print(f"{artifact}: [red]cannot run[/red]: {exc}", soft_wrap=True)
+            out.print(f"{escape(str(artifact))}: [red]cannot run[/red]: {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(1)
     with art:
         s = summarize(art)
@@ -106,38 +108,40 @@ def inspect(
 
 
 def _print_inspect(s: dict) -> None:
+    """Artifact data is printed without markup or escaped: a model_id like "[/x]" prints as itself."""
+    from rich.markup import escape
     from rich.table import Table
 
-    out.print(f"{s['path']}: magic {s['magic']}  version {s['version']}  {human_bytes(s['file_bytes'])}")
+    out.print(f"{s['path']}: magic {s['magic']}  version {s['version']}  {human_bytes(s['file_bytes'])}", markup=False)
     out.print(f"identity: model_id={s['identity']['model_id']} weights_id={s['identity']['weights_id']}"
-              + (f"  artifact_id={s['artifact_id']}" if s["artifact_id"] else ""))
+              + (f"  artifact_id={s['artifact_id']}" if s["artifact_id"] else ""), markup=False)
     if s["model"]:
         m = s["model"]
         out.print(f"model: {m['model_type']}, {m['layers']} layers ({m['full_attention_layers']} full attention), "
                   f"hidden {m['hidden']}, vocab {m['vocab']}" + (f", {m['experts']} experts" if m["experts"] else "")
-                  + (f", MTP {m['mtp_layers']} layer(s)" if m["mtp_layers"] else ""))
+                  + (f", MTP {m['mtp_layers']} layer(s)" if m["mtp_layers"] else ""), markup=False)
         if m.get("dflash2"):
             d = m["dflash2"]
             out.print(f"DFlash2 drafter: {d['layers']} layers, taps target layers {d['target_layer_ids']}, window "
-                      f"{d['sliding_window']}, block {d['block_size']}, top-{d['selector_top_k']} selector")
-    out.print(f"components: {', '.join(s['components'])}; {s['objects']} objects, {s['checksums']} with sha256")
+                      f"{d['sliding_window']}, block {d['block_size']}, top-{d['selector_top_k']} selector", markup=False)
+    out.print(f"components: {', '.join(s['components'])}; {s['objects']} objects, {s['checksums']} with sha256", markup=False)
     table = Table("format", "objects", "bytes", box=None)
     for fmt, v in sorted(s["by_format"].items()):
-        table.add_row(fmt, str(v["objects"]), human_bytes(v["bytes"]))
+        table.add_row(escape(fmt), str(v["objects"]), human_bytes(v["bytes"]))
     out.print(table)
     for o in s.get("object_list", []):
-        out.print(f"  {o['name']:<56} {o['format']:<11} {str(o['shape']):<16} {o['bytes']:>12}")
+        out.print(f"  {o['name']:<56} {o['format']:<11} {str(o['shape']):<16} {o['bytes']:>12}", markup=False)
     for f in s.get("verify_failures", []):
-        out.print(f"[red]verify:[/red] {f}")
+        out.print(f"[red]verify:[/red] {escape(f)}")
     if "verify_failures" in s and not s["verify_failures"]:
         out.print("verify: every checksum and every tensor decodes cleanly")
     if s["runnable"]:
-        out.print(f"[green]verdict: runnable[/green] — {'; '.join(s['features'])}")
+        out.print(f"[green]verdict: runnable[/green] — {escape('; '.join(s['features']))}")
     else:
         reason = s["problems"][0] if s["problems"] else "verification failed"
-        out.print(f"[red]verdict: cannot run[/red] — {reason}", soft_wrap=True)
+        out.print(f"[red]verdict: cannot run[/red] — {escape(reason)}", soft_wrap=True)
     for comp, why in s["companions"].items():
-        out.print(f"  {comp}: {why}")
+        out.print(f"  {comp}: {why}", markup=False)
 
 
 class KvDtype(str, Enum):

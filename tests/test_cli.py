@@ -127,3 +127,26 @@ def test_generated_text_is_printed_safely():
     from ninfer_cli._common import printable
 
     assert printable("ok\x07\x1b[31mred\ufffd\nnext\ttab é") == "ok\\x07\\x1b[31mred\\ufffd\nnext\ttab é"
+
+
+def test_inspect_prints_artifact_text_as_itself():
+    """Artifact data never reaches rich as markup: "[/x]" is not a MarkupError, brackets do not vanish."""
+    import io
+
+    from rich.console import Console
+
+    import ninfer_cli.main as cli
+
+    buf = io.StringIO()
+    summary = {"path": "/m/[bold]a.nfer", "magic": "NINFER", "version": 3, "file_bytes": 10,
+               "identity": {"model_id": "[/x]", "weights_id": "q4"}, "artifact_id": None, "model": None,
+               "components": ["text"], "objects": 1, "checksums": 1, "by_format": {"Q4[x]": {"objects": 1, "bytes": 5}},
+               "runnable": False, "problems": ["expected a [channels, 1, width] kernel"], "features": [], "companions": {}}
+    saved, cli.out = cli.out, Console(file=buf, highlight=False, soft_wrap=True, width=200)
+    try:
+        cli._print_inspect(summary)
+    finally:
+        cli.out = saved
+    text = buf.getvalue()
+    for piece in ("/m/[bold]a.nfer", "model_id=[/x]", "Q4[x]", "expected a [channels, 1, width] kernel"):
+        assert piece in text, piece
