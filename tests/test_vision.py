@@ -213,7 +213,7 @@ def test_image_errors_are_clear_400s(vision_server):
     body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_data_url()}}]}]}
     off = httpx.post(vision_server["off"] + "/v1/chat/completions", json=body, timeout=60)
-    assert off.status_code == 400 and off.json()["error"]["type"] == "vision_disabled"
+    assert off.status_code == 400 and off.json()["error"]["code"] == "vision_disabled"
     bad = dict(body, messages=[{"role": "user", "content": [{"type": "image_url",
                                                              "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     r = httpx.post(vision_server["on"] + "/v1/chat/completions", json=bad, timeout=60)
