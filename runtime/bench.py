@@ -65,9 +65,14 @@ def decode_bytes(engine, depth: int) -> int:
             total += r.nbytes
     full = sum(c.is_full_attention(i) for i in range(c.num_layers))
     kv_token = engine.codec.bytes_per_token_head(c.head_dim) * c.num_kv_heads * full
-    gdn = c.num_layers - full
-    state = gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 * 2
-    return total + kv_token * depth + state
+    return total + kv_token * depth + gdn_state_bytes(engine)
+
+
+def gdn_state_bytes(engine) -> int:
+    """One lane's GDN recurrent state (float32), read and written by every decode token."""
+    c = engine.cfg
+    gdn = c.num_layers - sum(c.is_full_attention(i) for i in range(c.num_layers))
+    return gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4 * 2
 
 
 def _sync(engine):
@@ -181,13 +186,9 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
 
 def _weight_and_lane_bytes(engine, depth: int) -> tuple[int, int]:
     """(bytes every decode step reads once whatever the lanes, bytes each lane adds: its KV at `depth`
-    and its GDN state). For MoE the routed experts count per lane (an upper bound: lanes share experts)."""
+    and its GDN state). For MoE the routed share of the experts counts once, with the shared bytes."""
     one = decode_bytes(engine, depth)
-    context = decode_bytes(engine, depth) - decode_bytes(engine, 0)
-    c = engine.cfg
-    full = sum(c.is_full_attention(i) for i in range(c.num_layers))
-    state = (c.num_layers - full) * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 8
-    per_lane = context + state
+    per_lane = one - decode_bytes(engine, 0) + gdn_state_bytes(engine)
     return one - per_lane, per_lane
 
 

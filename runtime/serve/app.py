@@ -301,7 +301,8 @@ class Generation:
 
     def answer(self, body: dict) -> JSONResponse:
         """A non-streaming reply with the request's timings also in the X-Ninfer-Timings header (any API)."""
-        return JSONResponse(body, headers={"X-Ninfer-Timings": json.dumps(self.timings(), separators=(",", ":"))})
+        timings = body.get("timings") or self.timings()  # chat replies carry them already
+        return JSONResponse(body, headers={"X-Ninfer-Timings": json.dumps(timings, separators=(",", ":"))})
 
     def timings(self) -> dict:
         """llama.cpp-style per-request timings: the prompt (prefill, from admission to the first token)

@@ -217,9 +217,10 @@ class Scheduler:
         while free and self.pending:
             req = self.pending.popleft()
             # a returning conversation goes back to the lane that still holds its prefix
-            lane = max(free, key=lambda i: self.engine.reusable_prefix(i, req.prompt))
+            held = {i: self.engine.reusable_prefix(i, req.prompt) for i in free}
+            lane = max(free, key=held.get)
             free.remove(lane)
-            req.cached_tokens = 0 if req.images else self.engine.reusable_prefix(lane, req.prompt)
+            req.cached_tokens = 0 if req.images else held[lane]
             try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at)
