@@ -453,12 +453,17 @@ def _print_lanes(r: dict) -> None:
                   f"{row['aggregate_tok_s']:.0f}", f"{row['per_lane_tok_s']:.1f}",
                   f"{row.get('ideal_aggregate_tok_s', 0):.0f}", f"{row.get('of_ideal', 0):.2f}")
     out.print(t)
-    for c in r.get("concurrent_prefill", []):
-        out.print(escape(f"[{c['kv_dtype']}] lane 0 prefills {c['prefill_tokens']} tokens ({c['prefill_chunk']}-token "
-                  f"chunks) while {c['decoding_lanes']} lanes decode: gap p50 {c['gap_p50_ms']:.1f} ms, p99 "
-                  f"{c['gap_p99_ms']:.1f} ms = {c['gap_vs_plain_step']:.1f}x the plain step "
-                  f"({c['plain_step_ms']:.1f} ms); prefill {c['prefill_with_decoders_tok_s']:.0f} tok/s vs "
-                  f"{c['prefill_alone_tok_s']:.0f} alone"), soft_wrap=True)
+    if r.get("concurrent_prefill"):
+        first = r["concurrent_prefill"][0]
+        t = Table(title=f"lane 0 prefills {first['prefill_tokens']} tokens while {first['decoding_lanes']} lanes decode "
+                        f"(plain step {first['plain_step_ms']:.1f} ms)")
+        for col in ("KV", "schedule", "chunk", "gap p50 ms", "gap p99 ms", "x plain step", "prefill tok/s", "of alone"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for c in r["concurrent_prefill"]:
+            t.add_row(c["kv_dtype"], c["schedule"], str(c["prefill_chunk"]), f"{c['gap_p50_ms']:.1f}",
+                      f"{c['gap_p99_ms']:.1f}", f"{c['gap_vs_plain_step']:.1f}", f"{c['prefill_with_decoders_tok_s']:.0f}",
+                      f"{c['prefill_vs_alone']:.2f}")
+        out.print(t)
 
 
 def _print_bench(r: dict) -> None:
@@ -495,6 +500,7 @@ def serve(
     pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
     prefill_chunk: PrefillChunkOpt = "auto",
+    prefill_chunk_shared: Annotated[int, typer.Option(min=0, help="Prefill chunk while other lanes decode: their next token waits for it, and their rows ride inside it (0 = the full chunk).")] = 512,
     kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
     spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head, dflash2 with the DFlash2 drafter.")] = Spec.none,
@@ -527,7 +533,8 @@ def serve(
     auto = max_context.strip().lower() == "auto"
     options = PlanOptions(max_context=8192 if auto else _tokens(max_context), max_concurrency=max_concurrency,
                           kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value,
-                          draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
+                          draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision,
+                          shared_prefill_chunk=prefill_chunk_shared)
     if kv_capacity is None and auto and device.startswith("cuda"):
         kv_capacity = "auto"  # the longest context that fits, as `ninfer fit` computes it
     if kv_capacity is not None:

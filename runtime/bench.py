@@ -246,7 +246,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
             log(f"[{kv}] {n} lane(s) at {depth}: step {row['step_ms']:.2f} ms ({row['step_vs_one_lane']:.2f}x one lane), "
                 f"aggregate {row['aggregate_tok_s']:.0f} tok/s")
         if prefill_tokens and top > 1:
-            results.setdefault("concurrent_prefill", []).append(_concurrent_prefill(engine, top, depth, prefill_tokens,
+            results.setdefault("concurrent_prefill", []).extend(_concurrent_prefill(engine, top, depth, prefill_tokens,
                                                                                     gen, kv, log))
         engine.close()
         del engine
@@ -256,9 +256,18 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     return results
 
 
-def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv: str, log) -> dict:
-    """Lane 0 prefills `prompt_len` tokens while lanes 1..lanes-1 decode: the gaps between the decoding
-    lanes' tokens, and the prefill's speed against the same prefill alone."""
+SHARED_CHUNKS = (512, 1024, 2048)  # --prefill-chunk-shared values the concurrent-prefill mode compares
+
+
+def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv: str, log) -> list[dict]:
+    """Lane 0 prefills `prompt_len` tokens while lanes 1..lanes-1 decode, side by side in one run: the
+    old schedule (a full chunk, then a decode step for the others) and the server's (chunks of
+    --prefill-chunk-shared tokens that the decoding lanes' rows ride) at several shared sizes. Per
+    schedule: the decoding lanes' inter-token gaps and the prefill's speed against the same prefill alone."""
+    from dataclasses import replace
+
+    from .engine import Riders
+
     prompt = torch.randint(0, engine.cfg.vocab_size, (prompt_len,), generator=gen).tolist()
     engine.prefill(0, prompt)  # compile the prefill kernels for these chunk shapes outside the timing
     _sync(engine)
@@ -270,33 +279,61 @@ def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv
     for lane in decoders:
         _synthetic_context(engine, depth, gen, lane)
     tokens = [1] * len(decoders)
-    engine.decode_step(decoders, tokens)
-    _sync(engine)
-    gaps, last = [], time.perf_counter()
-    t0 = last
-    for _ in engine.prefill_chunks(0, prompt):  # one chunk, then one decode step for the others
-        engine.decode_step(decoders, tokens)
-        _sync(engine)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-    mixed = time.perf_counter() - t0
     plain = []
+    last = time.perf_counter()
     for _ in range(16):
         engine.decode_step(decoders, tokens)
         _sync(engine)
         now = time.perf_counter()
         plain.append(now - last)
         last = now
-    row = {"kv_dtype": kv, "prefill_tokens": prompt_len, "prefill_chunk": engine.opts.prefill_chunk,
-           "decoding_lanes": len(decoders), "gap_p50_ms": _percentile(gaps, 0.5) * 1e3,
-           "gap_p99_ms": _percentile(gaps, 0.99) * 1e3, "plain_step_ms": _percentile(plain, 0.5) * 1e3,
-           "prefill_alone_tok_s": prompt_len / alone, "prefill_with_decoders_tok_s": prompt_len / mixed}
-    row["gap_vs_plain_step"] = row["gap_p99_ms"] / row["plain_step_ms"]
-    log(f"[{kv}] lane 0 prefills {prompt_len} while {len(decoders)} decode: gap p50 {row['gap_p50_ms']:.1f} ms, "
-        f"p99 {row['gap_p99_ms']:.1f} ms (plain step {row['plain_step_ms']:.1f} ms); prefill "
-        f"{row['prefill_with_decoders_tok_s']:.0f} tok/s vs {row['prefill_alone_tok_s']:.0f} alone")
-    return row
+    plain_step = _percentile(plain, 0.5)
+    full_chunk, shared_default = engine.opts.prefill_chunk, engine.shared_chunk
+    schedules = [("alternate", full_chunk)] + [("ride", size) for size in SHARED_CHUNKS if size < full_chunk]
+    rows = []
+    for warm in (True, False):  # the first pass compiles each schedule's chunk shapes
+        for schedule, size in schedules:
+            riders = Riders() if schedule == "ride" else None
+            engine.shared_chunk = size
+            for lane in decoders:  # the decoders' context stays near `depth`
+                engine.ctx_len[lane] = depth
+                engine.lane_tokens[lane] = engine.lane_tokens[lane][:depth]
+            _sync(engine)
+            gaps, rode = [], 0
+            t0 = last = time.perf_counter()
+            chunks = engine.prefill_chunks(0, prompt, riders=riders)
+            while True:
+                if riders is not None:
+                    riders.offer(decoders, tokens)
+                try:
+                    next(chunks)
+                except StopIteration:
+                    break
+                if riders is None or riders.logits is None:
+                    engine.decode_step(decoders, tokens)
+                else:
+                    rode += 1
+                _sync(engine)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            mixed = time.perf_counter() - t0
+            if warm:
+                continue
+            row = {"kv_dtype": kv, "schedule": schedule, "prefill_tokens": prompt_len, "prefill_chunk": size,
+                   "decoding_lanes": len(decoders), "rode_chunks": rode, "gap_p50_ms": _percentile(gaps, 0.5) * 1e3,
+                   "gap_p99_ms": _percentile(gaps, 0.99) * 1e3, "plain_step_ms": plain_step * 1e3,
+                   "prefill_alone_tok_s": prompt_len / alone, "prefill_with_decoders_tok_s": prompt_len / mixed,
+                   "decode_tok_s_during_prefill": len(gaps) * len(decoders) / mixed}
+            row["gap_vs_plain_step"] = row["gap_p99_ms"] / row["plain_step_ms"]
+            row["prefill_vs_alone"] = row["prefill_with_decoders_tok_s"] / row["prefill_alone_tok_s"]
+            rows.append(row)
+            log(f"[{kv}] lane 0 prefills {prompt_len} while {len(decoders)} decode, {schedule} {size}-token chunks: "
+                f"gap p50 {row['gap_p50_ms']:.1f} ms, p99 {row['gap_p99_ms']:.1f} ms ({row['gap_vs_plain_step']:.1f}x "
+                f"the plain step {row['plain_step_ms']:.1f} ms); prefill {row['prefill_with_decoders_tok_s']:.0f} tok/s "
+                f"({row['prefill_vs_alone']:.2f} of {row['prefill_alone_tok_s']:.0f} alone)")
+    engine.shared_chunk = shared_default
+    return rows
 
 
 def _plot(results: dict, out_png, x: str, y: str, ideal: str, labels: tuple[str, str], xlabel: str, ylabel: str,

@@ -73,6 +73,27 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     reused_tokens: int = 0
+    rider_tokens: int = 0  # decode tokens computed inside another lane's prefill chunk
+
+
+class Riders:
+    """Decode lanes a scheduler offers to a lane's next prefill chunk (Engine.prefill_chunks(riders=...)):
+    `offer` them before asking for the chunk; afterwards `logits` [R, V] holds their next-token logits
+    when they rode, else None (the chunk could not take them: decode them as usual)."""
+
+    def __init__(self) -> None:
+        self.offered: list[tuple[int, int]] = []  # (lane, its last token)
+        self.logits: torch.Tensor | None = None
+        self.advanced: list[int] = []  # lanes whose token the engine counted for this chunk
+
+    def offer(self, lanes: list[int], tokens: list[int]) -> None:
+        self.offered = list(zip(lanes, tokens))
+        self.logits = None
+        self.advanced = []
+
+    def take(self) -> list[tuple[int, int]]:
+        offered, self.offered = self.offered, []
+        return offered
 
 
 class Engine:
@@ -93,6 +114,7 @@ class Engine:
         opts = options if on_gpu and cuda_graphs else _no_graphs(options)
         self.plan = require_fit(self.art, opts, available_bytes) if available_bytes else build_plan(self.art, opts)
         self.opts = opts
+        self.shared_chunk = min(opts.shared_prefill_chunk or opts.prefill_chunk, opts.prefill_chunk)
         self.codec = get_codec(opts.kv_dtype)
         self.mem = DeviceMemory(self.plan, self.device)
         if random_weights_seed is None:
@@ -128,6 +150,7 @@ class Engine:
                 self.chunked_gdn = False
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
+        self._ride_pool = None  # memory pool of the prefill-with-riders graphs
 
     # --- binding ------------------------------------------------------------------------
 
@@ -264,11 +287,17 @@ class Engine:
             k = apply_partial_rope(k.view(n, c.num_kv_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         # append K/V into the lanes' pages at their positions
-        page, slot, lane_tables, lane_ctx = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
+        page, slot, lane_tables, lane_ctx, *ride = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
         self._append_kv(pool, k.view(n, c.num_kv_heads, c.head_dim), v, page, slot)
         qr = rotate64(q, self.act_dtype) if self.codec.rotate_keys else q  # keys are stored rotated
-        out = paged_attention(qr.view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
+        main = len(lanes_idx) * t
+        out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
+        if ride and ride[0] is not None:  # riders: one decode row per lane after the chunk's rows
+            rider_lanes, rider_tables, rider_ctx = ride[0]
+            rider_out = paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
+                                        rider_tables, rider_ctx, c.head_dim ** -0.5)
+            out = torch.cat([out.view(main, c.num_heads, c.head_dim), rider_out.view(-1, c.num_heads, c.head_dim)])
         # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates
         out_xq = self._quantized_input(p + "output", n)
         out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values, out_xq)
@@ -288,14 +317,39 @@ class Engine:
         for name, val in codec.encode(k.float(), v.float()).items():
             pool[name][page, slot] = val
 
-    def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None):
-        """Gated DeltaNet mixer of layer i; `xq`: h as the first product's dp4a words. The result may be
-        the output product's SplitPartials: pass it to rmsnorm, which sums them."""
+    def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None, riders=None):
+        """Gated DeltaNet mixer of layer i; `xq`: h as the first product's dp4a words; `riders`: lanes with
+        one decode row each after the chunk's rows (their products shared with it, their recurrence
+        separate). The result may be the output product's SplitPartials: pass it to rmsnorm, which sums them."""
+        c, p = self.cfg, f"text/layers/{i}/gdn/"
+        qkvz = self.lin[p + "query_key_value_z"](h, xq)
+        qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
+        hv = c.linear_num_value_heads
+        alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
+        projections = None
+        if h.shape[0] <= PROJECT_MAX_ROWS and riders is None and isinstance(alpha_w, DenseLinear) \
+                and isinstance(beta_w, DenseLinear):
+            # decode / verify: the recurrence kernel multiplies them itself (a launch less)
+            alpha = beta = None
+            projections = (h, alpha_w.weight, beta_w.weight)
+        else:
+            alpha, beta = alpha_w(h), beta_w(h)
+        main = len(lanes_idx) * t
+        o = self._gdn_mix(i, qkv[:main], alpha if alpha is None else alpha[:main], beta if beta is None else beta[:main],
+                          lanes_idx, t, snapshot, projections)
+        if riders is not None:
+            o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
+            o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
+        n = h.shape[0]
+        out_xq = self._quantized_input(p + "output", n)
+        gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
+        return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
+
+    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections):
+        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV]."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
         j = self.gdn_slot[i]
-        qkvz = self.lin[p + "query_key_value_z"](h, xq)
-        qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
         conv_stack = self.conv_stack[j]
         weight = self.vec[p + "convolution"]
         if c.conv_kernel == 4:
@@ -311,15 +365,6 @@ class Engine:
                 conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
             x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
             conv_stack[lanes_idx, 0] = conv_state
-        hv = c.linear_num_value_heads
-        alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
-        projections = None
-        if h.shape[0] <= PROJECT_MAX_ROWS and isinstance(alpha_w, DenseLinear) and isinstance(beta_w, DenseLinear):
-            # decode / verify: the recurrence kernel multiplies them itself (a launch less)
-            alpha = beta = None
-            projections = (h, alpha_w.weight, beta_w.weight)
-        else:
-            alpha, beta = alpha_w(h), beta_w(h)
         o = None
         if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None:
             try:
@@ -332,9 +377,7 @@ class Engine:
         if o is None:
             o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                           lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
-        out_xq = self._quantized_input(p + "output", b * t)
-        gated = gated_norm(o.reshape(b * t, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
-        return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
+        return o
 
     def _ffn(self, p, h, xq=None):
         """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's
@@ -399,7 +442,7 @@ class Engine:
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False,
                 rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None,
-                taps: tuple[int, ...] = (), tap_rows: int | None = None):
+                taps: tuple[int, ...] = (), tap_rows: int | None = None, riders: tuple | None = None):
         """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
         [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
         [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
@@ -408,19 +451,33 @@ class Engine:
         `rope_positions` ([B*T] or [3, B*T]) are the rotary positions when they differ from `positions`.
         With `taps` (layer indices), returns (logits, tapped) instead: each listed layer's output (the
         residual stream after it; the final-normed state for the last layer) for the last `tap_rows`
-        positions of each lane (default all), side by side: [B, tap_rows, len(taps) * H]."""
+        positions of each lane (default all), side by side: [B, tap_rows, len(taps) * H].
+        `riders` = (lanes [R], tokens [R], positions [R]): decode lanes (not in `lanes_idx`, ctx_len already
+        counting their token) whose one row each rides after this block's rows: every product reads its
+        weights once for both; their logits follow the block's: [B + R, V] (not with `all_logits` or taps)."""
         c = self.cfg
         b, t = tokens.shape
-        x = self.embed(tokens.reshape(-1))
+        ids = tokens.reshape(-1)
+        pos = positions.reshape(-1).to(torch.int32)
+        if riders is not None:
+            if all_logits or taps or with_hidden or snapshot or image_rows is not None or rope_positions is not None:
+                raise ValueError("decode rows ride with plain text prefill chunks only")
+            rider_lanes = riders[0]
+            ids = torch.cat([ids, riders[1].reshape(-1)])
+            pos = torch.cat([pos, riders[2].reshape(-1).to(torch.int32)])
+        x = self.embed(ids)
         if image_rows is not None:
             x[image_rows[0]] = image_rows[1].to(x.dtype)
-        pos = positions.reshape(-1).to(torch.int32)
         residual = x
-        n = b * t
+        n = x.shape[0]
         # each norm also writes its output as the next product's dp4a words (QuantizedX)
         xq = self._quantized_input(self._first_product(0), n)
         h, _ = rmsnorm(x, self.vec["text/layers/0/input_norm"], c.rms_norm_eps, xq=xq)
-        slots = self.kv_slots(self.block_table, self.ctx_len, lanes_idx, t, pos)
+        slots = self.kv_slots(self.block_table, self.ctx_len, lanes_idx, t, pos[: b * t])
+        if riders is not None:  # the riders' pages and slots follow the block's; their tables ride along
+            r_page, r_slot, r_tables, r_ctx = self.kv_slots(self.block_table, self.ctx_len, rider_lanes, 1, pos[b * t :])
+            slots = (torch.cat([slots[0], r_page]), torch.cat([slots[1], r_slot]), slots[2], slots[3],
+                     (rider_lanes, r_tables, r_ctx))
         r = t if tap_rows is None else tap_rows
         tapped = torch.empty(b, r, len(taps), c.hidden_size, dtype=x.dtype, device=x.device) if taps else None
         for i in range(c.num_layers):
@@ -429,7 +486,7 @@ class Engine:
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
                                         lanes_idx, t, pos, rope_positions, slots, xq)
             else:
-                mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq)
+                mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None)
             xq = None if c.is_moe else self._quantized_input(p + "mlp/gate_up", n)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq)
             y = self._ffn(p, h, xq)
@@ -439,6 +496,9 @@ class Engine:
             h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual, xq=xq)
             if i in taps:
                 tapped[:, :, taps.index(i)] = (h if last else residual).view(b, t, -1)[:, t - r :]
+        if riders is not None:
+            last = torch.cat([h[: b * t].view(b, t, -1)[:, -1], h[b * t :]])
+            return self.lin["text/output_head"](last.contiguous()).float()
         hidden = h.view(b, t, -1)
         if all_logits:
             logits = self.lin["text/output_head"](h).float().view(b, t, -1)
@@ -458,14 +518,16 @@ class Engine:
         return logits
 
     def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None,
-                       checkpoint_at: int | None = None):
+                       checkpoint_at: int | None = None, riders: Riders | None = None):
         """Prefill one chunk per step (a scheduler interleaves these with other lanes' decode steps);
         yields None after each chunk but the last, then the last token's logits [V]. With `reuse`, a
         prefix the lane already holds (see reusable_prefix) is not computed again. With `checkpoint_at`
         (a token count, e.g. where the final assistant header starts), the GDN state there is saved so
         the next turn, whose rendering may differ after that point, resumes from it. With MTP on, each
         chunk's hidden states also run through the MTP layer (DFlash2: its tapped hidden states are projected
-        into the drafter's context cache), so drafting starts with a filled drafter state."""
+        into the drafter's context cache), so drafting starts with a filled drafter state. With `riders`,
+        other lanes' decode rows offered before a chunk ride in its forward (see Riders), and the chunk
+        is --prefill-chunk-shared tokens while any are offered."""
         if not prompt:
             raise MemoryPlanError("the prompt is empty")
         if len(prompt) >= self.opts.max_context:
@@ -504,10 +566,17 @@ class Engine:
             rope3 = rope3.to(self.device)
             self.lane_has_images[lane] = True
         used = 0
-        bounds = list(range(held, len(prompt), chunk)) + [len(prompt)]
-        if checkpoint_at is not None and checkpoint_at not in bounds:
-            bounds = sorted(bounds + [checkpoint_at])
-        for start, stop in zip(bounds[:-1], bounds[1:]):
+        start = held
+        while start < len(prompt):
+            # while other lanes decode, chunks shrink to --prefill-chunk-shared (their next token waits for
+            # the chunk) and, where they can, their rows ride inside this chunk's forward
+            offered = riders.take() if riders is not None else []
+            ride = bool(offered) and spec is None and rope3 is None and not self.rope_delta[lane] \
+                and self.can_ride([r for r, _ in offered], lane)
+            size = min(self.shared_chunk, chunk - len(offered)) if offered else chunk
+            stop = min(start + size, len(prompt))
+            if checkpoint_at is not None and start < checkpoint_at < stop:
+                stop = checkpoint_at
             piece = prompt[start:stop]
             self.ctx_len[lane] = start + len(piece)
             toks = torch.tensor([piece], device=self.device)
@@ -524,6 +593,20 @@ class Engine:
             if spec is not None:
                 logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra)
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
+            elif ride:
+                rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
+                rider_pos = self._advance(rider_lanes, rider_tokens)
+                riders.advanced = rider_lanes  # counted: if the forward fails, their state is lost too
+                self.stats.rider_tokens += len(rider_lanes)
+                # a full shared chunk is a fixed shape: one CUDA graph per rider count (small chunks are
+                # launch-bound when eager: ~140 ms for any chunk up to 1,024 tokens on the 27B, run 30)
+                key = ("ride", len(piece), len(rider_lanes))
+                if self.cfg.is_moe or len(piece) != self.shared_chunk:
+                    self._eager_keys.add(key)  # MoE prefill path, odd tail pieces: eager
+                both = self.run_step(key, self._ride_forward, torch.tensor([lane] + rider_lanes, device=self.device),
+                                     toks, pos, torch.tensor(rider_tokens, device=self.device), rider_pos)
+                logits = both[:1].clone()
+                riders.logits = both[1:].clone()
             else:
                 logits = self.forward(lane_t, toks, pos, **extra)
             self.stats.prefill_tokens += len(piece)
@@ -534,28 +617,43 @@ class Engine:
                 self.checkpoint_at[lane] = stop
                 if spec is not None:
                     spec.save_checkpoint(lane)
+            start = stop
             yield logits[0] if stop == len(prompt) else None
+
+    def can_ride(self, lanes: list[int], prefilling: int) -> bool:
+        """Whether these decode lanes' next rows can ride in a plain prefill chunk of lane `prefilling`."""
+        return self.speculator is None and prefilling not in lanes and len(set(lanes)) == len(lanes) \
+            and all(not self.rope_delta[r] and self.held_tokens(r) + 1 <= self.opts.max_context for r in lanes)
+
+    def _advance(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
+        """Count one new token per lane (decode): returns their positions [B] on the device."""
+        if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
+            raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
+        pos = torch.tensor([self.held_tokens(lane) for lane in lanes], device=self.device)
+        self.ctx_len[torch.tensor(lanes, device=self.device)] += 1
+        self.stats.decode_tokens += len(lanes)
+        for lane, token in zip(lanes, tokens):
+            self.lane_tokens[lane].append(token)
+        if self.speculator is not None:  # a plain step leaves the drafter behind: no more drafting here
+            for lane in lanes:
+                self.speculator.mark_stale(lane)
+        return pos
 
     def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
         """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""
         lanes_t = torch.tensor(lanes, device=self.device)
-        if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
-            raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
-        pos = torch.tensor([self.held_tokens(lane) for lane in lanes], device=self.device)[:, None]
-        self.ctx_len[lanes_t] += 1
-        self.stats.decode_tokens += len(lanes)
-        for lane, token in zip(lanes, tokens):
-            self.lane_tokens[lane].append(token)
+        pos = self._advance(lanes, tokens)[:, None]
         toks = torch.tensor(tokens, device=self.device)[:, None]
-        if self.speculator is not None:  # a plain step leaves the drafter behind: no more drafting here
-            for lane in lanes:
-                self.speculator.mark_stale(lane)
         if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
             shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
             logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
         else:
             logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()
+
+    def _ride_forward(self, all_lanes, toks, pos, rider_toks, rider_pos):
+        """A prefill chunk of lane all_lanes[0] with one decode row for each of all_lanes[1:]."""
+        return self.forward(all_lanes[:1], toks, pos, riders=(all_lanes[1:], rider_toks, rider_pos))
 
     def _shifted_forward(self, lanes_t, toks, pos, rope_pos):
         return self.forward(lanes_t, toks, pos, rope_positions=rope_pos.reshape(-1))
@@ -569,7 +667,18 @@ class Engine:
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(fn, lanes_t, inputs)
+            if key[0] == "ride" and self._ride_pool is None:
+                self._ride_pool = torch.cuda.graph_pool_handle()
+            # ride graphs (prefill-sized activations) share one memory pool: they replay one at a time
+            try:
+                self._graphs[key] = self._capture(fn, lanes_t, inputs, self._ride_pool if key[0] == "ride" else None)
+            except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
+                if key[0] != "ride":
+                    raise
+                print(f"ninfer: prefill chunks with decode rows run without a CUDA graph ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)
+                self._eager_keys.add(key)
+                return fn(lanes_t, *inputs)
         graph, static_lanes, static_inputs, outputs = self._graphs[key]
         static_lanes.copy_(lanes_t)
         for dst, src in zip(static_inputs, inputs):
@@ -577,7 +686,7 @@ class Engine:
         graph.replay()
         return outputs
 
-    def _capture(self, fn, lanes_t, inputs):
+    def _capture(self, fn, lanes_t, inputs, pool=None):
         """Capture one step for this lane set. The warm-up run compiles every kernel; the lanes'
         committed GDN state is restored afterwards so the warm-up leaves no trace (its KV writes land
         in slots the real step overwrites)."""
@@ -586,16 +695,18 @@ class Engine:
         lanes_t = lanes_t.clone()
         saved = [(stack, stack[:, lanes_t, 0].clone()) for stack in (self.conv_stack, self.rec_stack)]
         static_inputs = [x.clone() for x in inputs]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn(lanes_t, *static_inputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = fn(lanes_t, *static_inputs)
-        for stack, old in saved:
-            stack[:, lanes_t, 0] = old
+        try:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                fn(lanes_t, *static_inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = fn(lanes_t, *static_inputs)
+        finally:
+            for stack, old in saved:
+                stack[:, lanes_t, 0] = old
         return graph, lanes_t, static_inputs, outputs  # lanes_t too: the graph reads it on every replay
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,

@@ -66,6 +66,8 @@ class PlanOptions:
     max_concurrency: int = 1
     kv_dtype: str = "bf16"
     prefill_chunk: int = 1024
+    # tokens per prefill chunk while other lanes decode (0: the full chunk); their next token waits for it
+    shared_prefill_chunk: int = 512
     spec: str = "none"
     draft_tokens: int = 3
     lm_head_draft: bool = False
@@ -81,6 +83,8 @@ class PlanOptions:
             raise MemoryPlanError("--max-concurrency must be in 1..8")
         if self.prefill_chunk < 128 or self.prefill_chunk % 128:
             raise MemoryPlanError("--prefill-chunk must be a positive multiple of 128")
+        if self.shared_prefill_chunk and self.shared_prefill_chunk < 16:
+            raise MemoryPlanError("--prefill-chunk-shared must be 0 (the full chunk) or at least 16 tokens")
         if self.spec not in SPECS:
             raise MemoryPlanError(f"--spec must be one of {', '.join(SPECS)}")
         if self.spec != "none" and not 1 <= self.draft_tokens <= 15:

@@ -190,3 +190,85 @@ def test_turn_checkpoint_resumes_a_conversation_whose_tail_changed(artifacts):
     # the checkpoint is gone once the lane holds a different prefix
     list(engine.prefill_chunks(0, [5, 6, 7], reuse=True))
     assert engine.reusable_prefix(0, turn2) == 0
+
+
+def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
+    """Lane 1 decodes while lane 0 prefills: the chunks shrink to --prefill-chunk-shared and lane 1's rows
+    ride inside them (one weight read for both); both lanes' greedy tokens stay those of running alone."""
+    from runtime.engine import Riders
+
+    path = artifacts["dense-q4"]
+    long = [(i * 37 + 11) % 380 for i in range(100)]
+    short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
+    engine = Engine(path, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128, shared_prefill_chunk=32),
+                    device=DEVICE)
+    decoded = [int(engine.prefill(1, short).argmax())]
+    riders = Riders()
+    chunks = engine.prefill_chunks(0, long, riders=riders)
+    sizes, last = [], None
+    while last is None:
+        before = engine.stats.prefill_tokens
+        riders.offer([1], [decoded[-1]])
+        last = next(chunks)
+        sizes.append(engine.stats.prefill_tokens - before)
+        assert riders.advanced == [1] and riders.logits is not None and riders.logits.shape[0] == 1
+        decoded.append(int(riders.logits[0].argmax()))
+    assert sizes == [32, 32, 32, 4] and engine.stats.rider_tokens == 4
+    assert engine.held_tokens(1) == len(short) + 4
+    if DEVICE == "cpu":
+        assert decoded == _reference(path, short, 5)
+        assert int(last.argmax()) == _reference(path, long, 1)[0]
+        tail = engine.decode_step([0, 1], [int(last.argmax()), decoded[-1]])  # both lanes go on decoding
+        assert [int(tail[0].argmax()), int(tail[1].argmax())] == [_reference(path, long, 2)[1], _reference(path, short, 6)[5]]
+    else:
+        solo = Engine(path, PlanOptions(max_context=256, max_concurrency=1, prefill_chunk=128), device=DEVICE)
+        assert decoded == solo.generate(short, 5)
+
+
+def test_riders_are_refused_where_they_cannot_ride(artifacts):
+    """A lane offered to its own prefill, or a speculative engine: nothing rides (the scheduler decodes
+    them after the chunk), but the chunk still shrinks so their wait stays short."""
+    from runtime.engine import Riders
+
+    path = artifacts["dense-q4"]
+    engine = Engine(path, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128, shared_prefill_chunk=32,
+                                      spec="mtp"), device=DEVICE)
+    engine.prefill(1, [5, 6, 7])
+    riders = Riders()
+    chunks = engine.prefill_chunks(0, list(range(1, 80)), riders=riders)
+    riders.offer([1], [3])
+    assert next(chunks) is None and riders.logits is None and riders.advanced == []
+    assert engine.stats.prefill_tokens == 3 + 32 and engine.held_tokens(1) == 3
+    assert not engine.can_ride([0], 0)
+
+
+def test_scheduler_rides_decoding_lanes_on_a_long_prefill(artifacts):
+    """Through the serve scheduler: a request decodes while a long prompt arrives beside it; the decoder's
+    tokens come from the prefill chunks' forwards (rider_tokens) and both outputs are those of running alone."""
+    import threading
+
+    from runtime.serve.scheduler import GenerationRequest, Scheduler
+
+    path = artifacts["dense-q4"]
+    long = [(i * 37 + 11) % 380 for i in range(100)]
+    short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
+    engine = Engine(path, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128, shared_prefill_chunk=32),
+                    device=DEVICE)
+    scheduler = Scheduler(engine)
+    outputs = {"short": [], "long": []}
+    done = {name: threading.Event() for name in outputs}
+    long_request = GenerationRequest(long, 3, outputs["long"].append, lambda *_: done["long"].set())
+
+    def on_short_token(token):
+        outputs["short"].append(token)
+        if len(outputs["short"]) == 1:  # the short lane decodes: now the long prompt arrives
+            scheduler.submit(long_request)
+
+    scheduler.submit(GenerationRequest(short, 8, on_short_token, lambda *_: done["short"].set()))
+    try:
+        assert done["short"].wait(600) and done["long"].wait(600)
+    finally:
+        scheduler.close()
+    assert engine.stats.rider_tokens >= 3  # the long prompt's chunks carried the short lane's rows
+    if DEVICE == "cpu":
+        assert outputs["short"] == _reference(path, short, 8) and outputs["long"] == _reference(path, long, 3)

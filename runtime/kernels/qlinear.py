@@ -195,6 +195,8 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
 
 
 GEMM_DEQUANT_BYTES = 64 << 20  # dense scratch per GEMM step (the memory plan reserves it)
+if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scratch may stay in L2
+    GEMM_DEQUANT_BYTES = min(GEMM_DEQUANT_BYTES, int(os.environ["NINFER_GEMM_DEQUANT_MB"]) << 20)
 GEMV_MAX_T = 16
 
 

@@ -1,9 +1,10 @@
 """Lane scheduler: a FIFO admission queue in front of the engine's 1..8 lanes.
 
 One worker thread owns the engine. Each turn of its loop it admits waiting requests into free
-lanes (first come, first served), runs one prefill chunk for every lane still prefilling, then one
-batched decode step over every decoding lane — so a long prompt never stalls the other lanes for
-more than a chunk. Requests talk to the worker only through callbacks and flags.
+lanes (first come, first served), runs one prefill chunk for every lane still prefilling — the
+decoding lanes' next rows ride inside it, and it is --prefill-chunk-shared tokens long while they
+do — then one batched decode step over every decoding lane that did not ride, so a long prompt
+stalls the other lanes for at most a short chunk. Requests talk to the worker only through callbacks and flags.
 
 Admission is bounded when a request arrives (running + queued <= lanes + max_pending). Whatever goes
 wrong with one request (its admission, its sampling values, its callbacks) ends that request alone; an
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..engine import Riders
 from ..kernels.sampling import SamplingParams, pick_token
 
 
@@ -119,6 +121,7 @@ class Scheduler:
         self.failure: BaseException | None = None  # set when the worker loop died: /health turns 503
         self.on_fatal = on_fatal
         self.stats = collections.Counter()
+        self.riders = Riders()  # decode rows offered to each prefill chunk (Engine.prefill_chunks)
         self.thread = threading.Thread(target=self._supervised, name="ninfer-scheduler", daemon=True)
         self.thread.start()
 
@@ -223,7 +226,7 @@ class Scheduler:
             req.cached_tokens = 0 if req.images else held[lane]
             try:  # anything wrong with this request fails it alone
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
-                                                    checkpoint_at=req.checkpoint_at)
+                                                    checkpoint_at=req.checkpoint_at, riders=self.riders)
                 state = _Lane(req, chunks, thinking=req.thinks and req.think_end is not None, forced=list(req.forced))
                 if req.params is not None:
                     device = self.engine.device
@@ -302,17 +305,30 @@ class Scheduler:
         for lane, state in list(self.lanes.items()):
             if state.request.cancelled:
                 self._finish(lane, "cancelled", None)
+        rode: set[int] = set()
         for lane, state in list(self.lanes.items()):
-            if state.last_token is None:  # still prefilling: one chunk
-                try:
-                    logits = next(state.prefill)
-                except Exception as exc:  # noqa: BLE001
-                    traceback.print_exc(file=sys.stderr)
-                    self._finish(lane, "error", str(exc))
-                    continue
-                if logits is not None:
-                    self._pick_and_emit(lane, logits)
-        decoding = [lane for lane, s in self.lanes.items() if s.last_token is not None]
+            if lane not in self.lanes or state.last_token is not None:
+                continue
+            # still prefilling: one chunk, which the decoding lanes' next rows ride when the engine can
+            # take them (else the chunk is only shortened and they decode after it)
+            decoders = [other for other, s in self.lanes.items() if s.last_token is not None]
+            self.riders.offer(decoders, [self.lanes[other].last_token for other in decoders])
+            try:
+                logits = next(state.prefill)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc(file=sys.stderr)
+                self._finish(lane, "error", str(exc))
+                for other in self.riders.advanced:  # counted into a forward that failed: their state is gone
+                    self._finish(other, "error", "engine failure in a shared prefill step")
+                continue
+            if self.riders.logits is not None:
+                for row, other in enumerate(self.riders.advanced):
+                    if other in self.lanes:
+                        self._pick_and_emit(other, self.riders.logits[row])
+                        rode.add(other)
+            if logits is not None:
+                self._pick_and_emit(lane, logits)
+        decoding = [lane for lane, s in self.lanes.items() if s.last_token is not None and lane not in rode]
         if not decoding:
             return
         if self.engine.speculator is not None:
