@@ -67,7 +67,7 @@ class PlanOptions:
     kv_dtype: str = "bf16"
     prefill_chunk: int = 1024
     # tokens per prefill chunk while other lanes decode (0: the full chunk); their next token waits for it
-    shared_prefill_chunk: int = 512
+    shared_prefill_chunk: int = 1024
     spec: str = "none"
     draft_tokens: int = 3
     lm_head_draft: bool = False
