@@ -523,3 +523,89 @@ def test_logprobs_and_top_logprobs(srv):
     bad = httpx.post(srv.url + CHAT, json={"messages": USER, "top_logprobs": 2}, timeout=60)
     assert bad.status_code == 400 and "logprobs" in bad.json()["error"]["message"]
     assert httpx.post(srv.url + CHAT, json={"messages": USER, "logprobs": True, "top_logprobs": 21}).status_code == 400
+
+
+# --- structured output ------------------------------------------------------------------------------
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+                 "required": ["answer", "sure"], "additionalProperties": False}
+
+
+def _valid_answer(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+
+
+def test_structured_output_through_the_official_sdks(srv):
+    """OpenAI `parse` (response_format json_schema, strict), Responses `text_format`, Anthropic `parse`
+    (output_config.format): the fake model's greedy text is forced into the schema on every API."""
+    from typing import Literal
+
+    import anthropic
+    import openai
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    oa = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    chat = oa.chat.completions.parse(model="tiny", messages=USER, max_tokens=40, response_format=Answer,
+                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert chat.choices[0].finish_reason == "stop" and isinstance(chat.choices[0].message.parsed, Answer)
+    resp = oa.responses.parse(model="tiny", input="hi", max_output_tokens=40, text_format=Answer,
+                              reasoning={"effort": "minimal"})
+    assert isinstance(resp.output_parsed, Answer) and resp.text.format.type == "json_schema"
+    an = anthropic.Anthropic(base_url=srv.url, api_key="x")
+    msg = an.messages.parse(model="tiny", max_tokens=40, messages=USER, output_format=Answer)
+    assert msg.stop_reason == "end_turn" and isinstance(msg.parsed_output, Answer)
+
+
+def test_structured_output_raw_shapes_and_thinking(srv):
+    """json_object, Anthropic's beta output_format spelling, and a thinking model: the reasoning stays free
+    and the answer after it follows the schema."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    obj = httpx.post(srv.url + CHAT, json={"messages": USER, "max_tokens": 12, "response_format": {"type": "json_object"},
+                                           **off}, timeout=60).json()
+    assert obj["choices"][0]["message"]["content"].startswith("{")
+    beta = httpx.post(srv.url + MESSAGES, json={"messages": USER, "max_tokens": 40, "output_format": {
+        "type": "json_schema", "schema": ANSWER_SCHEMA}}, timeout=60).json()
+    assert _valid_answer(beta["content"][0]["text"])
+    thought = httpx.post(srv.url + CHAT, json={"messages": USER, "max_tokens": 60, "thinking_budget": 6, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}}, timeout=60).json()
+    message = thought["choices"][0]["message"]
+    assert message["reasoning_content"] and _valid_answer(message["content"])
+    assert thought["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+
+
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "frob"}}}),
+    (CHAT, "response_format", {"type": "xml"}),
+    (CHAT, "response_format", "json"),
+    (RESPONSES, "text", {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object", "minProperties": "x"}}}),
+    (MESSAGES, "output_config", {"format": {"type": "json_schema", "schema": {"$ref": "#/nowhere"}}}),
+])
+def test_structured_output_refuses_what_it_cannot_enforce(srv, path, field, value):
+    r = httpx.post(srv.url + path, json={**BASES[path], field: value}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in (err.get("param") or err["message"]) and "\n" not in err["message"]
+    assert srv.healthy()
+
+
+def test_answer_grammar_leaves_the_tool_call_marker_open():
+    """With tools, the call marker is allowed where the answer has not started, and a call ends the
+    constraint; once the answer has started it is not."""
+    from runtime.serve.structured import AnswerGrammar, GrammarCompiler
+
+    tok = build_tokenizer(VOCAB)
+    marker = tok.token_to_id("<tool_call>")
+    compiler = GrammarCompiler(tok, VOCAB, [tok.token_to_id("<|im_end|>")])
+    logits = torch.zeros(VOCAB)
+    grammar = AnswerGrammar(compiler.matcher(ANSWER_SCHEMA, "response_format"), marker)
+    allowed = torch.isfinite(grammar.mask(logits))
+    opening = tok.token_to_id('{"')  # the compact object's forced start, in this vocabulary's own token
+    assert allowed[marker] and allowed[opening] and int(allowed.sum()) == 2
+    assert grammar.advance(opening) is None and not torch.isfinite(grammar.mask(logits))[marker]
+    assert "breaks the schema" in grammar.advance(tok.token_to_id("}"))  # "answer" is required
+    called = AnswerGrammar(compiler.matcher(ANSWER_SCHEMA, "response_format"), marker)
+    assert called.advance(marker) is None and not called.active

@@ -34,7 +34,8 @@ from .chat_template import (
 from .metrics import ServerMetrics
 from .output_parser import OutputParser
 from .scheduler import SEED_MASK, GenerationRequest, QueueFull, Scheduler, SchedulerDead
-from .schemas import (ChatRequest, CountTokensRequest, MessagesRequest, ResponsesRequest, ValidationError,
+from .structured import AnswerGrammar, GrammarCompiler, StructuredOutputError
+from .schemas import (answer_schema, ChatRequest, CountTokensRequest, MessagesRequest, ResponsesRequest, ValidationError,
                       first_error)
 
 
@@ -157,7 +158,7 @@ class Generation:
 
     def __init__(self, server: "Server", prompt: list[int], max_tokens: int, params, stop: list[str], tools, thinking: bool,
                  seed: int | None, budget: int | None = None, api: str = "chat", controls: dict | None = None,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, grammar=None):
         self.server = server
         self.thinking = thinking
         self.api = api
@@ -184,7 +185,7 @@ class Generation:
                                          images=getattr(prompt, "images", None) or None,
                                          checkpoint_at=getattr(prompt, "checkpoint_at", None), on_admit=admit,
                                          thinking_budget=budget if thinking else None, think_end=server.think_end,
-                                         thinks=thinking, logprobs=logprobs, **(controls or {}))
+                                         thinks=thinking, logprobs=logprobs, grammar=grammar, **(controls or {}))
         self.logprobs_sent = 0  # tokens whose logprobs a stream has already carried
         self.parser = OutputParser(tools=tools, thinking=thinking, stop=stop)
         self.ids: list[int] = []
@@ -369,6 +370,7 @@ class Server:
         self.engine, self.tokenizer, self.template, self.config = engine, tokenizer, template, config
         self.stop_ids, self.scheduler = set(stop_ids), scheduler
         self.think_end = tokenizer.token_to_id("</think>")  # None: the model has no thinking block
+        self.grammars = GrammarCompiler(tokenizer, engine.cfg.vocab_size, sorted(self.stop_ids))
         self.metrics = ServerMetrics(self)
         self.stored: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
 
@@ -460,7 +462,7 @@ class Server:
 
     def start(self, body: dict, prompt: list[int], tools, thinking: bool, limit, stop, budget: int | None = None,
               api: str = "chat", choice: tuple[str, str | None] = ("auto", None), parallel: bool = True,
-              logprobs: int | None = None) -> Generation:
+              logprobs: int | None = None, grammar=None) -> Generation:
         """Validate the sampling fields, length limit and stop strings, then queue the generation.
         `budget`: the request's thinking budget (None: the server's --reasoning-budget)."""
         params, seed = self.sampling(body)
@@ -468,7 +470,7 @@ class Server:
         budget = self.config.reasoning_budget if budget is None else budget
         controls = self.tool_controls(choice, tools, parallel, thinking)
         return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api, controls,
-                          logprobs)
+                          logprobs, grammar)
 
     def tool_controls(self, choice: tuple[str, str | None], tools, parallel: bool, thinking: bool) -> dict:
         """tool_choice and parallel_tool_calls as decode-time controls (see GenerationRequest): "none"
@@ -528,6 +530,18 @@ class Server:
                            f"{STORED_RESPONSES} responses are kept in memory, not across restarts); send the whole "
                            "conversation as input instead", "previous_response_id")
         return list(self.stored[response_id][1])
+
+    def answer_grammar(self, schema: dict | None, param: str, tools, choice: tuple[str, str | None]):
+        """The request's output schema as a matcher over its answer (None: free text, or a tool_choice that
+        makes the answer a call). Compiling a schema can take a while: call it off the event loop."""
+        if schema is None or choice[0] in ("required", "named"):
+            return None
+        try:
+            matcher = self.grammars.matcher(schema, param)
+        except StructuredOutputError as exc:
+            raise ApiError(400, "invalid_request_error", str(exc), param) from None
+        escape = self.tokenizer.token_to_id("<tool_call>") if tools and choice[0] != "none" else None
+        return AnswerGrammar(matcher, escape)
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop
@@ -653,9 +667,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(req.reasoning_effort)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "invalid_request_error", "top_logprobs needs logprobs: true", "top_logprobs")
-        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat",
-                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False,
-                           (req.top_logprobs or 0) if req.logprobs else None)
+        choice = openai_tool_choice(req.tool_choice)
+        grammar = await server.prompt(lambda: server.answer_grammar(answer_schema(req.response_format), "response_format",
+                                                                    tools, choice))
+        gen = server.start(body, prompt, tools, thinking, limit, body.get("stop"), budget, "chat", choice,
+                           req.parallel_tool_calls is not False, (req.top_logprobs or 0) if req.logprobs else None, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         usage = lambda: {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,  # noqa: E731
                          "total_tokens": gen.prompt_tokens + gen.completion_tokens,
@@ -741,11 +757,15 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             raise ApiError(400, "invalid_request_error", "max_tokens is required", "max_tokens")
         streaming = body.get("stream") is True
         tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
+        req = MessagesRequest.model_validate(body)
         budget = (body.get("thinking") or {}).get("budget_tokens")  # adaptive: the server's default
+        fmt, param = (req.output_config.format, "output_config.format") if req.output_config and req.output_config.format \
+            else (req.output_format, "output_format")
         try:
             choice, parallel = anthropic_tool_choice(body.get("tool_choice"))
+            grammar = await server.prompt(lambda: server.answer_grammar(answer_schema(fmt), param, tools, choice))
             gen = server.start(body, prompt, tools, thinking, body["max_tokens"], body.get("stop_sequences"), budget,
-                               "messages", choice, parallel)
+                               "messages", choice, parallel, grammar=grammar)
         except ApiError as e:
             if e.status == 429:  # Anthropic's overload status
                 raise ApiError(529, "overloaded_error", e.message) from None
@@ -860,8 +880,11 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             messages = None  # not kept: remember() skips it
         effort = req.reasoning.effort if req.reasoning else None
         budget = req.thinking_budget if req.thinking_budget is not None else EFFORT_BUDGETS.get(effort)
+        choice = openai_tool_choice(req.tool_choice)
+        fmt = req.text.format if req.text else None
+        grammar = await server.prompt(lambda: server.answer_grammar(answer_schema(fmt), "text.format", tools, choice))
         gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses",
-                           openai_tool_choice(req.tool_choice), req.parallel_tool_calls is not False)
+                           choice, req.parallel_tool_calls is not False, grammar=grammar)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
@@ -869,7 +892,9 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
                 "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": req.previous_response_id,
                 "store": req.store is not False,
-                "reasoning": body.get("reasoning"), "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "reasoning": body.get("reasoning"), "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
+                                                                        if req.text and req.text.format else {"type": "text"})},
+                "truncation": "disabled",
                 "usage": None, "incomplete_details": None}
 
         def usage():

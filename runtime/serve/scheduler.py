@@ -11,7 +11,8 @@ wrong with one request (its admission, its sampling values, its callbacks) ends 
 error that escapes the loop itself answers every waiting client, marks the scheduler failed (health
 503) and calls on_fatal. The worker also applies the decode-time controls a request carries: a
 thinking budget (it emits the end-of-thinking token itself), banned and forced tokens (tool_choice),
-an early end after the first tool call, and per-token logprobs; such lanes take plain decode steps.
+an early end after the first tool call, per-token logprobs, and an answer grammar (structured output:
+a JSON schema's token mask); such lanes take plain decode steps.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class GenerationRequest:
     # is appended to logprob_sink before on_token sees the token
     logprobs: int | None = None
     logprob_sink: list = field(default_factory=list)
+    grammar: object | None = None  # structured.AnswerGrammar: the answer's tokens masked by a JSON schema
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -90,7 +92,7 @@ class _Lane:
     def constrained(self) -> bool:
         """Decoding this lane needs the scheduler's token choice (no speculative rounds)."""
         return (self.thinking and self.request.thinking_budget is not None) or bool(self.forced) or \
-            bool(self.request.banned_ids) or self.request.logprobs is not None
+            bool(self.request.banned_ids) or self.request.logprobs is not None or self.request.grammar is not None
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
@@ -248,10 +250,14 @@ class Scheduler:
         if banned:
             logits = logits.clone()
             logits[list(banned)] = float("-inf")
+        grammar = state.request.grammar
+        if grammar is not None and grammar.active and not state.thinking:
+            logits = grammar.mask(logits)
         return pick_token(logits, state.request.params, state.counts, state.generator)
 
     def _emit(self, lane: int, token: int) -> None:
         state = self.lanes[lane]
+        answering = not state.thinking
         if state.thinking:
             if token == state.request.think_end:
                 state.thinking = False
@@ -263,6 +269,12 @@ class Scheduler:
         if token in state.request.stop_ids:
             self._finish(lane, "stop", None)
             return
+        grammar = state.request.grammar
+        if grammar is not None and grammar.active and answering:
+            error = grammar.advance(token)
+            if error:
+                self._finish(lane, "error", error)
+                return
         state.request.on_token(token)
         if not state.thinking and token == state.request.call_open:
             state.calls_opened += 1

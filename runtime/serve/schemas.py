@@ -50,6 +50,37 @@ class TemplateKwargs(_Body):
     preserve_thinking: Optional[StrictBool] = None
 
 
+class JsonSchemaSpec(_Body):
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ChatResponseFormat(_Body):
+    """Chat `response_format`: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+
+class FlatResponseFormat(_Body):
+    """Responses `text.format` and Anthropic `output_config.format`: the schema beside the type."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class TextConfig(_Body):
+    format: Optional[FlatResponseFormat] = None
+
+
+class OutputConfig(_Body):
+    format: Optional[FlatResponseFormat] = None
+
+
 class ChatRequest(Sampling):
     """POST /v1/chat/completions"""
 
@@ -67,6 +98,7 @@ class ChatRequest(Sampling):
     thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
+    response_format: Optional[ChatResponseFormat] = None
 
 
 class ThinkingConfig(_Body):
@@ -83,6 +115,8 @@ class MessagesRequest(Sampling):
     stop_sequences: Optional[list[StrictStr]] = None
     thinking: Optional[ThinkingConfig] = None
     tool_choice: Optional[dict[str, Any]] = None
+    output_config: Optional[OutputConfig] = None
+    output_format: Optional[FlatResponseFormat] = None  # the beta spelling of output_config.format
 
 
 class CountTokensRequest(_Body):
@@ -107,12 +141,23 @@ class ResponsesRequest(Sampling):
     instructions: Optional[StrictStr] = None
     max_output_tokens: PositiveTokens = None
     reasoning: Optional[Reasoning] = None
-    text: Optional[dict[str, Any]] = None
+    text: Optional[TextConfig] = None
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     parallel_tool_calls: Optional[StrictBool] = None
     previous_response_id: Optional[StrictStr] = None
     store: Optional[StrictBool] = None
     thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
+
+
+def answer_schema(fmt: ChatResponseFormat | FlatResponseFormat | None) -> dict | None:
+    """The JSON schema an answer must follow, or None for free text (json_object: any JSON object;
+    json_schema without a schema: any JSON value)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    schema = fmt.json_schema.schema_ if isinstance(fmt, ChatResponseFormat) and fmt.json_schema else getattr(fmt, "schema_", None)
+    return schema if schema is not None else {}
 
 
 def first_error(exc: ValidationError) -> tuple[str, str]:
@@ -122,4 +167,4 @@ def first_error(exc: ValidationError) -> tuple[str, str]:
     return loc, f"{loc}: {err['msg']}"
 
 
-__all__ = ["ChatRequest", "CountTokensRequest", "MessagesRequest", "ResponsesRequest", "ValidationError", "first_error"]
+__all__ = ["answer_schema", "ChatRequest", "CountTokensRequest", "MessagesRequest", "ResponsesRequest", "ValidationError", "first_error"]
