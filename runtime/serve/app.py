@@ -370,7 +370,8 @@ class Server:
         self.engine, self.tokenizer, self.template, self.config = engine, tokenizer, template, config
         self.stop_ids, self.scheduler = set(stop_ids), scheduler
         self.think_end = tokenizer.token_to_id("</think>")  # None: the model has no thinking block
-        self.grammars = GrammarCompiler(tokenizer, engine.cfg.vocab_size, sorted(self.stop_ids))
+        vocab = engine.cfg.vocab_size if engine is not None else tokenizer.get_vocab_size()  # None: a scripted test server
+        self.grammars = GrammarCompiler(tokenizer, vocab, sorted(self.stop_ids))
         self.metrics = ServerMetrics(self)
         self.stored: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
 
