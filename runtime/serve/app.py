@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..kernels.sampling import SamplingParams
 from .chat_template import (
+    CUSTOM_INPUT,
     ChatTemplate,
     ImageSink,
     RequestError,
@@ -29,6 +30,7 @@ from .chat_template import (
     normalize_openai_messages,
     normalize_openai_tools,
     normalize_responses_input,
+    responses_tools,
     system_first,
 )
 from .metrics import ServerMetrics
@@ -514,6 +516,9 @@ class Server:
             elif item["type"] == "function_call":
                 calls.append({"id": item["call_id"], "type": "function",
                               "function": {"name": item["name"], "arguments": json.loads(item["arguments"] or "{}")}})
+            elif item["type"] == "custom_tool_call":
+                calls.append({"id": item["call_id"], "type": "function",
+                              "function": {"name": item["name"], "arguments": {CUSTOM_INPUT: item["input"]}}})
         turn = {"role": "assistant", "content": text}
         if reasoning:
             turn["reasoning_content"] = reasoning
@@ -869,14 +874,14 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         prior = server.recall(req.previous_response_id) if req.previous_response_id else []
 
         def build():
-            tools = normalize_openai_tools(body.get("tools"))
+            tools, customs = responses_tools(body.get("tools"), body.get("input"))
             sink = server.image_sink()
             turn = normalize_responses_input(None, body.get("input"), sink)
             head = [{"role": "system", "content": req.instructions}] if req.instructions else []
             conversation = system_first(head + prior + turn)  # a previous response's instructions do not carry over
-            return tools, conversation, server.tokenize(conversation, tools, thinking, sink)
+            return tools, customs, conversation, server.tokenize(conversation, tools, thinking, sink)
 
-        tools, messages, prompt = await server.prompt(build)
+        tools, customs, messages, prompt = await server.prompt(build)
         if req.store is False:
             messages = None  # not kept: remember() skips it
         effort = req.reasoning.effort if req.reasoning else None
@@ -918,6 +923,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                     "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" or text else []}
 
         def call_item(c):
+            if c.name in customs:  # a freeform tool: its raw input, as the client offered it
+                value = c.arguments.get(CUSTOM_INPUT, "") if isinstance(c.arguments, dict) else ""
+                return {"type": "custom_tool_call", "id": f"ctc_{c.id}", "call_id": c.id, "name": c.name,
+                        "input": value if isinstance(value, str) else json.dumps(value), "status": "completed"}
             return {"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
                     "arguments": c.arguments_json, "status": "completed"}
 
@@ -988,15 +997,24 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                             for x in close_open():
                                 yield x
                         item = call_item(e.call)
+                        field = "input" if item["type"] == "custom_tool_call" else "arguments"
                         yield ev("response.output_item.added", output_index=len(output),
-                                 item={**item, "arguments": "", "status": "in_progress"})
+                                 item={**item, field: "", "status": "in_progress"})
                     elif e.kind == "tool_call_delta":
-                        yield ev("response.function_call_arguments.delta", item_id=call_item(e.call)["id"],
-                                 output_index=len(output), delta=e.text)
+                        if e.call.name not in customs:  # a custom call's input streams once it is whole
+                            yield ev("response.function_call_arguments.delta", item_id=call_item(e.call)["id"],
+                                     output_index=len(output), delta=e.text)
                     else:  # the call is complete
                         item = call_item(e.call)
                         idx = len(output)
-                        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx, arguments=item["arguments"])
+                        if item["type"] == "custom_tool_call":
+                            yield ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
+                                     delta=item["input"])
+                            yield ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=idx,
+                                     input=item["input"])
+                        else:
+                            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                     arguments=item["arguments"])
                         yield ev("response.output_item.done", output_index=idx, item=item)
                         output.append(item)
             except ApiError as err:

@@ -187,10 +187,14 @@ def _arguments(raw, where: str) -> dict:
     raise RequestError(f"{where}: tool call arguments must be a JSON object")
 
 
-def normalize_openai_tools(tools, where: str = "tools") -> list[dict] | None:
+CUSTOM_INPUT = "input"  # the one string parameter a freeform (custom) tool is offered to the model with
+
+
+def normalize_openai_tools(tools, where: str = "tools", customs: set | None = None) -> list[dict] | None:
     """Function tools in the template's shape. Tools the model cannot call as functions (web_search,
-    local_shell, custom, ... sent by real clients) are left out; a namespace's function tools are
-    taken in."""
+    local_shell, ... sent by real clients) are left out; a namespace's function tools are taken in.
+    With `customs` (the Responses API), freeform `custom` tools are offered as functions of one string
+    parameter, `input`, and their names are added to the set (their calls go back as custom_tool_call)."""
     if not tools:
         return None
     if not isinstance(tools, list):
@@ -200,7 +204,17 @@ def normalize_openai_tools(tools, where: str = "tools") -> list[dict] | None:
         if not isinstance(t, dict):
             raise RequestError(f"{where}[{i}] must be an object")
         if t.get("type") == "namespace" and isinstance(t.get("tools"), list):
-            out += normalize_openai_tools(t["tools"], f"{where}[{i}].tools") or []
+            out += normalize_openai_tools(t["tools"], f"{where}[{i}].tools", customs) or []
+            continue
+        if t.get("type") == "custom" and customs is not None and isinstance(t.get("name"), str):
+            customs.add(t["name"])
+            fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+            syntax = f" Its input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}" \
+                if isinstance(fmt.get("definition"), str) else ""
+            out.append({"type": "function", "function": {
+                "name": t["name"], "description": (t.get("description") or "") + syntax,
+                "parameters": {"type": "object", "properties": {CUSTOM_INPUT: {
+                    "type": "string", "description": "The tool's raw input (not JSON)."}}, "required": [CUSTOM_INPUT]}}})
             continue
         if t.get("type") != "function":
             continue
@@ -212,6 +226,17 @@ def normalize_openai_tools(tools, where: str = "tools") -> list[dict] | None:
         out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
                                                      "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}})
     return out or None
+
+
+def responses_tools(tools, items) -> tuple[list[dict] | None, set]:
+    """A Responses request's tools: `tools` plus those of `additional_tools` input items (the Codex CLI
+    sends its tools there), and the names of the freeform (custom) ones among them."""
+    customs: set = set()
+    out = normalize_openai_tools(tools, "tools", customs) or []
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            out += normalize_openai_tools(item.get("tools"), f"input[{i}].tools", customs) or []
+    return out or None, customs
 
 
 def system_first(messages: list[dict]) -> list[dict]:
@@ -342,10 +367,21 @@ def normalize_responses_input(instructions, items, vision: bool = False) -> list
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":  # a freeform call: its raw input is the one parameter it was offered with
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": {CUSTOM_INPUT: str(item.get("input") or "")}}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
+            if isinstance(output, list):  # content items: their text, in order
+                output = "\n".join(str(part.get("text", "")) for part in output if isinstance(part, dict))
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "additional_tools":
+            continue  # tools sent among the input items: taken in with the request's tools (responses_tools)
         elif kind == "reasoning":
             continue  # the template decides which turns keep reasoning; clients' summaries are not replayed
         else:
