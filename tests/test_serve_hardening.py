@@ -464,6 +464,22 @@ def test_tool_choice_forces_a_call(eager_caller, choice, want):
     assert r["choices"][0]["finish_reason"] == "tool_calls" and r["usage"]["completion_tokens"] < 60
 
 
+@pytest.mark.parametrize("api", [CHAT, MESSAGES])
+def test_required_call_among_several_tools_names_one_of_them(eager_caller, api):
+    """`required` / `any` with several tools: the opening is forced and the name is held to the tools'
+    names (the fake model, left alone, would close the call at once, nameless)."""
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("</tool_call>")
+    if api == CHAT:
+        r = _chat_tools(s, "required", (WEATHER, OTHER), parallel_tool_calls=False).json()
+        names = [c["function"]["name"] for c in r["choices"][0]["message"]["tool_calls"]]
+    else:
+        r = httpx.post(s.url + MESSAGES, json={"messages": USER, "max_tokens": 60, "tool_choice": {"type": "any"}, "tools": [
+            {"name": t["name"], "input_schema": t["parameters"]} for t in (WEATHER, OTHER)]}, timeout=60).json()
+        names = [b["name"] for b in r["content"] if b["type"] == "tool_use"]
+    assert len(names) == 1 and names[0] in (WEATHER["name"], OTHER["name"]), r
+
+
 def test_tool_choice_forces_a_call_after_thinking_on_anthropic(eager_caller):
     s = eager_caller
     s.engine.prefer = build_tokenizer(VOCAB).token_to_id("</tool_call>")

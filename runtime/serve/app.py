@@ -539,10 +539,16 @@ class Server:
 
     def answer_grammar(self, schema: dict | None, param: str, tools, choice: tuple[str, str | None]):
         """The request's output schema as a matcher over its answer (None: free text, or a tool_choice that
-        makes the answer a call). Compiling a schema can take a while: call it off the event loop."""
-        if schema is None or choice[0] in ("required", "named"):
-            return None
+        makes the answer a call); for a required call among several tools, a matcher of their names after
+        the forced opening. Compiling can take a while: call it off the event loop."""
+        names = [t["function"]["name"] for t in tools or []]
         try:
+            if choice[0] == "required" and len(names) > 1:
+                # the call's opening is forced (tool_controls); then one of the tools' names must follow
+                return AnswerGrammar(self.grammars.choice_matcher([n + ">" for n in names], "tool_choice"), None,
+                                     release=True)
+            if schema is None or choice[0] in ("required", "named"):
+                return None
             matcher = self.grammars.matcher(schema, param)
         except StructuredOutputError as exc:
             raise ApiError(400, "invalid_request_error", str(exc), param) from None

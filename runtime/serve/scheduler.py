@@ -255,7 +255,7 @@ class Scheduler:
             logits = grammar.mask(logits)
         return pick_token(logits, state.request.params, state.counts, state.generator)
 
-    def _emit(self, lane: int, token: int) -> None:
+    def _emit(self, lane: int, token: int, forced: bool = False) -> None:
         state = self.lanes[lane]
         answering = not state.thinking
         if state.thinking:
@@ -270,7 +270,7 @@ class Scheduler:
             self._finish(lane, "stop", None)
             return
         grammar = state.request.grammar
-        if grammar is not None and grammar.active and answering:
+        if grammar is not None and grammar.active and answering and not forced:
             error = grammar.advance(token)
             if error:
                 self._finish(lane, "error", error)
@@ -356,15 +356,16 @@ class Scheduler:
         values, its callback) ends this lane's request alone."""
         try:
             state = self.lanes[lane]
+            forced = bool(state.forced) and not state.thinking and not state.budget_spent()
             if state.budget_spent():  # the end-of-thinking token instead of a sample
                 token = state.request.think_end
-            elif state.forced and not state.thinking:  # a required call's opening
+            elif forced:  # a required call's opening (a grammar, if any, starts after it)
                 token = state.forced.pop(0)
             else:
                 token = self._pick(state, logits)
             if state.request.logprobs is not None:
                 state.request.logprob_sink.append(_logprobs(logits, token, state.request.logprobs))
-            self._emit(lane, token)
+            self._emit(lane, token, forced)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc(file=sys.stderr)
             self._finish(lane, "error", f"generation failed: {type(exc).__name__}")

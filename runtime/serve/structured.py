@@ -41,11 +41,7 @@ class GrammarCompiler:
 
     def matcher(self, schema: dict, where: str):
         """A fresh matcher for answers valid under `schema` (a JSON-schema object)."""
-        try:
-            import llguidance
-        except ImportError:
-            raise StructuredOutputError(f"{where} needs the llguidance package on the server "
-                                        "(pip install llguidance)") from None
+        llguidance = _llguidance(where)
         text = json.dumps(schema)
         if len(text) > MAX_SCHEMA_BYTES:
             raise StructuredOutputError(f"{where}: the schema is {len(text)} bytes; at most {MAX_SCHEMA_BYTES} are accepted")
@@ -53,6 +49,17 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except Exception as exc:  # noqa: BLE001 - the compiler's message names the unsupported part
             raise StructuredOutputError(f"{where}: the schema cannot be enforced: {_first_line(exc)}") from None
+        return self._matcher(grammar, where)
+
+    def choice_matcher(self, options: list[str], where: str):
+        """A matcher for exactly one of `options` (literal texts), e.g. a tool name and its closing '>'."""
+        llguidance = _llguidance(where)
+        grammar = llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(o) for o in options))
+        return self._matcher(grammar, where)
+
+    def _matcher(self, grammar: str, where: str):
+        import llguidance
+
         tokenizer = self._llm_tokenizer()
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
@@ -61,6 +68,14 @@ class GrammarCompiler:
         if matcher.is_error():
             raise StructuredOutputError(f"{where}: the schema cannot be enforced: {_first_line(matcher.get_error())}")
         return matcher
+
+
+def _llguidance(where: str):
+    try:
+        import llguidance
+    except ImportError:
+        raise StructuredOutputError(f"{where} needs the llguidance package on the server (pip install llguidance)") from None
+    return llguidance
 
 
 def _first_line(value) -> str:
@@ -72,10 +87,11 @@ class AnswerGrammar:
     """One request's matcher over its answer tokens; `escape` (the tool-call marker) may be chosen at
     any point where the answer has not started, and ends the constraint."""
 
-    def __init__(self, matcher, escape: int | None):
+    def __init__(self, matcher, escape: int | None, release: bool = False):
         self.matcher = matcher
         self.escape = escape
-        self.active = True  # until a tool call opens
+        self.release = release  # the constraint ends once the grammar is satisfied (a prefix, e.g. a tool name)
+        self.active = True  # until a tool call opens (or a released grammar is satisfied)
         self.started = False
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -97,4 +113,6 @@ class AnswerGrammar:
         self.started = True
         if not self.matcher.consume_token(token):
             return f"structured output: token {token} breaks the schema ({_first_line(self.matcher.get_error())})"
+        if self.release and self.matcher.is_accepting():
+            self.active = False
         return None
