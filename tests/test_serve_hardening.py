@@ -625,3 +625,25 @@ def test_answer_grammar_leaves_the_tool_call_marker_open():
     assert "breaks the schema" in grammar.advance(tok.token_to_id("}"))  # "answer" is required
     called = AnswerGrammar(compiler.matcher(ANSWER_SCHEMA, "response_format"), marker)
     assert called.advance(marker) is None and not called.active
+
+
+def test_responses_logprobs(srv):
+    """Responses: `top_logprobs` / include message.output_text.logprobs put the answer tokens' logprobs on the
+    output_text part (after a thinking block: its tokens are not the answer's) and on each streamed delta."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    plain = client.responses.create(model="tiny", input="hi", max_output_tokens=6, top_logprobs=2, temperature=0,
+                                    reasoning={"effort": "none"})
+    part = plain.output[0].content[0]
+    assert "".join(e.token for e in part.logprobs) == part.text and len(part.logprobs) == 6
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in part.logprobs)
+    thought = httpx.post(srv.url + RESPONSES, json={"input": "hi", "max_output_tokens": 12, "thinking_budget": 3,
+                                                    "include": ["message.output_text.logprobs"]}, timeout=60).json()
+    message = [o for o in thought["output"] if o["type"] == "message"][0]["content"][0]
+    assert "".join(e["token"] for e in message["logprobs"]) == message["text"] and message["logprobs"]
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=6, top_logprobs=1,
+                                          reasoning={"effort": "none"}, stream=True))
+    final = events[-1].response  # response.incomplete: a length stop
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert "".join(streamed) == final.output_text and streamed == [e.token for e in final.output[0].content[0].logprobs]

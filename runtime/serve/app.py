@@ -353,6 +353,15 @@ class Generation:
         self.logprobs_sent += len(entries)
         return {"content": entries}
 
+    def answer_logprobs(self) -> list[dict]:
+        """Logprob entries of the answer's tokens (after the thinking block and its closing token) not yet
+        taken: the Responses API's output_text logprobs."""
+        first = self.reasoning_tokens + (1 if self.thinking and self.server.think_end in self.ids else 0)
+        start = max(first, self.logprobs_sent)
+        entries = self.logprob_entries(start)
+        self.logprobs_sent = start + len(entries)
+        return entries
+
     @property
     def reasoning_tokens(self) -> int:
         """Tokens of the thinking block (the prompt opened it): up to the end-of-thinking token."""
@@ -895,8 +904,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         choice = openai_tool_choice(req.tool_choice)
         fmt = req.text.format if req.text else None
         grammar = await server.prompt(lambda: server.answer_grammar(answer_schema(fmt), "text.format", tools, choice))
+        wants_logprobs = req.top_logprobs is not None or "message.output_text.logprobs" in (req.include or [])
         gen = server.start(body, prompt, tools, thinking, body.get("max_output_tokens"), None, budget, "responses",
-                           choice, req.parallel_tool_calls is not False, grammar=grammar)
+                           choice, req.parallel_tool_calls is not False, (req.top_logprobs or 0) if wants_logprobs else None,
+                           grammar=grammar)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "response", "created_at": created, "model": cfg.model_id, "error": None,
                 "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
@@ -924,9 +935,12 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
                     "content": [{"type": "reasoning_text", "text": text}]}
 
-        def message_item(mid, text, status="completed"):
+        def message_item(mid, text, status="completed", logprobs=None):
+            part = {"type": "output_text", "text": text, "annotations": []}
+            if logprobs is not None:
+                part["logprobs"] = logprobs
             return {"type": "message", "id": mid, "status": status, "role": "assistant",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" or text else []}
+                    "content": [part] if status == "completed" or text else []}
 
         def call_item(c):
             if c.name in customs:  # a freeform tool: its raw input, as the client offered it
@@ -940,7 +954,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             await gen.collect(request)
             r = gen.parser.result
             output = ([reasoning_item(r.reasoning)] if r.reasoning else []) + \
-                     ([message_item(f"msg_{uuid.uuid4().hex}", r.content)] if r.content or not r.tool_calls else []) + \
+                     ([message_item(f"msg_{uuid.uuid4().hex}", r.content, logprobs=gen.answer_logprobs() if wants_logprobs
+                                    else None)] if r.content or not r.tool_calls else []) + \
                      [call_item(c) for c in r.tool_calls]
             done = final(output)
             server.remember(done, messages)
@@ -959,6 +974,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             yield ev("response.created", response={**base, "status": "in_progress", "output": []})
             yield ev("response.in_progress", response={**base, "status": "in_progress", "output": []})
             output, open_item, text = [], None, ""
+            answer_lps: list[dict] = []  # the logprobs the deltas carried, repeated in the finished part
 
             def close_open():
                 nonlocal open_item, text
@@ -969,6 +985,8 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                     events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
                 else:
                     part = {"type": "output_text", "text": text, "annotations": []}
+                    if wants_logprobs:
+                        part["logprobs"] = answer_lps + gen.answer_logprobs()
                     item["content"], item["status"] = [part], "completed"
                     events.append(ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
                     events.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part))
@@ -996,8 +1014,15 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                                 yield ev("response.content_part.added", item_id=open_item["id"], output_index=len(output),
                                          content_index=0, part={"type": "output_text", "text": "", "annotations": []})
                         text += e.text
-                        kind = "response.reasoning_text.delta" if want == "reasoning" else "response.output_text.delta"
-                        yield ev(kind, item_id=open_item["id"], output_index=len(output), content_index=0, delta=e.text)
+                        if want == "reasoning":
+                            yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(output),
+                                     content_index=0, delta=e.text)
+                        else:
+                            extra = {"logprobs": gen.answer_logprobs()} if wants_logprobs else {}
+                            if wants_logprobs:
+                                answer_lps.extend(extra["logprobs"])
+                            yield ev("response.output_text.delta", item_id=open_item["id"], output_index=len(output),
+                                     content_index=0, delta=e.text, **extra)
                     elif e.kind == "tool_call_begin":
                         if open_item is not None:
                             for x in close_open():

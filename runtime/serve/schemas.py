@@ -147,6 +147,8 @@ class ResponsesRequest(Sampling):
     previous_response_id: Optional[StrictStr] = None
     store: Optional[StrictBool] = None
     thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
+    include: Optional[list[StrictStr]] = None
 
 
 def answer_schema(fmt: ChatResponseFormat | FlatResponseFormat | None) -> dict | None:
