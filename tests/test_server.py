@@ -169,6 +169,9 @@ def test_speculative_server_answers_like_the_plain_one(server, artifact, method)
         metrics = httpx.get(spec.url + "/metrics").text
         rounds = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("ninfer_spec_rounds_total")))
         assert rounds > 0 and 'ninfer_spec_accepted_at_position_total{position="2"}' in metrics
+        timings = httpx.post(spec.url + "/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 6, "temperature": 0, **NO_THINK}).json()["timings"]
+        assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]  # per request
     finally:
         spec.stop()
 

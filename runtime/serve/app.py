@@ -319,7 +319,8 @@ class Generation:
                 "prompt_per_second": round(computed / prompt_ms * 1e3, 2) if prompt_ms > 0 else None,
                 "predicted_n": self.completion_tokens, "predicted_ms": round(predicted_ms, 3),
                 "predicted_per_second": round(after_first / predicted_ms * 1e3, 2) if predicted_ms > 0 else None,
-                "queue_ms": round((start - self.request.enqueued_at) * 1e3, 3)}
+                "queue_ms": round((start - self.request.enqueued_at) * 1e3, 3),
+                "draft_n": self.request.drafted, "draft_n_accepted": self.request.accepted}
 
     def _log(self) -> None:
         path = self.server.config.request_log

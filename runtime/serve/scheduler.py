@@ -68,6 +68,8 @@ class GenerationRequest:
     logprobs: int | None = None
     logprob_sink: list = field(default_factory=list)
     grammar: object | None = None  # structured.AnswerGrammar: the answer's tokens masked by a JSON schema
+    drafted: int = 0  # speculative draft tokens proposed for this request, and how many were accepted
+    accepted: int = 0
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -308,6 +310,9 @@ class Scheduler:
                                 [s.request.params for s in states], [s.counts for s in states],
                                 [s.generator for s in states])
             for lane, tokens in zip(spec, new):
+                request = self.lanes[lane].request
+                request.drafted += eng.speculator.k
+                request.accepted += max(0, len(tokens) - 1)  # the last token of a round is the target's own
                 for tok in tokens:
                     if lane in self.lanes:
                         self._emit(lane, tok)
