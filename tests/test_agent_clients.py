@@ -28,11 +28,11 @@ from runtime.serve.chat_template import ChatTemplate
 from runtime.serve.scheduler import Scheduler
 
 from .serving import Loopback
+from .test_serve_hardening import VOCAB, FakeEngine
 
 BIN = os.environ.get("NINFER_AGENT_CLIS")
 needs_clis = pytest.mark.skipif(not BIN, reason="opt-in: set NINFER_AGENT_CLIS to a folder with the codex and claude "
                                 "executables (see this module's docstring)")
-VOCAB = 384
 MARKER = "NINFER_TOOL_RAN_42"
 ASK = f"Run the shell command `echo {MARKER}` and tell me what it printed."
 
@@ -84,30 +84,20 @@ def _answer(prompt: str) -> str:
     return "Shell marker check"
 
 
-class ScriptedEngine:
-    """The engine surface the scheduler uses; each lane plays back reply_for(its prompt)."""
+class ScriptedEngine(FakeEngine):
+    """The fake engine of the serve tests, each lane playing back reply_for(its prompt)."""
 
     def __init__(self, tokenizer, lanes: int = 2):
-        self.tokenizer, self.lanes = tokenizer, lanes
-        self.device = torch.device("cpu")
-        self.cfg = SimpleNamespace(vocab_size=VOCAB)
-        self.opts = SimpleNamespace(max_context=1 << 21)
-        self.speculator = None
-        self.stop = tokenizer.token_to_id("<|im_end|>")
+        super().__init__(tokenizer, lanes, step_s=0.001)
+        self.tokenizer = tokenizer
+        self.opts = SimpleNamespace(max_context=1 << 21)  # the clients' prompts are long in this small vocabulary
         self.script: dict[int, list[int]] = {}
-        self.held: dict[int, int] = {}
         self.prompts: list[str] = []
 
     def one_hot(self, token: int) -> torch.Tensor:
         out = torch.full((VOCAB,), -1e4)  # the scripted token whatever the client's sampling settings
         out[token] = 0.0
         return out
-
-    def reusable_prefix(self, lane, prompt):
-        return 0
-
-    def held_tokens(self, lane):
-        return self.held.get(lane, 0)
 
     def prefill_chunks(self, lane, prompt, **_):
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
