@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 from .container import Artifact
@@ -57,6 +59,24 @@ def load_config(art: Artifact) -> ModelConfig:
         raise BindingError(str(exc)) from None
 
 
+MAX_MTP_LAYERS = 16
+_MTP_LAYER = re.compile(r"mtp/layers/(\d{1,3})/")
+
+
+def mtp_layer_count(names) -> int:
+    """How many MTP layers the objects `mtp/layers/<j>/...` describe (0 without any); a malformed or
+    absurd layer index is a BindingError naming the object."""
+    layers = 0
+    for name in names:
+        if not name.startswith("mtp/layers/"):
+            continue
+        m = _MTP_LAYER.match(name)
+        if m is None or int(m.group(1)) >= MAX_MTP_LAYERS:
+            raise BindingError(f"object {name[:80]!r}: MTP layer objects are named mtp/layers/<0..{MAX_MTP_LAYERS - 1}>/...")
+        layers = max(layers, int(m.group(1)) + 1)
+    return layers
+
+
 def load_dflash2_config(art: Artifact) -> DFlash2Config:
     if not art.has(DFLASH2_CONFIG):
         raise BindingError(f"required artifact object is missing: {DFLASH2_CONFIG}")
@@ -79,9 +99,11 @@ def check_inventory(art: Artifact) -> InventoryReport:
         report.problems.append(f"required artifact object is missing: {RESOURCE_NAMES['tokenizer']}")
     consumed = set(text) | set(RESOURCE_NAMES.values())
 
-    mtp_names = [n for n in art.objects if n.startswith("mtp/layers/")]
     if "mtp" in art.components:
-        layers = 1 + max(int(n.split("/")[2]) for n in mtp_names) if mtp_names else 0
+        try:
+            layers = mtp_layer_count(art.objects)
+        except BindingError as exc:
+            return InventoryReport(cfg, report.problems + [str(exc)])
         report.mtp_layers = layers
         required = required_mtp_names(cfg, layers)
         problems: list[str] = []

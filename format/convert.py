@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
@@ -28,7 +27,7 @@ from .inventory import (
     mtp_inventory,
     text_inventory,
 )
-from .model_config import DFlash2Config, ModelConfig
+from .model_config import DFlash2Config, ModelConfig, load_json
 from .numeric import GroupedFormat, get_format
 from .quantize import encode_rows
 from .recipes import RECIPES, format_for
@@ -140,10 +139,10 @@ def _count_mtp_layers(ckpt: Checkpoint) -> int:
 def _load_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConvertError(f"{path.name} is not valid JSON ({exc})") from None
+    value = load_json(path.read_bytes(), path.name)
+    if not isinstance(value, dict):
+        raise ConvertError(f"{path.name} must be a JSON object")
+    return value
 
 
 def _resources(src: Path, tok_cfg: dict | None) -> dict[str, bytes]:

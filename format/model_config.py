@@ -73,80 +73,176 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """Every value typed and bounded (a bad one is one line naming the field), then cross-checked."""
+        if not isinstance(cfg, dict):
+            raise ConvertError("config must be a JSON object")
         top_type = cfg.get("model_type")
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-        model_type = _TEXT_TYPES.get(text.get("model_type"), top_type)
+        text = cfg.get("text_config", cfg)
+        if not isinstance(text, dict):
+            raise ConvertError("config text_config must be a JSON object")
+        model_type = _TEXT_TYPES.get(text.get("model_type"), top_type) if isinstance(text.get("model_type"), str) else top_type
         if model_type in _TEXT_TYPES:
             model_type = _TEXT_TYPES[model_type]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConvertError(
-                f"config model_type {top_type!r} is not a Qwen3.5-family checkpoint (need qwen3_5 or qwen3_5_moe)"
+                f"config model_type {top_type!r:.60} is not a Qwen3.5-family checkpoint (need qwen3_5 or qwen3_5_moe)"
             )
-
-        def need(key):
-            if key not in text:
-                raise ConvertError(f"config.json lacks text field {key!r}")
-            return text[key]
-
-        n_layers = int(need("num_hidden_layers"))
+        n_layers = _int(text, "num_hidden_layers")
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = int(text.get("full_attention_interval", 4))
+            interval = _int(text, "full_attention_interval", 4)
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-        if len(layer_types) != n_layers or any(t not in ("full_attention", "linear_attention") for t in layer_types):
-            raise ConvertError("config layer_types must list full_attention/linear_attention for every layer")
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers \
+                or any(t not in ("full_attention", "linear_attention") for t in layer_types):
+            raise ConvertError(f"config layer_types must list full_attention/linear_attention for each of the "
+                               f"{n_layers} layers")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        if not isinstance(rope, dict):
+            raise ConvertError("config rope_parameters must be a JSON object")
+        theta = _float({**text, **rope}, "rope_theta", 10000.0, 1e-3, 1e12)
+        prf = _float({**text, **rope}, "partial_rotary_factor", 0.25, 1e-3, 1.0)
         eos = text.get("eos_token_id", cfg.get("eos_token_id"))
-        if generation_config and generation_config.get("eos_token_id") is not None:
+        if isinstance(generation_config, dict) and generation_config.get("eos_token_id") is not None:
             eos = generation_config["eos_token_id"]
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-        hidden = int(need("hidden_size"))
-        n_heads = int(need("num_attention_heads"))
+        hidden = _int(text, "hidden_size")
+        n_heads = _int(text, "num_attention_heads")
+        if text.get("head_dim") is None and hidden % n_heads:
+            raise ConvertError(f"config hidden_size {hidden} is not a multiple of num_attention_heads {n_heads} "
+                               "(and no head_dim is given)")
+        section = rope.get("mrope_section", [11, 11, 10])
+        if not isinstance(section, list) or len(section) != 3 or not all(_is_int(x) and 0 <= x <= 4096 for x in section):
+            raise ConvertError("config mrope_section must list three non-negative integers (t, h, w)")
         common = dict(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=_int(text, "vocab_size"),
             hidden_size=hidden,
             num_layers=n_layers,
             layer_types=tuple(layer_types),
             num_heads=n_heads,
-            num_kv_heads=int(need("num_key_value_heads")),
-            head_dim=int(text.get("head_dim") or hidden // n_heads),
-            linear_num_key_heads=int(need("linear_num_key_heads")),
-            linear_num_value_heads=int(need("linear_num_value_heads")),
-            linear_key_head_dim=int(need("linear_key_head_dim")),
-            linear_value_head_dim=int(need("linear_value_head_dim")),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            partial_rotary_factor=float(prf),
-            mtp_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            num_kv_heads=_int(text, "num_key_value_heads"),
+            head_dim=_int(text, "head_dim", hidden // n_heads),
+            linear_num_key_heads=_int(text, "linear_num_key_heads"),
+            linear_num_value_heads=_int(text, "linear_num_value_heads"),
+            linear_key_head_dim=_int(text, "linear_key_head_dim"),
+            linear_value_head_dim=_int(text, "linear_value_head_dim"),
+            conv_kernel=_int(text, "linear_conv_kernel_dim", 4),
+            rms_norm_eps=_float(text, "rms_norm_eps", 1e-6, 1e-12, 0.1),
+            rope_theta=theta,
+            partial_rotary_factor=prf,
+            mtp_layers=_int(text, "mtp_num_hidden_layers", 0),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             eos_token_ids=eos_ids,
             has_vision=isinstance(cfg.get("vision_config"), dict),
-            mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
+            mrope_section=tuple(section),
         )
         if model_type == "qwen3_5_moe":
-            return cls(
-                **common,
-                num_experts=int(need("num_experts")),
-                experts_per_token=int(need("num_experts_per_tok")),
-                moe_intermediate_size=int(need("moe_intermediate_size")),
-                shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
-            )
-        return cls(**common, intermediate_size=int(need("intermediate_size")))
+            out = cls(**common, num_experts=_int(text, "num_experts"), experts_per_token=_int(text, "num_experts_per_tok"),
+                      moe_intermediate_size=_int(text, "moe_intermediate_size"),
+                      shared_expert_intermediate_size=_int(text, "shared_expert_intermediate_size"))
+        else:
+            out = cls(**common, intermediate_size=_int(text, "intermediate_size"))
+        out._cross_check()
+        return out
+
+    def _cross_check(self) -> None:
+        problems = []
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                            f"{self.num_kv_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append(f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                            f"linear_num_key_heads {self.linear_num_key_heads}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            problems.append(f"head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} gives "
+                            f"{self.rotary_dim} rotary dims; it must be a positive even number")
+        elif sum(self.mrope_section) * 2 > self.rotary_dim:
+            problems.append(f"mrope_section {list(self.mrope_section)} covers {sum(self.mrope_section) * 2} rotary "
+                            f"dims, more than the {self.rotary_dim} there are")
+        if self.is_moe and self.experts_per_token > self.num_experts:
+            problems.append(f"num_experts_per_tok {self.experts_per_token} exceeds num_experts {self.num_experts}")
+        bad_eos = [e for e in self.eos_token_ids if not _is_int(e) or not 0 <= e < self.vocab_size]
+        if bad_eos:
+            problems.append(f"eos_token_id {bad_eos[:3]} is not a token of the {self.vocab_size}-token vocabulary")
+        if problems:
+            raise ConvertError("config: " + "; ".join(problems))
 
     @classmethod
     def from_json_bytes(cls, data: bytes, generation_config: bytes | None = None) -> "ModelConfig":
-        try:
-            cfg = json.loads(data)
-            gen = json.loads(generation_config) if generation_config else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConvertError(f"config resource is not valid JSON: {exc}") from None
+        cfg = load_json(data, "config resource")
+        gen = load_json(generation_config, "generation_config resource") if generation_config else None
         if not isinstance(cfg, dict):
             raise ConvertError("config resource must be a JSON object")
+        if gen is not None and not isinstance(gen, dict):
+            raise ConvertError("generation_config resource must be a JSON object")
         return cls.from_hf_dict(cfg, gen)
+
+
+# Every integer field: (smallest, largest) accepted. The upper bounds sit far above any Qwen3.5-family
+# model and keep a hostile config from planning unbounded memory or loops.
+INT_LIMITS = {
+    "num_hidden_layers": (1, 1024), "full_attention_interval": (1, 1024), "vocab_size": (16, 1 << 22),
+    "hidden_size": (8, 1 << 16), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 4096), "linear_num_key_heads": (1, 1024), "linear_num_value_heads": (1, 1024),
+    "linear_key_head_dim": (2, 4096), "linear_value_head_dim": (2, 4096), "linear_conv_kernel_dim": (1, 64),
+    "intermediate_size": (1, 1 << 20), "num_experts": (1, 4096), "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 20), "shared_expert_intermediate_size": (0, 1 << 20),
+    "mtp_num_hidden_layers": (0, 16),
+}
+_MISSING = object()
+MAX_JSON_BYTES = 16 << 20  # config, generation config, tokenizer config: far below this
+MAX_JSON_DIGITS = 64  # digits in one JSON number
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(d: dict, key: str, default=_MISSING) -> int:
+    value = d.get(key, default)
+    if value is None and default is not _MISSING:
+        value = default
+    if value is _MISSING or value is None:
+        raise ConvertError(f"config.json lacks text field {key!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # some exporters write 4.0
+    if not _is_int(value):
+        raise ConvertError(f"config {key} must be an integer, not {type(value).__name__} {str(value)[:40]!r}")
+    lo, hi = INT_LIMITS[key]
+    if not lo <= value <= hi:
+        raise ConvertError(f"config {key} = {value} is outside {lo}..{hi}")
+    return value
+
+
+def _float(d: dict, key: str, default: float, lo: float, hi: float) -> float:
+    value = d.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConvertError(f"config {key} must be a number, not {type(value).__name__} {str(value)[:40]!r}")
+    value = float(value)
+    if not lo <= value <= hi:  # also refuses NaN
+        raise ConvertError(f"config {key} = {value} is outside {lo:g}..{hi:g}")
+    return value
+
+
+def _bounded_number(text: str):
+    if len(text) > MAX_JSON_DIGITS:
+        raise ConvertError(f"a number written with {len(text)} characters (at most {MAX_JSON_DIGITS} are accepted)")
+    return text
+
+
+def load_json(data: bytes, what: str):
+    """JSON from an artifact or checkpoint with limits: size, number length, nesting (one line each)."""
+    if len(data) > MAX_JSON_BYTES:
+        raise ConvertError(f"{what} is {len(data)} bytes of JSON; at most {MAX_JSON_BYTES} are accepted")
+    try:
+        return json.loads(data, parse_int=lambda t: int(_bounded_number(t)),
+                          parse_float=lambda t: float(_bounded_number(t)))
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise ConvertError(f"{what} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    except RecursionError:
+        raise ConvertError(f"{what} nests JSON too deeply") from None
 
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"

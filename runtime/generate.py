@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from format.binding import load_config
+from format.model_config import load_json
 from format.container import Artifact
 from format.errors import BindingError
 from format.inventory import RESOURCE_NAMES
@@ -16,7 +16,8 @@ def stop_token_ids(art: Artifact, tokenizer) -> set[int]:
     """The config's EOS ids plus the tokenizer config's eos_token (Qwen3.5 stops on either)."""
     stop = set(load_config(art).eos_token_ids)
     if art.has(RESOURCE_NAMES["tokenizer_config"]):
-        eos = json.loads(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"])).get("eos_token")
+        tok_cfg = load_json(art.resource_bytes(RESOURCE_NAMES["tokenizer_config"]), "tokenizer_config resource")
+        eos = tok_cfg.get("eos_token") if isinstance(tok_cfg, dict) else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
             stop.add(tokenizer.token_to_id(eos))

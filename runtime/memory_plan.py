@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from format.binding import load_config, load_dflash2_config
+from format.binding import load_config, load_dflash2_config, mtp_layer_count
 from format.container import Artifact
 from format.layouts import align_up
 from format.model_config import DFlash2Config, ModelConfig
@@ -283,7 +283,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
                 kv.add(f"layer{i}/{plane.name}", pages * PAGE_TOKENS * cfg.num_kv_heads * plane.width * plane.item_bytes)
     mtp_layers = 0
     if opts.spec == "mtp":
-        mtp_layers = 1 + max((int(n.split("/")[2]) for n in art.objects if n.startswith("mtp/layers/")), default=0)
+        mtp_layers = mtp_layer_count(art.objects)
         extra = opts.max_concurrency * math.ceil(opts.draft_tokens / PAGE_TOKENS)  # drafted tail pages
         for j in range(mtp_layers):
             for plane in codec.planes(cfg.head_dim):

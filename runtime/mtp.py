@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from format.binding import mtp_layer_count
+
 from .kernels.paged_attention import PAGE
 from .kernels.rmsnorm import rmsnorm
 from .speculate import Speculator
@@ -24,7 +26,7 @@ class MtpState(Speculator):
         self = cls(engine)
         e, c, mem, plan = engine, engine.cfg, engine.mem, engine.plan
         lanes = engine.lanes
-        self.layers = 1 + max(int(n.split("/")[2]) for n in e.art.objects if n.startswith("mtp/layers/"))
+        self.layers = mtp_layer_count(e.art.objects)
         ppl = plan.pages_per_lane
         extra = -(-self.k // PAGE)
         total_pages = plan.pages + lanes * extra

@@ -1,0 +1,111 @@
+"""The config an artifact or checkpoint carries, read as hostile input: every value typed and bounded,
+cross-checked, parsed with limits. One regression case per crash signature of the 2026-12-04 fuzz run,
+and a seeded fuzz (a few hundred mutants, a few seconds) whose every outcome is a clean accept or one
+ConvertError line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+
+import pytest
+
+from format.binding import mtp_layer_count
+from format.errors import BindingError, ConvertError
+from format.model_config import ModelConfig
+from format.tiny import tiny_text_config
+
+
+def _config(moe: bool = False, **changes) -> dict:
+    text = tiny_text_config(moe)
+    for key, value in changes.items():
+        if value is KeyError:
+            text.pop(key, None)
+        else:
+            text[key] = value
+    return {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text}
+
+
+def test_the_tiny_configs_are_accepted():
+    dense, moe = ModelConfig.from_hf_dict(_config()), ModelConfig.from_hf_dict(_config(moe=True))
+    assert dense.num_layers == 4 and moe.experts_per_token == 2
+
+
+@pytest.mark.parametrize("changes,names", [
+    ({"num_hidden_layers": "four"}, "num_hidden_layers"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"num_hidden_layers": 10 ** 8, "layer_types": KeyError}, "num_hidden_layers"),  # hung, 2.5 GB and rising
+    ({"num_hidden_layers": 0, "layer_types": []}, "num_hidden_layers"),  # a 0-layer model "ran"
+    ({"full_attention_interval": 0, "layer_types": KeyError}, "full_attention_interval"),
+    ({"layer_types": 5}, "layer_types"),
+    ({"rope_parameters": [1, 2]}, "rope_parameters"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
+    ({"rope_parameters": {"rope_theta": "big", "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]}}, "rope_theta"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_section": 3}}, "mrope_section"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25, "mrope_section": ["a"]}}, "mrope_section"),
+    ({"intermediate_size": "x"}, "intermediate_size"),
+    ({"num_attention_heads": 3}, "num_key_value_heads"),
+    ({"mtp_num_hidden_layers": 10 ** 6}, "mtp_num_hidden_layers"),  # took 104 s and 6.3 GB before refusing
+    ({"vocab_size": True}, "vocab_size"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+])
+def test_bad_config_values_are_one_line_naming_the_field(changes, names):
+    with pytest.raises(ConvertError) as err:
+        ModelConfig.from_hf_dict(_config(**changes))
+    message = str(err.value)
+    assert names in message and "\n" not in message
+
+
+def test_moe_experts_per_token_cannot_exceed_the_experts():  # crashed in generation
+    with pytest.raises(ConvertError, match="num_experts_per_tok 100 exceeds num_experts 8"):
+        ModelConfig.from_hf_dict(_config(moe=True, num_experts_per_tok=100))
+
+
+@pytest.mark.parametrize("data,words", [
+    (b'{"a": ' + b"1" * 4301 + b"}", "characters"),  # ValueError from json.loads
+    (b"[" * 100_000, "too deeply"),  # RecursionError
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+])
+def test_config_json_is_parsed_with_limits(data, words):
+    with pytest.raises(ConvertError, match=words):
+        ModelConfig.from_json_bytes(data)
+
+
+def test_generation_config_of_the_wrong_type_is_refused():
+    with pytest.raises(ConvertError, match="generation_config"):
+        ModelConfig.from_json_bytes(json.dumps(_config()).encode(), b"[3]")
+
+
+@pytest.mark.parametrize("name", ["mtp/layers/abc/x", "mtp/layers/100000000/x", "mtp/layers//x"])
+def test_mtp_layer_names_are_checked(name):  # int('abc'); an unbounded loop for the huge index
+    with pytest.raises(BindingError, match="MTP layer objects are named"):
+        mtp_layer_count(["text/token_embedding", name])
+    assert mtp_layer_count(["mtp/layers/0/a", "mtp/layers/1/b", "text/x"]) == 2
+
+
+POOL = [None, "x", "", -1, 0, 1, 3, 2 ** 40, 10 ** 8, 1.5, float("inf"), float("nan"), True, [], [1], {}, {"a": 1},
+        ["full_attention"], [2, 1, 1], 1e-6]
+
+
+def test_seeded_config_fuzz_is_accept_or_one_line():
+    """Random keys of the text config (and of rope_parameters) replaced by hostile values."""
+    rng = random.Random(20261204)
+    base = [_config(), _config(moe=True)]
+    started, outcomes = time.monotonic(), {"accepted": 0, "refused": 0}
+    for _ in range(400):
+        cfg = copy.deepcopy(rng.choice(base))
+        for _ in range(rng.randint(1, 3)):
+            target = cfg["text_config"]["rope_parameters"] if rng.random() < 0.25 else cfg["text_config"]
+            if not isinstance(target, dict):
+                target = cfg["text_config"]
+            target[rng.choice(sorted(target))] = copy.deepcopy(rng.choice(POOL))
+        try:
+            ModelConfig.from_hf_dict(cfg)
+            outcomes["accepted"] += 1
+        except ConvertError as exc:
+            assert "\n" not in str(exc) and str(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 200 and time.monotonic() - started < 60
