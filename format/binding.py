@@ -18,7 +18,7 @@ from .inventory import (
     required_mtp_names,
     required_text_names,
 )
-from .model_config import DFlash2Config, ModelConfig
+from .model_config import DFlash2Config, ModelConfig, load_json
 from .numeric import FORMATS
 
 MATRIX_FORMATS = tuple(f for f in FORMATS if f not in ("FP32", "I32"))
@@ -86,6 +86,39 @@ def load_dflash2_config(art: Artifact) -> DFlash2Config:
         raise BindingError(str(exc)) from None
 
 
+def resource_problems(art: Artifact) -> list[str]:
+    """What would stop generate or serve in the small resources, found without loading a model: JSON
+    that does not parse or is not an object, a tokenizer without a model, a chat template that is empty
+    or not UTF-8. (The template's Jinja and the tokenizer itself are loaded by the runtime, which
+    refuses them the same way.)"""
+    problems = []
+    for key in ("tokenizer", "tokenizer_config", "generation_config", "preprocessor_config"):
+        name = RESOURCE_NAMES[key]
+        if not art.has(name):
+            continue
+        try:
+            value = load_json(art.resource_bytes(name), name)
+        except (ConvertError, ArtifactError) as exc:
+            problems.append(str(exc))
+            continue
+        if not isinstance(value, dict):
+            problems.append(f"{name} must be a JSON object")
+        elif key == "tokenizer" and not isinstance(value.get("model"), dict):
+            problems.append(f"{name} has no tokenizer model")
+    name = RESOURCE_NAMES["chat_template"]
+    if art.has(name):
+        try:
+            text = art.resource_bytes(name).decode("utf-8")
+        except UnicodeDecodeError:
+            problems.append(f"{name} is not UTF-8 text")
+        except ArtifactError as exc:
+            problems.append(str(exc))
+        else:
+            if not text.strip():
+                problems.append(f"{name} is empty")
+    return problems
+
+
 def check_inventory(art: Artifact) -> InventoryReport:
     try:
         cfg = load_config(art)
@@ -97,6 +130,7 @@ def check_inventory(art: Artifact) -> InventoryReport:
         _check_object(art, spec, report.problems)
     if not art.has(RESOURCE_NAMES["tokenizer"]):
         report.problems.append(f"required artifact object is missing: {RESOURCE_NAMES['tokenizer']}")
+    report.problems += resource_problems(art)
     consumed = set(text) | set(RESOURCE_NAMES.values())
 
     if "mtp" in art.components:

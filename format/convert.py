@@ -160,7 +160,19 @@ def _resources(src: Path, tok_cfg: dict | None) -> dict[str, bytes]:
         out[RESOURCE_NAMES["chat_template"]] = tok_cfg["chat_template"].encode("utf-8")
     if RESOURCE_NAMES["tokenizer"] not in out:
         raise ConvertError(f"{src} has no tokenizer.json; the artifact must carry its tokenizer")
+    _check_tokenizer(out[RESOURCE_NAMES["tokenizer"]])
     return out
+
+
+def _check_tokenizer(data: bytes) -> None:
+    """The tokenizer must load before it is written: an artifact that converts must also run."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception types
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise ConvertError(f"tokenizer.json does not load ({reason}); the artifact must carry a working tokenizer") from None
 
 
 def _special_token_ids(src: Path, tok_cfg: dict | None) -> set[int]:

@@ -24,11 +24,38 @@ def stop_token_ids(art: Artifact, tokenizer) -> set[int]:
     return stop
 
 
+def load_tokenizer(art: Artifact):
+    """The artifact's tokenizer, or one line saying why it cannot be used."""
+    from tokenizers import Tokenizer
+
+    if not art.has(RESOURCE_NAMES["tokenizer"]):
+        raise BindingError(f"required artifact object is missing: {RESOURCE_NAMES['tokenizer']}")
+    try:
+        return Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception types
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise BindingError(f"the artifact's tokenizer resource cannot be loaded ({reason}); re-convert it") from None
+
+
+def load_chat_template(art: Artifact):
+    """The artifact's chat template, parsed (None without one), or one line saying why it cannot be used."""
+    from .serve.chat_template import ChatTemplate, RequestError
+
+    if not art.has(RESOURCE_NAMES["chat_template"]):
+        return None
+    try:
+        return ChatTemplate(art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BindingError("the artifact's chat template is not UTF-8 text; re-convert it") from None
+    except RequestError as exc:
+        raise BindingError(str(exc)) from None
+
+
 @dataclass
 class TextSession:
     model: object
     tokenizer: object
-    chat_template: str | None
+    chat_template: object | None  # serve.chat_template.ChatTemplate
     stop_ids: tuple[int, ...]
     vision: object = None  # runtime.vision.VisionTower when the session was loaded with vision
 
@@ -36,7 +63,6 @@ class TextSession:
     def load(cls, path: str | Path, device: str = "cpu", engine_options=None, vision: bool = False) -> "TextSession":
         """The reference model, or the Triton engine when `engine_options` (a PlanOptions) is given."""
         import torch
-        from tokenizers import Tokenizer
 
         from .model import ReferenceModel
 
@@ -55,10 +81,8 @@ class TextSession:
                 from .vision import VisionTower
 
                 tower = VisionTower.from_artifact(art, model.device, model.dtype)
-        tok = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
-        template = None
-        if art.has(RESOURCE_NAMES["chat_template"]):
-            template = art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8")
+        tok = load_tokenizer(art)
+        template = load_chat_template(art)
         stop = stop_token_ids(art, tok)
         art.close()
         return cls(model, tok, template, tuple(sorted(stop)), tower)
@@ -66,10 +90,10 @@ class TextSession:
     def render(self, prompt: str, images: int = 0) -> str:
         if self.chat_template is None:
             raise BindingError("the artifact carries no chat template; use --raw")
-        from .serve.chat_template import IMAGE_PLACEHOLDER, ChatTemplate, RequestError
+        from .serve.chat_template import IMAGE_PLACEHOLDER, RequestError
 
         try:
-            return ChatTemplate(self.chat_template).render([{"role": "user", "content": IMAGE_PLACEHOLDER * images + prompt}],
+            return self.chat_template.render([{"role": "user", "content": IMAGE_PLACEHOLDER * images + prompt}],
                                                            enable_thinking=False)
         except RequestError as exc:
             raise BindingError(str(exc)) from None

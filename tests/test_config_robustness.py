@@ -109,3 +109,58 @@ def test_seeded_config_fuzz_is_accept_or_one_line():
             assert "\n" not in str(exc) and str(exc)
             outcomes["refused"] += 1
     assert outcomes["refused"] > 200 and time.monotonic() - started < 60
+
+
+def _converted_with(hf_dense, tmp_path, name: str, edit) -> str:
+    """The tiny checkpoint converted after `edit(checkpoint_dir)` changed one of its files."""
+    import shutil
+
+    from format.convert import ConvertOptions, convert_checkpoint
+
+    src = tmp_path / f"{name}-src"
+    shutil.copytree(hf_dense, src)
+    edit(src)
+    return str(convert_checkpoint(src, tmp_path / f"{name}.nfer", ConvertOptions(recipe="q4")).output)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from ninfer_cli.main import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_hostile_chat_template_is_one_line_in_generate(hf_dense, tmp_path):
+    """A template that loops 10^9 times (or recurses) fails the render within its budget, not a hang."""
+    looping = "{% for i in range(10**9) %}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    art = _converted_with(hf_dense, tmp_path, "loop", lambda d: (d / "chat_template.jinja").write_text(looping))
+    started = time.monotonic()
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "2")
+    assert r.exit_code != 0 and "loops more than" in r.output and "Traceback" not in r.output
+    assert time.monotonic() - started < 60
+
+
+def test_resources_that_would_stop_generate_make_inspect_say_not_runnable(hf_dense, tmp_path):
+    """An empty template and a tokenizer config of the wrong JSON type: inspect (no --verify) names them."""
+    def edit(d):
+        (d / "chat_template.jinja").write_text("   ")
+        (d / "generation_config.json").write_text("[1]")
+
+    from format.errors import ConvertError
+
+    with pytest.raises(ConvertError, match="generation_config.json must be a JSON object"):
+        _converted_with(hf_dense, tmp_path, "gen", edit)  # convert refuses it first
+    art = _converted_with(hf_dense, tmp_path, "empty", lambda d: (d / "chat_template.jinja").write_text("   "))
+    r = _cli("inspect", art, "--json")
+    report = json.loads(r.stdout)
+    assert not report["runnable"] and any("chat_template.jinja is empty" in p for p in report["problems"])
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "2")
+    assert r.exit_code != 0 and "Traceback" not in r.output
+
+
+def test_convert_refuses_a_tokenizer_that_does_not_load(hf_dense, tmp_path):
+    from format.errors import ConvertError
+
+    with pytest.raises(ConvertError, match="tokenizer"):
+        _converted_with(hf_dense, tmp_path, "tok", lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "Nope"}}'))

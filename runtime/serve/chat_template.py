@@ -7,11 +7,20 @@ prompt for the same conversation — which is what makes prefix reuse across tur
 
 from __future__ import annotations
 
+import contextvars
 import json
+import time
 from datetime import datetime
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+# Bounded work per render: a hostile template is an error, never a hang or an exhausted machine.
+RENDER_SECONDS = 10.0
+RENDER_MAX_CHARS = 64 << 20  # the rendered prompt (a request body is at most --max-request-bytes)
+RENDER_MAX_ITERATIONS = 1 << 20  # items over all range() loops of one render
+RENDER_MAX_PRODUCT = 1 << 20  # elements of a string or list built with * or **
+_budget: contextvars.ContextVar = contextvars.ContextVar("render_budget")
 
 
 class RequestError(ValueError):
@@ -27,32 +36,109 @@ def _raise(message):
     raise RequestError(f"chat template rejected the conversation: {message}")
 
 
+class _Budget:
+    def __init__(self):
+        self.deadline = time.monotonic() + RENDER_SECONDS
+        self.iterations = 0
+
+    def spend(self, n: int) -> None:
+        self.iterations += n
+        if self.iterations > RENDER_MAX_ITERATIONS:
+            raise SecurityError(f"the template loops more than {RENDER_MAX_ITERATIONS} times")
+        if time.monotonic() > self.deadline:
+            raise SecurityError(f"the template ran longer than {RENDER_SECONDS:g} s")
+
+
+class _BoundedRange:
+    """range() for templates: a sequence as before (len, indexing, reversed), whose iteration spends
+    the render's budget."""
+
+    def __init__(self, *args):
+        self.inner = range(*args)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        return self.inner[index]
+
+    def __reversed__(self):
+        return self._spending(reversed(self.inner))
+
+    def __iter__(self):
+        return self._spending(iter(self.inner))
+
+    @staticmethod
+    def _spending(values):
+        budget = _budget.get(None)
+        for i, value in enumerate(values):
+            if budget is not None and i % 1024 == 0:
+                budget.spend(1024)
+            yield value
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus limits on loops (range), time, and the size of repeated strings and lists."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise SecurityError("the template raises a number to a power above 64")
+        if operator == "*":
+            sized, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(sized, (str, list, tuple)) and isinstance(count, int) and len(sized) * count > RENDER_MAX_PRODUCT:
+                raise SecurityError(f"the template builds a sequence of more than {RENDER_MAX_PRODUCT} elements")
+        return super().call_binop(context, operator, left, right)
+
+
 def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["range"] = _BoundedRange
     return env
 
 
 class ChatTemplate:
     def __init__(self, source: str):
+        if not isinstance(source, str) or not source.strip():
+            raise RequestError("the artifact's chat template is empty")
         try:
             self.template = make_environment().from_string(source)
         except jinja2.TemplateSyntaxError as exc:
-            raise RequestError(f"the artifact's chat template does not parse: {exc}") from None
+            raise RequestError(f"the artifact's chat template does not parse: {str(exc)[:300]}") from None
+        except RecursionError:
+            raise RequestError("the artifact's chat template nests too deeply to parse") from None
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                enable_thinking: bool = True, preserve_thinking: bool = False, **extra) -> str:
+        budget = _Budget()
+        token = _budget.set(budget)
         try:
-            return self.template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                        enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, **extra)
+            pieces, size = [], 0
+            for piece in self.template.generate(messages=messages, tools=tools or None,
+                                                add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                                                preserve_thinking=preserve_thinking, **extra):
+                size += len(piece)
+                if size > RENDER_MAX_CHARS:
+                    raise SecurityError(f"the template's output exceeds {RENDER_MAX_CHARS} characters")
+                budget.spend(0)
+                pieces.append(piece)
+            return "".join(pieces)
         except RequestError:
             raise
         except jinja2.TemplateError as exc:
-            raise RequestError(f"chat template failed: {exc}") from None
-        except (TypeError, ValueError, KeyError) as exc:
-            raise RequestError(f"chat template failed on this conversation: {exc}") from None
+            raise RequestError(f"chat template failed: {str(exc)[:300]}") from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+            raise RequestError(f"chat template failed on this conversation: {str(exc)[:300]}") from None
+        except RecursionError:
+            raise RequestError("chat template failed: it recursed too deeply") from None
+        except MemoryError:
+            raise RequestError("chat template failed: it ran out of memory") from None
+        finally:
+            _budget.reset(token)
 
 
 # --- normalization ------------------------------------------------------------------------

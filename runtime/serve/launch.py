@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from format.container import Artifact
-from format.inventory import RESOURCE_NAMES
 
 from ..engine import Engine
-from ..generate import stop_token_ids
+from ..generate import load_chat_template, load_tokenizer, stop_token_ids
 from ..memory_plan import MemoryPlanError, PlanOptions
 from .app import Server, ServerConfig, build_app
-from .chat_template import ChatTemplate
 from .scheduler import Scheduler
 
 
@@ -20,13 +18,11 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
                  request_log: str | None = None, allow_local_images: str | None = None, allow_remote_images: bool = False,
                  max_request_bytes: int = 8 << 20, on_fatal=None, reasoning_budget: int | None = None,
                  model_aliases: tuple[str, ...] = (), accept_any_model: bool = False):
-    from tokenizers import Tokenizer
-
     with Artifact(path) as art:
-        if not art.has(RESOURCE_NAMES["chat_template"]):
+        template = load_chat_template(art)
+        if template is None:
             raise MemoryPlanError("the artifact carries no chat template, which the chat APIs need; re-convert it")
-        template = ChatTemplate(art.resource_bytes(RESOURCE_NAMES["chat_template"]).decode("utf-8"))
-        tokenizer = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8"))
+        tokenizer = load_tokenizer(art)
         stop = stop_token_ids(art, tokenizer)
     engine = Engine(path, options, device=device)
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms, on_fatal=on_fatal)
