@@ -122,7 +122,7 @@ def resource_problems(art: Artifact) -> list[str]:
 def check_inventory(art: Artifact) -> InventoryReport:
     try:
         cfg = load_config(art)
-    except BindingError as exc:
+    except (BindingError, ArtifactError) as exc:
         return InventoryReport(None, [str(exc)])
     report = InventoryReport(cfg)
     text = required_text_names(cfg)

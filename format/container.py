@@ -119,7 +119,7 @@ def _parse_object(raw, version: int, index: int) -> ObjectEntry:
         if component not in COMPONENTS:
             raise ArtifactError(f"object {name}: unknown component {component!r} (known: {', '.join(COMPONENTS)})")
         digest = raw.get("sha256")
-        if digest is not None and (not isinstance(digest, str) or not SHA256_PATTERN.match(digest)):
+        if "sha256" in raw and (not isinstance(digest, str) or not SHA256_PATTERN.match(digest)):  # null included
             raise ArtifactError(f"object {name}: sha256 must be 64 lowercase hex digits")
     else:
         component, digest = component_of_name(name), None
@@ -275,7 +275,12 @@ class Artifact:
         e = self.entry(name)
         if e.kind != "resource":
             raise ArtifactError(f"object {name} is a tensor, not a resource")
-        return bytes(self.raw(name))
+        data = bytes(self.raw(name))
+        # resources are small: their v3 checksums are always checked (tensors: inspect --verify)
+        if e.sha256 is not None and e.sha256 != SHA256_PLACEHOLDER and hashlib.sha256(data).hexdigest() != e.sha256:
+            raise ArtifactError(f"resource {name}: its bytes do not match its sha256 (the file is corrupt); "
+                                "download or convert it again")
+        return data
 
     def has(self, name: str) -> bool:
         return name in self.objects

@@ -164,3 +164,22 @@ def test_convert_refuses_a_tokenizer_that_does_not_load(hf_dense, tmp_path):
 
     with pytest.raises(ConvertError, match="tokenizer"):
         _converted_with(hf_dense, tmp_path, "tok", lambda d: (d / "tokenizer.json").write_text('{"model": {"type": "Nope"}}'))
+
+
+def test_v3_resource_checksums_are_checked_at_load(hf_dense, tmp_path):
+    """A flipped byte in a v3 resource (here the config) is found without --verify: inspect says why and
+    generate refuses, both in one line."""
+    from format.container import Artifact
+
+    art = _converted_with(hf_dense, tmp_path, "sum", lambda d: None)
+    with Artifact(art) as a:
+        entry = a.entry("resource/config.json")
+        at = a.payload_offset + entry.offset + entry.nbytes // 2
+    data = bytearray(open(art, "rb").read())
+    data[at] ^= 0x01
+    open(art, "wb").write(bytes(data))
+    r = _cli("inspect", art, "--json")
+    report = json.loads(r.stdout)
+    assert not report["runnable"] and "do not match its sha256" in " ".join(report["problems"])
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "2")
+    assert r.exit_code != 0 and "sha256" in r.output and "Traceback" not in r.output
