@@ -32,6 +32,28 @@ class SourceTensor:
         return _DTYPES[self.dtype][1]
 
 
+def _tensor_fields(shard: str, key: str, info) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """dtype, shape and data offsets of one header entry, each of the type safetensors defines."""
+    def bad(what: str):
+        return ConvertError(f"{shard}: tensor {key[:80]!r} has {what} (corrupt shard?)")
+
+    if not isinstance(info, dict):
+        raise bad("a header entry that is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise bad("no dtype")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(_is_count(d) for d in shape):
+        raise bad(f"a shape that is not a list of non-negative integers ({str(shape)[:40]})")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad(f"data_offsets that are not two ordered non-negative integers ({str(offsets)[:40]})")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 48
+
+
 class Checkpoint:
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
@@ -56,12 +78,14 @@ class Checkpoint:
                 raise ConvertError(f"{path.name}: corrupt safetensors header length {n}")
             try:
                 header = json.loads(fh.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ConvertError(f"{path.name}: corrupt safetensors header ({exc})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+                raise ConvertError(f"{path.name}: corrupt safetensors header ({str(exc)[:200]})") from None
+        if not isinstance(header, dict):
+            raise ConvertError(f"{path.name}: corrupt safetensors header (a {type(header).__name__}, not an object)")
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, (b, e) = _tensor_fields(path.name, key, info)
             if dtype not in _DTYPES:
                 raise ConvertError(
                     f"{path.name}: tensor {key} has dtype {dtype}; convert reads BF16, F16 or F32 checkpoints only"

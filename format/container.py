@@ -10,6 +10,7 @@ import re
 import struct
 import uuid
 from dataclasses import dataclass, field
+from glob import escape as glob_escape
 from pathlib import Path
 
 import numpy as np
@@ -420,6 +421,20 @@ class ArtifactPlan:
         return cursor
 
 
+def _remove_stale_temps(path: Path) -> None:
+    """Temp files of this target left by writers that died (kill -9, power loss): their process is gone."""
+    for stale in path.parent.glob(f"{glob_escape(path.name)}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except (PermissionError, OverflowError, ValueError):
+            pass  # alive under another user, or not a pid: leave it
+
+
 def _sha256_span(fd: int, start: int, length: int, chunk: int = 16 << 20) -> str:
     """Hash a file span with pread in bounded chunks (no mapping, so resident memory stays flat)."""
     h = hashlib.sha256()
@@ -456,6 +471,7 @@ class ArtifactWriter:
         self.file_bytes = self.payload_offset + payload_bytes
         self._by_name = {o.name: o for o in plan.objects}
         self.tmp_path = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        _remove_stale_temps(self.path)
         self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(self._fd, self.file_bytes)

@@ -164,6 +164,10 @@ def _resources(src: Path, tok_cfg: dict | None) -> dict[str, bytes]:
     return out
 
 
+def plan_bytes(plan) -> int:
+    return sum(o.nbytes for o in plan.objects)
+
+
 def _check_tokenizer(data: bytes) -> None:
     """The tokenizer must load before it is written: an artifact that converts must also run."""
     from tokenizers import Tokenizer
@@ -358,12 +362,17 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, opts: Con
         if progress:
             progress(done, total)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with ArtifactWriter(out, plan, checksums=opts.checksums) as writer:
-        for name, data in resources.items():
-            writer.write_resource(name, data)
-        for job in jobs:
-            _encode_job(writer, job, advance)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with ArtifactWriter(out, plan, checksums=opts.checksums) as writer:
+            for name, data in resources.items():
+                writer.write_resource(name, data)
+            for job in jobs:
+                _encode_job(writer, job, advance)
+    except OSError as exc:  # disk full, permissions, a vanished directory: the temp file is already gone
+        reason = exc.strerror or type(exc).__name__
+        raise ConvertError(f"cannot write {out}: {reason} (it needs {plan_bytes(plan)} bytes); nothing was written") \
+            from None
     by_format: dict[str, int] = {}
     for o in plan.objects:
         key = o.format if o.kind == "tensor" else "resource"

@@ -183,3 +183,50 @@ def test_v3_resource_checksums_are_checked_at_load(hf_dense, tmp_path):
     assert not report["runnable"] and "do not match its sha256" in " ".join(report["problems"])
     r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "2")
     assert r.exit_code != 0 and "sha256" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("header", [
+    [1, 2],  # a list, not an object
+    {"w": {"shape": [2], "data_offsets": [0, 4]}},  # no dtype
+    {"w": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}},  # string offsets
+    {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}},  # reversed
+    {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},  # negative dimension
+    {"w": "F32"},
+])
+def test_convert_refuses_malformed_safetensors_headers_in_one_line(tmp_path, header):
+    import struct
+
+    from format.checkpoint import Checkpoint
+    from format.errors import ConvertError
+
+    raw = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(ConvertError) as err:
+        Checkpoint(tmp_path)
+    assert "model.safetensors" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_convert_removes_stale_temps_and_reports_a_full_disk(hf_dense, tmp_path, monkeypatch):
+    """A dead writer's temp file (kill -9) is removed by the next conversion of the same target; a write
+    that fails (ENOSPC) is one line and leaves nothing behind."""
+    import errno
+    import os
+
+    from format import container
+    from format.convert import ConvertOptions, convert_checkpoint
+    from format.errors import ConvertError
+
+    out = tmp_path / "m.nfer"
+    dead = tmp_path / "m.nfer.tmp-999999999"  # no such process
+    dead.write_bytes(b"x" * 100)
+    convert_checkpoint(hf_dense, out, ConvertOptions(recipe="q4"))
+    assert out.exists() and not dead.exists()
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(container.os, "ftruncate", full)
+    with pytest.raises(ConvertError, match="No space left on device") as err:
+        convert_checkpoint(hf_dense, tmp_path / "n.nfer", ConvertOptions(recipe="q4"))
+    assert "\n" not in str(err.value)
+    assert not list(tmp_path.glob("n.nfer*"))
