@@ -269,6 +269,12 @@ def _plan_jobs(src: Path, ckpt: Checkpoint, cfg: ModelConfig, opts: ConvertOptio
                          + (" ..." if len(unused) > 4 else ""))
     for job in jobs:
         _check_sources(job)
+    used = {p.key for j in jobs if j.source is ckpt for p in j.spec.parts}
+    skipped = tuple(VISION_PREFIXES) + ("mtp.",)  # left out on request (or by version 2), said above
+    unused = sorted(k for k in ckpt.tensors if k not in used and not k.startswith(skipped))
+    if unused:  # a tensor this build does not know: the artifact would silently lack it
+        notes.append(f"warning: {len(unused)} checkpoint tensor(s) are not used by this model and were not written: "
+                     + ", ".join(unused[:6]) + (" ..." if len(unused) > 6 else ""))
     return jobs
 
 

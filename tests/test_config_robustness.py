@@ -230,3 +230,20 @@ def test_convert_removes_stale_temps_and_reports_a_full_disk(hf_dense, tmp_path,
         convert_checkpoint(hf_dense, tmp_path / "n.nfer", ConvertOptions(recipe="q4"))
     assert "\n" not in str(err.value)
     assert not list(tmp_path.glob("n.nfer*"))
+
+
+def test_convert_names_checkpoint_tensors_it_does_not_use(hf_dense, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from format.convert import ConvertOptions, convert_checkpoint
+
+    src = tmp_path / "extra"
+    shutil.copytree(hf_dense, src)
+    save_file({"model.language_model.layers.0.mystery.weight": torch.zeros(2, 2)}, str(src / "extra.safetensors"))
+    report = convert_checkpoint(src, tmp_path / "m.nfer", ConvertOptions(recipe="q4"))
+    assert any("mystery.weight" in note and "not used" in note for note in report.notes)
+    clean = convert_checkpoint(hf_dense, tmp_path / "c.nfer", ConvertOptions(recipe="q4"))
+    assert not any("not used" in note for note in clean.notes)
