@@ -247,3 +247,48 @@ def test_convert_names_checkpoint_tensors_it_does_not_use(hf_dense, tmp_path):
     assert any("mystery.weight" in note and "not used" in note for note in report.notes)
     clean = convert_checkpoint(hf_dense, tmp_path / "c.nfer", ConvertOptions(recipe="q4"))
     assert not any("not used" in note for note in clean.notes)
+
+
+def test_seeded_artifact_fuzz_is_a_clean_error_or_a_clean_accept(hf_dense, tmp_path):
+    """Byte mutants of a small v3 artifact -- header, directory JSON (digits, brackets, names), payload,
+    truncation, appended bytes -- opened and judged as `inspect` does (`--verify` on a sample). Every
+    outcome is a project error (one line) or an accept; nothing else escapes, nothing hangs."""
+    from format.container import Artifact
+    from format.errors import ArtifactError, BindingError
+    from format.inspect import summarize, verify
+
+    art = _converted_with(hf_dense, tmp_path, "fuzz", lambda d: None)
+    original = open(art, "rb").read()
+    with Artifact(art) as a:
+        directory_end = a.payload_offset
+    rng = random.Random(4)
+    target = tmp_path / "mutant.nfer"
+    started, outcomes = time.monotonic(), {"accepted": 0, "refused": 0}
+    for i in range(300):
+        data = bytearray(original)
+        kind = i % 5
+        if kind == 0:  # one byte of the header or directory
+            at = rng.randrange(directory_end)
+            data[at] = rng.randrange(256)
+        elif kind == 1:  # a digit of the directory JSON becomes another (offsets, sizes, shapes)
+            digits = [j for j in range(directory_end) if 48 <= data[j] <= 57]
+            data[rng.choice(digits)] = rng.choice(b"0123456789")
+        elif kind == 2:  # a structural JSON character replaced
+            marks = [j for j in range(directory_end) if data[j] in b'{}[]":,']
+            data[rng.choice(marks)] = rng.choice(b'{}[]":,x0 ')
+        elif kind == 3:  # truncated, or bytes appended
+            data = data[: rng.randrange(len(data))] if rng.random() < 0.5 else data + bytes(rng.randrange(1, 64))
+        else:  # a payload byte (resources are checksummed; tensors are --verify's business)
+            at = rng.randrange(directory_end, len(data))
+            data[at] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+        try:
+            with Artifact(target) as a:
+                summary = summarize(a)
+                if i % 25 == 0 and summary["runnable"]:
+                    verify(a)
+            outcomes["accepted"] += 1
+        except (ArtifactError, BindingError, ConvertError) as exc:
+            assert "\n" not in str(exc) and str(exc), exc
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 100 and time.monotonic() - started < 60, outcomes
