@@ -8,6 +8,7 @@ import numpy as np
 
 from .binding import check_inventory, load_dflash2_config
 from .container import Artifact
+from .errors import ArtifactError
 from .numeric import GroupedFormat, get_format
 from .layouts import unpack_row_split
 
@@ -64,6 +65,27 @@ def summarize(art: Artifact) -> dict:
         "runnable": report.ok, "problems": report.problems, "features": features, "companions": unused,
         "checksums": sum(1 for e in art.objects.values() if e.sha256),
     }
+
+
+def verify_checksums(art: Artifact, progress=None) -> None:
+    """Recompute every object's sha256 (the weights a run is about to load); `progress(done, total)`
+    in bytes. A mismatch, or an artifact without checksums, is an ArtifactError naming it."""
+    summed = [(name, e) for name, e in art.objects.items() if e.sha256]
+    if not summed:
+        raise ArtifactError("--verify-weights: this artifact carries no checksums (version 2 has none); "
+                            "run without it, or use `ninfer inspect --verify` to decode every tensor")
+    total, done = sum(e.nbytes for _, e in summed), 0
+    for name, e in summed:
+        h = hashlib.sha256()
+        raw = art.raw(name)
+        for pos in range(0, e.nbytes, 64 << 20):
+            h.update(raw[pos : pos + (64 << 20)])
+            done += min(64 << 20, e.nbytes - pos)
+            if progress:
+                progress(done, total)
+        if h.hexdigest() != e.sha256:
+            raise ArtifactError(f"object {name}: its bytes do not match its sha256 (the file is corrupt); "
+                                "download or convert it again")
 
 
 def verify(art: Artifact) -> list[str]:

@@ -16,6 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                   help="Run one Qwen3.5-family model on one GPU at its physical limit.")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+VerifyWeightsOpt = Annotated[bool, typer.Option("--verify-weights", help="Recompute every object's sha256 before loading (v3; a progress bar on stderr).")]
 PrefillChunkOpt = Annotated[str, typer.Option(
     help="Prefill chunk in tokens (a multiple of 128), or auto: the largest of 8192/4096/2048/1024 whose "
          "activation workspace is at most 1/32 of the card's memory (1024 on CPU).")]
@@ -55,8 +56,10 @@ def convert(
                   TimeRemainingColumn(), console=err, transient=True) as bar:
         task = bar.add_task("convert", total=None)
         report = convert_checkpoint(src, output, opts, lambda done, total: bar.update(task, completed=done, total=total))
+    from rich.markup import escape
+
     for note in report.notes:
-        err.print(f"[yellow]note:[/yellow] {note}")
+        err.print(f"[yellow]note:[/yellow] {escape(note)}", soft_wrap=True)
     if as_json:
         print(json.dumps(report.__dict__))
         return
@@ -96,6 +99,9 @@ def inspect(
         if verify:
             s["verify_failures"] = deep_verify(art)
             s["runnable"] = s["runnable"] and not s["verify_failures"]
+            if not s["checksums"]:  # v2 (or a v3 written without them): decoding finds only some corruption
+                s["verify_note"] = ("this artifact carries no checksums (version 2 has none): --verify can only find "
+                                    "corruption that makes a tensor undecodable, not flipped bits in its codes")
         if objects:
             s["object_list"] = [{"name": e.name, "kind": e.kind, "component": e.component, "format": e.format or "-",
                                  "shape": list(e.shape), "offset": e.offset, "bytes": e.nbytes}
@@ -134,7 +140,10 @@ def _print_inspect(s: dict) -> None:
     for f in s.get("verify_failures", []):
         out.print(f"[red]verify:[/red] {escape(f)}")
     if "verify_failures" in s and not s["verify_failures"]:
-        out.print("verify: every checksum and every tensor decodes cleanly")
+        out.print("verify: every checksum and every tensor decodes cleanly" if s["checksums"]
+                  else "verify: every tensor decodes cleanly")
+    if s.get("verify_note"):
+        out.print(f"[yellow]note:[/yellow] {escape(s['verify_note'])}", soft_wrap=True)
     if s["runnable"]:
         out.print(f"[green]verdict: runnable[/green] — {escape('; '.join(s['features']))}")
     else:
@@ -272,11 +281,14 @@ def generate(
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower (needed for --image).")] = False,
     image: Annotated[Optional[list[Path]], typer.Option(help="An image file placed before the prompt (repeatable; needs --vision).")] = None,
+    verify_weights: VerifyWeightsOpt = False,
     as_json: JsonOpt = False,
 ):
     """Generate with the reference runtime (greedy) or the Triton runtime (greedy or sampled)."""
     import time
 
+    if verify_weights:
+        _verify_weights(artifact)
     prepare_device(device)
     from runtime.generate import TextSession
 
@@ -466,6 +478,20 @@ def _print_lanes(r: dict) -> None:
         out.print(t)
 
 
+def _verify_weights(artifact: Path) -> None:
+    """--verify-weights: the artifact's checksums recomputed, with a progress bar; a mismatch is one line."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from format.container import Artifact
+    from format.inspect import verify_checksums
+
+    with Artifact(artifact) as art, Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), console=err,
+                                             transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        verify_checksums(art, lambda done, total: bar.update(task, completed=done, total=total))
+    err.print("weights verified: every checksum matches")
+
+
 def _print_bench(r: dict) -> None:
     from rich.table import Table
 
@@ -518,6 +544,7 @@ def serve(
     accept_any_model: Annotated[bool, typer.Option("--accept-any-model", help="Answer whatever model name a client asks for.")] = False,
     reasoning_budget: Annotated[Optional[int], typer.Option(min=0, help="Default thinking budget in tokens: the server ends the thinking block itself after this many (requests override it: budget_tokens, reasoning_effort low/medium/high = 1024/4096/16384, thinking_budget).")] = None,
     shutdown_grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM / SIGINT: stop admitting, let running requests finish for this long, then cancel them and exit 0.")] = 30.0,
+    verify_weights: VerifyWeightsOpt = False,
 ):
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
     import uvicorn
@@ -526,6 +553,8 @@ def serve(
 
     # the port first: a taken one fails in a second, not after loading the weights
     sock = _bind(host, port)
+    if verify_weights:
+        _verify_weights(artifact)
     prepare_device(device)
     from runtime.memory_plan import PlanOptions, parse_prefill_chunk
     from runtime.serve.launch import build_server

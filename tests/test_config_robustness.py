@@ -292,3 +292,31 @@ def test_seeded_artifact_fuzz_is_a_clean_error_or_a_clean_accept(hf_dense, tmp_p
             assert "\n" not in str(exc) and str(exc), exc
             outcomes["refused"] += 1
     assert outcomes["refused"] > 100 and time.monotonic() - started < 60, outcomes
+
+
+def test_inspect_verify_says_plainly_what_a_v2_file_cannot_prove(hf_dense, tmp_path):
+    from format.convert import ConvertOptions, convert_checkpoint
+
+    v2 = str(convert_checkpoint(hf_dense, tmp_path / "v2.nfer", ConvertOptions(recipe="q4", version=2)).output)
+    r = _cli("inspect", v2, "--verify")
+    assert r.exit_code == 0 and "carries no checksums" in r.output and "every tensor decodes cleanly" in r.output
+    report = json.loads(_cli("inspect", v2, "--verify", "--json").stdout)
+    assert "version 2 has none" in report["verify_note"]
+
+
+def test_verify_weights_before_generate(hf_dense, tmp_path):
+    """--verify-weights recomputes the tensors' checksums first: a flipped code byte (which decoding alone
+    would run with) stops generate in one line; a clean file generates."""
+    from format.container import Artifact
+
+    art = _converted_with(hf_dense, tmp_path, "vw", lambda d: None)
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "1", "--verify-weights")
+    assert r.exit_code == 0 and "weights verified" in r.output
+    with Artifact(art) as a:
+        entry = a.entry("text/layers/0/mlp/gate_up")
+        at = a.payload_offset + entry.offset + 7
+    data = bytearray(open(art, "rb").read())
+    data[at] ^= 0x10
+    open(art, "wb").write(bytes(data))
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "1", "--verify-weights")
+    assert r.exit_code != 0 and "text/layers/0/mlp/gate_up" in r.output and "Traceback" not in r.output
