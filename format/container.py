@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ArtifactError
+from .model_config import SUPPORTED_MODEL_TYPES
+from .recipes import RECIPES
 from .layouts import (
     RESOURCE_ALIGNMENT,
     TENSOR_ALIGNMENT,
@@ -188,9 +190,13 @@ class Artifact:
             raise ArtifactError("declared JSON or payload start extends beyond the file (truncated?)")
         try:
             text = bytes(self._mm[header : header + json_bytes]).decode("utf-8")
-            root = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ArtifactError(f"invalid JSON directory: {exc}") from None
+            root = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_int=_bounded_int)
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise ArtifactError(f"invalid JSON directory: {str(exc)[:200]}") from None
+        except RecursionError:
+            raise ArtifactError("invalid JSON directory: nested too deeply") from None
+        if any(self._mm[header + json_bytes : self.payload_offset]):
+            raise ArtifactError("the padding between the JSON directory and the payload is not all zero bytes")
         self._parse_root(root, version)
         self._check_spans(size)
 
@@ -201,6 +207,12 @@ class Artifact:
         for k in _IDENTITY_MEMBERS:
             if not isinstance(identity[k], str) or not identity[k]:
                 raise ArtifactError(f"identity.{k} must be a non-empty string")
+        if identity["model_id"] not in SUPPORTED_MODEL_TYPES:
+            raise ArtifactError(f"identity.model_id {identity['model_id'][:60]!r} is not one of "
+                                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if identity["weights_id"] not in RECIPES:
+            raise ArtifactError(f"identity.weights_id {identity['weights_id'][:60]!r} is not a recipe this build "
+                                f"knows ({', '.join(RECIPES)})")
         self.identity = dict(identity)
         self.metadata = root.get("metadata", {})
         if not isinstance(self.metadata, dict):
@@ -419,6 +431,12 @@ class ArtifactPlan:
             o.offset = cursor
             cursor += o.nbytes
         return cursor
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20:  # every integer in a directory fits in 64 bits
+        raise ValueError(f"an integer written with {len(text)} digits")
+    return int(text)
 
 
 def _remove_stale_temps(path: Path) -> None:

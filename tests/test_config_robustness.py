@@ -320,3 +320,43 @@ def test_verify_weights_before_generate(hf_dense, tmp_path):
     open(art, "wb").write(bytes(data))
     r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "1", "--verify-weights")
     assert r.exit_code != 0 and "text/layers/0/mlp/gate_up" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("directory,words", [
+    (b'{"identity": {"model_id": "qwen3_5", "weights_id": "q4"}, "objects": [{"offset": ' + b"9" * 4301 + b"}]}",
+     "digits"),  # a ValueError from json.loads
+    (b"[" * 100_000, "nested too deeply"),  # a RecursionError
+])
+def test_directory_json_is_parsed_with_limits(tmp_path, directory, words):
+    import struct
+
+    from format.container import Artifact
+    from format.errors import ArtifactError
+
+    path = tmp_path / "x.nfer"
+    start = -(-(16 + len(directory)) // 4096) * 4096
+    path.write_bytes(b"NINFER\x00\x02" + struct.pack("<Q", len(directory)) + directory + bytes(start - 16 - len(directory)))
+    with pytest.raises(ArtifactError, match=words):
+        Artifact(path)
+
+
+@pytest.mark.parametrize("edit,words", [
+    ("padding", "padding"),
+    (b'"weights_id":"q4"', "weights_id"),
+    (b'"model_id":"qwen3_5"', "model_id"),
+])
+def test_padding_and_identity_follow_the_spec(hf_dense, tmp_path, edit, words):
+    from format.container import Artifact
+    from format.errors import ArtifactError
+
+    art = _converted_with(hf_dense, tmp_path, "spec", lambda d: None)
+    data = bytearray(open(art, "rb").read())
+    if edit == "padding":
+        with Artifact(art) as a:
+            data[a.payload_offset - 1] = 7
+    else:
+        at = data.index(edit)
+        data[at + len(edit) - 2] = ord("z")  # q4 -> qz, qwen3_5 -> qwen3_z: same length, not in the spec's sets
+    open(art, "wb").write(bytes(data))
+    with pytest.raises(ArtifactError, match=words):
+        Artifact(art)
