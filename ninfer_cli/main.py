@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -657,6 +658,11 @@ def demo(
 
 
 def main() -> None:
+    # text from an artifact or a model may hold characters the terminal's encoding cannot (a lone
+    # surrogate from a JSON escape): replaced, never a UnicodeEncodeError
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     app()
 
 
