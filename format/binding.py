@@ -116,7 +116,22 @@ def resource_problems(art: Artifact) -> list[str]:
         else:
             if not text.strip():
                 problems.append(f"{name} is empty")
+            else:
+                problems += _template_syntax(name, text)
     return problems
+
+
+def _template_syntax(name: str, text: str) -> list[str]:
+    """The template's Jinja syntax (parsed, never rendered here: rendering is the runtime's sandbox)."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        return [f"{name} does not parse as Jinja (line {exc.lineno}: {str(exc.message or exc)[:160]})"]
+    except RecursionError:
+        return [f"{name} nests too deeply to parse"]
+    return []
 
 
 def check_inventory(art: Artifact) -> InventoryReport:
@@ -154,7 +169,9 @@ def check_inventory(art: Artifact) -> InventoryReport:
             problems.append(f"lm-head draft shapes {list(head.shape)} / {list(ids.shape)} do not match hidden {cfg.hidden_size}")
         else:
             token_ids = art.read_direct(DRAFT_TOKEN_IDS)
-            if token_ids.min() < 0 or token_ids.max() >= cfg.vocab_size:
+            if token_ids.size == 0:
+                problems.append("the lm-head draft holds no rows")
+            elif token_ids.min() < 0 or token_ids.max() >= cfg.vocab_size:
                 problems.append("lm-head draft token ids fall outside the vocabulary")
         report.companions["lm_head_draft"] = problems[0] if problems else "complete"
         consumed |= {DRAFT_HEAD, DRAFT_TOKEN_IDS}

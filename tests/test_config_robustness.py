@@ -360,3 +360,11 @@ def test_padding_and_identity_follow_the_spec(hf_dense, tmp_path, edit, words):
     open(art, "wb").write(bytes(data))
     with pytest.raises(ArtifactError, match=words):
         Artifact(art)
+
+
+def test_inspect_finds_a_template_that_does_not_parse(hf_dense, tmp_path):
+    art = _converted_with(hf_dense, tmp_path, "syntax", lambda d: (d / "chat_template.jinja").write_text("{% for x in %}"))
+    report = json.loads(_cli("inspect", art, "--json").stdout)
+    assert not report["runnable"] and any("does not parse as Jinja" in p for p in report["problems"])
+    r = _cli("generate", art, "--prompt", "hi", "--max-new-tokens", "1")
+    assert r.exit_code != 0 and "does not parse" in r.output and "Traceback" not in r.output
