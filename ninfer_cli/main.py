@@ -192,8 +192,8 @@ def fit(
 ):
     """Solve for the largest --max-context that fits a card, byte for byte (no GPU needed)."""
     from format.container import Artifact
-    from runtime.memory_plan import (GPU_VRAM_MIB, MemoryPlanError, PlanOptions, build_plan, fit as solve, parse_bytes,
-                                     parse_prefill_chunk, resolve_prefill_chunk)
+    from runtime.memory_plan import (GPU_VRAM_MIB, NATIVE_CONTEXT, MemoryPlanError, PlanOptions, build_plan, fit as solve,
+                                     parse_bytes, parse_prefill_chunk, resolve_prefill_chunk)
 
     if (vram is None) == (gpu is None):
         raise MemoryPlanError("give exactly one of --vram SIZE or --gpu NAME")
@@ -225,6 +225,7 @@ def fit(
         "prefill_chunk": opts.prefill_chunk, "kv_bytes_per_token": plan.kv_bytes_per_token if plan else None,
         "total_bytes": plan.total_bytes if plan else best.fixed_bytes,
         "breakdown": plan.breakdown() if plan else {}, "bytes_per_64_tokens": best.bytes_per_page_group,
+        "capped_by_model": best.max_context == NATIVE_CONTEXT,
     }
     if as_json:
         print(json.dumps(result))
@@ -247,11 +248,14 @@ def _print_fit(r: dict) -> None:
         verdict = "fits" if r["fits"] else f"does NOT fit ({r['total_bytes'] - r['budget_bytes']:,} bytes short)"
         out.print(f"--max-context {r['requested_context']} {verdict}; largest that fits: {r['max_context']}")
     elif r["fits"]:
-        out.print(f"max context: {r['max_context']} tokens ({r['kv_dtype']} KV, {r['kv_bytes_per_token']:,} B/token, "
-                  f"{r['max_concurrency']} lane(s), spec {r['spec']}, prefill chunk {r['prefill_chunk']})")
+        capped = ""
+        if r["capped_by_model"]:  # the model's own limit, not memory, decided it
+            capped = f" = the model's maximum; {human_bytes(r['budget_bytes'] - r['total_bytes'])} to spare"
+        out.print(f"max context: {r['max_context']:,} tokens{capped} ({r['kv_dtype']} KV, {r['kv_bytes_per_token']:,} "
+                  f"B/token, {r['max_concurrency']} lane(s), spec {r['spec']}, prefill chunk {r['prefill_chunk']})")
     else:
-        out.print(f"[red]nothing fits[/red]: even 64 tokens need {r['total_bytes']:,} bytes of a "
-                  f"{r['budget_bytes']:,}-byte budget")
+        out.print(f"[red]nothing fits[/red]: even 64 tokens need {human_bytes(r['total_bytes'])} of a "
+                  f"{human_bytes(r['budget_bytes'])} budget")
 
 
 class Runtime(str, Enum):

@@ -335,11 +335,16 @@ class FitResult:
     bytes_per_page_group: int  # growth per 64 tokens of context (all lanes)
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
 def fit(art: Artifact, opts: PlanOptions, vram_bytes: int, reserve_bytes: int) -> FitResult:
     """Largest max_context (a multiple of 64, at most the native context) whose plan fits."""
     budget = vram_bytes - reserve_bytes
     if budget <= 0:
-        raise MemoryPlanError(f"--vram-reserve {reserve_bytes} leaves nothing of {vram_bytes} bytes")
+        raise MemoryPlanError(f"--vram-reserve {_gib(reserve_bytes)} leaves nothing of a {_gib(vram_bytes)} card; "
+                              "give the card's memory with --vram (e.g. 24G) or a smaller --vram-reserve")
 
     def total(ctx: int) -> int:
         return build_plan(art, _with(opts, ctx)).total_bytes

@@ -118,6 +118,12 @@ def test_fit_cli(artifact):
     assert r.exit_code == 1 and "does NOT fit" in r.stdout
     r = runner.invoke(app, ["fit", str(artifact.path), "--gpu", "voodoo2"])
     assert r.exit_code == 1 and "unknown --gpu" in r.output
+    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "24G"])  # the model's limit, not memory, decides
+    assert r.exit_code == 0 and "262,144 tokens = the model's maximum" in r.stdout and "GiB to spare" in r.stdout
+    assert not json.loads(runner.invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--vram-reserve", "0",
+                                              "--json"]).stdout)["capped_by_model"]
+    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "0"])
+    assert r.exit_code == 1 and "leaves nothing of a 0.00 GiB card" in r.output and "1395864371" not in r.output
 
 
 def test_prefill_chunk_auto_follows_the_card(artifact):
