@@ -9,8 +9,11 @@ import sys
 import typer
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False, soft_wrap=True)
+# Not on a terminal (logs, pipes, CI), rich would assume 80 columns: tables would cut their own numbers
+# ("1310…") and messages wrap mid-sentence. A wide virtual width keeps every line whole there.
+PIPE_WIDTH = 240
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else PIPE_WIDTH)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
 
 def user_errors():

@@ -54,7 +54,7 @@ def convert(
     opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, lm_head_draft=lm_head_draft,
                           draft_ranking=draft_ranking, dflash2=dflash2, checksums=checksums)
     with Progress(TextColumn("converting"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-                  TimeRemainingColumn(), console=err, transient=True) as bar:
+                  TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
         report = convert_checkpoint(src, output, opts, lambda done, total: bar.update(task, completed=done, total=total))
     from rich.markup import escape
@@ -491,7 +491,7 @@ def _verify_weights(artifact: Path) -> None:
     from format.inspect import verify_checksums
 
     with Artifact(artifact) as art, Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), console=err,
-                                             transient=True) as bar:
+                                             transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("verify", total=None)
         verify_checksums(art, lambda done, total: bar.update(task, completed=done, total=total))
     err.print("weights verified: every checksum matches")

@@ -150,3 +150,12 @@ def test_inspect_prints_artifact_text_as_itself():
     text = buf.getvalue()
     for piece in ("/m/[bold]a.nfer", "model_id=[/x]", "Q4[x]", "expected a [channels, 1, width] kernel"):
         assert piece in text, piece
+
+
+def test_output_off_a_terminal_is_whole_lines(tiny_with_mtp, tmp_path):
+    """In a pipe or a log: no blank line left by a progress bar, and a long line is not wrapped or cut."""
+    out = tmp_path / "p.nfer"
+    r = subprocess.run([sys.executable, "-m", "ninfer_cli.main", "convert", str(tiny_with_mtp), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr and not r.stderr.startswith("\n")
+    assert r.stdout.startswith("wrote ") and str(out) in r.stdout.splitlines()[0]
