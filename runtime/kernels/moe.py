@@ -6,7 +6,7 @@ Prefill: the (token, expert) pairs are sorted by expert and each expert's run is
 BLOCK_M-row blocks; one launch per matrix runs every block against its expert's weights (dequantized
 in registers, tensor-core dots), and one more weighs and sums each token's k outputs. The per-expert
 loop it replaces synced the host for every active expert and launched ~8 kernels per expert: ~80K
-launches per 8K-token chunk of the 35B-A3B (bench/RESULTS.md §7: prefill 0.44x transformers).
+launches per 8K-token chunk of the 35B-A3B (the run record (`git show 5d8956c:bench/RESULTS.md`) §7: prefill 0.44x transformers).
 
 Long prefill chunks (at least DENSE_EXPERTS_MIN_PAIRS pairs per expert on average) take another path:
 the sorted pairs' rows are gathered once, every expert's weights are dequantized to bf16 in chunks of

@@ -33,7 +33,7 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
 # two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
-# no second partial wave). H200 sweeps at 200K (bench/RESULTS.md §10, §14): rk4v4-e8 230.5 -> 171.9 us per
+# no second partial wave). H200 sweeps at 200K (the run record (`git show 5d8956c:bench/RESULTS.md`) §10, §14): rk4v4-e8 230.5 -> 171.9 us per
 # layer (T = 1) and 393 -> 320 us (T = 4); nvfp4 (was 16 keys x 4 warps) 604 -> 344 and 890 -> 475 us;
 # e8cube (run 25) one-warp 16-key programs: 709 -> 416 us (T = 1), 1,100 -> 760 us (T = 4).
 ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (64, 2, 512), "int4g64e8": (64, 2, 512),

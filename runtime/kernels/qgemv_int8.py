@@ -2,7 +2,7 @@
 row-split formats (Q4/Q5/Q6/W8) with integer dot products.
 
 Why: converting every 4-bit code to float (one I2F per weight, a quarter-rate instruction on Hopper)
-made the float GEMV compute-bound at 0.18-0.35 of the copy bandwidth (bench/RESULTS.md §9). Here x is quantized per weight
+made the float GEMV compute-bound at 0.18-0.35 of the copy bandwidth (the run record (`git show 5d8956c:bench/RESULTS.md`) §9). Here x is quantized per weight
 group to 14 bits, split into a high and a low signed byte (x = 128 * hi + lo), and each 32-bit word
 of codes meets x in `dp4a` instructions: four byte products per instruction, integer accumulation,
 one float conversion per group. Nibble codes are made unsigned (q + 8) with one logic op per word;

@@ -42,13 +42,13 @@ PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separ
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
 GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # T = 2..16 (verify blocks, several lanes) by code width: Q4/Q5/Q6 on int8 tensor cores (codes become
-# bytes with 32-bit logic ops; bench/RESULTS.md §11), W8 (small shared-expert matrices) through the
+# bytes with 32-bit logic ops; the run record (`git show 5d8956c:bench/RESULTS.md`) §11), W8 (small shared-expert matrices) through the
 # float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
 ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16")
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
 # The bf16 kernel (NINFER_GEMV_ROWS=bf16) is faster on Q5 products alone (MLP down T = 4: 65.8 -> 52.7 us) but
-# not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, bench/RESULTS.md §19): int8 stays the default
+# not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, the run record (`git show 5d8956c:bench/RESULTS.md`) §19): int8 stays the default
 ROWS_BY_BITS = {4: "mma", 5: "mma", 6: "mma", 8: "tensor"}
 ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 # int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21

@@ -5,7 +5,7 @@ words of the next quantized product (QuantizedX): the launches before and after 
 A single decode row is spread over several programs: each reads the whole
 row for its sum of squares (from L2) and normalizes, stores and quantizes only its own chunk. One
 program per 5,120-lane row took ~4.5 us on the H200, most of it the one-SM quantization of the whole
-row (bench/RESULTS.md §14); the decode step runs 129 of these norms. Spread programs cannot update
+row (the run record (`git show 5d8956c:bench/RESULTS.md`) §14); the decode step runs 129 of these norms. Spread programs cannot update
 the residual in place (another program may still be reading it), so they write a new residual tensor."""
 
 from __future__ import annotations
