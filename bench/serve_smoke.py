@@ -104,6 +104,38 @@ def main(work: str) -> None:
                                                         chat_template_kwargs={"enable_thinking": False}))
     calls = json.loads(body)["choices"][0]["message"].get("tool_calls") or [] if st == 200 else []
     check("tool_choice required on cuda", st == 200 and [c["function"]["name"] for c in calls] == ["get_time"], body[:200])
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"], "additionalProperties": False}
+    st, body = _post(url + "/v1/chat/completions", dict(text, max_tokens=40, chat_template_kwargs={"enable_thinking": False},
+                                                        response_format={"type": "json_schema", "json_schema": {
+                                                            "name": "a", "schema": schema}}))
+    content = json.loads(body)["choices"][0]["message"]["content"] if st == 200 else ""
+    try:
+        parsed = json.loads(content)
+    except ValueError:
+        parsed = None
+    check("structured output (json_schema) on cuda", isinstance(parsed, dict) and parsed.get("answer") in ("yes", "no"),
+          content[:120])
+    srv.should_exit = True
+    # decode rows riding a long prompt's shared chunks through the server, on cuda (CUDA graphs)
+    srv, url, summary = _serve(mtp, shared_prefill_chunk=128)
+    print(summary)
+    results = {}
+
+    def ask(key, body):
+        results[key] = _post(url + "/v1/chat/completions", body)
+
+    alone = _post(url + "/v1/chat/completions", dict(text, max_tokens=300, chat_template_kwargs={"enable_thinking": False}))
+    decoder = threading.Thread(target=ask, args=("short", dict(text, max_tokens=300,
+                                                               chat_template_kwargs={"enable_thinking": False})))
+    decoder.start()
+    time.sleep(0.3)
+    long_prompt = " ".join(f"word{i}" for i in range(150))
+    ask("long", dict(text, max_tokens=4, messages=[{"role": "user", "content": long_prompt}]))
+    decoder.join()
+    same = results["short"][0] == 200 and alone[0] == 200 and \
+        json.loads(results["short"][1])["choices"][0]["message"]["content"] == json.loads(alone[1])["choices"][0]["message"]["content"]
+    check("a decoding lane beside a long prompt answers as alone", same and results["long"][0] == 200)
     srv.should_exit = True
     sys.exit(1 if failures else 0)
 
