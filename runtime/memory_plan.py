@@ -206,11 +206,19 @@ def dflash2_workspace_bytes(d: DFlash2Config, cfg: ModelConfig, opts: PlanOption
     return projection + block + scores + logits
 
 
-def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
-    """Activation buffers shared by all phases; the size of the largest phase."""
-    t = min(opts.prefill_chunk, opts.max_context)
-    rows = 1 + (opts.draft_tokens if opts.spec != "none" else 0)
-    lanes = opts.max_concurrency
+RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qlinear.py GEMM_DEQUANT_BYTES)
+
+
+def ride_pool_bytes(cfg: ModelConfig, opts: PlanOptions) -> int:
+    """The one memory pool the prefill-with-riders CUDA graphs share (Engine.run_step): the activations of a
+    shared chunk plus one decode row per other lane, and the dequantization scratch inside the graph."""
+    shared = min(opts.shared_prefill_chunk or opts.prefill_chunk, opts.prefill_chunk, opts.max_context)
+    rows = shared + opts.max_concurrency - 1
+    return sum(_phase_bytes(cfg, rows, opts.max_concurrency).values()) + RIDE_DEQUANT_SCRATCH
+
+
+def _phase_bytes(cfg: ModelConfig, tokens: int, logits_rows: int) -> dict[str, int]:
+    """Activation bytes of one forward over `tokens` rows (and `logits_rows` rows of logits)."""
     h = cfg.hidden_size
     proj = max(cfg.q_gate_rows + 2 * cfg.kv_rows, cfg.gdn_conv_dim + cfg.gdn_value_dim)
     if cfg.is_moe:
@@ -219,17 +227,24 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
         mlp = 2 * cfg.intermediate_size
     inner = max(cfg.num_heads * cfg.head_dim, cfg.gdn_value_dim, mlp // 2)
     hv, dk = cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    return {
+        "hidden": tokens * h * 2, "residual": tokens * h * 2, "normed": tokens * h * 2,
+        "projection": tokens * max(proj, mlp) * 2, "inner": tokens * inner * 2,
+        "gdn_fp32": tokens * hv * dk * 4 * 3,  # q, k (l2-normalized), gates in float32
+        "logits": logits_rows * cfg.vocab_size * 4,
+    }
 
-    def phase(tokens: int, logits_rows: int) -> dict[str, int]:
-        return {
-            "hidden": tokens * h * 2, "residual": tokens * h * 2, "normed": tokens * h * 2,
-            "projection": tokens * max(proj, mlp) * 2, "inner": tokens * inner * 2,
-            "gdn_fp32": tokens * hv * dk * 4 * 3,  # q, k (l2-normalized), gates in float32
-            "logits": logits_rows * cfg.vocab_size * 4,
-        }
 
-    prefill = phase(t, lanes)
-    decode = phase(lanes * rows, lanes * rows)
+def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
+    """Activation buffers shared by all phases; the size of the largest phase."""
+    t = min(opts.prefill_chunk, opts.max_context)
+    rows = 1 + (opts.draft_tokens if opts.spec != "none" else 0)
+    lanes = opts.max_concurrency
+    h = cfg.hidden_size
+    hv, dk = cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    proj = max(cfg.q_gate_rows + 2 * cfg.kv_rows, cfg.gdn_conv_dim + cfg.gdn_value_dim)
+    prefill = _phase_bytes(cfg, t, lanes)
+    decode = _phase_bytes(cfg, lanes * rows, lanes * rows)
     arena = Arena("workspace")
     for key in prefill:
         arena.add(key, max(prefill[key], decode[key]))
@@ -322,6 +337,8 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     arenas = {"weights": weights, "kv_pool": kv, "sequence_state": state, "workspace": workspace}
     batches = lanes * (2 if opts.spec != "none" else 1)
     graphs = GRAPH_POOL_BYTES_PER_BATCH * batches if opts.cuda_graphs else 0
+    if opts.cuda_graphs and lanes > 1 and opts.spec == "none":
+        graphs += ride_pool_bytes(cfg, opts)
     kv_token = per_layer_token * (full_layers + mtp_layers)
     return MemoryPlan(opts, pages_per_lane, pages, kv_token, arenas, graphs)
 

@@ -157,3 +157,20 @@ def test_prefill_chunk_auto_follows_the_card(artifact):
     assert json.loads(r.stdout)["prefill_chunk"] == 4096
     r = CliRunner().invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--prefill-chunk", "100"])
     assert r.exit_code == 1 and "--prefill-chunk '100' is not valid" in r.output
+
+
+def test_the_ride_graphs_pool_is_planned(artifact):
+    """Several lanes without speculation: the prefill-with-riders graphs' shared pool (a shared chunk's
+    activations and the dequantization scratch) is counted in the plan, and shrinks with the shared chunk."""
+    from format.binding import load_config
+    from runtime.memory_plan import GRAPH_POOL_BYTES_PER_BATCH, RIDE_DEQUANT_SCRATCH, ride_pool_bytes
+
+    one = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=1))
+    two = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2))
+    small = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, shared_prefill_chunk=64))
+    assert one.graph_pool_bytes == GRAPH_POOL_BYTES_PER_BATCH
+    assert two.graph_pool_bytes == 2 * GRAPH_POOL_BYTES_PER_BATCH + ride_pool_bytes(load_config(artifact), two.options)
+    assert RIDE_DEQUANT_SCRATCH < small.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH < \
+        two.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH
+    eager = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, cuda_graphs=False))
+    assert eager.graph_pool_bytes == 0
