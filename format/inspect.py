@@ -67,6 +67,18 @@ def summarize(art: Artifact) -> dict:
     }
 
 
+def _sha256(art: Artifact, name: str, counted=None, step: int = 64 << 20) -> str:
+    """The object's sha256, read in `step`-byte pieces (`counted(n)` after each)."""
+    h = hashlib.sha256()
+    raw = art.raw(name)
+    for pos in range(0, len(raw), step):
+        piece = raw[pos : pos + step]
+        h.update(piece)
+        if counted:
+            counted(len(piece))
+    return h.hexdigest()
+
+
 def verify_checksums(art: Artifact, progress=None) -> None:
     """Recompute every object's sha256 (the weights a run is about to load); `progress(done, total)`
     in bytes. A mismatch, or an artifact without checksums, is an ArtifactError naming it."""
@@ -75,15 +87,15 @@ def verify_checksums(art: Artifact, progress=None) -> None:
         raise ArtifactError("--verify-weights: this artifact carries no checksums (version 2 has none); "
                             "run without it, or use `ninfer inspect --verify` to decode every tensor")
     total, done = sum(e.nbytes for _, e in summed), 0
+
+    def counted(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total)
+
     for name, e in summed:
-        h = hashlib.sha256()
-        raw = art.raw(name)
-        for pos in range(0, e.nbytes, 64 << 20):
-            h.update(raw[pos : pos + (64 << 20)])
-            done += min(64 << 20, e.nbytes - pos)
-            if progress:
-                progress(done, total)
-        if h.hexdigest() != e.sha256:
+        if _sha256(art, name, counted) != e.sha256:
             raise ArtifactError(f"object {name}: its bytes do not match its sha256 (the file is corrupt); "
                                 "download or convert it again")
 
@@ -92,14 +104,9 @@ def verify(art: Artifact) -> list[str]:
     """Recompute checksums and re-decode every tensor; returns the list of failures (empty = good)."""
     failures: list[str] = []
     for name, e in art.objects.items():
-        if e.sha256:
-            h = hashlib.sha256()
-            raw = art.raw(name)
-            for pos in range(0, e.nbytes, 64 << 20):
-                h.update(raw[pos : pos + (64 << 20)])
-            if h.hexdigest() != e.sha256:
-                failures.append(f"object {name}: sha256 mismatch (payload corrupted)")
-                continue
+        if e.sha256 and _sha256(art, name) != e.sha256:
+            failures.append(f"object {name}: sha256 mismatch (payload corrupted)")
+            continue
         if e.kind != "tensor":
             continue
         fmt = get_format(e.format)

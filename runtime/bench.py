@@ -264,8 +264,6 @@ def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv
     old schedule (a full chunk, then a decode step for the others) and the server's (chunks of
     --prefill-chunk-shared tokens that the decoding lanes' rows ride) at several shared sizes. Per
     schedule: the decoding lanes' inter-token gaps and the prefill's speed against the same prefill alone."""
-    from dataclasses import replace
-
     from .engine import Riders
 
     prompt = torch.randint(0, engine.cfg.vocab_size, (prompt_len,), generator=gen).tolist()

@@ -114,7 +114,7 @@ class Engine:
         opts = options if on_gpu and cuda_graphs else _no_graphs(options)
         self.plan = require_fit(self.art, opts, available_bytes) if available_bytes else build_plan(self.art, opts)
         self.opts = opts
-        self.shared_chunk = min(opts.shared_prefill_chunk or opts.prefill_chunk, opts.prefill_chunk)
+        self.shared_chunk = opts.shared_chunk  # the lanes bench varies it
         self.codec = get_codec(opts.kv_dtype)
         self.mem = DeviceMemory(self.plan, self.device)
         if random_weights_seed is None:
@@ -293,7 +293,7 @@ class Engine:
         main = len(lanes_idx) * t
         out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
-        if ride and ride[0] is not None:  # riders: one decode row per lane after the chunk's rows
+        if ride:  # riders: one decode row per lane after the chunk's rows
             rider_lanes, rider_tables, rider_ctx = ride[0]
             rider_out = paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
                                         rider_tables, rider_ctx, c.head_dim ** -0.5)
@@ -571,7 +571,7 @@ class Engine:
             # while other lanes decode, chunks shrink to --prefill-chunk-shared (their next token waits for
             # the chunk) and, where they can, their rows ride inside this chunk's forward
             offered = riders.take() if riders is not None else []
-            ride = bool(offered) and spec is None and rope3 is None and not self.rope_delta[lane] \
+            ride = bool(offered) and rope3 is None and not self.rope_delta[lane] \
                 and self.can_ride([r for r, _ in offered], lane)
             size = min(self.shared_chunk, chunk - len(offered)) if offered else chunk
             stop = min(start + size, len(prompt))
@@ -600,11 +600,12 @@ class Engine:
                 self.stats.rider_tokens += len(rider_lanes)
                 # a full shared chunk is a fixed shape: one CUDA graph per rider count (small chunks are
                 # launch-bound when eager: ~140 ms for any chunk up to 1,024 tokens on the 27B, run 30)
-                key = ("ride", len(piece), len(rider_lanes))
-                if self.cfg.is_moe or len(piece) != self.shared_chunk:
-                    self._eager_keys.add(key)  # MoE prefill path, odd tail pieces: eager
-                both = self.run_step(key, self._ride_forward, torch.tensor([lane] + rider_lanes, device=self.device),
-                                     toks, pos, torch.tensor(rider_tokens, device=self.device), rider_pos)
+                inputs = (torch.tensor([lane] + rider_lanes, device=self.device), toks, pos,
+                          torch.tensor(rider_tokens, device=self.device), rider_pos)
+                if self.cfg.is_moe or len(piece) != self.shared_chunk:  # MoE prefill path, odd tail pieces: eager
+                    both = self._ride_forward(*inputs)
+                else:
+                    both = self.run_step(("ride", len(piece), len(rider_lanes)), self._ride_forward, *inputs)
                 logits = both[:1].clone()
                 riders.logits = both[1:].clone()
             else:

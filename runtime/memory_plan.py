@@ -74,6 +74,11 @@ class PlanOptions:
     vision: bool = False
     cuda_graphs: bool = True
 
+    @property
+    def shared_chunk(self) -> int:
+        """Tokens per prefill chunk while other lanes decode (never more than the full chunk)."""
+        return min(self.shared_prefill_chunk or self.prefill_chunk, self.prefill_chunk)
+
     def validate(self, cfg: ModelConfig, components: tuple[str, ...]) -> None:
         if self.max_context < 1:
             raise MemoryPlanError("--max-context must be at least 1")
@@ -212,8 +217,7 @@ RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qli
 def ride_pool_bytes(cfg: ModelConfig, opts: PlanOptions) -> int:
     """The one memory pool the prefill-with-riders CUDA graphs share (Engine.run_step): the activations of a
     shared chunk plus one decode row per other lane, and the dequantization scratch inside the graph."""
-    shared = min(opts.shared_prefill_chunk or opts.prefill_chunk, opts.prefill_chunk, opts.max_context)
-    rows = shared + opts.max_concurrency - 1
+    rows = min(opts.shared_chunk, opts.max_context) + opts.max_concurrency - 1
     return sum(_phase_bytes(cfg, rows, opts.max_concurrency).values()) + RIDE_DEQUANT_SCRATCH
 
 

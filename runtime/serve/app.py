@@ -762,13 +762,13 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             return tools, server.tokenize(messages, tools, thinking, sink)
 
         tools, prompt = await server.prompt(build)
-        return tools, thinking, prompt
+        return req, tools, thinking, prompt
 
     @app.post("/v1/messages/count_tokens")
     @guarded(_anthropic_error, "count_tokens")
     async def count_tokens(request: Request):
         body = await body_of(request)
-        _, _, prompt = await anthropic_prompt(body, CountTokensRequest)
+        _, _, _, prompt = await anthropic_prompt(body, CountTokensRequest)
         return {"input_tokens": len(prompt)}
 
     @app.post("/v1/messages")
@@ -778,8 +778,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
         if body.get("max_tokens") is None:
             raise ApiError(400, "invalid_request_error", "max_tokens is required", "max_tokens")
         streaming = body.get("stream") is True
-        tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
-        req = MessagesRequest.model_validate(body)
+        req, tools, thinking, prompt = await anthropic_prompt(body, MessagesRequest)
         budget = (body.get("thinking") or {}).get("budget_tokens")  # adaptive: the server's default
         fmt, param = (req.output_config.format, "output_config.format") if req.output_config and req.output_config.format \
             else (req.output_format, "output_format")

@@ -446,16 +446,11 @@ def normalize_responses_input(instructions, items, vision: bool = False) -> list
             if role not in ("system", "user", "assistant"):
                 raise RequestError(f"{where}: unknown role {item.get('role')!r}")
             out.append({"role": role, "content": _text_of(item.get("content"), where, vision)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": _arguments(item.get("arguments"), where)}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "custom_tool_call":  # a freeform call: its raw input is the one parameter it was offered with
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": {CUSTOM_INPUT: str(item.get("input") or "")}}}
+        elif kind in ("function_call", "custom_tool_call"):
+            # a freeform (custom) call's raw input is the one parameter it was offered with
+            arguments = _arguments(item.get("arguments"), where) if kind == "function_call" \
+                else {CUSTOM_INPUT: str(item.get("input") or "")}
+            call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:

@@ -361,7 +361,7 @@ class Scheduler:
         values, its callback) ends this lane's request alone."""
         try:
             state = self.lanes[lane]
-            forced = bool(state.forced) and not state.thinking and not state.budget_spent()
+            forced = bool(state.forced) and not state.thinking  # (a spent budget implies thinking)
             if state.budget_spent():  # the end-of-thinking token instead of a sample
                 token = state.request.think_end
             elif forced:  # a required call's opening (a grammar, if any, starts after it)
