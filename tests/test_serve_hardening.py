@@ -322,19 +322,19 @@ def test_thinking_budget_closes_the_block_and_the_answer_follows(srv, api):
     user = [{"role": "user", "content": "think about it"}]
     if api in ("chat", "effort"):
         extra = {"thinking_budget": 5} if api == "chat" else {"reasoning_effort": "low"}
-        r = httpx.post(srv.url + CHAT, json={"messages": user, "max_tokens": 12 if api == "chat" else 1030, **extra},
-                       timeout=60).json()
+        r = httpx.post(srv.url + CHAT, json={"messages": user, "max_tokens": 12 if api == "chat" else 1030, **extra,
+                                             "temperature": 0}, timeout=60).json()
         want = 5 if api == "chat" else 1024
         assert r["usage"]["completion_tokens_details"]["reasoning_tokens"] == want, (r["usage"], r["choices"][0]["finish_reason"])
         assert r["choices"][0]["message"]["reasoning_content"] and r["choices"][0]["message"]["content"]
     elif api == "messages":
-        r = httpx.post(srv.url + MESSAGES, json={"messages": user, "max_tokens": 12,
+        r = httpx.post(srv.url + MESSAGES, json={"messages": user, "max_tokens": 12, "temperature": 0,
                                                  "thinking": {"type": "enabled", "budget_tokens": 5}}, timeout=60).json()
         kinds = [block["type"] for block in r["content"]]
         assert kinds == ["thinking", "text"] and r["stop_reason"] == "max_tokens"
     else:
         r = httpx.post(srv.url + RESPONSES, json={"input": "think about it", "max_output_tokens": 12,
-                                                  "thinking_budget": 5}, timeout=60).json()
+                                                  "thinking_budget": 5, "temperature": 0}, timeout=60).json()
         assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
         assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
 
@@ -523,7 +523,7 @@ def test_responses_previous_response_id_store_and_incomplete_streams(srv):
 
 
 def test_logprobs_and_top_logprobs(srv):
-    body = {"messages": USER, "max_tokens": 6, "logprobs": True, "top_logprobs": 3,
+    body = {"messages": USER, "max_tokens": 6, "logprobs": True, "top_logprobs": 3, "temperature": 0,
             "chat_template_kwargs": {"enable_thinking": False}}
     r = httpx.post(srv.url + CHAT, json=body, timeout=60).json()
     entries = r["choices"][0]["logprobs"]["content"]
@@ -586,7 +586,8 @@ def test_structured_output_raw_shapes_and_thinking(srv):
     beta = httpx.post(srv.url + MESSAGES, json={"messages": USER, "max_tokens": 40, "output_format": {
         "type": "json_schema", "schema": ANSWER_SCHEMA}}, timeout=60).json()
     assert _valid_answer(beta["content"][0]["text"])
-    thought = httpx.post(srv.url + CHAT, json={"messages": USER, "max_tokens": 60, "thinking_budget": 6, "response_format": {
+    thought = httpx.post(srv.url + CHAT, json={"messages": USER, "max_tokens": 60, "thinking_budget": 6, "temperature": 0,
+                                               "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}}, timeout=60).json()
     message = thought["choices"][0]["message"]
     assert message["reasoning_content"] and _valid_answer(message["content"])
