@@ -21,6 +21,22 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 SEED = 42
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton_kernels: on a CPU, run the engine's ops as the Triton kernels under the "
+                            "interpreter (NINFER_CPU_KERNELS=triton) instead of their torch references")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels(request, monkeypatch):
+    """CPU runs take each op's torch reference (fast) unless the test is marked triton_kernels (the kernel
+    tests, and the engine tests that check the kernels composed); NINFER_CPU_KERNELS=triton in the
+    environment runs every test through the kernels."""
+    if request.node.get_closest_marker("triton_kernels"):
+        import runtime.kernels
+
+        monkeypatch.setattr(runtime.kernels, "CPU_KERNELS", "triton")
+
+
 def _hf_checkpoint(path, moe: bool):
     import torch
     import transformers

@@ -58,11 +58,15 @@ def _assert_matches_reference(engine, path, prompt, n):
 
 @pytest.mark.parametrize("name,kv", [("dense-q4", "bf16"), ("dense-q4", "int8"), ("dense-w8", "rk4v4-e8"),
                                      ("dense-q4", "fp8"), ("moe-q5", "bf16")])
-def test_greedy_tokens_equal_reference(artifacts, name, kv):
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.triton_kernels)])
+def test_greedy_tokens_equal_reference(artifacts, name, kv, kernels):
+    """Both CPU paths (each op's torch reference; the Triton kernels under the interpreter) generate the
+    reference runtime's tokens; on a GPU the kernels always run."""
     engine = Engine(artifacts[name], PlanOptions(max_context=256, kv_dtype=kv, prefill_chunk=128), device=DEVICE)
     _assert_matches_reference(engine, artifacts[name], PROMPT, NEW)
 
 
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(artifacts, monkeypatch):
     """A MoE prompt of more than 16 tokens (one 21-row prefill chunk through the grouped experts, then
     decode) generates the reference's tokens through either grouped path (fused kernel, dense experts with
@@ -98,12 +102,14 @@ def test_unknown_moe_prefill_path_is_refused_in_one_line(artifacts, monkeypatch)
         Engine(artifacts["moe-q5"], PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
 
 
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
     _assert_matches_reference(engine, artifacts["dense-q4"], prompt, 3)
 
 
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_batched_lanes_do_not_mix(artifacts):
     path = artifacts["dense-q4"]
     a, b = PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
@@ -192,6 +198,7 @@ def test_turn_checkpoint_resumes_a_conversation_whose_tail_changed(artifacts):
     assert engine.reusable_prefix(0, turn2) == 0
 
 
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
     """Lane 1 decodes while lane 0 prefills: the chunks shrink to --prefill-chunk-shared and lane 1's rows
     ride inside them (one weight read for both); both lanes' greedy tokens stay those of running alone."""

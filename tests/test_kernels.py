@@ -5,6 +5,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.triton_kernels  # the kernels themselves, never their torch references
 
 from format.numeric import FORMATS, GroupedFormat  # noqa: E402
 from format.quantize import encode_rows  # noqa: E402

@@ -1,9 +1,24 @@
 """Triton kernels, one op per module, each with its plain-torch reference beside it.
 
-Tests run them under TRITON_INTERPRET=1 on CPU at small shapes; on a GPU they are the fast path.
+On a GPU the kernels are the fast path. On a CPU each op runs its plain-torch reference (milliseconds
+per token for a tiny model, where Triton's interpreter takes seconds), unless NINFER_CPU_KERNELS=triton
+asks for the kernels under the interpreter (TRITON_INTERPRET=1): the kernel tests do, and so can any
+run that wants the GPU's code paths checked on a CPU.
 """
 
 import os
+
+CPU_KERNEL_MODES = ("torch", "triton")
+CPU_KERNELS = os.environ.get("NINFER_CPU_KERNELS", "torch")
+if CPU_KERNELS not in CPU_KERNEL_MODES:
+    raise SystemExit(f"ninfer: NINFER_CPU_KERNELS={CPU_KERNELS!r} is not one of {', '.join(CPU_KERNEL_MODES)}; "
+                     "unset it for torch")
+
+
+def torch_path(tensor) -> bool:
+    """Whether an op on `tensor` runs its plain-torch reference: the tensor is on the CPU and
+    NINFER_CPU_KERNELS (read here at call time, so tests may switch it) is not "triton"."""
+    return tensor.device.type == "cpu" and CPU_KERNELS != "triton"
 
 
 def interpreted() -> bool:

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
 
+from . import torch_path
 from .hadamard import rotate_group64
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
@@ -54,6 +55,11 @@ def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: Quantize
     n, heads, d = o.shape
     if d % 64 or qg.stride(-1) != 1 or qg.shape[-1] != heads * 2 * d:
         raise ValueError(f"attention_gate: head size {d} / projection layout {tuple(qg.shape)} not supported")
+    if torch_path(o):
+        y = attention_gate_reference(o, qg, rotate)
+        if xq is not None:
+            xq.fill(y)
+        return y
     o = o.contiguous()
     y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
     fused, words, quant = producer_words(xq, y, n, heads * d, 64, heads * d)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreted
+from . import interpreted, torch_path
 from .launch import LAUNCH, pdl_wait
 
 
@@ -41,6 +41,10 @@ def _conv_kernel(x_ptr, state_ptr, w_ptr, y_ptr, T, C, W: tl.constexpr, BLOCK_C:
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None):
     """x [B, T, C]; state [B, W-1, C] (updated in place); weight [C, W]. Returns SiLU(conv) [B, T, C]."""
     bsz, t, c = x.shape
+    if torch_path(x):
+        y, new_state = causal_conv1d_reference(x, state, weight)
+        state.copy_(new_state)
+        return out.copy_(y) if out is not None else y
     y = out if out is not None else torch.empty_like(x)
     block = 256
     if t < state.shape[1]:
@@ -124,6 +128,9 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
         raise ValueError("causal_conv1d_lanes handles width-4 convolutions only")
     if snapshot and stack.shape[1] < t + 1:
         raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {stack.shape[1]}")
+    if torch_path(x):
+        y = causal_conv1d_lanes_reference(x, stack, lanes, weight, snapshot)
+        return out.copy_(y) if out is not None else y
     if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
         x = x.contiguous()
     y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
@@ -138,3 +145,18 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     if chunks > 1:  # t > 3 here: the new window is the block's last three inputs
         stack[lanes.long(), 0] = x[:, t - 3 :].to(stack.dtype)
     return y
+
+
+def causal_conv1d_lanes_reference(x, stack, lanes, weight, snapshot=False):
+    """causal_conv1d_lanes in plain torch (float32 math, the same roundings): the lanes' slot-0 windows
+    before x, SiLU(conv) per step, the new window into slot 0 and, with `snapshot`, step t's window
+    into slot t + 1."""
+    bsz, t, c = x.shape
+    idx = lanes.long()
+    seq = torch.cat([stack[idx, 0].float(), x.float()], dim=1)  # [B, 3 + T, C]
+    windows = seq.unfold(1, 4, 1)  # [B, T + 1, C, 4]: window j covers inputs j - 3 .. j
+    acc = (windows[:, :t] * weight.float()[None, None]).sum(-1)
+    if snapshot:
+        stack[idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 4] for s in range(t)], dim=1).to(stack.dtype)
+    stack[idx, 0] = seq[:, t : t + 3].to(stack.dtype)
+    return torch.nn.functional.silu(acc).to(x.dtype)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
@@ -42,6 +43,12 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     """o [tokens, HV, D] fp32; z [tokens, HV*D] (any row stride); weight [D] -> [tokens, HV*D] out_dtype.
     With `xq`, the rows are also written there as dp4a words for the output projection."""
     tokens, hv, d = o.shape
+    if torch_path(o):
+        y = gated_norm_reference(o, z, weight, eps, out_dtype)
+        y = out.copy_(y) if out is not None else y
+        if xq is not None:
+            xq.fill(y)
+        return y
     y = out if out is not None else torch.empty(tokens, hv * d, dtype=out_dtype, device=o.device)
     fused, words, quant = producer_words(xq, y, tokens, hv * d, d, hv * d)
     rows = tokens * hv

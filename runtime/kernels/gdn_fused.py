@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreted
+from . import interpreted, torch_path
 from .launch import LAUNCH, pdl_wait
 
 L2_EPS = 1e-6
@@ -96,6 +96,8 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         raise ValueError(f"gdn_fused: x has {width} columns, expected {2 * key_dim + hv * dv}")
     if snapshot and slots < t + 1:
         raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {slots}")
+    if torch_path(x):
+        return _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections)
     x = x.reshape(bsz * t, width)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -116,6 +118,20 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
         PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **LAUNCH)
     return o
+
+
+def _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections):
+    """gdn_fused's contract (slot stack, lanes, snapshots, projections) over gdn_fused_reference."""
+    if projections is not None:
+        h, wa, wb = projections
+        alpha, beta = h.float() @ wa.float().t(), h.float() @ wb.float().t()
+    idx = lanes.long()
+    o, steps = gdn_fused_reference(x, alpha, beta, a_log, dt_bias, state[idx, 0], heads_k)
+    if snapshot:
+        state[idx, 1 : x.shape[1] + 1] = steps.to(state.dtype)
+    state[idx, 0] = steps[:, -1].to(state.dtype)
+    o = o.float()
+    return out.copy_(o) if out is not None else o
 
 
 def gdn_fused_reference(x, alpha, beta, a_log, dt_bias, state, heads_k: int):

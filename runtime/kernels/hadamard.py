@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from runtime.kv.hadamard import hadamard_on_device, rotate_groups
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 
 
@@ -36,6 +37,8 @@ def rotate64(x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Ten
     """x [..., D] with D a multiple of 64 -> x with H64 applied per group (float32 math, out_dtype or x's)."""
     if x.shape[-1] % 64:
         raise ValueError(f"rotate64: last dimension {x.shape[-1]} is not a multiple of 64")
+    if torch_path(x):
+        return rotate64_reference(x, out_dtype)
     x = x.contiguous()
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     if x.numel():

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from runtime.kv.e8 import E8CUBE_SCALE_PER_RMS
 
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 
 KIND_IDS = {"bf16": 0, "int8g64": 1, "int4g64": 2, "int4g64e8": 3, "e8cube": 4}
@@ -164,6 +165,8 @@ def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, K
 def kv_append(x: torch.Tensor, kind: str, planes: list[torch.Tensor], page: torch.Tensor, slot: torch.Tensor) -> None:
     """x [n, HKV, D] (rotated already when the codec rotates); planes of one side ([pages, 64, HKV, W]);
     page, slot [n] int: where token i goes. Writes the encoded vectors in place."""
+    if torch_path(x):
+        return kv_append_reference(x, kind, planes, page, slot)
     n, hkv, d = x.shape
     p0, p1 = planes[0], planes[-1]
     _kv_append_kernel[(n * hkv,)](x.contiguous(), page, slot, p0, p1, hkv, D=d, KIND=KIND_IDS[kind],

@@ -24,6 +24,7 @@ from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 
 
@@ -51,6 +52,8 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, TOPK: tl.constexpr, BLOCK
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (expert ids [T, k] int32, weights [T, k] float32 summing to 1)."""
+    if torch_path(router_logits):
+        return route_reference(router_logits, top_k)
     t, e = router_logits.shape
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
@@ -100,6 +103,10 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
     [pairs, rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
     qgemv_int8) unless NINFER_GEMV=float."""
     pairs = experts.numel()
+    if torch_path(x):  # the exact products, as qlinear's torch path
+        rows = torch.arange(pairs) // x_rows if isinstance(x_rows, int) else x_rows.long()
+        dense = w.dense().view(-1, rows_per_expert, w.cols)[experts.reshape(-1).long()]  # [pairs, rows, K]
+        return torch.einsum("pk,prk->pr", x.float()[rows], dense).to(x.dtype)
     y = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
     int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
     tuning = INT8_TUNING if int8 else VEC_TUNING
@@ -239,6 +246,8 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     """A MoE block's output in one launch: y [pairs, H] the routed experts' outputs, weights [T, k], shared
     [T, H] the shared expert's output, `slot` [T, k] the y row of pair (t, j) (None: t * k + j), `shared_gate`
     [T] or [T, 1] the shared expert's gate logits (None: ungated). Returns [T, H] in shared's dtype."""
+    if torch_path(shared):
+        return combine_experts_reference(y, weights, shared, slot, shared_gate)
     t, k = weights.shape
     hid = shared.shape[1]
     out = torch.empty_like(shared)
@@ -274,6 +283,17 @@ def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     [S, 2 * inter] to [S, inter] (SwiGLU). `path`: "fused" or "dense" (default: by the pairs per expert,
     see DENSE_EXPERTS_MIN_PAIRS)."""
     t, hid = h.shape
+    if path not in (None, "fused", "dense"):
+        raise ValueError(f"expert_prefill: path {path!r} is not 'fused' or 'dense'")
+    if torch_path(h):  # every expert in use: its rows through the exact dense products
+        k = ids.shape[1]
+        y = torch.empty(t * k, hid, dtype=h.dtype)
+        pairs = ids.reshape(-1).long()
+        for e in pairs.unique().tolist():
+            sel = (pairs == e).nonzero(as_tuple=True)[0]
+            up = (h.float()[sel // k] @ gate_up.dense()[e * 2 * inter : (e + 1) * 2 * inter].t()).to(h.dtype)
+            y[sel] = (activation(up).float() @ down.dense()[e * hid : (e + 1) * hid].t()).to(h.dtype)
+        return combine_experts(y, weights, shared, None, shared_gate)
     if path is None:
         path = "dense" if ids.numel() >= DENSE_EXPERTS_MIN_PAIRS * experts else "fused"
     if path == "dense":

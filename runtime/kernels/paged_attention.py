@@ -24,7 +24,7 @@ import triton.language as tl
 
 from runtime.kv.codecs import Codec
 
-from . import interpreted
+from . import interpreted, torch_path
 from .launch import LAUNCH, pdl_wait
 
 PAGE = 64
@@ -365,6 +365,9 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     """q [lanes, T, HQ, D] (rotated when the codec rotates keys); pool planes of one layer; block_table
     [lanes, pages_per_lane] int32; ctx_len [lanes] int32 = tokens in the cache including the T new ones.
     Returns [lanes, T, HQ, D] in the value storage basis."""
+    if torch_path(q):
+        o = paged_attention_reference(q, pool, codec, block_table, ctx_len, scale)
+        return out.copy_(o) if out is not None else o
     lanes, t, hq, d = q.shape
     hkv = next(iter(pool.values())).shape[2]
     k0, k1 = pool["k_" + _plane_names(codec.key)[0]], pool["k_" + _plane_names(codec.key)[-1]]

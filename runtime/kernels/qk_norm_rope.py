@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 
 
@@ -68,6 +69,9 @@ def qk_norm_rope(qgkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, q
     n = qgkv.shape[0]
     if qgkv.stride(-1) != 1 or head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"qk_norm_rope: head size {head_dim} / rotary {rotary_dim} / layout not supported")
+    if torch_path(qgkv):
+        return qk_norm_rope_reference(qgkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, rotary_dim,
+                                      theta)
     q = torch.empty(n, heads, head_dim, dtype=qgkv.dtype, device=qgkv.device)
     k = torch.empty(n, kv_heads, head_dim, dtype=qgkv.dtype, device=qgkv.device)
     if n:

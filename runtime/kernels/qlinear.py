@@ -19,7 +19,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from . import interpreted
+from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
                          qgemv_int8, split_partials)
@@ -327,6 +327,9 @@ def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
     return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], tuning["num_stages"], tuning["prefetch"])
 
 
+DENSE_CACHE_WEIGHTS = 1 << 22  # torch path: matrices up to 16 MiB in float32 keep their dequantized copy
+
+
 class PackedLinear:
     """A row-split weight resident on the device: its three planes and its geometry."""
 
@@ -336,6 +339,20 @@ class PackedLinear:
         self.rows, self.cols, self.fmt = rows, cols, fmt
         self.k_pad = -(-cols // 128) * 128
         self.groups_per_row = self.k_pad // fmt.group_size
+        self._dense: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The dequantized matrix in float32 (the torch path on a CPU); kept after the first call when
+        small (a tiny model's weights), rebuilt per call otherwise, so a large model never holds it."""
+        if self._dense is not None:
+            return self._dense
+        from runtime.dequant import dense_rows
+
+        dense = dense_rows(self.base.view(torch.uint8), None if self.high is None else self.high.view(torch.uint8),
+                           self.scale, self.rows, self.cols, self.fmt)
+        if self.rows * self.cols <= DENSE_CACHE_WEIGHTS:
+            self._dense = dense
+        return dense
 
 
 def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
@@ -354,7 +371,7 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
 def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     """Whether qlinear of `t` rows of x with `w` reads x as dp4a words (so the kernel producing x may
     write them: QuantizedX)."""
-    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T:
+    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base):
         return False
     return t == 1 or rows_path(w.fmt.bits) in ("int8", "mma")
 
@@ -368,6 +385,9 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     t, k = x.shape
     if k != w.cols:
         raise ValueError(f"qlinear: x has {k} columns, weight expects {w.cols}")
+    if torch_path(x):  # the exact product; split partials and quantized x are GPU-kernel matters
+        y = (x.float() @ w.dense().t()).to(x.dtype)
+        return out.copy_(y) if out is not None else y
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
@@ -396,11 +416,7 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
 
 def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """Dequantize with the torch unpacker (checked bit-exact against numpy) and multiply in fp32."""
-    from runtime.dequant import dense_rows
-
-    dense = dense_rows(w.base.view(torch.uint8), None if w.high is None else w.high.view(torch.uint8), w.scale,
-                       w.rows, w.cols, w.fmt)
-    return (x.float() @ dense.t()).to(x.dtype)
+    return (x.float() @ w.dense().t()).to(x.dtype)
 
 
 def gather_rows(w: PackedLinear, ids: torch.Tensor) -> torch.Tensor:

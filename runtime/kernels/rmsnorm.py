@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
@@ -86,6 +87,15 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
     program, else into a new tensor (use the returned one). Without, returns (norm(x), None). With `xq`
     (made by QuantizedX.empty for the next product's weight), the normed rows are also written there as
     dp4a words."""
+    if torch_path(x.y if isinstance(x, SplitPartials) else x):
+        if isinstance(x, SplitPartials):
+            x = x.parts.sum(0).to(x.y.dtype)
+        y, res_out = rmsnorm_reference(x, weight, eps, residual)
+        if out is not None:
+            y = out.copy_(y)
+        if xq is not None:
+            xq.fill(y)
+        return y, res_out
     splits, split_stride = 0, 0
     if isinstance(x, SplitPartials):
         parts, x = x.parts, x.y  # x: the unwritten product output, for shape and dtype

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 
 BISECT_STEPS = 30
@@ -124,6 +125,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
                                           or params.frequency_penalty != 0.0)
     if noise is None and not greedy:
         noise = torch.rand(b, v, device=logits.device, generator=generator).clamp_(1e-20, 1.0 - 1e-7)
+    if torch_path(logits):
+        return sample_reference(logits, params, counts if has_penalty else None, noise)
     out = torch.empty(b, dtype=torch.int32, device=logits.device)
     has_topk = 0 < params.top_k < v
     _sample_kernel[(b,)](logits.contiguous(), counts if has_penalty else logits, noise if noise is not None else logits,

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import torch_path
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
@@ -29,6 +30,12 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None, xq: Quantized
     """gate_up [T, 2I] -> [T, I]; with `xq`, also those rows as dp4a words for the down projection."""
     t, two_i = gate_up.shape
     inter = two_i // 2
+    if torch_path(gate_up):
+        y = swiglu_reference(gate_up)
+        y = out.copy_(y) if out is not None else y
+        if xq is not None:
+            xq.fill(y)
+        return y
     y = out if out is not None else torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     fused, words, quant = producer_words(xq, y, t, inter, block, triton.cdiv(inter, block) * block)
