@@ -37,7 +37,7 @@ class FakeEngine:
         self.speculator = None
         self.held: dict[int, int] = {}
         self.stop = tokenizer.token_to_id("<|im_end|>")
-        self.poison = set(tokenizer.encode(POISON, add_special_tokens=False).ids)
+        self.poison = tokenizer.encode(POISON, add_special_tokens=False).ids
         self.prefer: int | None = None  # a token the model rates above everything else (tool_choice tests)
 
     def logits(self, token: int) -> torch.Tensor:
@@ -55,7 +55,8 @@ class FakeEngine:
         return self.held.get(lane, 0)
 
     def prefill_chunks(self, lane, prompt, **_):
-        poisoned = self.poison.issubset(prompt)
+        n = len(self.poison)  # the pill's tokens in a row (a long prompt holds its characters anyway)
+        poisoned = any(prompt[i : i + n] == self.poison for i in range(len(prompt) - n + 1))
 
         def chunks():
             for start in range(0, len(prompt), 16):
@@ -648,3 +649,98 @@ def test_responses_logprobs(srv):
     final = events[-1].response  # response.incomplete: a length stop
     streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     assert "".join(streamed) == final.output_text and streamed == [e.token for e in final.output[0].content[0].logprobs]
+
+
+FORECAST = {"name": "forecast", "description": "the forecast", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["days", "unit"], "properties": {
+        "days": {"type": "integer", "minimum": 1, "maximum": 14}, "unit": {"type": "string", "enum": ["c", "f"]},
+        "detailed": {"type": "boolean"}, "where": {"type": "object", "properties": {"lat": {"type": "number",
+                                                                                        "minimum": -90, "maximum": 90}},
+                                                   "required": ["lat"], "additionalProperties": False}}}}
+
+
+def _valid_forecast(args: dict) -> bool:
+    return (set(args) <= {"days", "unit", "detailed", "where"} and isinstance(args["days"], int)
+            and 1 <= args["days"] <= 14 and args["unit"] in ("c", "f") and isinstance(args.get("detailed", True), bool)
+            and (("where" not in args) or set(args["where"]) == {"lat"}))
+
+
+def test_strict_tool_grammar_accepts_valid_calls_and_rejects_the_rest():
+    """The call grammar of a strict tool, fed token by token as the model would emit them: multi-line text,
+    optional parameters, and a free tool's name pass; a missing required parameter, a wrong type, a value
+    outside its bounds, an unknown parameter or tool are refused at the first wrong token."""
+    from runtime.serve.structured import AnswerGrammar, GrammarCompiler
+
+    tok = build_tokenizer(VOCAB)
+    compiler = GrammarCompiler(tok, VOCAB, [tok.token_to_id("<|im_end|>")])
+    note = {"name": "note", "strict": True, "parameters": {"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string"}}}}
+    tools = [{"type": "function", "function": f} for f in (FORECAST, note, WEATHER)]
+    names = [t["function"]["name"] for t in tools]
+    opener, closer = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+
+    def feed(body: str, close: bool = True) -> str | None:
+        grammar = AnswerGrammar(None, opener, calls=lambda: compiler.call_matcher(tools, names, "tools"))
+        ids = [opener] + tok.encode(body, add_special_tokens=False).ids + ([closer] if close else [])
+        for token in ids:
+            error = grammar.advance(token)
+            if error:
+                return error
+        return None if grammar.call is None else "unfinished"
+
+    p = lambda k, v: f"<parameter={k}>\n{v}\n</parameter>\n"  # noqa: E731
+    LAT, TWO_LINES = '{"lat":-12.5}', "two\nlines </param"
+    ok = [f"\n<function=forecast>\n{p('days', 3)}{p('unit', 'c')}</function>\n",
+          f"\n<function=forecast>\n{p('days', 14)}{p('unit', 'f')}{p('detailed', 'true')}{p('where', LAT)}</function>\n",
+          f"\n<function=note>\n{p('text', TWO_LINES)}</function>\n"]
+    for body in ok:
+        assert feed(body) is None, body
+    assert feed("\n<function=get_weather>\n<parameter=anything>\nfree\n</parameter>\n</function>\n") is None
+    bad = [f"\n<function=forecast>\n{p('unit', 'c')}</function>\n",  # days is required
+           f"\n<function=forecast>\n{p('days', 'three')}{p('unit', 'c')}</function>\n",
+           f"\n<function=forecast>\n{p('days', 15)}{p('unit', 'c')}</function>\n",
+           f"\n<function=forecast>\n{p('days', 2)}{p('unit', 'kelvin')}</function>\n",
+           f"\n<function=forecast>\n{p('days', 2)}{p('unit', 'c')}{p('color', 'red')}</function>\n",
+           f"\n<function=forecast>\n{p('days', 2)}{p('unit', 'c')}{p('where', '{}')}</function>\n",
+           f"\n<function=nowcast>\n{p('days', 2)}</function>\n"]
+    for body in bad:
+        assert "breaks the tool's schema" in (feed(body) or ""), body
+    assert feed(f"\n<function=forecast>\n{p('days', 2)}{p('unit', 'c')}</function>\n", close=False) == "unfinished"
+
+
+@pytest.mark.parametrize("api", [CHAT, RESPONSES, MESSAGES])
+def test_strict_tool_arguments_parse_and_validate_on_every_api(eager_caller, api):
+    """A model that wants a call at every step, sampled at temperature 1 (random tokens inside the call):
+    with `strict` set, the call is held to the tool's schema, so its arguments always parse and validate
+    (official SDKs read them)."""
+    import anthropic
+    import openai
+
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("<tool_call>")
+    schema = {k: v for k, v in FORECAST.items() if k != "strict"}
+    for seed in range(3):
+        if api == CHAT:
+            r = openai.OpenAI(base_url=s.url + "/v1", api_key="x").chat.completions.create(
+                model="tiny", messages=USER, max_tokens=200, seed=seed, temperature=1.0, parallel_tool_calls=False,
+                tools=[{"type": "function", "function": FORECAST}], extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            calls = [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls]
+        elif api == RESPONSES:
+            r = openai.OpenAI(base_url=s.url + "/v1", api_key="x").responses.create(
+                model="tiny", input="hi", max_output_tokens=200, temperature=1.0, reasoning={"effort": "minimal"},
+                parallel_tool_calls=False, tools=[{"type": "function", **schema, "strict": True}], extra_body={"seed": seed})
+            calls = [json.loads(item.arguments) for item in r.output if item.type == "function_call"]
+        else:
+            r = anthropic.Anthropic(base_url=s.url, api_key="x").messages.create(
+                model="tiny", max_tokens=200, messages=USER, temperature=1.0,
+                tools=[{"name": "forecast", "input_schema": schema["parameters"], "strict": True}],
+                tool_choice={"type": "auto", "disable_parallel_tool_use": True}, extra_body={"seed": seed})
+            calls = [b.input for b in r.content if b.type == "tool_use"]
+        assert len(calls) == 1 and _valid_forecast(calls[0]), calls
+
+
+def test_strict_tool_schema_that_cannot_be_enforced_is_a_400_naming_the_tool(srv):
+    bad = {"name": "frob", "strict": True, "parameters": {"type": "object", "properties": {"x": {"type": "frob"}}}}
+    r = _chat_tools(srv, "auto", (WEATHER, bad))
+    assert r.status_code == 400 and "'frob'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "tools" and srv.healthy()

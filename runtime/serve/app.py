@@ -548,22 +548,34 @@ class Server:
         return list(self.stored[response_id][1])
 
     def answer_grammar(self, schema: dict | None, param: str, tools, choice: tuple[str, str | None]):
-        """The request's output schema as a matcher over its answer (None: free text, or a tool_choice that
-        makes the answer a call); for a required call among several tools, a matcher of their names after
-        the forced opening. Compiling can take a while: call it off the event loop."""
-        names = [t["function"]["name"] for t in tools or []]
-        try:
-            if choice[0] == "required" and len(names) > 1:
-                # the call's opening is forced (tool_controls); then one of the tools' names must follow
-                return AnswerGrammar(self.grammars.choice_matcher([n + ">" for n in names], "tool_choice"), None,
-                                     release=True)
-            if schema is None or choice[0] in ("required", "named"):
-                return None
-            matcher = self.grammars.matcher(schema, param)
-        except StructuredOutputError as exc:
-            raise ApiError(400, "invalid_request_error", str(exc), param) from None
-        escape = self.tokenizer.token_to_id("<tool_call>") if tools and choice[0] != "none" else None
-        return AnswerGrammar(matcher, escape)
+        """The request's constraints as one AnswerGrammar (None: nothing to constrain): its output schema
+        over the answer, and — when a tool is strict or tool_choice requires a call — each call held to the
+        allowed tools' names and a strict tool's parameters to its schema. Compiling can take a while: call
+        it off the event loop."""
+        mode, named = choice
+        tools = tools or []
+        names = [t["function"]["name"] for t in tools]
+        if mode == "named":
+            names = [named]
+        calls = matcher = None
+        if mode != "none" and tools and (mode in ("required", "named") or any(t["function"].get("strict") for t in tools)):
+            try:  # each strict tool compiled alone first, so a schema that cannot be enforced is named
+                for tool in tools:
+                    if tool["function"].get("strict") and tool["function"]["name"] in names:
+                        self.grammars.call_matcher([tool], [tool["function"]["name"]], f"tool {tool['function']['name']!r}")
+                self.grammars.call_matcher(tools, names, "tools")
+            except StructuredOutputError as exc:
+                raise ApiError(400, "invalid_request_error", str(exc), "tools") from None
+            calls = lambda: self.grammars.call_matcher(tools, names, "tools")  # noqa: E731
+        if schema is not None and mode not in ("required", "named"):
+            try:
+                matcher = self.grammars.matcher(schema, param)
+            except StructuredOutputError as exc:
+                raise ApiError(400, "invalid_request_error", str(exc), param) from None
+        if matcher is None and calls is None:
+            return None
+        escape = self.tokenizer.token_to_id("<tool_call>") if tools and mode != "none" else None
+        return AnswerGrammar(matcher, escape, calls=calls)
 
     async def prompt(self, build):
         """Render and tokenize in a worker thread (a multi-megabyte prompt must not stall the event loop

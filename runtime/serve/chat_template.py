@@ -310,7 +310,8 @@ def normalize_openai_tools(tools, where: str = "tools", customs: set | None = No
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise RequestError(f"{where}[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
         out.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
-                                                     "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}})
+                                                     "parameters": fn.get("parameters") or {"type": "object", "properties": {}},
+                                                     **({"strict": True} if fn.get("strict") is True else {})}})
     return out or None
 
 
@@ -342,7 +343,8 @@ def normalize_anthropic_tools(tools) -> list[dict] | None:
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise RequestError(f"tools[{i}] needs a string 'name'")
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+                                                     "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+                                                     **({"strict": True} if t.get("strict") is True else {})}})
     return out
 
 

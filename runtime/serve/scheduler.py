@@ -272,7 +272,7 @@ class Scheduler:
             self._finish(lane, "stop", None)
             return
         grammar = state.request.grammar
-        if grammar is not None and grammar.active and answering and not forced:
+        if grammar is not None and grammar.active and answering:  # forced tokens too: a call's opening
             error = grammar.advance(token)
             if error:
                 self._finish(lane, "error", error)
