@@ -1,12 +1,13 @@
 """Decode GEMV side by side at 27B shapes, as a fraction of the copy bandwidth measured in the same
 run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), with the dp4a kernel's
 error against the exact float product. `rows`: row blocks (T = 2, 4, 8, 16: lanes, verify blocks)
-through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1;
+through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1; `lanes`:
+the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8;
 CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|t1]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1]
 """
 
 from __future__ import annotations
@@ -115,6 +116,46 @@ def rows_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def lanes_main(out: str) -> None:
+    """Row blocks T = 2, 3, 4, 8 (and 16 on the tensor cores) side by side with the one-row product: the lanes
+    kernel (the decode GEMV's arithmetic, each weight word unpacked once for every row) against the int8
+    tensor-core kernel; fractions of the copy bandwidth, and whether each row equals its decode product."""
+    from bench.attention_compare import graph_ms
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in ROWS_SHAPES:
+        w, nbytes = random_packed(n, k, fmt)
+        ws = [w] + [random_packed(n, k, fmt)[0] for _ in range(-(-(256 << 20) // nbytes) - 1)]
+        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}
+
+        def rotating(fn):
+            cycle = itertools.cycle(ws)
+            return graph_ms(lambda: fn(next(cycle))) * 1e3
+
+        x1, y1 = _xy(1, k, n)
+        t1 = rotating(lambda w: ql.qlinear(x1, w, out=y1))
+        row.update(t1_us=t1, t1_frac=nbytes / (t1 * 1e-6) / peak)
+        for t in (2, 3, 4, 8, 16):
+            x, y = _xy(t, k, n)
+            for path in ("lanes", "mma") if w.fmt.bits != 8 else ("lanes", "tensor"):
+                if path == "lanes" and t > 8:
+                    continue
+                ql.ROWS_PATH = path
+                us = rotating(lambda w: ql.qlinear(x, w, out=y))
+                row[f"t{t}_{path}_us"], row[f"t{t}_{path}_vs_t1"] = us, us / t1
+                row[f"t{t}_{path}_frac"] = nbytes / (us * 1e-6) / peak
+            ql.ROWS_PATH = "lanes"
+            if t <= 8:
+                block = ql.qlinear(x, w)
+                single = torch.cat([ql.qlinear(x[i : i + 1], w) for i in range(t)])
+                row[f"t{t}_lanes_equals_decode"] = bool(torch.equal(block, single))
+            ql.ROWS_PATH = "auto"
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    _save(out, peak, rows)
+
+
 def t1_main(out: str) -> None:
     from bench.attention_compare import graph_ms
 
@@ -158,6 +199,8 @@ def t1_main(out: str) -> None:
 def main(out: str, mode: str = "sweep") -> None:
     if mode == "rows":
         return rows_main(out)
+    if mode == "lanes":
+        return lanes_main(out)
     if mode == "t1":
         return t1_main(out)
     peak = copy_bandwidth()

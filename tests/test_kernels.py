@@ -47,7 +47,8 @@ def test_qlinear(fmt, t, n, k):
     w = _packed(n, k, fmt, seed=t * 1000 + n)
     x = torch.randn(t, k, device=DEVICE).to(DTYPE)
     # the integer paths (one row: dp4a; row blocks: dp4a or int8 tensor cores) round x to 14 bits: their own reference
-    int8 = fmt.bits in INT8_BITS and GEMV_PATH == "int8" and (t == 1 or (t <= GEMV_MAX_T and rows_path(fmt.bits) in ("int8", "mma")))
+    int8 = fmt.bits in INT8_BITS and GEMV_PATH == "int8" and (t == 1 or (t <= GEMV_MAX_T and rows_path(fmt.bits, t) in
+                                                                          ("int8", "mma", "lanes")))
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
@@ -90,6 +91,25 @@ def test_qgemm_rows_int8(bits, t, n, k):
                           split=1 if k <= 256 else 2, num_warps=4)
     assert not torch.isnan(got).any()
     want = qgemv_int8_reference(x, w)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("t,n,k,split", [(2, 70, 200, 1), (3, 33, 1024, 2), (11, 40, 512, 4)])
+def test_qgemv_lanes(bits, t, n, k, split):
+    """The lanes kernel (rows of x unrolled over one unpacked tile) == the integer reference row by row;
+    a partial last block of rows (t = 3 of 4, 11 = 8 + 3) neither reads nor writes past T."""
+    from runtime.kernels.qgemv_lanes import qgemv_lanes, qgemv_lanes_reference
+
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(n, k, fmt, seed=n + k + bits + t)
+    x = torch.randn(t, k, device=DEVICE) * torch.rand(t, k, device=DEVICE) * 4
+    x[1, 64:128] = 0.0
+    y = _poison((t + 1, n), torch.float32)
+    got = qgemv_lanes(x, w, y[:t], block_n=16, block_k=128, split=split if k > 256 else 1, num_warps=4)
+    assert not torch.isnan(got).any() and torch.isnan(y[t]).all()
+    want = qgemv_lanes_reference(x, w)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {err:.2e}"
 
@@ -139,14 +159,17 @@ def test_rows_path_names_a_bad_override(monkeypatch):
         ql.rows_path(4)
     monkeypatch.setattr(ql, "ROWS_PATH", "auto")
     assert [ql.rows_path(b) for b in (4, 5, 6, 8)] == ["mma", "mma", "mma", "tensor"]
+    assert [ql.rows_path(b, 2) for b in (4, 5, 6, 8)] == ["mma", "lanes", "lanes", "lanes"]
+    assert [ql.rows_path(b, 4) for b in (4, 5, 6, 8)] == ["mma", "mma", "mma", "lanes"]
 
 
 @pytest.mark.parametrize("fmt,path", [("Q4G64_F16S", "mma"), ("Q5G64_F16S", "mma"), ("Q6G64_F16S", "mma"),
                                       ("Q4G64_F16S", "int8"), ("Q5G64_F16S", "int8"), ("Q5G64_F16S", "bf16"),
-                                      ("W8G32_F16S", "bf16")])
+                                      ("W8G32_F16S", "bf16"), ("Q4G64_F16S", "lanes"), ("Q6G64_F16S", "lanes"),
+                                      ("W8G32_F16S", "lanes")])
 def test_verify_rows_score_as_decode_steps(fmt, path, monkeypatch):
     """qlinear on a 4-row verify block agrees with qlinear on each row alone: bit for bit on the dp4a
-    row kernel (same tiles, splits and sum order), to float32 summation order on the int8 tensor cores,
+    row kernels (same tiles, splits and sum order), to float32 summation order on the int8 tensor cores,
     to the single row's 14-bit activation rounding on the bf16 tensor cores (exact products)."""
     from runtime.kernels import qlinear as ql
 
@@ -156,7 +179,7 @@ def test_verify_rows_score_as_decode_steps(fmt, path, monkeypatch):
     block = ql.qlinear(x, w, out=_poison((4, 48))).float()
     rows = torch.cat([ql.qlinear(x[i : i + 1], w, out=_poison((1, 48))) for i in range(4)]).float()
     err = ((block - rows).abs().max() / rows.abs().max()).item()
-    if path == "int8":
+    if path in ("int8", "lanes"):
         assert torch.equal(block, rows), f"max diff {(block - rows).abs().max().item():.3e}"
     elif path == "bf16":  # exact products against single rows rounded to 14 bits: within that rounding
         assert err < (5e-4 if DTYPE == torch.float32 else 1e-2), f"relative error {err:.2e}"

@@ -21,6 +21,7 @@ from format.numeric import GroupedFormat
 
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
+from .qgemv_lanes import qgemv_lanes
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
                          qgemv_int8, split_partials)
 from .launch import LAUNCH, pdl_wait
@@ -45,7 +46,7 @@ GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
 # bytes with 32-bit logic ops; the run record (`git show 5d8956c:bench/RESULTS.md`) §11), W8 (small shared-expert matrices) through the
 # float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
-ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16")
+ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16", "lanes")
 ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
 # The bf16 kernel (NINFER_GEMV_ROWS=bf16) is faster on Q5 products alone (MLP down T = 4: 65.8 -> 52.7 us) but
 # not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, the run record (`git show 5d8956c:bench/RESULTS.md`) §19): int8 stays the default
@@ -60,13 +61,23 @@ if os.environ.get("NINFER_ROWS_BF16_TILE"):  # side-by-side runs: rows,warps,sta
     ROWS_BF16_TUNING = dict(zip(("block_n", "num_warps", "num_stages", "programs"), _tile[:4]), prefetch=bool(_tile[4]))
 
 
-def rows_path(bits: int) -> str:
-    """Which kernel multiplies a block of 2..16 rows of x with `bits`-wide codes."""
+# rows of x up to which the lanes kernel (qgemv_lanes: the decode GEMV's arithmetic, each weight word
+# unpacked once for every row, each row bit for bit its decode product) beats the tensor-core kernels, whose
+# cost hardly grows with T; by code width, from the H200 (`bench/gemv_compare.py OUT lanes`, bench/RESULTS.md
+# §2): its dp4a work grows with T, so Q4 (cheap to unpack, dp4a-bound already at T = 1) never gains, while
+# Q5/Q6/W8 (costly unpacking, shared by the rows) gain at T = 2 (MLP down Q5: 2.32 -> 1.37 one-row products)
+LANES_MAX_T = {4: 1, 5: 3, 6: 2, 8: 4}
+
+
+def rows_path(bits: int, t: int = 16) -> str:
+    """Which kernel multiplies a block of t = 2..16 rows of x with `bits`-wide codes."""
     if ROWS_PATH not in ROWS_PATHS:
         raise ValueError(f"NINFER_GEMV_ROWS={ROWS_PATH!r} is not one of {', '.join(ROWS_PATHS)}; unset it for auto")
     if GEMV_PATH != "int8" or bits not in INT8_BITS:
         return "tensor"
-    return ROWS_BY_BITS[bits] if ROWS_PATH == "auto" else ROWS_PATH
+    if ROWS_PATH == "auto":
+        return "lanes" if t <= LANES_MAX_T[bits] else ROWS_BY_BITS[bits]
+    return ROWS_PATH
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
 INTERPRETER_PROGRAMS = 4
 INTERPRETER_BLOCK_N = 64
@@ -373,7 +384,7 @@ def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     write them: QuantizedX)."""
     if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base):
         return False
-    return t == 1 or rows_path(w.fmt.bits) in ("int8", "mma")
+    return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
 
 
 def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, xq: QuantizedX | None = None,
@@ -396,7 +407,10 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         xq = None  # this path multiplies x itself
     if t == 1:
         return _gemv_vec(x, w, y, xq, defer_sum)
-    path = rows_path(w.fmt.bits)
+    path = rows_path(w.fmt.bits, t)
+    if path == "lanes":  # the one-row product's tiles, so each row's result is its decode product's
+        block_n, block_k, split, num_warps, _ = _int8_tiles(w)
+        return qgemv_lanes(x, w, y, block_n, block_k, split, num_warps, xq, defer_sum)
     if path == "int8":
         return _gemm_rows_int8(x, w, y, xq)
     if path == "mma":
