@@ -156,49 +156,6 @@ def lanes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
-PREFILL_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2]]
-# fused dequantizing GEMM tiles: rows of x, weight rows, lanes per step, warps, stages
-PREFILL_TILES = [(128, 128, 64, 8, 3), (128, 128, 128, 8, 2), (256, 128, 64, 8, 2), (128, 256, 64, 8, 2),
-                 (64, 128, 128, 4, 3), (128, 64, 128, 4, 3)]
-
-
-def prefill_main(out: str) -> None:
-    """Short prefill chunks (T = 256, 512, 1024): the dense path against the fused dequantizing GEMM."""
-    from bench.attention_compare import graph_ms
-
-    rows = []
-    for label, n, k, fmt in PREFILL_SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes}
-        for t in (256, 512, 1024):
-            x, y = _xy(t, k, n)
-            flops = 2 * t * n * k
-            dense_us = graph_ms(lambda: ql._gemm(x, w, y)) * 1e3
-            row[f"t{t}_dense_us"], row[f"t{t}_dense_tflops"] = dense_us, flops / dense_us / 1e6
-            want = ql._gemm(x, w, torch.empty_like(y)).float()
-            best = None
-            for bt, bn, bk, nw, st in PREFILL_TILES:
-                tile = f"{bt}x{bn}x{bk}w{nw}s{st}"
-                try:
-                    us = graph_ms(lambda: ql.qgemm_fused(x, w, y, bt, bn, bk, nw, st)) * 1e3
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is reported
-                    print("tile failed", label, tile, type(exc).__name__, str(exc)[-300:], flush=True)
-                    continue
-                row[f"t{t}_fused_{tile}_us"] = us
-                if best is None or us < best[0]:
-                    best = (us, tile)
-            if best:
-                bt, bn, bk, nw, st = PREFILL_TILES[[f"{a}x{b}x{c}w{d}s{e}" for a, b, c, d, e in PREFILL_TILES].index(best[1])]
-                got = ql.qgemm_fused(x, w, torch.empty_like(y), bt, bn, bk, nw, st).float()
-                row.update({f"t{t}_fused_best_us": best[0], f"t{t}_fused_best_tile": best[1],
-                            f"t{t}_fused_tflops": flops / best[0] / 1e6, f"t{t}_fused_vs_dense": best[0] / dense_us,
-                            f"t{t}_fused_rel_err": ((got - want).abs().max() / want.abs().max()).item()})
-        rows.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                          if "_fused_" not in k or "best" in k or "vs_dense" in k or "err" in k}), flush=True)
-    _save(out, copy_bandwidth(), rows)
-
-
 def t1_main(out: str) -> None:
     from bench.attention_compare import graph_ms
 
@@ -244,8 +201,6 @@ def main(out: str, mode: str = "sweep") -> None:
         return rows_main(out)
     if mode == "lanes":
         return lanes_main(out)
-    if mode == "prefill":
-        return prefill_main(out)
     if mode == "t1":
         return t1_main(out)
     peak = copy_bandwidth()

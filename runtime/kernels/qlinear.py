@@ -221,22 +221,6 @@ def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) ->
     return dense
 
 
-def qgemm_fused(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor, block_t: int, block_n: int, block_k: int,
-                num_warps: int, num_stages: int = 2) -> torch.Tensor:
-    """y = x @ W^T for many rows of x with the weights dequantized tile by tile in registers (bf16(q * s),
-    as dequantize_rows writes them) and fed to the tensor cores: no dense copy of W in memory."""
-    t, k = x.shape
-    if w.k_pad % block_k:
-        raise ValueError(f"qgemm_fused: {block_k}-lane blocks do not tile K_pad {w.k_pad}")
-    high = w.high if w.high is not None else w.base
-    grid = (triton.cdiv(w.rows, block_n), triton.cdiv(t, block_t), 1)
-    _qlinear_kernel[grid](x, w.base, high, w.scale, y, t, w.rows, k, x.stride(0), w.k_pad,
-                          GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-                          HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-                          num_warps=num_warps, num_stages=num_stages, **LAUNCH)
-    return y
-
-
 def _gemm(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
     """Prefill: dequantize row chunks to dense once and let the vendor GEMM do the math."""
     step = max(32, GEMM_DEQUANT_BYTES // (w.cols * x.element_size()) // 32 * 32)
