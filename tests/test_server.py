@@ -176,7 +176,22 @@ def test_speculative_server_answers_like_the_plain_one(server, artifact, method)
         spec.stop()
 
 
-def test_overload_gives_429_and_loses_nothing(artifact):
+@pytest.fixture
+def slow_decode(monkeypatch):
+    """Decode steps of >= 20 ms: a tiny model on the CPU's torch path decodes in about a millisecond, faster than
+    the tests' clients can queue behind it, so the tests that need a busy lane make it slow."""
+    from runtime.engine import Engine
+
+    decode_step = Engine.decode_step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.02)
+        return decode_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "decode_step", slow_step)
+
+
+def test_overload_gives_429_and_loses_nothing(artifact, slow_decode):
     s = _Server(artifact, lanes=1, max_pending=1)
     try:
         client = _oa(s)
@@ -214,7 +229,7 @@ def test_client_disconnect_frees_the_lane(server):
     assert httpx.get(server.url + "/health").json()["active_lanes"] == 0
 
 
-def test_queue_timeout_gives_503(artifact):
+def test_queue_timeout_gives_503(artifact, slow_decode):
     s = _Server(artifact, lanes=1, max_pending=4, pending_timeout_ms=1)
     try:
         def ask(i):
