@@ -349,17 +349,19 @@ def bench(
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
     lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane).")] = None,
     concurrent_prefill: Annotated[Optional[str], typer.Option(help="Lanes mode: lane 0 also prefills this many tokens while the other lanes decode (inter-token gaps), e.g. 32k.")] = None,
+    kernels: Annotated[Optional[str], typer.Option(help="Kernels mode: every distinct quantized product of the model at these row counts of x, e.g. 1,2,4,8 (microseconds, fraction of copy bandwidth).")] = None,
     plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth (or vs lanes).")] = None,
     json_out: Annotated[Optional[Path], typer.Option(help="Also write the results JSON to this file.")] = None,
     as_json: JsonOpt = False,
 ):
-    """Prefill and decode speed per depth against the bandwidth roofline, or decode with several lanes
-    at once (--lanes) against one weight read per step (needs a CUDA GPU)."""
+    """Prefill and decode speed per depth against the bandwidth roofline, decode with several lanes at
+    once (--lanes) against one weight read per step, or each quantized product alone (--kernels) against
+    the copy bandwidth (needs a CUDA GPU)."""
     import tempfile
 
     import torch
 
-    from runtime.bench import BenchOptions, plot, plot_lanes, run_bench, run_lanes_bench
+    from runtime.bench import BenchOptions, plot, plot_lanes, run_bench, run_kernel_bench, run_lanes_bench
     from runtime.memory_plan import MemoryPlanError, parse_prefill_chunk
 
     if not torch.cuda.is_available():
@@ -373,6 +375,9 @@ def bench(
         raise MemoryPlanError("--concurrent-prefill needs --lanes (e.g. --lanes 1,4 --concurrent-prefill 32k)")
     if lane_counts and spec != Spec.none:
         raise MemoryPlanError("--lanes measures plain decode; drop --spec (speculation has its own bench rows)")
+    row_counts = _row_counts(kernels) if kernels else None
+    if row_counts and lane_counts:
+        raise MemoryPlanError("give one of --lanes and --kernels")
     seed = None
     if random_weights is not None:
         from format.shapes import write_shape_artifact
@@ -382,7 +387,10 @@ def bench(
                                         mtp=True, lm_head_draft=32768 if lm_head_draft else 0,
                                         dflash2=spec == Spec.dflash2)
         seed = 0
-    if lane_counts:
+    if row_counts:
+        results = run_kernel_bench(artifact, row_counts, log=lambda m: err.print(m))
+        plotter, printer = None, _print_kernels
+    elif lane_counts:
         results = run_lanes_bench(artifact, lane_counts, _tokens(depths.split(",")[0]), kv_dtype.split(","),
                                   prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
                                   prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
@@ -400,7 +408,9 @@ def bench(
         results["shape"], results["recipe"] = random_weights, recipe
     if json_out:
         json_out.write_text(json.dumps(results, indent=1))
-    if plot_png and not plotter(results, plot_png):
+    if plot_png and plotter is None:
+        err.print("--plot: the kernels mode has no plot; its table and --json-out hold the numbers")
+    elif plot_png and not plotter(results, plot_png):
         err.print("--plot skipped: matplotlib is not installed (pip install matplotlib)")
     if as_json:
         print(json.dumps(results))
@@ -455,6 +465,37 @@ def _lane_counts(text: str) -> list[int]:
     if not counts or counts[0] < 1 or counts[-1] > 8:
         raise MemoryPlanError(f"--lanes {text!r}: lane counts must be 1..8")
     return counts
+
+
+def _row_counts(text: str) -> list[int]:
+    from runtime.memory_plan import MemoryPlanError
+
+    try:
+        counts = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        raise MemoryPlanError(f"--kernels {text!r}: give row counts such as 1,2,4,8") from None
+    if not counts or counts[0] < 1 or counts[-1] > 4096:
+        raise MemoryPlanError(f"--kernels {text!r}: row counts must be 1..4096")
+    return counts
+
+
+def _print_kernels(r: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    counts = r["row_counts"]
+    t = Table(title=f"{escape(r['artifact'])} on {escape(r['device'])}: each product alone, µs (of copy; x the "
+                    f"one-row product) (copy {r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
+    for col in ("matrix", "format", "N x K", "per step", *[f"T = {c}" for c in counts]):
+        t.add_column(col, justify="right", no_wrap=True)
+    for row in r["rows"]:
+        cells = []
+        for c in counts:
+            cell = f"{row[f't{c}_us']:.1f} ({row[f't{c}_of_copy']:.2f}"
+            cell += f"; x{row[f't{c}_vs_t1']:.2f})" if c != 1 and f"t{c}_vs_t1" in row else ")"
+            cells.append(cell)
+        t.add_row(escape(row["matrix"]), row["format"], f"{row['N']} x {row['K']}", str(row["per_step"]), *cells)
+    out.print(t)
 
 
 def _print_lanes(r: dict) -> None:

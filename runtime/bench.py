@@ -376,3 +376,85 @@ def plot_lanes(results: dict, out_png) -> bool:
     return _plot(results, out_png, "lanes", "aggregate_tok_s", "ideal_aggregate_tok_s",
                  ("aggregate", "one weight read per step"), "lanes decoding at once", "tokens / s (all lanes)",
                  f", {results['depth']} tokens per lane", False)
+
+
+def _graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of `fn` replayed from a CUDA graph of 10 calls (as the engine's decode step
+    runs its kernels: no launch gaps in the time)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (reps * 10) * 1e6
+
+
+def distinct_products(path) -> dict[tuple[str, int, int], list[str]]:
+    """The text model's quantized matrices grouped by (format, rows, columns): the products a decode step
+    runs, each geometry once, with the names of every matrix that has it."""
+    from format.container import Artifact
+    from format.numeric import GroupedFormat, get_format
+
+    products: dict[tuple[str, int, int], list[str]] = {}
+    with Artifact(path) as art:
+        for name, e in art.objects.items():
+            if e.component != "text" or len(e.shape or ()) != 2 or not isinstance(get_format(e.format), GroupedFormat):
+                continue
+            products.setdefault((e.format, e.shape[0], e.shape[1]), []).append(name)
+    return products
+
+
+def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes: int = 256 << 20, log=print) -> dict:
+    """Every distinct quantized product of the artifact's text model (format, rows, columns), with random
+    codes of its geometry, at T = each of `row_counts` rows of x: microseconds, the fraction of the copy
+    bandwidth its weight bytes allow, and the cost in one-row products; each weight in enough copies
+    (cycled through by the replays) that no replay reads it from L2. Which kernel serves T rows is the
+    runtime's own choice (qlinear)."""
+    from format.layouts import RowSplitGeometry
+    from format.numeric import get_format
+
+    from .kernels.qlinear import PackedLinear, qlinear, rows_path
+
+    products = distinct_products(path)
+    bw = copy_bandwidth(device)
+    results = {"artifact": str(path), "mode": "kernels", "device": torch.cuda.get_device_name(device),
+               "copy_bandwidth_bytes_per_s": bw, "row_counts": row_counts, "rows": []}
+    gen = torch.Generator(device).manual_seed(0)
+    for (fmt_name, n, k), names in sorted(products.items(), key=lambda kv: -kv[0][1] * kv[0][2]):
+        fmt = get_format(fmt_name)
+        geo = RowSplitGeometry(n, k, fmt)
+        copies = max(1, -(-l2_bytes // geo.total_bytes))
+        weights = []
+        for _ in range(copies):
+            raw = torch.randint(0, 256, (geo.total_bytes,), dtype=torch.uint8, device=device, generator=gen)
+            base, high, scale = geo.split(raw)
+            scale.view(torch.float16).copy_((torch.rand(scale.numel() // 2, device=device, generator=gen) * 1e-3).half())
+            weights.append(PackedLinear(base, high, scale, n, k, fmt))
+        short = names[0].split("/layers/")[-1].split("/", 1)[-1] if "/layers/" in names[0] else names[0].split("/")[-1]
+        row = {"matrix": short, "format": fmt_name, "N": n, "K": k, "bytes": geo.total_bytes, "per_step": len(names)}
+        for t in row_counts:
+            x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
+            y = torch.empty(t, n, device=device, dtype=torch.bfloat16)
+            turn = iter(range(1 << 62))
+            us = _graph_us(lambda: qlinear(x, weights[next(turn) % copies], out=y))
+            row[f"t{t}_us"] = us
+            row[f"t{t}_of_copy"] = geo.total_bytes / (us * 1e-6) / bw
+            row[f"t{t}_kernel"] = "decode GEMV" if t == 1 else ("GEMM" if t > 16 else rows_path(fmt.bits, t))
+            if row_counts[0] == 1:
+                row[f"t{t}_vs_t1"] = us / row["t1_us"]
+        results["rows"].append(row)
+        log(f"{short} {fmt_name} {n}x{k}: " + ", ".join(f"T={t} {row[f't{t}_us']:.1f} us" for t in row_counts))
+        del weights
+        torch.cuda.empty_cache()
+    return results

@@ -159,3 +159,29 @@ def test_output_off_a_terminal_is_whole_lines(tiny_with_mtp, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr and not r.stderr.startswith("\n")
     assert r.stdout.startswith("wrote ") and str(out) in r.stdout.splitlines()[0]
+
+
+def test_kernel_bench_lists_each_product_geometry_once(tmp_path, capsys):
+    """`bench --kernels` times each distinct (format, rows, columns) of the text model once and knows how
+    many matrices per step share it (the 27B shape: its four GDN-layer and one attention-layer geometries per
+    layer kind, the output head); its table prints every row count; on a CPU it refuses in one line."""
+    from format.shapes import write_shape_artifact
+    from ninfer_cli import main
+    from runtime.bench import distinct_products
+
+    products = distinct_products(write_shape_artifact("qwen3.6-27b", tmp_path / "s.nfer", "q4", mtp=False))
+    assert sum(len(v) for v in products.values()) >= 64 * 3  # every layer's products, counted
+    head = [k for k, v in products.items() if any(n.endswith("output_head") for n in v)]
+    assert head and head[0][1] == 248320 and len(products[head[0]]) == 1
+    assert len({k for k in products}) == len(products) and all(len(k) == 3 for k in products)
+    row = {"matrix": "mlp/gate_up", "format": "Q4G64_F16S", "N": 34816, "K": 5120, "per_step": 64, "t1_us": 29.4,
+           "t1_of_copy": 0.75, "t2_us": 61.0, "t2_of_copy": 0.36, "t2_vs_t1": 2.07}
+    main._print_kernels({"artifact": "a.nfer", "device": "GPU", "copy_bandwidth_bytes_per_s": 4.2e12,
+                         "row_counts": [1, 2], "rows": [row]})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mlp/gate_up" in out and "29.4 (0.75)" in out and "61.0 (0.36; x2.07)" in out
+    import torch
+
+    if not torch.cuda.is_available():
+        r = runner.invoke(app, ["bench", "--random-weights", "qwen3.6-27b", "--kernels", "1,2"])
+        assert r.exit_code == 1 and "needs a CUDA GPU" in r.output
