@@ -408,8 +408,11 @@ def distinct_products(path) -> dict[tuple[str, int, int], list[str]]:
 
     products: dict[tuple[str, int, int], list[str]] = {}
     with Artifact(path) as art:
+        tied = not art.has("text/output_head")  # the head multiplies by the embedding matrix
         for name, e in art.objects.items():
             if e.component != "text" or len(e.shape or ()) != 2 or not isinstance(get_format(e.format), GroupedFormat):
+                continue
+            if name == "text/token_embedding" and not tied:  # looked up row by row, never multiplied
                 continue
             products.setdefault((e.format, e.shape[0], e.shape[1]), []).append(name)
     return products

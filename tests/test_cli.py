@@ -173,6 +173,7 @@ def test_kernel_bench_lists_each_product_geometry_once(tmp_path, capsys):
     assert sum(len(v) for v in products.values()) >= 64 * 3  # every layer's products, counted
     head = [k for k, v in products.items() if any(n.endswith("output_head") for n in v)]
     assert head and head[0][1] == 248320 and len(products[head[0]]) == 1
+    assert not any(n.endswith("token_embedding") for v in products.values() for n in v)  # a lookup, not a product
     assert len({k for k in products}) == len(products) and all(len(k) == 3 for k in products)
     row = {"matrix": "mlp/gate_up", "format": "Q4G64_F16S", "N": 34816, "K": 5120, "per_step": 64, "t1_us": 29.4,
            "t1_of_copy": 0.75, "t2_us": 61.0, "t2_of_copy": 0.36, "t2_vs_t1": 2.07}
