@@ -38,12 +38,23 @@ _COMMON = {
 }
 
 
+# the vision tower of the family's checkpoints (460.7M parameters, ~0.9 GB in BF16); out_hidden_size follows the
+# text model's hidden size
+_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 2304, "in_channels": 3,
+           "hidden_act": "gelu_pytorch_tanh"}
+
+
 def _layers(n: int) -> list[str]:
     return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
 
 
 NAMED_SHAPES: dict[str, dict] = {
     "qwen3.6-27b": {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+                    "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
+                    "linear_num_value_heads": 48, "intermediate_size": 17408},
+    # Qwen3.8-27B: the 27B text shape (its artifacts differ in companions, e.g. DFlash2, not in the text model)
+    "qwen3.8-27b": {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
                     "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
                     "linear_num_value_heads": 48, "intermediate_size": 17408},
     "qwen3.6-35b-a3b": {**_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
@@ -72,14 +83,38 @@ def shape_config(name: str) -> dict:
         raise ConvertError(f"unknown shape {name!r}; choose one of {', '.join(NAMED_SHAPES)}") from None
 
 
+def vision_inventory(vision: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The vision tower's tensors (names under `vision/`, as the converter keeps a checkpoint's, and their
+    shapes) for an HF vision_config: patch embedding, position table, the blocks, the patch merger."""
+    h, inter, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
+    patch, temporal, merged = vision["patch_size"], vision["temporal_patch_size"], h * vision["spatial_merge_size"] ** 2
+    out = [("patch_embed.proj.weight", (h, vision.get("in_channels", 3), temporal, patch, patch)),
+           ("patch_embed.proj.bias", (h,)), ("pos_embed.weight", (vision["num_position_embeddings"], h))]
+    for i in range(depth):
+        b = f"blocks.{i}."
+        out += [(b + "norm1.weight", (h,)), (b + "norm1.bias", (h,)), (b + "norm2.weight", (h,)), (b + "norm2.bias", (h,)),
+                (b + "attn.qkv.weight", (3 * h, h)), (b + "attn.qkv.bias", (3 * h,)),
+                (b + "attn.proj.weight", (h, h)), (b + "attn.proj.bias", (h,)),
+                (b + "mlp.linear_fc1.weight", (inter, h)), (b + "mlp.linear_fc1.bias", (inter,)),
+                (b + "mlp.linear_fc2.weight", (h, inter)), (b + "mlp.linear_fc2.bias", (h,))]
+    out += [("merger.norm.weight", (h,)), ("merger.norm.bias", (h,)),
+            ("merger.linear_fc1.weight", (merged, merged)), ("merger.linear_fc1.bias", (merged,)),
+            ("merger.linear_fc2.weight", (vision["out_hidden_size"], merged)),
+            ("merger.linear_fc2.bias", (vision["out_hidden_size"],))]
+    return [(f"vision/{n}", shape) for n, shape in out]
+
+
 def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", mtp: bool = True,
-                         lm_head_draft: int = 0, dflash2: bool = False) -> Path:
-    """A v3 artifact of the named shape with zero payloads (see module doc)."""
+                         lm_head_draft: int = 0, dflash2: bool = False, vision: bool = False) -> Path:
+    """A v3 artifact of the named shape with zero payloads (see module doc); `vision` adds the family's
+    vision tower (BF16, as the converter keeps it)."""
     if recipe not in RECIPES:
         raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     text = shape_config(name)
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": text["model_type"].removesuffix("_text"),
               "text_config": text}
+    if vision:
+        config["vision_config"] = {**_VISION, "out_hidden_size": text["hidden_size"]}
     cfg = ModelConfig.from_hf_dict(config)
     names = SourceNames("", "", False)
     specs = text_inventory(cfg, names) + (mtp_inventory(cfg, names, 1) if mtp else [])
@@ -100,6 +135,8 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
     if lm_head_draft:
         tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), format_for(recipe, "draft_head"), "lm_head_draft"))
         tensors.append((DRAFT_TOKEN_IDS, (lm_head_draft,), "I32", "lm_head_draft"))
+    if vision:
+        tensors += [(vname, shape, "BF16", "vision") for vname, shape in vision_inventory(config["vision_config"])]
     for tname, shape, fmt, comp in tensors:
         plan.add_tensor(tname, shape, fmt, comp)
     out = Path(out)

@@ -175,7 +175,9 @@ class Spec(str, Enum):
 @app.command()
 @friendly
 def fit(
-    artifact: Annotated[Path, typer.Argument(help="The .nfer file.")],
+    artifact: Annotated[Optional[Path], typer.Argument(help="The .nfer file (omit with --shape).")] = None,
+    shape: Annotated[Optional[str], typer.Option(help="A full-size shape instead of a file: qwen3.6-27b, qwen3.8-27b, qwen3.6-35b-a3b (no download, no GPU).")] = None,
+    recipe: Annotated[str, typer.Option(help="Weight recipe of the --shape model (q4, q5, q6, w8, bf16).")] = "q4",
     vram: Annotated[Optional[str], typer.Option(help="Card memory, e.g. 24G (GiB), 80GB (10^9).")] = None,
     gpu: Annotated[Optional[str], typer.Option(help="A known card instead of --vram: rtx4090, rtx5090, h100, h200, ...")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory left unplanned (CUDA context, other processes).")] = "1.3G",
@@ -191,6 +193,8 @@ def fit(
     as_json: JsonOpt = False,
 ):
     """Solve for the largest --max-context that fits a card, byte for byte (no GPU needed)."""
+    import tempfile
+
     from format.container import Artifact
     from runtime.memory_plan import (GPU_VRAM_MIB, NATIVE_CONTEXT, MemoryPlanError, PlanOptions, build_plan, fit as solve,
                                      parse_bytes, parse_prefill_chunk, resolve_prefill_chunk)
@@ -205,6 +209,15 @@ def fit(
     else:
         total = parse_bytes(vram)
     reserve = parse_bytes(vram_reserve)
+    if (artifact is None) == (shape is None):
+        raise MemoryPlanError("give exactly one of ARTIFACT or --shape NAME")
+    if shape is not None:  # a zero-payload artifact of the shape (a few KB of disk), with what the options ask for
+        from format.shapes import write_shape_artifact
+
+        workdir = tempfile.TemporaryDirectory(prefix="ninfer-fit-")
+        artifact = write_shape_artifact(shape, Path(workdir.name) / f"{shape}-{recipe}.nfer", recipe, mtp=True,
+                                        lm_head_draft=32768 if lm_head_draft else 0, dflash2=spec == Spec.dflash2,
+                                        vision=vision)
     opts = PlanOptions(max_context=max_context or 64, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
                        prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                        lm_head_draft=lm_head_draft, vision=vision, cuda_graphs=cuda_graphs)

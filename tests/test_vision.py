@@ -1,6 +1,7 @@
 """Vision: our tower + MRoPE against transformers' qwen3_5 on a tiny random config, preprocessing,
 placeholder expansion, the Triton engine on an image prompt, and images through the server."""
 
+import json
 import base64
 import io
 
@@ -300,3 +301,34 @@ def test_preprocess_equals_transformers_image_processor(h, w, min_pixels, max_pi
     got = preprocess(buf.getvalue(), cfg)
     assert [list(got.grid_thw)] == want["image_grid_thw"].tolist()
     assert torch.equal(got.pixel_values, want["pixel_values"].float())
+
+
+def test_shape_artifacts_carry_the_vision_tower_the_converter_keeps(vision_artifact, hf_dense, tmp_path):
+    """The zero-payload shape artifacts' vision inventory is, name for name and shape for shape, what the
+    converter keeps from a transformers checkpoint (the tiny one here), and the full-size tower has the
+    family's 460.7M parameters; `ninfer fit --shape ... --vision` counts it without a file or a GPU."""
+    import math
+    import subprocess
+    import sys
+
+    from format.container import Artifact
+    from format.shapes import vision_inventory, write_shape_artifact
+
+    config = json.loads((hf_dense / "config.json").read_text())
+    with Artifact(vision_artifact) as art:
+        converted = {n: tuple(e.shape) for n, e in art.objects.items() if n.startswith("vision/")}
+    assert dict(vision_inventory(config["vision_config"])) == converted
+    full = write_shape_artifact("qwen3.8-27b", tmp_path / "v.nfer", vision=True)
+    with Artifact(full) as art:
+        params = sum(math.prod(e.shape) for n, e in art.objects.items() if n.startswith("vision/"))
+    assert params == 460_730_096
+
+    def fit(*extra):
+        out = subprocess.run([sys.executable, "-m", "ninfer_cli.main", "fit", "--shape", "qwen3.6-27b", "--gpu", "rtx5090",
+                              "--json", *extra], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    plain, seeing = fit(), fit("--vision")
+    assert abs(seeing["breakdown"]["weights"] - plain["breakdown"]["weights"] - 2 * params) < 2 << 20  # arena rounding
+    assert 0 < seeing["max_context"] < plain["max_context"]
