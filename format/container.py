@@ -197,7 +197,15 @@ class Artifact:
             raise ArtifactError("invalid JSON directory: nested too deeply") from None
         if any(self._mm[header + json_bytes : self.payload_offset]):
             raise ArtifactError("the padding between the JSON directory and the payload is not all zero bytes")
-        self._parse_root(root, version)
+        try:
+            self._parse_root(root, version)
+        except ArtifactError:
+            from .upstream import UpstreamArtifactError, recognise
+
+            info = recognise(self.path, self._mm, version)
+            if info is not None:  # upstream's directory, not a corrupt one of ours: say what it is
+                raise UpstreamArtifactError(info) from None
+            raise
         self._check_spans(size)
 
     def _parse_root(self, root, version: int) -> None:

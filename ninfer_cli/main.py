@@ -87,8 +87,13 @@ def inspect(
     from format.errors import ArtifactError
     from format.inspect import summarize, verify as deep_verify
 
+    from format.upstream import UpstreamArtifactError
+
     try:
         art = Artifact(artifact)
+    except UpstreamArtifactError as exc:
+        _print_upstream(exc.info.as_dict(), as_json)
+        raise typer.Exit(1)
     except ArtifactError as exc:
         if as_json:
             print(json.dumps({"path": str(artifact), "runnable": False, "problems": [str(exc)]}))
@@ -429,6 +434,26 @@ def bench(
         print(json.dumps(results))
         return
     printer(results)
+
+
+def _print_upstream(d: dict, as_json: bool) -> None:
+    """inspect on an upstream ninfer artifact: what it is and holds, and why this build cannot run it."""
+    from rich.markup import escape
+
+    if as_json:
+        print(json.dumps(d))
+        return
+    out.print(f"{escape(d['path'])}: [bold]upstream ninfer v{d['version']}[/bold] artifact, model "
+              f"{escape(str(d['model_id']))}, weights {escape(str(d['weights_profile']))}, {d['objects']} objects",
+              soft_wrap=True)
+    out.print(f"  components: {escape(', '.join(d['components']) or '-')}", soft_wrap=True)
+    out.print(f"  weight formats: {escape(', '.join(d['formats']) or '-')}", soft_wrap=True)
+    if d["resources"]:
+        out.print(f"  resources: {escape(', '.join(d['resources']))}", soft_wrap=True)
+    out.print("  [red]cannot run[/red] in this build:", soft_wrap=True)
+    for why in d["problems"]:
+        out.print(f"  - {escape(why)}", soft_wrap=True)
+    out.print("  to run this model now: `ninfer convert` its Hugging Face checkpoint", soft_wrap=True)
 
 
 def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str, device: str):
