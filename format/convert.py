@@ -35,6 +35,11 @@ from .recipes import RECIPES, format_for
 CHUNK_SOURCE_BYTES = 16 << 20  # rows per encode step are sized to about this much float32
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 VISION_PREFIXES = ("model.visual.", "visual.", "vision_tower.")
+# --vision-recipe: the vision tower's products (attention, MLP, patch merger) in this format; the patch
+# embedding, position table, norms and biases stay BF16
+VISION_RECIPES = {"bf16": "BF16", "w8": "W8G32_F16S", "q6": "Q6G64_F16S"}
+VISION_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+                   "merger.linear_fc1.weight", "merger.linear_fc2.weight")
 
 
 @dataclass
@@ -43,6 +48,7 @@ class ConvertOptions:
     recipe: str = "q4"
     mtp: bool | None = None  # None: include when present (v3), skip with a note (v2)
     vision: bool | None = None  # None: include when present
+    vision_recipe: str = "bf16"  # the vision tower's matrices: bf16 (as the checkpoint), w8 or q6
     lm_head_draft: int = 0  # rows of the frequency-ranked draft head; 0 = none
     draft_ranking: Path | None = None  # i64 per-token counts (raw LE or .npy); default ranks by token id
     dflash2: Path | None = None  # DFlash2 drafter checkpoint directory
@@ -237,11 +243,14 @@ def _plan_jobs(src: Path, ckpt: Checkpoint, cfg: ModelConfig, opts: ConvertOptio
     vision_keys = [k for k in ckpt.tensors if k.startswith(VISION_PREFIXES)]
     if opts.vision and not vision_keys:
         raise ConvertError("--vision was given but the checkpoint has no vision tower weights")
+    if opts.vision_recipe not in VISION_RECIPES:
+        raise ConvertError(f"unknown vision recipe {opts.vision_recipe!r}; choose one of {', '.join(VISION_RECIPES)}")
     if vision_keys and opts.vision is not False:
         for k in sorted(vision_keys):
             rest = next(k[len(p):] for p in VISION_PREFIXES if k.startswith(p))
             spec = ObjectSpec(f"vision/{rest}", ckpt.shape(k), "small", "vision", (SourcePart(k),))
-            jobs.append(_Job(spec, "BF16", ckpt))
+            quantized = rest.endswith(VISION_MATRICES) and len(ckpt.shape(k)) == 2
+            jobs.append(_Job(spec, VISION_RECIPES[opts.vision_recipe] if quantized else "BF16", ckpt))
 
     if opts.lm_head_draft:
         if opts.version == 2:

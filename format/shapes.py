@@ -105,9 +105,14 @@ def vision_inventory(vision: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", mtp: bool = True,
-                         lm_head_draft: int = 0, dflash2: bool = False, vision: bool = False) -> Path:
+                         lm_head_draft: int = 0, dflash2: bool = False, vision: bool = False,
+                         vision_recipe: str = "bf16") -> Path:
     """A v3 artifact of the named shape with zero payloads (see module doc); `vision` adds the family's
-    vision tower (BF16, as the converter keeps it)."""
+    vision tower, its products in `vision_recipe`'s format as the converter writes them."""
+    from .convert import VISION_MATRICES, VISION_RECIPES
+
+    if vision_recipe not in VISION_RECIPES:
+        raise ConvertError(f"unknown vision recipe {vision_recipe!r}; choose one of {', '.join(VISION_RECIPES)}")
     if recipe not in RECIPES:
         raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     text = shape_config(name)
@@ -136,7 +141,8 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
         tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), format_for(recipe, "draft_head"), "lm_head_draft"))
         tensors.append((DRAFT_TOKEN_IDS, (lm_head_draft,), "I32", "lm_head_draft"))
     if vision:
-        tensors += [(vname, shape, "BF16", "vision") for vname, shape in vision_inventory(config["vision_config"])]
+        tensors += [(vname, shape, VISION_RECIPES[vision_recipe] if vname.endswith(VISION_MATRICES) else "BF16", "vision")
+                    for vname, shape in vision_inventory(config["vision_config"])]
     for tname, shape, fmt, comp in tensors:
         plan.add_tensor(tname, shape, fmt, comp)
     out = Path(out)

@@ -40,6 +40,7 @@ def convert(
     recipe: Annotated[Recipe, typer.Option(help="Weight formats: q4 | q5 | q6 | w8 | bf16.")] = Recipe.q4,
     mtp: Annotated[Optional[bool], typer.Option("--mtp/--no-mtp", help="Carry the MTP head (default: when present, v3 only).")] = None,
     vision: Annotated[Optional[bool], typer.Option("--vision/--no-vision", help="Carry the vision tower (default: when present).")] = None,
+    vision_recipe: Annotated[str, typer.Option(help="The vision tower's matrices: bf16 (as the checkpoint, ~0.9 GB on the 27B), w8 or q6.")] = "bf16",
     lm_head_draft: Annotated[int, typer.Option(help="Rows of a frequency-ranked lm-head draft (v3; 0 = none).")] = 0,
     draft_ranking: Annotated[Optional[Path], typer.Option(help="Per-token i64 counts ranking the draft rows (.npy or raw LE).")] = None,
     dflash2: Annotated[Optional[Path], typer.Option(help="DFlash2 drafter checkpoint directory to carry (v3).")] = None,
@@ -51,7 +52,8 @@ def convert(
 
     from format.convert import ConvertOptions, convert_checkpoint
 
-    opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, lm_head_draft=lm_head_draft,
+    opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, vision_recipe=vision_recipe,
+                          lm_head_draft=lm_head_draft,
                           draft_ranking=draft_ranking, dflash2=dflash2, checksums=checksums)
     with Progress(TextColumn("converting"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                   TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -183,6 +185,7 @@ def fit(
     artifact: Annotated[Optional[Path], typer.Argument(help="The .nfer file (omit with --shape).")] = None,
     shape: Annotated[Optional[str], typer.Option(help="A full-size shape instead of a file: qwen3.6-27b, qwen3.8-27b, qwen3.6-35b-a3b (no download, no GPU).")] = None,
     recipe: Annotated[str, typer.Option(help="Weight recipe of the --shape model (q4, q5, q6, w8, bf16).")] = "q4",
+    vision_recipe: Annotated[str, typer.Option(help="The --shape model's vision matrices with --vision: bf16, w8 or q6.")] = "bf16",
     vram: Annotated[Optional[str], typer.Option(help="Card memory, e.g. 24G (GiB), 80GB (10^9).")] = None,
     gpu: Annotated[Optional[str], typer.Option(help="A known card instead of --vram: rtx4090, rtx5090, h100, h200, ...")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory left unplanned (CUDA context, other processes).")] = "1.3G",
@@ -222,7 +225,7 @@ def fit(
         workdir = tempfile.TemporaryDirectory(prefix="ninfer-fit-")
         artifact = write_shape_artifact(shape, Path(workdir.name) / f"{shape}-{recipe}.nfer", recipe, mtp=True,
                                         lm_head_draft=32768 if lm_head_draft else 0, dflash2=spec == Spec.dflash2,
-                                        vision=vision)
+                                        vision=vision, vision_recipe=vision_recipe)
     opts = PlanOptions(max_context=max_context or 64, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
                        prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                        lm_head_draft=lm_head_draft, vision=vision, cuda_graphs=cuda_graphs)

@@ -129,7 +129,9 @@ class Engine:
         if opts.vision:
             from .vision import VisionTower
 
-            self.vision = VisionTower.from_artifact(self.art, self.device, self.act_dtype, resident=self.vec)
+            packed = {n: lin.packed for n, lin in self.lin.items() if n.startswith("vision/") and isinstance(lin, QuantLinear)}
+            self.vision = VisionTower.from_artifact(self.art, self.device, self.act_dtype, resident=self.vec,
+                                                    resident_packed=packed)
         self.stats = EngineStats()
         self.use_graphs = on_gpu and cuda_graphs
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)

@@ -160,23 +160,44 @@ def _bilinear_taps(coord: torch.Tensor, size: int, side: int):
 
 
 class VisionTower:
-    def __init__(self, cfg: VisionConfig, ids: TokenIds, weights: dict[str, torch.Tensor], device, dtype: torch.dtype):
-        """weights: the checkpoint's vision tensors by their names under `vision/`."""
+    def __init__(self, cfg: VisionConfig, ids: TokenIds, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
+                 packed: dict | None = None):
+        """weights: the checkpoint's vision tensors by their names under `vision/`; packed: the matrices
+        stored quantized (convert --vision-recipe), as PackedLinear by the same names, multiplied as stored."""
         self.cfg, self.ids, self.w = cfg, ids, weights
+        self.packed = packed or {}
         self.device, self.dtype = torch.device(device), dtype
 
     @classmethod
     def from_artifact(cls, art: Artifact, device, dtype: torch.dtype,
-                      resident: dict[str, torch.Tensor] | None = None) -> "VisionTower":
-        """Load the tower's weights (or use `resident`, tensors already on the device by object name)."""
+                      resident: dict[str, torch.Tensor] | None = None, resident_packed: dict | None = None) -> "VisionTower":
+        """Load the tower's weights (or use `resident` / `resident_packed`: tensors and PackedLinear already on the
+        device by object name). Quantized matrices stay quantized."""
+        from format.numeric import GroupedFormat, get_format
+
         from .dequant import load_tensor
 
         names = [n for n in art.objects if n.startswith("vision/")]
         if not names:
             raise BindingError("this artifact carries no vision tower; re-convert from a checkpoint that has one")
-        weights = {n[len("vision/"):]: (resident[n].to(dtype) if resident is not None else load_tensor(art, n, dtype, device))
-                   for n in names}
-        return cls(VisionConfig.from_artifact(art), TokenIds.from_artifact(art), weights, device, dtype)
+        weights, packed = {}, {}
+        for n in names:
+            key = n[len("vision/"):]
+            if isinstance(get_format(art.entry(n).format), GroupedFormat):
+                packed[key] = resident_packed[n] if resident_packed is not None else _load_packed(art, n, device)
+            else:
+                weights[key] = resident[n].to(dtype) if resident is not None else load_tensor(art, n, dtype, device)
+        return cls(VisionConfig.from_artifact(art), TokenIds.from_artifact(art), weights, device, dtype, packed)
+
+    def _linear(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        """x @ W^T + b for the matrix `key` (".weight" / ".bias" pair), stored quantized or not."""
+        if key + ".weight" in self.packed:
+            from .kernels.qlinear import qlinear
+
+            y = qlinear(x.contiguous(), self.packed[key + ".weight"])
+        else:
+            y = x @ self.w[key + ".weight"].t()
+        return y + self.w[key + ".bias"]
 
     def _rotary(self, rows: torch.Tensor, cols: torch.Tensor):
         head = self.cfg.hidden_size // self.cfg.num_heads
@@ -209,19 +230,28 @@ class VisionTower:
         for i in range(c.depth):
             b = f"blocks.{i}."
             h = F.layer_norm(x, (c.hidden_size,), w[b + "norm1.weight"], w[b + "norm1.bias"], 1e-6)
-            qkv = (h @ w[b + "attn.qkv.weight"].t() + w[b + "attn.qkv.bias"]).view(n, 3, heads, -1)
+            qkv = self._linear(h, b + "attn.qkv").view(n, 3, heads, -1)
             q, k, v = qkv.unbind(1)
             q, k = _rotate(q.float(), cos, sin).to(x.dtype), _rotate(k.float(), cos, sin).to(x.dtype)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             o = o.transpose(0, 1).reshape(n, -1)
-            x = x + o @ w[b + "attn.proj.weight"].t() + w[b + "attn.proj.bias"]
+            x = x + self._linear(o, b + "attn.proj")
             h = F.layer_norm(x, (c.hidden_size,), w[b + "norm2.weight"], w[b + "norm2.bias"], 1e-6)
-            h = F.gelu(h @ w[b + "mlp.linear_fc1.weight"].t() + w[b + "mlp.linear_fc1.bias"], approximate="tanh")
-            x = x + h @ w[b + "mlp.linear_fc2.weight"].t() + w[b + "mlp.linear_fc2.bias"]
+            h = F.gelu(self._linear(h, b + "mlp.linear_fc1"), approximate="tanh")
+            x = x + self._linear(h, b + "mlp.linear_fc2")
         x = F.layer_norm(x, (c.hidden_size,), w["merger.norm.weight"], w["merger.norm.bias"], 1e-6)
         x = x.view(-1, c.hidden_size * c.spatial_merge_size ** 2)
-        x = F.gelu(x @ w["merger.linear_fc1.weight"].t() + w["merger.linear_fc1.bias"])
-        return x @ w["merger.linear_fc2.weight"].t() + w["merger.linear_fc2.bias"]
+        x = F.gelu(self._linear(x, "merger.linear_fc1"))
+        return self._linear(x, "merger.linear_fc2")
+
+
+def _load_packed(art: Artifact, name: str, device):
+    """A quantized vision matrix's planes on `device`, as the engine keeps a product's weights."""
+    from .kernels.qlinear import PackedLinear
+
+    base, high, scale, geo = art.planes(name)
+    to = lambda view: torch.frombuffer(bytearray(view), dtype=torch.uint8).to(device)  # noqa: E731
+    return PackedLinear(to(base), to(high) if high is not None else None, to(scale), geo.rows, geo.cols, geo.fmt)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -332,3 +332,34 @@ def test_shape_artifacts_carry_the_vision_tower_the_converter_keeps(vision_artif
     plain, seeing = fit(), fit("--vision")
     assert abs(seeing["breakdown"]["weights"] - plain["breakdown"]["weights"] - 2 * params) < 2 << 20  # arena rounding
     assert 0 < seeing["max_context"] < plain["max_context"]
+    w8 = fit("--vision", "--vision-recipe", "w8")  # the tower's products in W8: about half the BF16 bytes
+    assert seeing["max_context"] < w8["max_context"]
+    assert 0.45 < (w8["breakdown"]["weights"] - plain["breakdown"]["weights"]) / (2 * params) < 0.6
+
+
+@pytest.mark.parametrize("recipe,fmt,tol", [("w8", "W8G32_F16S", 2e-2), ("q6", "Q6G64_F16S", 6e-2)])
+def test_quantized_vision_tower_stays_quantized_and_close(hf_dense, vision_artifact, tmp_path, recipe, fmt, tol):
+    """convert --vision-recipe w8|q6 stores the tower's products quantized (patch embedding, position table,
+    norms and biases stay BF16); the engine multiplies them as stored (the plan counts the quantized bytes, so
+    `fit --vision` sees the saving) and an image's embeddings stay within the format's rounding of the BF16 tower."""
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions, build_plan
+
+    out = convert_checkpoint(hf_dense, tmp_path / f"v-{recipe}.nfer", ConvertOptions(recipe="bf16", vision_recipe=recipe)).output
+    with Artifact(out) as art, Artifact(vision_artifact) as ref_art:
+        formats = {n: e.format for n, e in art.objects.items() if n.startswith("vision/")}
+        assert formats["vision/blocks.0.attn.qkv.weight"] == fmt and formats["vision/merger.linear_fc2.weight"] == fmt
+        assert formats["vision/patch_embed.proj.weight"] == "BF16" and formats["vision/blocks.0.attn.qkv.bias"] == "BF16"
+        opts = PlanOptions(max_context=256, prefill_chunk=128, vision=True)
+        tower = lambda a: sum(r.nbytes for r in build_plan(a, opts).arenas["weights"].regions  # noqa: E731
+                              if r.name.startswith("vision/"))
+        assert tower(art) < tower(ref_art)  # (tiny matrices: K = 32 pads to 128, so less than the full-size saving)
+        image = _image(VisionConfig.from_artifact(art))
+    engine = Engine(out, PlanOptions(max_context=256, prefill_chunk=128, vision=True), device="cpu")
+    assert engine.vision.packed and all(k.endswith(".weight") for k in engine.vision.packed)
+    bf16 = Engine(vision_artifact, PlanOptions(max_context=256, prefill_chunk=128, vision=True), device="cpu")
+    got, want = engine.vision.encode(image).float(), bf16.vision.encode(image).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert 0 < err < tol, err
+    with Artifact(out) as art:  # the reference runtime's tower (generate) loads the same quantized planes
+        assert torch.equal(VisionTower.from_artifact(art, "cpu", torch.float32).encode(image), got)
