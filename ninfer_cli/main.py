@@ -34,8 +34,9 @@ class Recipe(str, Enum):
 @app.command()
 @friendly
 def convert(
-    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")],
-    output: Annotated[Path, typer.Argument(help="Output .nfer file (written to a temp file, then renamed).")],
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer); with --from-artifact, the output.")],
+    output: Annotated[Optional[Path], typer.Argument(help="Output .nfer file (written to a temp file, then renamed).")] = None,
+    from_artifact: Annotated[Optional[Path], typer.Option(help="Re-write this artifact (any version this build reads) as version 3: `convert --from-artifact OLD.nfer NEW.nfer`.")] = None,
     version: Annotated[int, typer.Option(help="Container version: 2 (text + vision) or 3 (adds companion weights).")] = 3,
     recipe: Annotated[Recipe, typer.Option(help="Weight formats: q4 | q5 | q6 | w8 | bf16.")] = Recipe.q4,
     mtp: Annotated[Optional[bool], typer.Option("--mtp/--no-mtp", help="Carry the MTP head (default: when present, v3 only).")] = None,
@@ -47,18 +48,29 @@ def convert(
     checksums: Annotated[bool, typer.Option("--checksums/--no-checksums", help="Per-object sha256 (v3).")] = True,
     as_json: JsonOpt = False,
 ):
-    """Convert a Hugging Face qwen3_5 / qwen3_5_moe checkpoint into a .nfer artifact."""
+    """Convert a Hugging Face qwen3_5 / qwen3_5_moe checkpoint into a .nfer artifact (or re-write an artifact
+    as version 3 with --from-artifact)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from format.convert import ConvertOptions, convert_checkpoint
+    from format.convert import ConvertOptions, convert_checkpoint, rewrite_artifact
+    from format.errors import ConvertError
 
-    opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, vision_recipe=vision_recipe,
-                          lm_head_draft=lm_head_draft,
-                          draft_ranking=draft_ranking, dflash2=dflash2, checksums=checksums)
+    if from_artifact is not None:
+        if output is not None:
+            raise ConvertError("with --from-artifact give one path, the output: ninfer convert --from-artifact OLD.nfer NEW.nfer")
+        source, output = from_artifact, src
+        run = lambda progress: rewrite_artifact(source, output, checksums, progress)  # noqa: E731
+    elif output is None:
+        raise ConvertError("give the checkpoint directory and the output file: ninfer convert SRC_DIR OUT.nfer")
+    else:
+        opts = ConvertOptions(version=version, recipe=recipe.value, mtp=mtp, vision=vision, vision_recipe=vision_recipe,
+                              lm_head_draft=lm_head_draft, draft_ranking=draft_ranking, dflash2=dflash2,
+                              checksums=checksums)
+        run = lambda progress: convert_checkpoint(src, output, opts, progress)  # noqa: E731
     with Progress(TextColumn("converting"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                   TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("convert", total=None)
-        report = convert_checkpoint(src, output, opts, lambda done, total: bar.update(task, completed=done, total=total))
+        report = run(lambda done, total: bar.update(task, completed=done, total=total))
     from rich.markup import escape
 
     for note in report.notes:

@@ -208,3 +208,34 @@ def test_missing_tensor_named(tiny_with_mtp, tmp_path):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ConvertError, match="lacks tensor model.language_model.layers.1.linear_attn.in_proj_z.weight"):
         convert_checkpoint(d, tmp_path / "o.nfer", ConvertOptions())
+
+
+def test_from_artifact_rewrites_any_readable_artifact_as_v3(tiny_with_mtp, tmp_path):
+    """`convert --from-artifact OLD NEW`: our v2 becomes v3 with every object's bytes unchanged, checksums
+    added and the same generation; the source itself is never the output."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from format.container import Artifact
+    from ninfer_cli.main import app
+
+    runner = CliRunner()
+    v2, v3 = tmp_path / "old.nfer", tmp_path / "new.nfer"
+    assert runner.invoke(app, ["convert", str(tiny_with_mtp), str(v2), "--version", "2"]).exit_code == 0
+    r = runner.invoke(app, ["convert", "--from-artifact", str(v2), str(v3), "--json"])
+    assert r.exit_code == 0, r.output
+    report = _json.loads(r.stdout)
+    assert report["version"] == 3 and report["objects"] > 0
+    with Artifact(v2) as a, Artifact(v3) as b:
+        assert b.version == 3 and a.objects.keys() == b.objects.keys()
+        assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.objects)
+        assert all(e.sha256 and e.sha256 != "0" * 64 for e in b.objects.values())
+        assert b.metadata["rewritten_from"].startswith("v2")
+    gen = lambda p: _json.loads(runner.invoke(app, ["generate", str(p), "--raw", "--prompt", "hello", "--max-new-tokens",  # noqa: E731
+                                                    "4", "--json"]).stdout)["tokens"]
+    assert gen(v2) == gen(v3)
+    same = runner.invoke(app, ["convert", "--from-artifact", str(v3), str(v3)])
+    assert same.exit_code == 1 and "replace the artifact being read" in same.output
+    both = runner.invoke(app, ["convert", "--from-artifact", str(v3), str(tmp_path / "a.nfer"), str(tmp_path / "b.nfer")])
+    assert both.exit_code == 1 and "one path" in both.output
