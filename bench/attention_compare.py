@@ -29,17 +29,9 @@ TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (16, 1), (32, 1), (32, 2),
 
 def graph_ms(fn, reps=50):
     """Time `fn` replayed from a CUDA graph, as the engine's decode step runs it (no launch gaps)."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return bench_ms(graph.replay, reps=reps) / 10
+    from runtime.bench import graph_us
+
+    return graph_us(fn, reps) / 1e3
 
 
 def _old_module():

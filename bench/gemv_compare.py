@@ -60,28 +60,40 @@ BF16_TILES = [(128, 4, 3, 512, False), (128, 4, 4, 512, False), (64, 4, 3, 1024,
               (256, 8, 3, 512, False), (128, 8, 3, 1024, False), (128, 4, 1, 512, True)]
 
 
+def _rotating(label: str, n: int, k: int, fmt: str):
+    """A random weight, its bytes, the start of its result row, and a timer (µs per call, CUDA-graph replays)
+    that cycles a call through copies of the weight: >= 256 MB, so no replay reads them from L2."""
+    from bench.attention_compare import graph_ms
+
+    w, nbytes = random_packed(n, k, fmt)
+    ws = [w] + [random_packed(n, k, fmt)[0] for _ in range(-(-(256 << 20) // nbytes) - 1)]
+
+    def rotating(fn):
+        cycle = itertools.cycle(ws)
+        return graph_ms(lambda: fn(next(cycle))) * 1e3
+
+    return w, nbytes, {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}, rotating
+
+
+def _one_row(rotating, row: dict, peak: float) -> float:
+    """The one-row product's µs (the reference the row blocks are compared with), recorded in `row`."""
+    x1, y1 = _xy(1, row["K"], row["N"])
+    t1 = rotating(lambda w: ql.qlinear(x1, w, out=y1))
+    row.update(t1_us=t1, t1_frac=row["bytes"] / (t1 * 1e-6) / peak)
+    return t1
+
+
 def rows_main(out: str) -> None:
     """Row blocks T = 2, 4, 8, 16 side by side with the one-row product: the int8 tensor-core kernel
     (the previous default) and the bf16 tensor-core kernel over a tile sweep; fractions of the copy
     bandwidth, and the bf16 kernel's error against the exact float product."""
-    from bench.attention_compare import graph_ms  # CUDA-graph replays: no launch overhead in the timing
     from runtime.kernels.qgemm_rows_bf16 import qgemm_rows_bf16
 
     peak = copy_bandwidth()
     rows = []
     for label, n, k, fmt in ROWS_SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
-        # copies of the weight, cycled through by the timed calls: >= 256 MB, so no replay reads them from L2
-        ws = [w] + [random_packed(n, k, fmt)[0] for _ in range(-(-(256 << 20) // nbytes) - 1)]
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}
-
-        def rotating(fn):
-            cycle = itertools.cycle(ws)
-            return graph_ms(lambda: fn(next(cycle))) * 1e3
-
-        x1, y1 = _xy(1, k, n)
-        t1 = rotating(lambda w: ql.qlinear(x1, w, out=y1))
-        row.update(t1_us=t1, t1_frac=nbytes / (t1 * 1e-6) / peak)
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        t1 = _one_row(rotating, row, peak)
         for t in (2, 4, 8, 16):
             x, y = _xy(t, k, n)
             if w.fmt.bits != 8:
@@ -120,22 +132,11 @@ def lanes_main(out: str) -> None:
     """Row blocks T = 2, 3, 4, 8 (and 16 on the tensor cores) side by side with the one-row product: the lanes
     kernel (the decode GEMV's arithmetic, each weight word unpacked once for every row) against the int8
     tensor-core kernel; fractions of the copy bandwidth, and whether each row equals its decode product."""
-    from bench.attention_compare import graph_ms
-
     peak = copy_bandwidth()
     rows = []
     for label, n, k, fmt in ROWS_SHAPES:
-        w, nbytes = random_packed(n, k, fmt)
-        ws = [w] + [random_packed(n, k, fmt)[0] for _ in range(-(-(256 << 20) // nbytes) - 1)]
-        row = {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}
-
-        def rotating(fn):
-            cycle = itertools.cycle(ws)
-            return graph_ms(lambda: fn(next(cycle))) * 1e3
-
-        x1, y1 = _xy(1, k, n)
-        t1 = rotating(lambda w: ql.qlinear(x1, w, out=y1))
-        row.update(t1_us=t1, t1_frac=nbytes / (t1 * 1e-6) / peak)
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        t1 = _one_row(rotating, row, peak)
         for t in (2, 3, 4, 8, 16):
             x, y = _xy(t, k, n)
             for path in ("lanes", "mma") if w.fmt.bits != 8 else ("lanes", "tensor"):

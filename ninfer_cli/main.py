@@ -508,28 +508,25 @@ def _tokens(text: str) -> int:
         raise MemoryPlanError(f"cannot read a token count from {text!r}; write e.g. 8k, 32768 or 200k") from None
 
 
-def _lane_counts(text: str) -> list[int]:
+def _counts(text: str, option: str, what: str, top: int) -> list[int]:
+    """A comma-separated list of counts for `option` (sorted, unique, 1..top), or a one-line error."""
     from runtime.memory_plan import MemoryPlanError
 
     try:
         counts = sorted({int(v) for v in text.split(",")})
     except ValueError:
-        raise MemoryPlanError(f"--lanes {text!r}: give lane counts such as 1,2,4,8") from None
-    if not counts or counts[0] < 1 or counts[-1] > 8:
-        raise MemoryPlanError(f"--lanes {text!r}: lane counts must be 1..8")
+        raise MemoryPlanError(f"{option} {text!r}: give {what} counts such as 1,2,4,8") from None
+    if not counts or counts[0] < 1 or counts[-1] > top:
+        raise MemoryPlanError(f"{option} {text!r}: {what} counts must be 1..{top}")
     return counts
+
+
+def _lane_counts(text: str) -> list[int]:
+    return _counts(text, "--lanes", "lane", 8)
 
 
 def _row_counts(text: str) -> list[int]:
-    from runtime.memory_plan import MemoryPlanError
-
-    try:
-        counts = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        raise MemoryPlanError(f"--kernels {text!r}: give row counts such as 1,2,4,8") from None
-    if not counts or counts[0] < 1 or counts[-1] > 4096:
-        raise MemoryPlanError(f"--kernels {text!r}: row counts must be 1..4096")
-    return counts
+    return _counts(text, "--kernels", "row", 4096)
 
 
 def _print_kernels(r: dict) -> None:

@@ -378,7 +378,7 @@ def plot_lanes(results: dict, out_png) -> bool:
                  f", {results['depth']} tokens per lane", False)
 
 
-def _graph_us(fn, reps: int = 20) -> float:
+def graph_us(fn, reps: int = 20) -> float:
     """Microseconds per call of `fn` replayed from a CUDA graph of 10 calls (as the engine's decode step
     runs its kernels: no launch gaps in the time)."""
     fn()
@@ -450,7 +450,7 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             y = torch.empty(t, n, device=device, dtype=torch.bfloat16)
             turn = iter(range(1 << 62))
-            us = _graph_us(lambda: qlinear(x, weights[next(turn) % copies], out=y))
+            us = graph_us(lambda: qlinear(x, weights[next(turn) % copies], out=y))
             row[f"t{t}_us"] = us
             row[f"t{t}_of_copy"] = geo.total_bytes / (us * 1e-6) / bw
             row[f"t{t}_kernel"] = "decode GEMV" if t == 1 else ("GEMM" if t > 16 else rows_path(fmt.bits, t))

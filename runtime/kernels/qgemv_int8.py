@@ -216,9 +216,7 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
     LANES: tl.constexpr = 4 if BITS == 8 else 8  # lanes per code word
     gpb: tl.constexpr = BLOCK_K // GROUP
     wpb: tl.constexpr = BLOCK_K // LANES  # words per block and row
-    wpg: tl.constexpr = GROUP // LANES  # words per group
     row_words: tl.constexpr = K_PAD // LANES
-    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
     acc = tl.zeros((BLOCK_N, gpb), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         # a block-shaped condition: triton 3.9's interpreter rejects a scalar bool broadcast into a mask
@@ -237,21 +235,36 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
         else:
             hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
         even, odd = _unpack_codes(words, high, BITS)
-        zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
-        if BITS == 8:
-            d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
-            d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
-        else:
-            d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, False, USE_ASM)
-            d = _dp4a(odd, tl.broadcast_to(hi_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM) << 7
-            d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
-            d = _dp4a(odd, tl.broadcast_to(lo_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
-        dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
-        if OFFSET != 0:
-            dg -= OFFSET * x_sum[None, :]
-        acc += dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
+        acc += group_products(even, odd, hi_a, lo_a, hi_b, lo_b, x_scale, x_sum, w_scale, BITS, GROUP, BLOCK_N, BLOCK_K,
+                              USE_ASM)
         words, high, w_scale = next_words, next_high, next_scale
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def group_products(even, odd, hi_a, lo_a, hi_b, lo_b, x_scale, x_sum, w_scale, BITS: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """One tile of unpacked code words (_unpack_codes) against one row of x's dp4a words: the float
+    contribution [BLOCK_N, groups] = exact integer group sums (less the code offset) times both scales.
+    Every row-of-x product (decode GEMV, the lanes kernel) runs this, so their rows agree bit for bit."""
+    LANES: tl.constexpr = 4 if BITS == 8 else 8
+    gpb: tl.constexpr = BLOCK_K // GROUP
+    wpb: tl.constexpr = BLOCK_K // LANES
+    wpg: tl.constexpr = GROUP // LANES
+    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)  # codes enter dp4a as q + OFFSET >= 0
+    zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
+    if BITS == 8:
+        d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
+        d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
+    else:
+        d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, False, USE_ASM)
+        d = _dp4a(odd, tl.broadcast_to(hi_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM) << 7
+        d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
+        d = _dp4a(odd, tl.broadcast_to(lo_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
+    dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
+    if OFFSET != 0:
+        dg -= OFFSET * x_sum[None, :]
+    return dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
 
 
 @triton.jit

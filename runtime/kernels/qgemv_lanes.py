@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_wait
-from .qgemv_int8 import (QuantizedX, _block_words, _dp4a, _unpack_codes, _weight_tile, code_words, finish_splits,
-                         high_plane, native_dp4a, quantize_x, split_partials)
+from .qgemv_int8 import (QuantizedX, _block_words, _unpack_codes, _weight_tile, code_words, finish_splits,
+                         group_products, high_plane, native_dp4a, quantize_x, split_partials)
 
 MAX_ROWS = 8  # accumulators a program carries; more rows of x take more programs along T
 
@@ -33,13 +33,11 @@ def _row_sums(xq_ptr, t, T, even, odd, w_scale, k0, ROW_INTS: tl.constexpr, GPR:
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               USE_ASM: tl.constexpr):
     """Row t of x (its dp4a words) against the unpacked tile of lanes [k0, k0 + BLOCK_K): the float
-    contribution [BLOCK_N, groups], zero when t >= T."""
+    contribution [BLOCK_N, groups] (the decode GEMV's group_products), zero when t >= T."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8
     gpb: tl.constexpr = BLOCK_K // GROUP
     wpb: tl.constexpr = BLOCK_K // LANES
-    wpg: tl.constexpr = GROUP // LANES
     row_words: tl.constexpr = K_PAD // LANES
-    OFFSET: tl.constexpr = 0 if BITS == 8 else 1 << (BITS - 1)
     widx = _block_words(k0 // LANES, wpb)
     gq = k0 // GROUP + tl.arange(0, gpb)
     live = tl.full((wpb,), t, tl.int32) < T  # block-shaped: the interpreter rejects scalar masks
@@ -49,21 +47,13 @@ def _row_sums(xq_ptr, t, T, even, odd, w_scale, k0, ROW_INTS: tl.constexpr, GPR:
     lo_a = tl.load(x_row + row_words + widx, mask=live, other=0)
     x_scale = tl.load(x_row + 4 * row_words + gq, mask=live_g, other=0).to(tl.float32, bitcast=True)
     x_sum = tl.load(x_row + 4 * row_words + GPR + gq, mask=live_g, other=0)
-    zero = tl.zeros((BLOCK_N, wpb), dtype=tl.int32)
-    if BITS == 8:
-        d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, True, USE_ASM) << 7
-        d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, True, USE_ASM)
+    if BITS == 8:  # whole-byte codes: one plane of x words
+        hi_b, lo_b = hi_a, lo_a
     else:
         hi_b = tl.load(x_row + 2 * row_words + widx, mask=live, other=0)
         lo_b = tl.load(x_row + 3 * row_words + widx, mask=live, other=0)
-        d = _dp4a(even, tl.broadcast_to(hi_a[None, :], (BLOCK_N, wpb)), zero, False, USE_ASM)
-        d = _dp4a(odd, tl.broadcast_to(hi_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM) << 7
-        d = _dp4a(even, tl.broadcast_to(lo_a[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
-        d = _dp4a(odd, tl.broadcast_to(lo_b[None, :], (BLOCK_N, wpb)), d, False, USE_ASM)
-    dg = tl.sum(tl.reshape(d, (BLOCK_N, gpb, wpg)), axis=2)
-    if OFFSET != 0:
-        dg -= OFFSET * x_sum[None, :]
-    return dg.to(tl.float32) * (w_scale.to(tl.float32) * x_scale[None, :])
+    return group_products(even, odd, hi_a, lo_a, hi_b, lo_b, x_scale, x_sum, w_scale, BITS, GROUP, BLOCK_N, BLOCK_K,
+                          USE_ASM)
 
 
 @triton.jit
