@@ -706,6 +706,15 @@ def test_strict_tool_grammar_accepts_valid_calls_and_rejects_the_rest():
     for body in bad:
         assert "breaks the tool's schema" in (feed(body) or ""), body
     assert feed(f"\n<function=forecast>\n{p('days', 2)}{p('unit', 'c')}</function>\n", close=False) == "unfinished"
+    # nested models as clients' schema generators write them: "$defs" at the root, "$ref" in a property
+    place = {"name": "place", "strict": True, "parameters": {
+        "type": "object", "required": ["at"], "properties": {"at": {"$ref": "#/$defs/Point"}},
+        "$defs": {"Point": {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}},
+                            "additionalProperties": False}}}}
+    tools, names = [{"type": "function", "function": place}], ["place"]
+    good, bad = '{"x":3}', '{"y":3}'
+    assert feed(f"\n<function=place>\n{p('at', good)}</function>\n") is None
+    assert "breaks the tool's schema" in feed(f"\n<function=place>\n{p('at', bad)}</function>\n")
 
 
 @pytest.mark.parametrize("api", [CHAT, RESPONSES, MESSAGES])

@@ -132,8 +132,10 @@ def call_grammar(tools: list[dict], close: str) -> str:
             elif _is_text(schema):  # a value may span lines: lazy up to the closing tag
                 rules.append(f"{rule}: {opening} v{rule} {lit(chr(10))}")
                 rules.append(f"v{rule}[stop={lit(PARAM_END)}]: /(?s:.*)/")
-            else:
-                body = {**(schema if isinstance(schema, dict) else {}), "x-guidance": {"whitespace_flexible": False}}
+            else:  # the root's definitions travel along, so a "#/$defs/..." reference resolves inside the value
+                shared = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
+                body = {**shared, **(schema if isinstance(schema, dict) else {}),
+                        "x-guidance": {"whitespace_flexible": False}}
                 rules.append(f"{rule}: {opening} %json {json.dumps(body)} {lit(PARAM_END + chr(10))}")
             items.append(rule if key in required else rule + "?")
         rules.append(f"f{i}: {lit(fn['name'] + '>' + chr(10))} {' '.join(items)} {lit('</function>' + chr(10))} {close}")
