@@ -279,3 +279,28 @@ def test_scheduler_rides_decoding_lanes_on_a_long_prefill(artifacts):
     assert engine.stats.rider_tokens >= 3  # the long prompt's chunks carried the short lane's rows
     if DEVICE == "cpu":
         assert outputs["short"] == _reference(path, short, 8) and outputs["long"] == _reference(path, long, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the torch path serves CPU tensors; a GPU runs the kernels")
+def test_cpu_torch_path_keeps_dequantized_weights_within_its_budget(monkeypatch):
+    """The CPU's torch path keeps a weight's float32 copy while the process-wide budget allows (and gives the
+    budget back when the weight goes), else dequantizes it per call; results are the same either way."""
+    import gc
+
+    from runtime.kernels import qlinear as ql
+
+    from .test_kernels import _packed
+    from format.numeric import FORMATS
+
+    gc.collect()
+    x = torch.randn(3, 256)
+    monkeypatch.setattr(ql, "DENSE_CACHE_BYTES", ql._dense_cached_bytes + 64 * 256 * 4)  # room for one 64x256
+    a, b = _packed(64, 256, FORMATS["Q4G64_F16S"], seed=1), _packed(64, 256, FORMATS["Q5G64_F16S"], seed=2)
+    ya, yb = ql.qlinear(x, a), ql.qlinear(x, b)
+    assert a._dense is not None and b._dense is None  # b is over the budget: rebuilt per call
+    assert torch.equal(ql.qlinear(x, b), yb) and torch.equal(ql.qlinear(x, a), ya)
+    del a
+    gc.collect()
+    c = _packed(64, 256, FORMATS["Q6G64_F16S"], seed=3)
+    ql.qlinear(x, c)
+    assert c._dense is not None  # a's share came back when it went

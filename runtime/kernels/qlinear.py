@@ -12,6 +12,7 @@ partial and one deterministic sum finishes (no atomics, so results are reproduci
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -338,7 +339,16 @@ def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
     return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], tuning["num_stages"], tuning["prefetch"])
 
 
-DENSE_CACHE_WEIGHTS = 1 << 22  # torch path: matrices up to 16 MiB in float32 keep their dequantized copy
+# The CPU's torch path keeps dequantized float32 copies of the weights while they fit this budget (a small
+# model's whole text stack: milliseconds per token instead of a dequantization per product); past it, a
+# matrix is dequantized per call. NINFER_CPU_DENSE_CACHE_MB sets it (0: never keep).
+DENSE_CACHE_BYTES = int(os.environ.get("NINFER_CPU_DENSE_CACHE_MB", "4096")) << 20
+_dense_cached_bytes = 0
+
+
+def _release_dense(size: int) -> None:
+    global _dense_cached_bytes
+    _dense_cached_bytes -= size
 
 
 class PackedLinear:
@@ -353,16 +363,20 @@ class PackedLinear:
         self._dense: torch.Tensor | None = None
 
     def dense(self) -> torch.Tensor:
-        """The dequantized matrix in float32 (the torch path on a CPU); kept after the first call when
-        small (a tiny model's weights), rebuilt per call otherwise, so a large model never holds it."""
+        """The dequantized matrix in float32 (the torch path on a CPU, and the references); on a CPU kept
+        after the first call while the process-wide DENSE_CACHE_BYTES allows, else rebuilt per call."""
+        global _dense_cached_bytes
         if self._dense is not None:
             return self._dense
         from runtime.dequant import dense_rows
 
         dense = dense_rows(self.base.view(torch.uint8), None if self.high is None else self.high.view(torch.uint8),
                            self.scale, self.rows, self.cols, self.fmt)
-        if self.rows * self.cols <= DENSE_CACHE_WEIGHTS:
+        size = dense.numel() * dense.element_size()
+        if dense.device.type == "cpu" and _dense_cached_bytes + size <= DENSE_CACHE_BYTES:
             self._dense = dense
+            _dense_cached_bytes += size
+            weakref.finalize(self, _release_dense, size)  # the budget comes back with the weight
         return dense
 
 
