@@ -753,3 +753,16 @@ def test_strict_tool_schema_that_cannot_be_enforced_is_a_400_naming_the_tool(srv
     r = _chat_tools(srv, "auto", (WEATHER, bad))
     assert r.status_code == 400 and "'frob'" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "tools" and srv.healthy()
+
+
+def test_strict_call_opened_inside_thinking_is_held_to_the_schema(eager_caller):
+    """A model that opens a call before closing its thinking block (a drift seen in the wild): the call is
+    still held to the strict tool's schema, and the client gets it as a call with valid arguments."""
+    s = eager_caller
+    s.engine.prefer = build_tokenizer(VOCAB).token_to_id("<tool_call>")
+    for seed in range(3):
+        r = httpx.post(s.url + CHAT, json={"messages": USER, "max_tokens": 200, "temperature": 1.0, "seed": seed,
+                                           "parallel_tool_calls": False,
+                                           "tools": [{"type": "function", "function": FORECAST}]}, timeout=60).json()
+        calls = r["choices"][0]["message"]["tool_calls"]
+        assert len(calls) == 1 and _valid_forecast(json.loads(calls[0]["function"]["arguments"])), r

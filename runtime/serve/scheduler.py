@@ -253,7 +253,7 @@ class Scheduler:
             logits = logits.clone()
             logits[list(banned)] = float("-inf")
         grammar = state.request.grammar
-        if grammar is not None and grammar.active and not state.thinking:
+        if grammar is not None and grammar.active and (not state.thinking or grammar.call is not None):
             logits = grammar.mask(logits)
         return pick_token(logits, state.request.params, state.counts, state.generator)
 
@@ -272,14 +272,18 @@ class Scheduler:
             self._finish(lane, "stop", None)
             return
         grammar = state.request.grammar
-        if grammar is not None and grammar.active and answering:  # forced tokens too: a call's opening
+        # forced tokens too (a call's opening); while thinking only a call: one opened before </think> (a drift
+        # models show) is held to its tool's schema as well
+        if grammar is not None and grammar.active and (answering or grammar.call is not None
+                                                       or (token == grammar.escape and grammar.calls is not None)):
             error = grammar.advance(token)
             if error:
                 self._finish(lane, "error", error)
                 return
         state.request.on_token(token)
-        if not state.thinking and token == state.request.call_open:
-            state.calls_opened += 1
+        if token == state.request.call_open:  # (set when calls end the reply) inside thinking too: the
+            state.calls_opened += 1  # output parser ends the reasoning at a call marker, so does the count
+            state.thinking = False
         if token == state.request.stop_after and state.calls_opened:
             self._finish(lane, "stop", None)
             return
