@@ -42,6 +42,14 @@ VISION_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.linear_fc1.weight
                    "merger.linear_fc1.weight", "merger.linear_fc2.weight")
 
 
+def vision_format(recipe: str, name: str, shape) -> str:
+    """The format `recipe` stores the vision tensor `name` (of `shape`) in: its products quantized, the rest
+    BF16; an unknown recipe is a ConvertError."""
+    if recipe not in VISION_RECIPES:
+        raise ConvertError(f"unknown vision recipe {recipe!r}; choose one of {', '.join(VISION_RECIPES)}")
+    return VISION_RECIPES[recipe] if name.endswith(VISION_MATRICES) and len(shape) == 2 else "BF16"
+
+
 @dataclass
 class ConvertOptions:
     version: int = 3
@@ -243,14 +251,12 @@ def _plan_jobs(src: Path, ckpt: Checkpoint, cfg: ModelConfig, opts: ConvertOptio
     vision_keys = [k for k in ckpt.tensors if k.startswith(VISION_PREFIXES)]
     if opts.vision and not vision_keys:
         raise ConvertError("--vision was given but the checkpoint has no vision tower weights")
-    if opts.vision_recipe not in VISION_RECIPES:
-        raise ConvertError(f"unknown vision recipe {opts.vision_recipe!r}; choose one of {', '.join(VISION_RECIPES)}")
+    vision_format(opts.vision_recipe, "", ())  # an unknown vision recipe is refused even without a tower
     if vision_keys and opts.vision is not False:
         for k in sorted(vision_keys):
             rest = next(k[len(p):] for p in VISION_PREFIXES if k.startswith(p))
             spec = ObjectSpec(f"vision/{rest}", ckpt.shape(k), "small", "vision", (SourcePart(k),))
-            quantized = rest.endswith(VISION_MATRICES) and len(ckpt.shape(k)) == 2
-            jobs.append(_Job(spec, VISION_RECIPES[opts.vision_recipe] if quantized else "BF16", ckpt))
+            jobs.append(_Job(spec, vision_format(opts.vision_recipe, rest, ckpt.shape(k)), ckpt))
 
     if opts.lm_head_draft:
         if opts.version == 2:

@@ -49,14 +49,14 @@ def _layers(n: int) -> list[str]:
     return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
 
 
+_DENSE_27B = {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
+              "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
+              "linear_num_value_heads": 48, "intermediate_size": 17408}
+
 NAMED_SHAPES: dict[str, dict] = {
-    "qwen3.6-27b": {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
-                    "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
-                    "linear_num_value_heads": 48, "intermediate_size": 17408},
+    "qwen3.6-27b": _DENSE_27B,
     # Qwen3.8-27B: the 27B text shape (its artifacts differ in companions, e.g. DFlash2, not in the text model)
-    "qwen3.8-27b": {**_COMMON, "model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
-                    "layer_types": _layers(64), "num_attention_heads": 24, "num_key_value_heads": 4,
-                    "linear_num_value_heads": 48, "intermediate_size": 17408},
+    "qwen3.8-27b": _DENSE_27B,
     "qwen3.6-35b-a3b": {**_COMMON, "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
                         "layer_types": _layers(40), "num_attention_heads": 16, "num_key_value_heads": 2,
                         "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
@@ -109,10 +109,9 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
                          vision_recipe: str = "bf16") -> Path:
     """A v3 artifact of the named shape with zero payloads (see module doc); `vision` adds the family's
     vision tower, its products in `vision_recipe`'s format as the converter writes them."""
-    from .convert import VISION_MATRICES, VISION_RECIPES
+    from .convert import vision_format
 
-    if vision_recipe not in VISION_RECIPES:
-        raise ConvertError(f"unknown vision recipe {vision_recipe!r}; choose one of {', '.join(VISION_RECIPES)}")
+    vision_format(vision_recipe, "", ())  # an unknown vision recipe is refused before anything is written
     if recipe not in RECIPES:
         raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     text = shape_config(name)
@@ -141,7 +140,7 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
         tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), format_for(recipe, "draft_head"), "lm_head_draft"))
         tensors.append((DRAFT_TOKEN_IDS, (lm_head_draft,), "I32", "lm_head_draft"))
     if vision:
-        tensors += [(vname, shape, VISION_RECIPES[vision_recipe] if vname.endswith(VISION_MATRICES) else "BF16", "vision")
+        tensors += [(vname, shape, vision_format(vision_recipe, vname, shape), "vision")
                     for vname, shape in vision_inventory(config["vision_config"])]
     for tname, shape, fmt, comp in tensors:
         plan.add_tensor(tname, shape, fmt, comp)

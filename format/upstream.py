@@ -73,7 +73,7 @@ def _component(name: str) -> str:
     head = name.split("/", 1)[0]
     if name.startswith("text/draft_head"):
         return "draft_head"
-    return {"frontend": "frontend", "resource": "frontend"}.get(head, head)
+    return "frontend" if head in ("frontend", "resource") else head
 
 
 def recognise(path, mm: mmap.mmap, version: int) -> UpstreamInfo | None:
@@ -115,8 +115,7 @@ def recognise(path, mm: mmap.mmap, version: int) -> UpstreamInfo | None:
         if isinstance(bindings, dict):
             names += [k for k in bindings if isinstance(k, str)]
     formats = sorted({o["format"] for o in objs if isinstance(o.get("format"), str)})
-    resources = sorted(n for n, o in zip(names, objs) if o.get("kind") == "resource") if version == 2 else \
-        sorted(n for n in names if n.startswith("frontend/"))
+    resources = sorted(n for n in names if _component(n) == "frontend")
     components = sorted({_component(n) for n in names} - {"frontend"})
     if version == 3 and isinstance(root.get("components"), dict):
         components = sorted(set(components) | {c for c in root["components"] if isinstance(c, str)})

@@ -7,6 +7,7 @@ so decode at 200K can be timed without a minutes-long prefill; the result says s
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -449,8 +450,8 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
         for t in row_counts:
             x = torch.randn(t, k, device=device, generator=gen).to(torch.bfloat16)
             y = torch.empty(t, n, device=device, dtype=torch.bfloat16)
-            turn = iter(range(1 << 62))
-            us = graph_us(lambda: qlinear(x, weights[next(turn) % copies], out=y))
+            cycle = itertools.cycle(weights)
+            us = graph_us(lambda: qlinear(x, next(cycle), out=y))
             row[f"t{t}_us"] = us
             row[f"t{t}_of_copy"] = geo.total_bytes / (us * 1e-6) / bw
             row[f"t{t}_kernel"] = "decode GEMV" if t == 1 else ("GEMM" if t > 16 else rows_path(fmt.bits, t))

@@ -247,11 +247,12 @@ class VisionTower:
 
 def _load_packed(art: Artifact, name: str, device):
     """A quantized vision matrix's planes on `device`, as the engine keeps a product's weights."""
+    from .dequant import _u8
     from .kernels.qlinear import PackedLinear
 
     base, high, scale, geo = art.planes(name)
-    to = lambda view: torch.frombuffer(bytearray(view), dtype=torch.uint8).to(device)  # noqa: E731
-    return PackedLinear(to(base), to(high) if high is not None else None, to(scale), geo.rows, geo.cols, geo.fmt)
+    return PackedLinear(_u8(base, device), _u8(high, device) if high is not None else None, _u8(scale, device),
+                        geo.rows, geo.cols, geo.fmt)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -680,7 +680,7 @@ def test_strict_tool_grammar_accepts_valid_calls_and_rejects_the_rest():
     opener, closer = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
 
     def feed(body: str, close: bool = True) -> str | None:
-        grammar = AnswerGrammar(None, opener, calls=lambda: compiler.call_matcher(tools, names, "tools"))
+        grammar = AnswerGrammar(None, opener, calls=compiler.call_matchers(tools, names, "tools"))
         ids = [opener] + tok.encode(body, add_special_tokens=False).ids + ([closer] if close else [])
         for token in ids:
             error = grammar.advance(token)

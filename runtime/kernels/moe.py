@@ -103,10 +103,14 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
     [pairs, rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
     qgemv_int8) unless NINFER_GEMV=float."""
     pairs = experts.numel()
-    if torch_path(x):  # the exact products, as qlinear's torch path
+    if torch_path(x):  # the exact products, as qlinear's torch path, one matrix product per expert in use
         rows = torch.arange(pairs) // x_rows if isinstance(x_rows, int) else x_rows.long()
-        dense = w.dense().view(-1, rows_per_expert, w.cols)[experts.reshape(-1).long()]  # [pairs, rows, K]
-        return torch.einsum("pk,prk->pr", x.float()[rows], dense).to(x.dtype)
+        experts = experts.reshape(-1).long()
+        y = torch.empty(pairs, rows_per_expert, dtype=x.dtype)
+        for e in experts.unique().tolist():
+            sel = (experts == e).nonzero(as_tuple=True)[0]
+            y[sel] = (x.float()[rows[sel]] @ w.dense()[e * rows_per_expert : (e + 1) * rows_per_expert].t()).to(x.dtype)
+        return y
     y = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
     int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
     tuning = INT8_TUNING if int8 else VEC_TUNING
@@ -285,15 +289,10 @@ def expert_prefill(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
     t, hid = h.shape
     if path not in (None, "fused", "dense"):
         raise ValueError(f"expert_prefill: path {path!r} is not 'fused' or 'dense'")
-    if torch_path(h):  # every expert in use: its rows through the exact dense products
-        k = ids.shape[1]
-        y = torch.empty(t * k, hid, dtype=h.dtype)
-        pairs = ids.reshape(-1).long()
-        for e in pairs.unique().tolist():
-            sel = (pairs == e).nonzero(as_tuple=True)[0]
-            up = (h.float()[sel // k] @ gate_up.dense()[e * 2 * inter : (e + 1) * 2 * inter].t()).to(h.dtype)
-            y[sel] = (activation(up).float() @ down.dense()[e * hid : (e + 1) * hid].t()).to(h.dtype)
-        return combine_experts(y, weights, shared, None, shared_gate)
+    if torch_path(h):  # decode's pair-by-pair products (each expert's rows in one product on this path)
+        pairs = ids.reshape(-1)
+        act = activation(expert_gemv(h, ids.shape[1], pairs, gate_up, 2 * inter))
+        return combine_experts(expert_gemv(act, 1, pairs, down, hid), weights, shared, None, shared_gate)
     if path is None:
         path = "dense" if ids.numel() >= DENSE_EXPERTS_MIN_PAIRS * experts else "fused"
     if path == "dense":

@@ -562,11 +562,10 @@ class Server:
             try:  # each strict tool compiled alone first, so a schema that cannot be enforced is named
                 for tool in tools:
                     if tool["function"].get("strict") and tool["function"]["name"] in names:
-                        self.grammars.call_matcher([tool], [tool["function"]["name"]], f"tool {tool['function']['name']!r}")
-                self.grammars.call_matcher(tools, names, "tools")
+                        self.grammars.call_matchers([tool], [tool["function"]["name"]], f"tool {tool['function']['name']!r}")
+                calls = self.grammars.call_matchers(tools, names, "tools")
             except StructuredOutputError as exc:
                 raise ApiError(400, "invalid_request_error", str(exc), "tools") from None
-            calls = lambda: self.grammars.call_matcher(tools, names, "tools")  # noqa: E731
         if schema is not None and mode not in ("required", "named"):
             try:
                 matcher = self.grammars.matcher(schema, param)

@@ -53,15 +53,20 @@ class GrammarCompiler:
             raise StructuredOutputError(f"{where}: the schema cannot be enforced: {_first_line(exc)}") from None
         return self._matcher(grammar, where)
 
-    def call_matcher(self, tools: list[dict], names: list[str], where: str):
-        """A matcher for one tool call after its `<tool_call>` token (see call_grammar): the name held to
-        `names`, and a strict tool's parameters to its schema."""
-        llguidance = _llguidance(where)
+    def call_matchers(self, tools: list[dict], names: list[str], where: str):
+        """A factory of matchers for one tool call each, after its `<tool_call>` token (see call_grammar): the
+        name held to `names`, and a strict tool's parameters to its schema. The grammar is built and checked
+        here, once; each call gets a fresh matcher of it."""
+        import llguidance
+
+        _llguidance(where)
         text = call_grammar([t for t in tools if t["function"]["name"] in names], self._token_ref("</tool_call>"))
         if len(text) > MAX_SCHEMA_BYTES:
             raise StructuredOutputError(f"{where}: the tools' schemas make a {len(text)}-byte grammar; at most "
                                         f"{MAX_SCHEMA_BYTES} are accepted")
-        return self._matcher(llguidance.grammar_from("lark", text), where)
+        grammar = llguidance.grammar_from("lark", text)
+        self._matcher(grammar, where)  # a grammar llguidance cannot enforce is refused now, not at the call
+        return lambda: llguidance.LLMatcher(self._llm_tokenizer(), grammar, log_level=0)
 
     def _token_ref(self, text: str) -> str:
         """`text` as a lark item: a special token by id (its bytes are not text), else a string literal."""
@@ -153,7 +158,7 @@ class AnswerGrammar:
 
     - `matcher`: the answer's output schema (None: free text). `escape` (the `<tool_call>` token) may be
       chosen wherever the answer has not started; it ends this constraint for the turn.
-    - `calls`: a factory of call matchers (GrammarCompiler.call_matcher): after each `<tool_call>` the call
+    - `calls`: a factory of call matchers (GrammarCompiler.call_matchers): after each `<tool_call>` the call
       is held to it until the matcher is satisfied (a strict tool's `</tool_call>`, or a free tool's name),
       then the text is free again (parallel calls get a fresh matcher each).
 
