@@ -230,6 +230,27 @@ def test_queue_timeout_is_a_503_before_any_stream_bytes():
         s.stop()
 
 
+@pytest.mark.parametrize("path", [CHAT, MESSAGES, RESPONSES])
+def test_a_queue_timeout_the_worker_sees_first_is_still_a_503(path):
+    """On a loaded machine the worker's own expiry check can run before the event loop's wait ends; the
+    client must still get a 503 before any stream bytes, not a 200 stream that carries an error."""
+    s = Running(lanes=1, max_pending=4, pending_timeout_ms=150, step_s=0.03)
+    s.scheduler.expire = lambda request: False  # the loop always loses the race
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(s.chat, "long one", max_tokens=60)
+            deadline = time.time() + 10
+            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
+                time.sleep(0.02)
+            second = httpx.post(s.url + path, json={**BASES[path], "stream": True}, timeout=30)
+            assert first.result().status_code == 200
+        assert second.status_code == 503 and second.headers["content-type"].startswith("application/json")
+        assert "timed out in the queue" in second.text
+        assert "ninfer_queue_timeouts_total 1.0" in httpx.get(s.url + "/metrics").text
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_disconnecting_client_frees_its_lane(stream):
     s = Running(lanes=1, step_s=0.02)

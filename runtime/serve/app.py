@@ -170,7 +170,11 @@ class Generation:
         self.admitted = asyncio.Event()  # set once a lane holds the request (or it ended before that)
         loop = asyncio.get_running_loop()
 
+        self.expired_in_queue = False  # the worker's own expiry can beat the wait_for below under load
+
         def put(item):
+            if item[0] == "done" and item[1] == "timeout":
+                self.expired_in_queue = True  # set before admitted, which the loop sees only after this
             if not loop.is_closed():
                 loop.call_soon_threadsafe(self.queue.put_nowait, item)
                 if not self.admitted.is_set():  # it ended (or produced) before admission was seen
@@ -207,12 +211,13 @@ class Generation:
         while it waits gives its place up within a scheduler step."""
         timeout = self.server.config.pending_timeout_ms / 1000 or None
         watcher = asyncio.create_task(self._watch(request)) if request is not None else None
+        expired = ApiError(503, "overloaded_error", f"request timed out in the queue: no lane became free within "
+                           f"{(timeout or 0) * 1000:.0f} ms (--pending-timeout-ms); retry later")
         try:
             await asyncio.wait_for(self.admitted.wait(), timeout)
         except asyncio.TimeoutError:
             if self.server.scheduler.expire(self.request):
-                raise ApiError(503, "overloaded_error", f"request timed out in the queue: no lane became free within "
-                               f"{timeout * 1000:.0f} ms (--pending-timeout-ms); retry later") from None
+                raise expired from None
             await self.admitted.wait()  # a lane is free: the worker admits it now
         except asyncio.CancelledError:
             self.server.scheduler.cancel(self.request)
@@ -220,6 +225,8 @@ class Generation:
         finally:
             if watcher is not None:
                 watcher.cancel()
+        if self.expired_in_queue and self.admitted_at is None:
+            raise expired  # the worker expired it first: still a 503 before any stream bytes
 
     async def _watch(self, request: Request) -> None:
         """Cancel the generation as soon as its client is gone (polled: ASGI reports it only when asked)."""
