@@ -144,6 +144,34 @@ def _parse_object(raw, version: int, index: int) -> ObjectEntry:
     return ObjectEntry(name, kind, raw["offset"], raw["bytes"], tuple(shape), fmt, layout, component, digest)
 
 
+class UpstreamFound(ArtifactError):
+    """Artifact() met an upstream ninfer file; open_artifact() binds it (format/upstream_bind.py)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        super().__init__(f"{directory.path} is an upstream ninfer v{directory.version} artifact; open it with open_artifact")
+
+
+def open_artifact(path: str | os.PathLike) -> "Artifact":
+    """Our .nfer artifact, or an upstream ninfer artifact (v2 or v3) bound to our object names. One
+    ArtifactError line when neither can be read; UpstreamArtifactError (an ArtifactError that keeps the
+    file's description for inspect) when an upstream file holds what this build cannot run."""
+    try:
+        return Artifact(path)
+    except UpstreamFound as found:
+        from .errors import BindingError
+        from .upstream import UpstreamArtifactError
+        from .upstream_bind import UpstreamArtifact
+
+        directory = found.directory
+        try:
+            return UpstreamArtifact(path, directory)
+        except UpstreamArtifactError:
+            raise
+        except (BindingError, ArtifactError) as exc:
+            raise UpstreamArtifactError(directory.info(), str(exc)) from None
+
+
 class Artifact:
     """A validated, memory-mapped .nfer file. Every spec violation raises ArtifactError."""
 
@@ -200,11 +228,12 @@ class Artifact:
         try:
             self._parse_root(root, version)
         except ArtifactError:
-            from .upstream import UpstreamArtifactError, recognise
+            from .upstream import read_directory
 
-            info = recognise(self.path, self._mm, version)
-            if info is not None:  # upstream's directory, not a corrupt one of ours: say what it is
-                raise UpstreamArtifactError(info) from None
+            directory = read_directory(self.path, self._file, self._mm, version)
+            if directory is not None:  # upstream's directory, not a corrupt one of ours: open_artifact binds it
+                self._file = self._mm = None  # the directory owns the mapping now
+                raise UpstreamFound(directory) from None
             raise
         self._check_spans(size)
 

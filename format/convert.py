@@ -409,13 +409,13 @@ def rewrite_artifact(src: str | os.PathLike, out: str | os.PathLike, checksums: 
     """Any artifact this build reads, re-written as version 3 (`convert --from-artifact`): the same objects,
     bytes and formats, with v3's components and per-object checksums; a temp file renamed at the end.
     Upstream ninfer files are recognised by the reader and refused with what they hold (format/upstream.py)."""
-    from .container import Artifact
+    from .container import open_artifact
 
     start = time.monotonic()
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ConvertError(f"{out}: the output would replace the artifact being read; choose another path")
-    with Artifact(src) as art:
+    with open_artifact(src) as art:
         metadata = {**art.metadata, "rewritten_from": f"v{art.version} {src.name}"}
         plan = ArtifactPlan(3, art.identity["model_id"], art.identity["weights_id"], metadata=metadata)
         for name, e in art.objects.items():

@@ -56,7 +56,16 @@ def summarize(art: Artifact) -> dict:
                  "full_attention_layers": sum(cfg.is_full_attention(i) for i in range(cfg.num_layers)),
                  "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
                  "experts": cfg.num_experts, "mtp_layers": report.mtp_layers, "dflash2": drafter}
+    origin = {"origin": "ninfer"}
+    if hasattr(art, "describe"):  # an upstream ninfer artifact, bound to our names (format/upstream_bind.py)
+        up = art.describe()
+        origin = {"origin": up["origin"], "upstream_model_id": up["model_id"], "weights_profile": up["weights_profile"],
+                  "upstream_components": up["components"], "bound_components": up["bound_components"],
+                  "binding_notes": up["notes"]}
+        for comp, why in up["unbound"].items():
+            unused[comp] = f"not run by this build: {why}"
     return {
+        **origin,
         "path": str(art.path), "magic": "NINFER\\0" + f"\\x{art.version:02x}", "version": art.version,
         "file_bytes": art.file_bytes, "payload_offset": art.payload_offset,
         "artifact_id": str(art.artifact_id) if art.artifact_id else None,

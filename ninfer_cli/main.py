@@ -97,16 +97,16 @@ def inspect(
     """Check an artifact and say whether this build can run it, and with which features."""
     from rich.markup import escape
 
-    from format.container import Artifact
+    from format.container import open_artifact
     from format.errors import ArtifactError
     from format.inspect import summarize, verify as deep_verify
 
     from format.upstream import UpstreamArtifactError
 
     try:
-        art = Artifact(artifact)
+        art = open_artifact(artifact)
     except UpstreamArtifactError as exc:
-        _print_upstream(exc.info.as_dict(), as_json)
+        _print_upstream({**exc.info.as_dict(), "runnable": False, "problems": [exc.reason]}, as_json)
         raise typer.Exit(1)
     except ArtifactError as exc:
         if as_json:
@@ -139,6 +139,13 @@ def _print_inspect(s: dict) -> None:
     from rich.table import Table
 
     out.print(f"{s['path']}: magic {s['magic']}  version {s['version']}  {human_bytes(s['file_bytes'])}", markup=False)
+    if s["origin"] != "ninfer":
+        out.print(f"origin: {s['origin']} (model {s['upstream_model_id'] or 'unknown'}, weights {s['weights_profile'] or 'unknown'}; components "
+                  f"{', '.join(s['upstream_components'])}), bound to this build's names and layouts", markup=False)
+        for note in s["binding_notes"][:3]:
+            out.print(f"  {note}", markup=False)
+        if len(s["binding_notes"]) > 3:
+            out.print(f"  ... and {len(s['binding_notes']) - 3} more like these", markup=False)
     out.print(f"identity: model_id={s['identity']['model_id']} weights_id={s['identity']['weights_id']}"
               + (f"  artifact_id={s['artifact_id']}" if s["artifact_id"] else ""), markup=False)
     if s["model"]:
@@ -215,7 +222,7 @@ def fit(
     """Solve for the largest --max-context that fits a card, byte for byte (no GPU needed)."""
     import tempfile
 
-    from format.container import Artifact
+    from format.container import open_artifact
     from runtime.memory_plan import (GPU_VRAM_MIB, NATIVE_CONTEXT, MemoryPlanError, PlanOptions, build_plan, fit as solve,
                                      parse_bytes, parse_prefill_chunk, resolve_prefill_chunk)
 
@@ -241,7 +248,7 @@ def fit(
     opts = PlanOptions(max_context=max_context or 64, max_concurrency=max_concurrency, kv_dtype=kv_dtype.value,
                        prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value, draft_tokens=draft_tokens,
                        lm_head_draft=lm_head_draft, vision=vision, cuda_graphs=cuda_graphs)
-    with Artifact(artifact) as art:
+    with open_artifact(artifact) as art:
         opts = resolve_prefill_chunk(art, opts, total)
         if max_context is not None:
             plan = build_plan(art, opts)
@@ -452,7 +459,7 @@ def bench(
 
 
 def _print_upstream(d: dict, as_json: bool) -> None:
-    """inspect on an upstream ninfer artifact: what it is and holds, and why this build cannot run it."""
+    """inspect on an upstream ninfer artifact this build cannot bind: what it is and holds, and why."""
     from rich.markup import escape
 
     if as_json:
@@ -468,7 +475,8 @@ def _print_upstream(d: dict, as_json: bool) -> None:
     out.print("  [red]cannot run[/red] in this build:", soft_wrap=True)
     for why in d["problems"]:
         out.print(f"  - {escape(why)}", soft_wrap=True)
-    out.print("  to run this model now: `ninfer convert` its Hugging Face checkpoint", soft_wrap=True)
+    out.print("  to run this model now: use its groupwise-int artifact, or `ninfer convert` its Hugging Face "
+              "checkpoint", soft_wrap=True)
 
 
 def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str, device: str):
@@ -476,7 +484,7 @@ def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str,
     per-lane context the plan fits into this GPU's free memory minus --vram-reserve."""
     from dataclasses import replace
 
-    from format.container import Artifact
+    from format.container import open_artifact
     from runtime.memory_plan import MemoryPlanError, fit as solve, parse_bytes, resolve_prefill_chunk
 
     lanes = options.max_concurrency
@@ -490,7 +498,7 @@ def _kv_capacity_options(artifact, options, kv_capacity: str, vram_reserve: str,
     if not device.startswith("cuda") or not torch.cuda.is_available():
         raise MemoryPlanError("--kv-capacity auto sizes the cache from free GPU memory; give a number on CPU")
     free, card = torch.cuda.mem_get_info()
-    with Artifact(artifact) as art:
+    with open_artifact(artifact) as art:
         options = resolve_prefill_chunk(art, options, card)
         best = solve(art, options, free, parse_bytes(vram_reserve))
     if best.max_context == 0:
@@ -578,10 +586,10 @@ def _verify_weights(artifact: Path) -> None:
     """--verify-weights: the artifact's checksums recomputed, with a progress bar; a mismatch is one line."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    from format.container import Artifact
+    from format.container import open_artifact
     from format.inspect import verify_checksums
 
-    with Artifact(artifact) as art, Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), console=err,
+    with open_artifact(artifact) as art, Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), console=err,
                                              transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("verify", total=None)
         verify_checksums(art, lambda done, total: bar.update(task, completed=done, total=total))
@@ -726,7 +734,7 @@ def demo(
     """Create a tiny random Qwen3.5 model, convert it, inspect it and generate on CPU."""
     import tempfile
 
-    from format.container import Artifact
+    from format.container import open_artifact
     from format.convert import ConvertOptions, convert_checkpoint
     from format.inspect import summarize
     from format.tiny import write_tiny_checkpoint
@@ -738,7 +746,7 @@ def demo(
     art_path = root / "tiny-q4.nfer"
     rep = convert_checkpoint(src, art_path, ConvertOptions(version=3, recipe="q4"))
     err.print(f"2/4 converted to {art_path} ({human_bytes(rep.file_bytes)}, components {', '.join(rep.components)})")
-    with Artifact(art_path) as art:
+    with open_artifact(art_path) as art:
         s = summarize(art)
     err.print(f"3/4 inspect: {'runnable' if s['runnable'] else 'NOT runnable: ' + s['problems'][0]}")
     session = TextSession.load(art_path, "cpu")

@@ -404,11 +404,11 @@ def graph_us(fn, reps: int = 20) -> float:
 def distinct_products(path) -> dict[tuple[str, int, int], list[str]]:
     """The text model's quantized matrices grouped by (format, rows, columns): the products a decode step
     runs, each geometry once, with the names of every matrix that has it."""
-    from format.container import Artifact
+    from format.container import open_artifact
     from format.numeric import GroupedFormat, get_format
 
     products: dict[tuple[str, int, int], list[str]] = {}
-    with Artifact(path) as art:
+    with open_artifact(path) as art:
         tied = not art.has("text/output_head")  # the head multiplies by the embedding matrix
         for name, e in art.objects.items():
             if e.component != "text" or len(e.shape or ()) != 2 or not isinstance(get_format(e.format), GroupedFormat):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from format.binding import load_config, require_runnable
-from format.container import Artifact
+from format.container import open_artifact
 from format.layouts import RowSplitGeometry
 from format.numeric import GroupedFormat, get_format
 
@@ -103,7 +103,7 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MemoryPlanError(f"--device {device} was requested but no CUDA GPU is visible; use --device cpu "
                                   "(the Triton interpreter: correct but very slow)")
-        self.art = Artifact(path)
+        self.art = open_artifact(path)
         require_runnable(self.art)
         self.cfg = load_config(self.art)
         on_gpu = self.device.type == "cuda"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from format.binding import load_config
 from format.model_config import load_json
-from format.container import Artifact
+from format.container import Artifact, open_artifact
 from format.errors import BindingError
 from format.inventory import RESOURCE_NAMES
 
@@ -68,7 +68,7 @@ class TextSession:
 
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BindingError("--device cuda was requested but no CUDA GPU is visible; use --device cpu")
-        art = Artifact(path)
+        art = open_artifact(path)
         if engine_options is not None:
             from .engine import Engine
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from format.container import Artifact
+from format.container import open_artifact
 
 from ..engine import Engine
 from ..generate import load_chat_template, load_tokenizer, stop_token_ids
@@ -18,7 +18,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
                  request_log: str | None = None, allow_local_images: str | None = None, allow_remote_images: bool = False,
                  max_request_bytes: int = 8 << 20, on_fatal=None, reasoning_budget: int | None = None,
                  model_aliases: tuple[str, ...] = (), accept_any_model: bool = False):
-    with Artifact(path) as art:
+    with open_artifact(path) as art:
         template = load_chat_template(art)
         if template is None:
             raise MemoryPlanError("the artifact carries no chat template, which the chat APIs need; re-convert it")

@@ -1,0 +1,181 @@
+"""Official upstream ninfer artifacts run as they are: small synthetic files in upstream's v2 and v3 layouts
+(tests/upstream_files.py, written from interop.md's facts) bind to exactly the weights of the artifact they
+were made from, and generate the same greedy tokens on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import format.shapes
+from format.container import Artifact, open_artifact
+from format.convert import ConvertOptions, convert_checkpoint, rewrite_artifact
+from format.errors import ArtifactError
+from format.tiny import write_tiny_checkpoint
+from format.upstream import UpstreamArtifactError
+from .upstream_files import Rows, write_v2, write_v3
+
+
+@pytest.fixture(scope="module")
+def ours_dense(tmp_path_factory, tiny_with_mtp):
+    out = tmp_path_factory.mktemp("up_dense") / "dense.nfer"
+    convert_checkpoint(tiny_with_mtp, out, ConvertOptions(recipe="q4", lm_head_draft=96))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours_moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("up_moe")
+    src = write_tiny_checkpoint(d / "hf", moe=True, seed=5)
+    out = d / "moe.nfer"
+    convert_checkpoint(src, out, ConvertOptions(recipe="q4"))
+    return out
+
+
+def _text_config(path) -> dict:
+    with Artifact(path) as art:
+        cfg = json.loads(art.resource_bytes("resource/config.json"))
+    return cfg.get("text_config", cfg)
+
+
+@pytest.fixture
+def as_27b(monkeypatch, ours_dense):
+    """v2 carries no config: its model id names the shape. The tiny model stands in for the 27B here."""
+    monkeypatch.setitem(format.shapes.NAMED_SHAPES, "qwen3.6-27b", _text_config(ours_dense))
+
+
+def _same_weights(ours_path, bound) -> list[str]:
+    """Every object of ours decodes to the same values from the bound upstream file; returns the names
+    whose format differs (re-packed wider)."""
+    widened = []
+    with Artifact(ours_path) as ours:
+        assert set(bound.objects) == set(ours.objects)
+        for name, e in ours.objects.items():
+            b = bound.objects[name]
+            assert b.shape == e.shape and b.component == e.component, name
+            if e.kind == "resource":
+                continue
+            if b.format != e.format:
+                widened.append(name)
+            assert np.array_equal(bound.read_float(name), ours.read_float(name)), name
+    return widened
+
+
+def _greedy(path) -> list[int]:
+    from runtime.generate import TextSession
+
+    session = TextSession.load(str(path))
+    return session.complete("the quick brown fox", 10, chat=False)["tokens"]
+
+
+def test_v2_with_split_attention_binds_to_the_same_weights_and_tokens(tmp_path, ours_dense, as_27b):
+    """The 27B profile: Q4 query/key + Q5 gate/value parents, split GDN projections, tap-major
+    convolutions, `mtp/layer/`, a draft head in count order, special tokens only in tokenizer_config."""
+    up = write_v2(ours_dense, tmp_path / "qwen.ninfer", "qwen3.6-27b", fused_attention=False, widen_gate_value=True)
+    with pytest.raises(ArtifactError):
+        Artifact(up)  # our own reader does not take it; open_artifact binds it
+    with open_artifact(up) as bound:
+        assert bound.version == 2 and bound.upstream.model_id == "qwen3.6-27b"
+        widened = _same_weights(ours_dense, bound)
+        assert widened and all(n.endswith("attention/query_gate_key_value") for n in widened)
+        assert bound.objects[widened[0]].format == "Q5G64_F16S"
+        assert any("stacked as Q5G64_F16S" in n for n in bound.notes)
+        assert set(bound.components) == {"text", "mtp", "lm_head_draft"}
+        tok = json.loads(bound.resource_bytes("resource/tokenizer.json"))
+        assert any(t["content"] == "<|im_end|>" for t in tok["added_tokens"])  # merged back from tokenizer_config
+    assert _greedy(up) == _greedy(ours_dense)
+
+
+def test_v3_moe_with_fused_parents_and_continuation_parts(tmp_path, ours_moe):
+    """The 35B profile in v3: opaque ids, logical bindings as element ranges of fused parents
+    ([q, k, gate, v], router + shared score, 8 experts' gate/up), the payload over an entry file and parts."""
+    up = write_v3(ours_moe, tmp_path / "moe.ninfer", fused_attention=True, part_bytes=64 * 4096)
+    parts = sorted(p.name for p in tmp_path.iterdir() if ".part-" in p.name)
+    assert len(parts) >= 2
+    with open_artifact(up) as bound:
+        assert bound.version == 3 and _same_weights(ours_moe, bound) == []
+        described = bound.describe()
+        assert described["origin"] == "upstream ninfer" and described["runnable"] and described["model"] == "qwen3_5_moe"
+    assert _greedy(up) == _greedy(ours_moe)
+    # a missing or foreign continuation part is one line naming it
+    (tmp_path / parts[-1]).rename(tmp_path / "elsewhere")
+    with pytest.raises(ArtifactError, match=f"continuation part {parts[-1]} is missing"):
+        open_artifact(up)
+    other = write_v3(ours_moe, tmp_path / "other.ninfer", part_bytes=64 * 4096)
+    (tmp_path / f"other.ninfer.part-{len(parts):04d}").rename(tmp_path / parts[-1])
+    with pytest.raises(ArtifactError, match="not part .* of this artifact"):
+        open_artifact(up)
+    assert other.exists()
+
+
+def test_v3_dense_runs_through_the_cli_and_rewrites_as_ours(tmp_path, ours_dense):
+    from ninfer_cli.main import app
+
+    up = write_v3(ours_dense, tmp_path / "dense.ninfer", fused_attention=False, widen_gate_value=True, name="qwen3.8-27b")
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect", str(up), "--json"])
+    assert shown.exit_code == 0, shown.output
+    d = json.loads(shown.stdout)
+    assert d["origin"] == "upstream ninfer" and d["version"] == 3 and d["upstream_model_id"] == "qwen3.8-27b"
+    assert d["runnable"] and "mtp" in d["bound_components"]
+    gen = runner.invoke(app, ["generate", str(up), "--raw", "--max-new-tokens", "6", "--prompt", "the quick brown fox",
+                              "--temperature", "0"])
+    assert gen.exit_code == 0, gen.output
+    ours = runner.invoke(app, ["generate", str(ours_dense), "--raw", "--max-new-tokens", "6", "--prompt",
+                               "the quick brown fox", "--temperature", "0"])
+    assert gen.stdout == ours.stdout
+    engine = runner.invoke(app, ["generate", str(up), "--runtime", "triton", "--raw", "--max-new-tokens", "6",
+                                 "--prompt", "the quick brown fox", "--temperature", "0", "--max-context", "256"])
+    assert engine.exit_code == 0, engine.output
+    assert engine.stdout == ours.stdout  # the engine's weights come through the binder too
+    rewritten = rewrite_artifact(up, tmp_path / "ours.nfer")
+    with Artifact(rewritten.output) as art:
+        _same_weights(ours_dense, art)
+
+
+def test_foreign_formats_and_broken_files_are_one_line(tmp_path, ours_dense, as_27b):
+    from ninfer_cli.main import app
+
+    # an NVFP4 weight among the text model's: recognised, described, refused with the reason
+    nvfp4 = ({"shape": [128, 64], "format": "NVFP4", "layout": "blockscale-k16-m128x4-v1"},
+             bytes(128 * 64 // 2 + 128 * 64 // 16 + 4))
+    up = write_v2(ours_dense, tmp_path / "good.ninfer", "qwen3.6-27b")
+    fake = write_v2(ours_dense, tmp_path / "fp4.ninfer", "qwen3.6-27b", extra_objects=[("text/layers/0/gdn/extra", nvfp4)])
+    with pytest.raises(UpstreamArtifactError) as err:
+        open_artifact(fake)
+    assert "\n" not in str(err.value) and "upstream ninfer v2 artifact (model qwen3.6-27b" in str(err.value)
+    assert "NVFP4" in str(err.value) and "not implemented" in str(err.value)
+    r = CliRunner().invoke(app, ["inspect", str(fake), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["origin"] == "upstream ninfer"
+    # truncated payload
+    cut = tmp_path / "cut.ninfer"
+    cut.write_bytes(up.read_bytes()[:-5000])
+    with pytest.raises(ArtifactError) as err:
+        open_artifact(cut)
+    assert "\n" not in str(err.value)
+    r = CliRunner().invoke(app, ["generate", str(cut), "--raw", "--prompt", "x"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+
+
+def test_widened_codes_decode_to_the_same_values():
+    """Q4 -> Q5 / Q6 / W8 re-packing keeps every decoded value (the stacking rule for mixed parents)."""
+    from format.layouts import RowSplitGeometry
+    from format.numeric import FORMATS
+    from format.quantize import dequantize, encode_rows
+    from format.upstream_bind import _widen
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 200)).astype(np.float32)
+    base, high, scale = encode_rows(x, "Q4G64_F16S")
+    src = FORMATS["Q4G64_F16S"]
+    planes = (np.frombuffer(base, np.uint8).reshape(6, -1), None, np.frombuffer(scale, np.uint8).reshape(6, -1))
+    want = dequantize(base, None, scale, 6, 200, src)
+    for dst in ("Q5G64_F16S", "Q6G64_F16S", "W8G32_F16S"):
+        b, h, s = _widen(planes, src, FORMATS[dst], 200)
+        got = dequantize(b.tobytes(), None if h is None else h.tobytes(), s.tobytes(), 6, 200, FORMATS[dst])
+        assert np.array_equal(got, want), dst
+        assert RowSplitGeometry(6, 200, FORMATS[dst]).base_bytes == b.size
+    assert Rows  # the test writer's row model is what the binder is checked against
