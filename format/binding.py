@@ -206,6 +206,21 @@ def check_inventory(art: Artifact) -> InventoryReport:
     return report
 
 
+def token_limit(art: Artifact, vocab_size: int) -> int:
+    """How many of the output head's rows are tokens: one past the tokenizer's largest id, at most
+    vocab_size. Checkpoints pad the head (Qwen3.5: 248,320 rows for 248,077 tokens); the runtimes never
+    produce a padded id, as upstream masks them at sampling."""
+    from tokenizers import Tokenizer
+
+    if not art.has(RESOURCE_NAMES["tokenizer"]):
+        return vocab_size
+    try:
+        vocab = Tokenizer.from_str(art.resource_bytes(RESOURCE_NAMES["tokenizer"]).decode("utf-8")).get_vocab(True)
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer is reported where it is loaded
+        return vocab_size
+    return min(vocab_size, max(vocab.values(), default=vocab_size - 1) + 1)
+
+
 def require_runnable(art: Artifact) -> InventoryReport:
     report = check_inventory(art)
     if report.problems:
@@ -213,4 +228,4 @@ def require_runnable(art: Artifact) -> InventoryReport:
     return report
 
 
-__all__ = ["InventoryReport", "check_inventory", "require_runnable", "load_config", "load_dflash2_config", "ArtifactError"]
+__all__ = ["InventoryReport", "check_inventory", "require_runnable", "load_config", "token_limit", "load_dflash2_config", "ArtifactError"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from format.binding import load_config, require_runnable
+from format.binding import load_config, require_runnable, token_limit
 from format.container import open_artifact
 from format.layouts import RowSplitGeometry
 from format.numeric import GroupedFormat, get_format
@@ -106,6 +106,7 @@ class Engine:
         self.art = open_artifact(path)
         require_runnable(self.art)
         self.cfg = load_config(self.art)
+        self.token_limit = token_limit(self.art, self.cfg.vocab_size)
         on_gpu = self.device.type == "cuda"
         free, card_bytes = torch.cuda.mem_get_info(self.device) if on_gpu else (None, None)
         options = resolve_prefill_chunk(self.art, options, card_bytes)  # `auto` sized by the card, as in fit
@@ -500,12 +501,12 @@ class Engine:
                 tapped[:, :, taps.index(i)] = (h if last else residual).view(b, t, -1)[:, t - r :]
         if riders is not None:
             last = torch.cat([h[: b * t].view(b, t, -1)[:, -1], h[b * t :]])
-            return self.lin["text/output_head"](last.contiguous()).float()
+            return self.head_logits(last.contiguous())
         hidden = h.view(b, t, -1)
         if all_logits:
-            logits = self.lin["text/output_head"](h).float().view(b, t, -1)
+            logits = self.head_logits(h).view(b, t, -1)
         else:
-            logits = self.lin["text/output_head"](hidden[:, -1].contiguous()).float()
+            logits = self.head_logits(hidden[:, -1].contiguous())
         if taps:
             return logits, tapped.view(b, r, -1)
         return (logits, hidden) if with_hidden else logits
@@ -517,6 +518,13 @@ class Engine:
         logits = None
         for logits in self.prefill_chunks(lane, prompt):
             pass
+        return logits
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the output head; the padded rows past the tokenizer's ids are -inf."""
+        logits = self.lin["text/output_head"](h).float()
+        if self.token_limit < logits.shape[-1]:
+            logits[..., self.token_limit :] = float("-inf")
         return logits
 
     def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from format.binding import load_config, require_runnable
+from format.binding import load_config, require_runnable, token_limit
 from format.container import Artifact
 from format.model_config import ModelConfig
 
@@ -30,6 +30,7 @@ class ReferenceModel:
     def __init__(self, artifact: Artifact, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
         require_runnable(artifact)
         self.cfg: ModelConfig = load_config(artifact)
+        self.token_limit = token_limit(artifact, self.cfg.vocab_size)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.w: dict[str, torch.Tensor] = {}
@@ -118,7 +119,9 @@ class ReferenceModel:
             x = x + mixed
             x = x + self._ffn(i, ops.rms_norm_1p(x, w[p + "post_attention_norm"], c.rms_norm_eps))
         x = ops.rms_norm_1p(x, w["text/final_norm"], c.rms_norm_eps)
-        return (x @ w["text/output_head"].t()).float()
+        logits = (x @ w["text/output_head"].t()).float()
+        logits[..., self.token_limit :] = float("-inf")  # padded head rows are no tokens
+        return logits
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
                  images=None, vision=None) -> list[int]:

@@ -113,7 +113,7 @@ class Speculator:
         e = self.e
         if e.opts.lm_head_draft:
             return e.vec[DRAFT_TOKEN_IDS], e.lin[DRAFT_HEAD](h.contiguous()).float()
-        return None, e.lin["text/output_head"](h.contiguous()).float()
+        return None, e.head_logits(h.contiguous())
 
     def propose(self, h: torch.Tensor) -> torch.Tensor:
         """Greedy proposal from drafter hidden rows [N, H]: the full head, or the reduced draft head."""

@@ -179,3 +179,28 @@ def test_widened_codes_decode_to_the_same_values():
         assert np.array_equal(got, want), dst
         assert RowSplitGeometry(6, 200, FORMATS[dst]).base_bytes == b.size
     assert Rows  # the test writer's row model is what the binder is checked against
+
+
+def test_padded_vocabulary_rows_are_never_produced(tmp_path):
+    """A head padded past the tokenizer (Qwen3.5: 248,320 rows, 248,077 tokens; here 512 rows, 478 tokens)
+    never yields a padded id, whichever runtime: those logits are -inf (upstream masks them at sampling)."""
+    import torch
+
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+    from runtime.model import ReferenceModel
+
+    src = write_tiny_checkpoint(tmp_path / "hf", vocab_size=512, seed=2)
+    out = tmp_path / "padded.nfer"
+    convert_checkpoint(src, out, ConvertOptions(recipe="q4"))
+    prompt = [5, 17, 99, 300, 12]
+    with Artifact(out) as art:
+        ref = ReferenceModel(art)
+        assert ref.token_limit == 478
+        logits = ref.forward(torch.tensor(prompt), ref.new_state(), 0)
+    assert torch.isinf(logits[..., 478:]).all() and torch.isfinite(logits[..., :478]).all()
+    engine = Engine(out, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    first = engine.prefill(0, prompt)
+    step = engine.decode_step([0], [int(first.argmax())])
+    for got in (first, step):
+        assert torch.isinf(got[..., 478:]).all() and torch.isfinite(got[..., :478]).all()
