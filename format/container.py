@@ -361,6 +361,10 @@ class Artifact:
         if isinstance(fmt, GroupedFormat):
             base, high, scale, geo = self.planes(name)
             return dequantize(base, high, scale, geo.rows, geo.cols, fmt)
+        if not isinstance(fmt, DirectFormat):  # floating-point codes
+            from .float_codes import decode
+
+            return decode(e.format, self.raw(name), e.shape[0], e.shape[1])
         words = self.read_direct(name)
         if e.format == "BF16":
             return (words.astype(np.uint32) << 16).view(np.float32)
@@ -578,6 +582,16 @@ class ArtifactWriter:
             raise ArtifactError(f"tensor {name}: more bytes than its planned {o.nbytes}")
         self._pwrite(data, self.payload_offset + o.offset + o.written)
         o.written += data.nbytes
+
+    def write_encoded(self, name: str, data: bytes) -> None:
+        """A floating-point-code tensor's whole encoding (format/float_codes.py layouts), at once."""
+        o = self._obj(name, "tensor")
+        if isinstance(get_format(o.format), (DirectFormat, GroupedFormat)):
+            raise ArtifactError(f"tensor {name} is {o.format}; use write_direct or write_rows")
+        if o.written or len(data) != o.nbytes:
+            raise ArtifactError(f"tensor {name}: planned {o.nbytes} bytes, got {len(data)}")
+        self._pwrite(data, self.payload_offset + o.offset)
+        o.written = o.nbytes
 
     def write_rows(self, name: str, row_begin: int, planes: tuple[bytes, bytes, bytes]) -> None:
         """Place packed row-split planes for rows [row_begin, row_begin + n) of a grouped tensor."""

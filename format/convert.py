@@ -28,7 +28,7 @@ from .inventory import (
     text_inventory,
 )
 from .model_config import DFlash2Config, ModelConfig, load_json
-from .numeric import GroupedFormat, get_format
+from .numeric import FloatCodeFormat, GroupedFormat, get_format
 from .quantize import encode_rows
 from .recipes import RECIPES, format_for
 
@@ -432,6 +432,8 @@ def rewrite_artifact(src: str | os.PathLike, out: str | os.PathLike, checksums: 
                 elif isinstance(get_format(e.format), GroupedFormat):
                     base, high, scale, _ = art.planes(name)
                     writer.write_rows(name, 0, (base, high if high is not None else b"", scale))
+                elif isinstance(get_format(e.format), FloatCodeFormat):
+                    writer.write_encoded(name, bytes(art.raw(name)))
                 else:
                     writer.write_direct(name, art.read_direct(name))
                 if e.kind == "tensor":

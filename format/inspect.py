@@ -9,7 +9,7 @@ import numpy as np
 from .binding import check_inventory, load_dflash2_config
 from .container import Artifact
 from .errors import ArtifactError
-from .numeric import GroupedFormat, get_format
+from .numeric import DirectFormat, GroupedFormat, get_format
 from .layouts import unpack_row_split
 
 # What this build can execute, per component.
@@ -121,8 +121,8 @@ def verify(art: Artifact) -> list[str]:
         fmt = get_format(e.format)
         if isinstance(fmt, GroupedFormat):
             failures += _verify_grouped(art, name, fmt)
-        elif e.format in ("BF16", "FP32"):
-            if not np.isfinite(art.read_float(name)).all():
+        elif e.format in ("BF16", "FP32") or not isinstance(fmt, DirectFormat):
+            if not np.isfinite(art.read_float(name)).all():  # float codes: a NaN code, scale or divisor
                 failures.append(f"tensor {name}: holds NaN or infinity")
     return failures
 

@@ -13,7 +13,7 @@ import numpy as np
 from .errors import ArtifactError
 from .numeric import FORMAT_LAYOUT, DirectFormat, GroupedFormat, get_format
 
-LAYOUTS = ("contiguous-le-v1", "row-split-k128-v1", "raw-bytes-v1")
+LAYOUTS = ("contiguous-le-v1", "row-split-k128-v1", "nvfp4-rows-v1", "row-scale-v1", "raw-bytes-v1")
 TENSOR_ALIGNMENT = 256
 RESOURCE_ALIGNMENT = 1
 ROW_SPLIT_K_ALIGN = 128
@@ -111,6 +111,13 @@ def encoded_size(fmt_name: str, shape: list[int] | tuple[int, ...], what: str = 
     elements = checked_product(shape, what)
     if isinstance(fmt, DirectFormat):
         size = elements * fmt.word_bytes
+    elif not isinstance(fmt, GroupedFormat):  # floating-point codes (format/float_codes.py)
+        from .float_codes import geometry
+
+        if len(shape) != 2 or shape[0] == 0 or shape[1] == 0 or shape[1] % (fmt.block or 1):
+            raise ArtifactError(f"{what}: format {fmt.name} needs a non-empty rank-2 shape"
+                                + (f" with columns a multiple of {fmt.block}" if fmt.block else "") + f", got {list(shape)}")
+        size = geometry(fmt.name, shape[0], shape[1]).total_bytes
     else:
         if len(shape) != 2 or shape[0] == 0 or shape[1] == 0:
             raise ArtifactError(f"{what}: format {fmt.name} needs a non-empty rank-2 shape, got {list(shape)}")

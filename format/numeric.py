@@ -34,6 +34,20 @@ class GroupedFormat:
         return (8 * (self.base_bytes_per_group + self.high_bytes_per_group) + 16) / self.group_size
 
 
+@dataclass(frozen=True)
+class FloatCodeFormat:
+    """Floating-point codes with their own scale planes (specs/tensor-formats.md §6): NVFP4 (E2M1, an
+    E4M3FN scale per 16, an FP32 divisor per row) and FP8 E4M3FN with a BF16 multiplier per row."""
+
+    name: str
+    code_bits: int
+    block: int  # columns per scale (the row, 0, for FP8 rows)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.code_bits + (8 / self.block if self.block else 0)
+
+
 FORMATS = MappingProxyType(
     {
         "BF16": DirectFormat("BF16", 2, "<u2"),
@@ -43,6 +57,8 @@ FORMATS = MappingProxyType(
         "Q5G64_F16S": GroupedFormat("Q5G64_F16S", 5, 64, -16, 15, 32, 8),
         "Q6G64_F16S": GroupedFormat("Q6G64_F16S", 6, 64, -32, 31, 32, 16),
         "W8G32_F16S": GroupedFormat("W8G32_F16S", 8, 32, -127, 127, 32, 0),
+        "NVFP4": FloatCodeFormat("NVFP4", 4, 16),
+        "FP8_E4M3FN_ROW_BF16S": FloatCodeFormat("FP8_E4M3FN_ROW_BF16S", 8, 0),
     }
 )
 
@@ -56,6 +72,8 @@ FORMAT_LAYOUT = MappingProxyType(
         "Q5G64_F16S": "row-split-k128-v1",
         "Q6G64_F16S": "row-split-k128-v1",
         "W8G32_F16S": "row-split-k128-v1",
+        "NVFP4": "nvfp4-rows-v1",
+        "FP8_E4M3FN_ROW_BF16S": "row-scale-v1",
     }
 )
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .errors import ArtifactError
 from .layouts import MAX_U64, TENSOR_ALIGNMENT, align_up, encoded_size
-from .numeric import FORMATS
+
 
 UPSTREAM_MODEL_IDS = ("qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3.8-27b")
 UPSTREAM_PROFILES = ("groupwise-int", "nvfp4")
@@ -41,8 +41,8 @@ V3_FORMATS = {"bf16": "BF16", "fp32": "FP32", "int32": "I32", "q4_g64_fp16": "Q4
               "fp8_e4m3fn_row_bf16": "FP8_E4M3FN_ROW_BF16S", "t2_g128_fp16": "T2G128_F16S"}
 V3_LAYOUTS = {"contiguous_le_v1": "contiguous-le-v1", "row_split_k128_v1": "row-split-k128-v1",
               "block_scale_k16_m128x4_v1": "blockscale-k16-m128x4-v1", "row_scale_v1": "row-scale-v1"}
-FOREIGN_FORMATS = {"NVFP4": "blockscale-k16-m128x4-v1", "FP8_E4M3FN_ROW_BF16S": "row-scale-v1"}
-FOREIGN_WHY = "is not implemented in this build (issue 25: NVFP4 and FP8 weights); use a groupwise-int artifact"
+# upstream's on-disk layouts of the float formats (ours: FORMAT_LAYOUT; the binder converts NVFP4's)
+UPSTREAM_LAYOUT = {"NVFP4": "blockscale-k16-m128x4-v1", "FP8_E4M3FN_ROW_BF16S": "row-scale-v1"}
 
 
 class UpstreamArtifactError(ArtifactError):
@@ -160,18 +160,22 @@ def is_upstream_root(root, version: int) -> bool:
 
 
 def _tensor_size(fmt: str, layout: str, shape: tuple[int, ...], divisors: int, what: str) -> int:
-    if fmt in FORMATS:
+    from .numeric import FORMAT_LAYOUT
+
+    expected = UPSTREAM_LAYOUT.get(fmt, FORMAT_LAYOUT.get(fmt))
+    if expected is None:
+        raise ArtifactError(f"{what}: format {str(fmt)[:40]!r} is not one this build reads")
+    if layout != expected:
+        raise ArtifactError(f"{what}: format {fmt} must use layout {expected}, not {str(layout)[:40]!r}")
+    if fmt != "NVFP4":
         return encoded_size(fmt, shape, what)
-    if fmt not in FOREIGN_FORMATS or layout != FOREIGN_FORMATS[fmt]:
-        raise ArtifactError(f"{what}: format {fmt!r} with layout {layout!r} is not an upstream format/layout pair")
     if len(shape) != 2:
         raise ArtifactError(f"{what}: format {fmt} needs a rank-2 shape, got {list(shape)}")
     n, k = shape
-    if fmt == "NVFP4":
-        if n % 128 or k % 64 or n % divisors:
-            raise ArtifactError(f"{what}: NVFP4 needs rows % 128 == 0, columns % 64 == 0 and rows divisible by divisors")
-        return align_up(n * k // 2, 256) + n * k // 16 + 4 * divisors
-    return align_up(n * k, 256) + 2 * n  # FP8 codes, then one BF16 multiplier per row
+    if n % 128 or k % 64 or n % divisors or (n // divisors) % 128:
+        raise ArtifactError(f"{what}: NVFP4 needs rows % 128 == 0, columns % 64 == 0 and each of its {divisors} "
+                            "divisors covering whole 128-row tiles")
+    return align_up(n * k // 2, 256) + n * k // 16 + 4 * divisors
 
 
 class UpstreamDirectory:
@@ -305,11 +309,6 @@ class UpstreamDirectory:
                 raise ArtifactError(f"{what}: divisors > 1 is allowed only for NVFP4")
             if not isinstance(fmt, str) or not isinstance(layout, str):
                 raise ArtifactError(f"{what}: format and layout must be strings")
-            if fmt in FORMATS:
-                from .numeric import FORMAT_LAYOUT
-
-                if FORMAT_LAYOUT[fmt] != layout:
-                    raise ArtifactError(f"{what}: format {fmt} must use layout {FORMAT_LAYOUT[fmt]}, not {layout[:40]!r}")
             expected = _tensor_size(fmt, layout, tuple(shape), divisors, what)
             if nbytes != expected:
                 raise ArtifactError(f"{what}: {nbytes} bytes, but {fmt} {list(shape)} encodes to {expected}")

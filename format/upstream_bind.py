@@ -29,6 +29,7 @@ import numpy as np
 
 from .container import Artifact, ObjectEntry, component_of_name
 from .errors import ArtifactError, BindingError, ConvertError
+from .float_codes import Fp8RowGeometry, decode_fp8_rows, decode_nvfp4, nvfp4_from_block_scale, nvfp4_rows_bytes
 from .inventory import (
     DFLASH2_CONFIG,
     DRAFT_HEAD,
@@ -42,8 +43,8 @@ from .inventory import (
 )
 from .layouts import RowSplitGeometry, align_up, encoded_size, pack_row_split, unpack_row_split
 from .model_config import DFlash2Config, ModelConfig
-from .numeric import FORMAT_LAYOUT, FORMATS, DirectFormat, GroupedFormat, get_format
-from .upstream import FOREIGN_FORMATS, FOREIGN_WHY, UpstreamArtifactError, UpstreamDirectory
+from .numeric import FORMAT_LAYOUT, FORMATS, DirectFormat, FloatCodeFormat, GroupedFormat, get_format
+from .upstream import UpstreamArtifactError, UpstreamDirectory
 
 # upstream frontend roles -> our resource names (vision processors stay with the unbound vision tower)
 _RESOURCES = {"tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer_config",
@@ -156,9 +157,6 @@ def _sources(cfg: ModelConfig, logical: _Logical, spec: ObjectSpec) -> tuple[lis
 
 def _target_format(spec: ObjectSpec, formats: set[str], what: str) -> tuple[str, list[str]]:
     """Our format for an object whose blocks come in `formats` (never lossy for matrices)."""
-    foreign = sorted(formats & set(FOREIGN_FORMATS))
-    if foreign:
-        raise BindingError(f"{what}: weight format {foreign[0]} {FOREIGN_WHY}")
     unknown = sorted(f for f in formats if f not in FORMATS)
     if unknown:
         raise BindingError(f"{what}: upstream format {unknown[0]} is not one this build decodes")
@@ -166,7 +164,7 @@ def _target_format(spec: ObjectSpec, formats: set[str], what: str) -> tuple[str,
     if fixed is not None:
         if formats == {fixed} or (fixed == "FP32" and formats <= {"BF16", "FP32"}):
             return fixed, []
-        if fixed == "BF16" and all(isinstance(FORMATS[f], GroupedFormat) for f in formats):
+        if fixed == "BF16" and not any(isinstance(FORMATS[f], DirectFormat) for f in formats):
             return fixed, [f"{spec.name}: {'/'.join(sorted(formats))} decoded to BF16 (this role runs in BF16 here)"]
         raise BindingError(f"{what}: upstream stores it as {'/'.join(sorted(formats))}; this build reads {fixed} there")
     if len(formats) == 1:
@@ -233,9 +231,6 @@ class UpstreamArtifact(Artifact):
         logical = _Logical(d)
         cfg = self.config
         text_params = [n for n in d.bindings if n.startswith(("text/", "mtp/", "proposal/"))]
-        foreign = sorted({d.objects[oid].format for n in text_params for oid, _, _ in d.bindings[n]} & set(FOREIGN_FORMATS))
-        if foreign:
-            raise UpstreamArtifactError(self.upstream, f"its text weights are {'/'.join(foreign)}, which {FOREIGN_WHY}")
         specs = list(required_text_names(cfg).values())
         self.plans: dict[str, Plan] = {}
         for spec in specs:  # the text model: any failure here is the file's one-line error
@@ -314,8 +309,6 @@ class UpstreamArtifact(Artifact):
             raise BindingError("the draft head is not one block of one row per token id")
         oid = head[0].oid
         fmt = self.directory.objects[oid].format
-        if fmt in FOREIGN_FORMATS:
-            raise BindingError(f"the draft head's format {fmt} {FOREIGN_WHY}")
         rows = np.asarray(head[0].rows)[order]
         width = _matrix_view(self.directory.objects[oid].shape)[1]
         self._resources_ids = ids[order].astype("<i4")
@@ -369,14 +362,15 @@ class UpstreamArtifact(Artifact):
         if len(p.blocks) == 1 and not p.transpose:
             o = d.objects[p.blocks[0].oid]
             rows = p.blocks[0].rows
-            if o.format == p.fmt and isinstance(rows, range) and rows.start == 0 and rows.stop == _matrix_view(o.shape)[0]:
+            if o.format == p.fmt and o.layout == FORMAT_LAYOUT[p.fmt] and isinstance(rows, range) and rows.start == 0 \
+                    and rows.stop == _matrix_view(o.shape)[0]:
                 return d.object_bytes(o.id)  # zero-copy: the whole upstream object is ours as it is
         target = get_format(p.fmt)
         if isinstance(target, DirectFormat):
             pieces = []
             for b in p.blocks:
                 src = d.objects[b.oid].format
-                if isinstance(FORMATS[src], GroupedFormat):  # a fixed-BF16 role stored quantized
+                if not isinstance(FORMATS[src], DirectFormat):  # a fixed-BF16 role stored quantized
                     pieces.append(_bf16_bits(self._dequantized(b)))
                 elif src == p.fmt:
                     pieces.append(self._direct_rows(b, np.dtype(target.numpy_dtype)))
@@ -387,6 +381,8 @@ class UpstreamArtifact(Artifact):
             if p.transpose:
                 arr = np.ascontiguousarray(arr.T)
             return arr.reshape(-1).tobytes()
+        if isinstance(target, FloatCodeFormat):
+            return self._float_codes(p)
         base, high, scale = [], [], []
         for b in p.blocks:
             src = FORMATS[d.objects[b.oid].format]
@@ -404,11 +400,48 @@ class UpstreamArtifact(Artifact):
         out[geo.scale_offset :] = np.concatenate(scale).reshape(-1)
         return out.tobytes()
 
+    def _float_planes(self, oid: str, cache: dict):
+        """A float-code parent as row arrays: NVFP4 (codes, natural scales, per-row divisors), FP8 (codes,
+        BF16 multiplier words); NVFP4's swizzled scales are moved to row order once per parent."""
+        if oid not in cache:
+            o = self.directory.objects[oid]
+            n, k = o.shape
+            raw = self.directory.object_bytes(oid)
+            if o.format == "NVFP4":
+                cache[oid] = nvfp4_from_block_scale(raw, n, k, o.divisors)
+            else:
+                codes, scales = Fp8RowGeometry(n, k).split(raw)
+                cache[oid] = (np.frombuffer(codes, np.uint8).reshape(n, k), np.frombuffer(scales, "<u2"))
+        return cache[oid]
+
+    def _float_codes(self, p: Plan) -> bytes:
+        cache: dict = {}
+        picked = []
+        for b in p.blocks:
+            rows = slice(b.rows.start, b.rows.stop) if isinstance(b.rows, range) else b.rows
+            picked.append([plane[rows] for plane in self._float_planes(b.oid, cache)])
+        planes = [np.concatenate([blk[i] for blk in picked]) for i in range(len(picked[0]))]
+        if p.fmt == "NVFP4":
+            return nvfp4_rows_bytes(*planes)
+        geo = Fp8RowGeometry(p.shape[0], p.shape[1])
+        out = np.zeros(geo.total_bytes, np.uint8)
+        out[: geo.code_bytes] = planes[0].reshape(-1)
+        out[geo.scale_offset :] = np.ascontiguousarray(planes[1], "<u2").view(np.uint8)
+        return out.tobytes()
+
     def _dequantized(self, b: Block) -> np.ndarray:
         from .quantize import dequantize
 
         o = self.directory.objects[b.oid]
         fmt = FORMATS[o.format]
+        if isinstance(fmt, FloatCodeFormat):
+            planes = [plane[b.rows.start : b.rows.stop] if isinstance(b.rows, range) else plane[b.rows]
+                      for plane in self._float_planes(b.oid, {})]
+            rows = planes[0].shape[0]
+            if o.format == "NVFP4":
+                return decode_nvfp4(planes[0].tobytes(), planes[1].tobytes(), planes[2].astype("<f4").tobytes(),
+                                    rows, o.shape[1])
+            return decode_fp8_rows(planes[0].tobytes(), planes[1].tobytes(), rows, o.shape[1])
         base, high, scale = self._grouped_rows(b, fmt)
         rows = base.shape[0]
         return dequantize(base.tobytes(), None if high is None else high.tobytes(), scale.tobytes(), rows, o.shape[1], fmt)

@@ -61,6 +61,19 @@ class DeviceMemory:
                                                                     device=self.device, dtype=torch.uint8))
                 code_std = 2 ** fmt.bits / 12 ** 0.5
                 scale.view(torch.float16).fill_(1.0 / (e.shape[1] ** 0.5 * code_std))
+            elif e.format in ("NVFP4", "FP8_E4M3FN_ROW_BF16S"):  # random codes, scales giving ~1/sqrt(cols)
+                from format.float_codes import geometry
+
+                geo = geometry(e.format, e.shape[0], e.shape[1])
+                planes = geo.split(raw.view(torch.uint8))
+                codes = torch.randint(0, 256, planes[0].shape, generator=gen, device=self.device, dtype=torch.uint8)
+                if e.format == "NVFP4":
+                    planes[0].copy_(codes)
+                    planes[1].fill_(0x38)  # E4M3FN 1.0
+                    planes[2].view(torch.float32).fill_(3.0 * e.shape[1] ** 0.5)
+                else:
+                    planes[0].copy_(codes & 0xDF)  # exponent <= 11: no NaN, |code| <= 30
+                    planes[1].view(torch.bfloat16).fill_(0.1 * e.shape[1] ** -0.5)
             elif e.format == "BF16":
                 t = raw.view(torch.bfloat16)
                 if len(e.shape) == 2:

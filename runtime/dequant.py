@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from format.container import Artifact
-from format.numeric import GroupedFormat, get_format
+from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
 
 def _u8(view, device) -> torch.Tensor:
@@ -50,6 +50,10 @@ def load_tensor(art: Artifact, name: str, dtype: torch.dtype, device: torch.devi
         w = dense_rows(_u8(base, device), _u8(high, device) if high is not None else None,
                        _u8(scale, device).view(torch.float16), geo.rows, geo.cols, fmt)
         return w.to(dtype).contiguous()
+    if isinstance(fmt, FloatCodeFormat):
+        from .kernels.float_gemv import dense_reference, float_codes
+
+        return dense_reference(float_codes(e.format, _u8(art.raw(name), device), e.shape[0], e.shape[1])).to(dtype)
     words = torch.from_numpy(art.read_direct(name).copy())
     if e.format == "BF16":
         return words.view(torch.bfloat16).to(device=device, dtype=dtype)

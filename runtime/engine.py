@@ -16,10 +16,11 @@ import torch
 from format.binding import load_config, require_runnable, token_limit
 from format.container import open_artifact
 from format.layouts import RowSplitGeometry
-from format.numeric import GroupedFormat, get_format
+from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
 from .allocator import DeviceMemory
 from .kernels.attention_gate import attention_gate
+from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
@@ -49,6 +50,23 @@ class DenseLinear:
 
     def rows(self, begin: int, end: int) -> "DenseLinear":
         return DenseLinear(self.weight[begin:end])
+
+
+class CodeLinear:
+    """NVFP4 / FP8-row weights (upstream's nvfp4 profile), dequantized in-kernel (kernels/float_gemv.py)."""
+
+    def __init__(self, codes: FloatCodes):
+        self.codes = codes
+
+    def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False) -> torch.Tensor:
+        return float_linear(x, self.codes)
+
+    def rows(self, begin: int, end: int) -> "CodeLinear":
+        return CodeLinear(self.codes.rows_view(begin, end))
+
+    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows `tokens` decoded (an embedding table stored in these formats)."""
+        return dense_reference(self.codes.take(tokens.reshape(-1))).view(*tokens.shape, self.codes.cols)
 
 
 class QuantLinear:
@@ -167,6 +185,9 @@ class Engine:
             if isinstance(fmt, GroupedFormat):
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 self.lin[r.name] = QuantLinear(PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt))
+                continue
+            if isinstance(fmt, FloatCodeFormat):
+                self.lin[r.name] = CodeLinear(float_codes(e.format, raw, e.shape[0], e.shape[1]))
                 continue
             dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "I32": torch.int32}[e.format]
             t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
@@ -439,6 +460,8 @@ class Engine:
         emb = self.lin["text/token_embedding"]
         if isinstance(emb, QuantLinear):
             return gather_rows(emb.packed, tokens).to(self.act_dtype)
+        if isinstance(emb, CodeLinear):
+            return emb.gather(tokens).to(self.act_dtype)
         return emb.weight[tokens].to(self.act_dtype)
 
     @torch.no_grad()

@@ -835,3 +835,36 @@ def test_attention_tile_overrides():
             _tile_overrides(bad)
     # the program target sets the split count: a quarter of the programs, four times the keys per split
     assert split_size(262144, 4, 64, 512) == 4 * split_size(262144, 4, 64, 2048) == 2048
+
+
+@pytest.mark.parametrize("fmt", ["NVFP4", "FP8_E4M3FN_ROW_BF16S"])
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_float_code_products_match_the_reference(fmt, t):
+    """NVFP4 / FP8-row products (in-kernel decode; 20 rows: decoded row blocks + GEMM) against the numpy
+    decoder of format/float_codes.py, on random valid codes (NaN codes excluded)."""
+    import numpy as np
+
+    from format.float_codes import decode, geometry
+    from runtime.kernels.float_gemv import float_codes, float_linear
+
+    rows, cols = 96, 272  # not multiples of the kernel's blocks
+    gen = np.random.default_rng(3)
+    geo = geometry(fmt, rows, cols)
+    raw = np.zeros(geo.total_bytes, np.uint8)
+    if fmt == "NVFP4":
+        raw[: geo.code_bytes] = gen.integers(0, 256, geo.code_bytes)
+        raw[geo.scale_offset : geo.scale_offset + geo.scale_bytes] = gen.integers(0x20, 0x48, geo.scale_bytes)
+        raw[geo.divisor_offset :] = np.float32(gen.uniform(0.5, 4, rows)).view(np.uint8)
+    else:
+        codes = gen.integers(0, 256, geo.code_bytes).astype(np.uint8)
+        raw[: geo.code_bytes] = np.where((codes & 0x7F) == 0x7F, 0, codes)
+        raw[geo.scale_offset :] = (np.float32(gen.uniform(0.01, 0.1, rows)).view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+    want_w = torch.from_numpy(decode(fmt, raw.tobytes(), rows, cols))
+    w = float_codes(fmt, torch.from_numpy(raw).to(DEVICE), rows, cols)
+    x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    got = float_linear(x, w).float().cpu()
+    want = x.float().cpu() @ want_w.t()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    from runtime.kernels.float_gemv import dense_reference
+
+    assert torch.equal(dense_reference(w).cpu(), want_w)  # the torch reference decodes bit for bit

@@ -4,7 +4,7 @@ import re
 
 from format import container
 from format.layouts import LAYOUTS
-from format.numeric import FORMAT_LAYOUT, FORMATS, GroupedFormat
+from format.numeric import FORMAT_LAYOUT, FORMATS, FloatCodeFormat, GroupedFormat
 
 from .spec_tables import SPECS, table_rows as _table_rows
 
@@ -19,8 +19,10 @@ def test_format_table_matches_registry():
             assert isinstance(f, GroupedFormat)
             assert (f.bits, f.group_size, f.qmin, f.qmax, f.base_bytes_per_group, f.high_bytes_per_group) == (
                 int(bits), int(group), int(qmin), int(qmax), int(base), int(high))
+        elif kind == "float":
+            assert isinstance(f, FloatCodeFormat) and f.code_bits == int(bits) and f.block == (0 if group == "–" else int(group))
         else:
-            assert not isinstance(f, GroupedFormat) and f.word_bytes * 8 == int(bits)
+            assert not isinstance(f, (GroupedFormat, FloatCodeFormat)) and f.word_bytes * 8 == int(bits)
 
 
 def test_layout_table_matches_registry():

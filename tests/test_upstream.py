@@ -139,15 +139,15 @@ def test_v3_dense_runs_through_the_cli_and_rewrites_as_ours(tmp_path, ours_dense
 def test_foreign_formats_and_broken_files_are_one_line(tmp_path, ours_dense, as_27b):
     from ninfer_cli.main import app
 
-    # an NVFP4 weight among the text model's: recognised, described, refused with the reason
-    nvfp4 = ({"shape": [128, 64], "format": "NVFP4", "layout": "blockscale-k16-m128x4-v1"},
+    # a text parameter our model does not use: recognised, described, refused naming it
+    extra = ({"shape": [128, 64], "format": "NVFP4", "layout": "blockscale-k16-m128x4-v1"},
              bytes(128 * 64 // 2 + 128 * 64 // 16 + 4))
     up = write_v2(ours_dense, tmp_path / "good.ninfer", "qwen3.6-27b")
-    fake = write_v2(ours_dense, tmp_path / "fp4.ninfer", "qwen3.6-27b", extra_objects=[("text/layers/0/gdn/extra", nvfp4)])
+    fake = write_v2(ours_dense, tmp_path / "extra.ninfer", "qwen3.6-27b", extra_objects=[("text/layers/0/gdn/extra", extra)])
     with pytest.raises(UpstreamArtifactError) as err:
         open_artifact(fake)
     assert "\n" not in str(err.value) and "upstream ninfer v2 artifact (model qwen3.6-27b" in str(err.value)
-    assert "NVFP4" in str(err.value) and "not implemented" in str(err.value)
+    assert "text/layers/0/gdn/extra is not one the qwen3_5 model of this build uses" in str(err.value)
     r = CliRunner().invoke(app, ["inspect", str(fake), "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout)["origin"] == "upstream ninfer"
     # truncated payload
@@ -204,3 +204,77 @@ def test_padded_vocabulary_rows_are_never_produced(tmp_path):
     step = engine.decode_step([0], [int(first.argmax())])
     for got in (first, step):
         assert torch.isinf(got[..., 478:]).all() and torch.isfinite(got[..., :478]).all()
+
+
+def _twin(src, out, values: dict):
+    """Our artifact with the objects in `values` stored as BF16 holding exactly those values."""
+    from format.container import ArtifactPlan, ArtifactWriter
+    from format.numeric import GroupedFormat, get_format
+
+    with Artifact(src) as art:
+        plan = ArtifactPlan(3, art.identity["model_id"], art.identity["weights_id"])
+        for name, e in art.objects.items():
+            if e.kind == "tensor":
+                plan.add_tensor(name, e.shape, "BF16" if name in values else e.format, e.component)
+            else:
+                plan.add_resource(name, e.nbytes, e.component)
+        with ArtifactWriter(out, plan) as w:
+            for name, e in art.objects.items():
+                if e.kind == "resource":
+                    w.write_resource(name, art.resource_bytes(name))
+                elif name in values:
+                    bits = np.ascontiguousarray(values[name], np.float32).view(np.uint32)
+                    assert not (bits & 0xFFFF).any()  # exactly representable: the twin is exact
+                    w.write_direct(name, (bits >> 16).astype(np.uint16))
+                elif isinstance(get_format(e.format), GroupedFormat):
+                    base, high, scale, _ = art.planes(name)
+                    w.write_rows(name, 0, (base, high if high is not None else b"", scale))
+                else:
+                    w.write_direct(name, art.read_direct(name))
+    return out
+
+
+def test_nvfp4_and_fp8_weights_bind_and_run_as_their_values(tmp_path, ours_dense):
+    """The nvfp4 profile's formats: NVFP4 (swizzled E4M3FN block scales, two stacked sources with their own
+    divisors) for the embedding, head, attention and MLP gate/up; FP8 rows for down / GDN output. Bound,
+    they decode to exactly the values written, and both runtimes generate what a BF16 twin of those values does."""
+    from ninfer_cli.main import app
+    from .upstream_files import FloatRows
+
+    with Artifact(ours_dense) as art:
+        w = {n: art.read_float(n) for n in ("text/token_embedding", "text/output_head", "text/layers/0/mlp/gate_up",
+                                              "text/layers/3/attention/query_gate_key_value", "text/layers/0/mlp/down",
+                                              "text/layers/1/gdn/output")}
+    half = w["text/layers/0/mlp/gate_up"].shape[0] // 2
+    floats = {
+        "text/token_embedding": FloatRows.encode_nvfp4(w["text/token_embedding"], np.full(384, 2.0)),
+        "text/output_head": FloatRows.encode_nvfp4(w["text/output_head"], np.full(384, 0.5)),
+        "text/layers/3/attention/query_gate_key_value":
+            FloatRows.encode_nvfp4(w["text/layers/3/attention/query_gate_key_value"], np.full(768, 4.0)),
+        "text/layers/0/mlp/gate_up": FloatRows.encode_nvfp4(w["text/layers/0/mlp/gate_up"],
+                                                            np.repeat([2.0, 8.0], half)),  # two sources, two divisors
+        "text/layers/0/mlp/down": FloatRows.encode_fp8(w["text/layers/0/mlp/down"]),
+        "text/layers/1/gdn/output": FloatRows.encode_fp8(w["text/layers/1/gdn/output"]),
+    }
+    values = {n: f.decoded() for n, f in floats.items()}
+    for n in values:  # the encodings are close to the weights they replace (a sane profile, not noise)
+        assert np.abs(values[n] - w[n]).max() <= 0.3 * np.abs(w[n]).max() + 1e-6, n
+    up = write_v3(ours_dense, tmp_path / "fp4.ninfer", fused_attention=False, name="qwen3.6-27b", floats=floats)
+    twin = _twin(ours_dense, tmp_path / "twin.nfer", values)
+    with open_artifact(up) as bound:
+        for n, f in floats.items():
+            assert bound.objects[n].format == f.fmt
+            assert np.array_equal(bound.read_float(n), values[n]), n
+        root_formats = bound.upstream.formats
+    assert "NVFP4" in root_formats and "FP8_E4M3FN_ROW_BF16S" in root_formats
+    assert _greedy(up) == _greedy(twin)
+    runner = CliRunner()
+    args = ["--runtime", "triton", "--raw", "--max-new-tokens", "6", "--prompt", "the quick brown fox", "--temperature",
+            "0", "--max-context", "256"]
+    got, want = runner.invoke(app, ["generate", str(up), *args]), runner.invoke(app, ["generate", str(twin), *args])
+    assert got.exit_code == 0, got.output
+    assert got.stdout == want.stdout
+    rewritten = rewrite_artifact(up, tmp_path / "ours.nfer")  # our own v3 carries the float formats too
+    with Artifact(rewritten.output) as art:
+        assert art.objects["text/output_head"].format == "NVFP4"
+        assert np.array_equal(art.read_float("text/output_head"), values["text/output_head"])

@@ -24,8 +24,97 @@ from format.layouts import RowSplitGeometry, align_up, pack_row_split, unpack_ro
 from format.numeric import FORMATS, GroupedFormat
 
 V3_FORMAT = {"BF16": "bf16", "FP32": "fp32", "I32": "int32", "Q4G64_F16S": "q4_g64_fp16", "Q5G64_F16S": "q5_g64_fp16",
-             "Q6G64_F16S": "q6_g64_fp16", "W8G32_F16S": "q8_g32_fp16"}
-V3_LAYOUT = {"contiguous-le-v1": "contiguous_le_v1", "row-split-k128-v1": "row_split_k128_v1"}
+             "Q6G64_F16S": "q6_g64_fp16", "W8G32_F16S": "q8_g32_fp16", "NVFP4": "nvfp4",
+             "FP8_E4M3FN_ROW_BF16S": "fp8_e4m3fn_row_bf16"}
+V3_LAYOUT = {"contiguous-le-v1": "contiguous_le_v1", "row-split-k128-v1": "row_split_k128_v1",
+             "blockscale-k16-m128x4-v1": "block_scale_k16_m128x4_v1", "row-scale-v1": "row_scale_v1"}
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def _e4m3(byte: int) -> float:
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 15, byte & 7
+    if e == 15 and m == 7:
+        return float("nan")
+    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+E4M3 = np.array([_e4m3(b) for b in range(256)], np.float32)
+_POSITIVE = np.array([b for b in range(0x7F)], np.int64)  # finite, non-negative E4M3FN codes
+
+
+def _nearest(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Index of the nearest table entry for every value (the table need not be sorted)."""
+    return np.abs(values[..., None] - table).argmin(-1)
+
+
+class FloatRows:
+    """NVFP4 (codes [N, K/2], natural scales [N, K/16], divisors [N]) or FP8 (codes [N, K], BF16 words [N])
+    rows, with the interface of Rows; `decoded()` is this writer's own decode of what it stores."""
+
+    def __init__(self, fmt, shape, codes, scales, divisors=None):
+        self.fmt, self.shape, self.codes, self.scales, self.divisors = fmt, tuple(shape), codes, scales, divisors
+
+    @classmethod
+    def encode_nvfp4(cls, x: np.ndarray, divisors: np.ndarray) -> "FloatRows":
+        n, k = x.shape
+        blocks = x.reshape(n, k // 16, 16) * divisors[:, None, None]
+        want = np.abs(blocks).max(-1) / 6
+        scales = _POSITIVE[_nearest(want, E4M3[_POSITIVE])].astype(np.uint8)
+        s = E4M3[scales][:, :, None]
+        mags = _nearest(np.abs(blocks) / np.where(s > 0, s, 1), E2M1)
+        nib = (mags | np.where(blocks < 0, 8, 0)).reshape(n, k).astype(np.uint8)
+        return cls("NVFP4", (n, k), nib[:, 0::2] | (nib[:, 1::2] << 4), scales, divisors.astype(np.float32))
+
+    @classmethod
+    def encode_fp8(cls, x: np.ndarray) -> "FloatRows":
+        n, k = x.shape
+        scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(x).max(1), 1e-30) / 448))  # powers of two: exact in BF16
+        finite = np.array([b for b in range(256) if (b & 0x7F) != 0x7F])
+        codes = finite[_nearest(x / scale[:, None], E4M3[finite])].astype(np.uint8)
+        words = (scale.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return cls("FP8_E4M3FN_ROW_BF16S", (n, k), codes, words)
+
+    def decoded(self) -> np.ndarray:
+        n, k = self.shape
+        if self.fmt == "NVFP4":
+            nib = np.empty((n, k), np.uint8)
+            nib[:, 0::2], nib[:, 1::2] = self.codes & 15, self.codes >> 4
+            vals = E2M1[nib & 7] * np.where(nib & 8, -1.0, 1.0).astype(np.float32)
+            return (vals.reshape(n, k // 16, 16) * E4M3[self.scales][:, :, None]).reshape(n, k) / self.divisors[:, None]
+        scale = (self.scales.astype(np.uint32) << 16).view(np.float32)
+        return E4M3[self.codes] * scale[:, None]
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    def take(self, rows) -> "FloatRows":
+        rows = np.asarray(rows)
+        return FloatRows(self.fmt, (len(rows), self.shape[1]), self.codes[rows], self.scales[rows],
+                         None if self.divisors is None else self.divisors[rows])
+
+    def encode(self) -> bytes:
+        n, k = self.shape
+        if self.fmt != "NVFP4":
+            return self.codes.tobytes() + bytes(-(n * k) % 256) + self.scales.astype("<u2").tobytes()
+        plane = np.zeros(n * k // 16, np.uint8)
+        for row in range(n):  # upstream's swizzle: 128-row x 4-group tiles of 512 bytes
+            for g in range(k // 16):
+                at = ((row // 128) * (k // 64) + g // 4) * 512 + (row % 128 % 32) * 16 + (row % 128 // 32) * 4 + g % 4
+                plane[at] = self.scales[row, g]
+        return self.codes.tobytes() + bytes(-(n * k // 2) % 256) + plane.tobytes() + self.source_divisors().tobytes()
+
+    def source_divisors(self) -> np.ndarray:
+        """One divisor per stacked source: the fewest equal shares of whole 128-row tiles, each constant."""
+        n = self.shape[0]
+        for count in range(1, n // 128 + 1):
+            if n % count or (n // count) % 128:
+                continue
+            shares = self.divisors.reshape(count, -1)
+            if (shares == shares[:, :1]).all():
+                return shares[:, 0].astype("<f4")
+        raise AssertionError("divisors that vary inside a 128-row tile")
 
 
 class Rows:
@@ -86,8 +175,16 @@ class Rows:
         return np.ascontiguousarray(self.words).tobytes()
 
 
-def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: bool) -> tuple[list, dict, dict]:
-    """[(v2 name, Rows)], {logical name: [(v2 name, row begin, row end)]}, {resource role: bytes}."""
+def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: bool, floats=None) -> tuple[list, dict, dict]:
+    """[(v2 name, Rows)], {logical name: [(v2 name, row begin, row end)]}, {resource role: bytes}.
+    `floats`: our object names -> FloatRows stored instead of the artifact's rows (NVFP4 / FP8 profiles)."""
+    floats = floats or {}
+
+    class Read(Rows):
+        @classmethod
+        def read(cls, art, name):
+            return floats[name] if name in floats else Rows.read(art, name)
+
     cfg = json.loads(art.resource_bytes("resource/config.json"))
     text = cfg.get("text_config", cfg)
     d, heads, kv = text["head_dim"], text["num_attention_heads"], text["num_key_value_heads"]
@@ -105,14 +202,14 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
         assert not pieces or row == rows.n, (name, row, rows.n)
 
     def whole(our, up, lname=None):
-        r = Rows.read(art, our)
+        r = Read.read(art, our)
         put(up, r, [(lname or up, r.n)])
 
     def layer(ours: str, up: str, lg: str, full: bool):
         for n in ("input_norm", "post_attention_norm"):
             whole(ours + n, up + n, lg + n)
         if full:
-            qgkv = Rows.read(art, ours + "attention/query_gate_key_value")
+            qgkv = Read.read(art, ours + "attention/query_gate_key_value")
             q = [r for h in range(heads) for r in range(h * 2 * d, h * 2 * d + d)]
             g = [r for h in range(heads) for r in range(h * 2 * d + d, (h + 1) * 2 * d)]
             k = list(range(2 * heads * d, 2 * heads * d + kv * d))
@@ -124,17 +221,17 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
             else:
                 put(up + "attention/query_key", qgkv.take(q + k), names)
                 second = qgkv.take(g + v)
-                if widen_gate_value:
+                if widen_gate_value and isinstance(second, Rows):
                     second = second.widened("Q5G64_F16S")
                 put(up + "attention/gate_value", second, gv)
             for n in ("attention/query_norm", "attention/key_norm", "attention/output"):
                 whole(ours + n, up + n, lg + n)
         else:
-            qkvz = Rows.read(art, ours + "gdn/query_key_value_z")
+            qkvz = Read.read(art, ours + "gdn/query_key_value_z")
             pieces = [(lg + "gdn/" + x, n) for x, n in (("query", kg), ("key", kg), ("value", vg), ("z", vg))]
             if fused_attention:
                 put(up + "gdn/query_key_value_z", qkvz, pieces)
-                alpha, beta = Rows.read(art, ours + "gdn/alpha_projection"), Rows.read(art, ours + "gdn/beta_projection")
+                alpha, beta = Read.read(art, ours + "gdn/alpha_projection"), Read.read(art, ours + "gdn/beta_projection")
                 put(up + "gdn/a_b_projection", Rows.stack([alpha, beta]),
                     [(lg + "gdn/a_projection", alpha.n), (lg + "gdn/b_projection", beta.n)])
             else:
@@ -142,25 +239,25 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
                 put(up + "gdn/value_z", qkvz.take(range(2 * kg, 2 * kg + 2 * vg)), pieces[2:])
                 whole(ours + "gdn/alpha_projection", up + "gdn/a_projection", lg + "gdn/a_projection")
                 whole(ours + "gdn/beta_projection", up + "gdn/b_projection", lg + "gdn/b_projection")
-            conv = Rows.read(art, ours + "gdn/convolution")  # ours [C, taps] -> upstream tap-major [taps, C]
+            conv = Read.read(art, ours + "gdn/convolution")  # ours [C, taps] -> upstream tap-major [taps, C]
             t = Rows(conv.fmt, conv.shape[::-1], words=np.ascontiguousarray(conv.words.T))
             put(up + "gdn/convolution", t, [(lg + "gdn/convolution", t.n)])
             for n in ("gdn/a_log", "gdn/dt_bias", "gdn/norm", "gdn/output"):
                 whole(ours + n, up + n, lg + n)
         if art.has(ours + "mlp/gate_up"):
-            gu = Rows.read(art, ours + "mlp/gate_up")
+            gu = Read.read(art, ours + "mlp/gate_up")
             put(up + "mlp/gate_up", gu, [(lg + "mlp/gate", gu.n // 2), (lg + "mlp/up", gu.n // 2)])
             whole(ours + "mlp/down", up + "mlp/down", lg + "mlp/down")
         else:
-            router, shared = Rows.read(art, ours + "moe/router"), Rows.read(art, ours + "moe/shared_gate")
+            router, shared = Read.read(art, ours + "moe/router"), Read.read(art, ours + "moe/shared_gate")
             put(up + "moe/router_shared_gate", Rows.stack([router, shared]),
                 [(lg + "moe/router", router.n), (lg + "moe/shared_score", 1)])
             e, i = text["num_experts"], text["moe_intermediate_size"]
-            egu = Rows.read(art, ours + "moe/experts_gate_up")
+            egu = Read.read(art, ours + "moe/experts_gate_up")
             put(up + "moe/routed_gate_up", egu, [(f"{lg}moe/experts/{x}/{p}", i) for x in range(e) for p in ("gate", "up")])
-            ed = Rows.read(art, ours + "moe/experts_down")
+            ed = Read.read(art, ours + "moe/experts_down")
             put(up + "moe/routed_down", ed, [(f"{lg}moe/experts/{x}/down", text["hidden_size"]) for x in range(e)])
-            sgu = Rows.read(art, ours + "moe/shared_gate_up")
+            sgu = Read.read(art, ours + "moe/shared_gate_up")
             put(up + "moe/shared_gate_up", sgu, [(lg + "moe/shared/gate", sgu.n // 2), (lg + "moe/shared/up", sgu.n // 2)])
             whole(ours + "moe/shared_down", up + "moe/shared_down", lg + "moe/shared/down")
 
@@ -177,7 +274,7 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
     if art.has("lm_head_draft/head"):  # upstream orders rows by descending count: here, descending id
         ids = np.frombuffer(art.raw("lm_head_draft/token_ids"), "<i4")
         order = np.argsort(-ids, kind="stable")
-        put("text/draft_head", Rows.read(art, "lm_head_draft/head").take(order), [("proposal/head", len(ids))])
+        put("text/draft_head", Read.read(art, "lm_head_draft/head").take(order), [("proposal/head", len(ids))])
         put("text/draft_head_token_ids", Rows("I32", (len(ids),), words=ids[order].reshape(-1, 1).copy()),
             [("proposal/token_ids", len(ids))])
     resources = {}
@@ -195,16 +292,21 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
     return objs, logical, resources
 
 
-def _tensor_entry(name_key, name, rows: Rows, offset, nbytes, v3: bool) -> dict:
+def _tensor_entry(name_key, name, rows, offset, nbytes, v3: bool) -> dict:
     fmt = rows.fmt
-    layout = "row-split-k128-v1" if isinstance(FORMATS[fmt], GroupedFormat) else "contiguous-le-v1"
-    return {name_key: name, "kind": "tensor", "shape": list(rows.shape), "format": V3_FORMAT[fmt] if v3 else fmt,
-            "layout": V3_LAYOUT[layout] if v3 else layout, "offset": offset, "bytes": nbytes}
+    layout = {"NVFP4": "blockscale-k16-m128x4-v1", "FP8_E4M3FN_ROW_BF16S": "row-scale-v1"}.get(fmt) or (
+        "row-split-k128-v1" if isinstance(FORMATS[fmt], GroupedFormat) else "contiguous-le-v1")
+    entry = {name_key: name, "kind": "tensor", "shape": list(rows.shape), "format": V3_FORMAT[fmt] if v3 else fmt,
+             "layout": V3_LAYOUT[layout] if v3 else layout, "offset": offset, "bytes": nbytes}
+    if fmt == "NVFP4" and len(rows.source_divisors()) > 1:
+        entry["divisors"] = len(rows.source_divisors())
+    return entry
 
 
-def write_v2(src: Path, out: Path, model_id: str, fused_attention=False, widen_gate_value=True, extra_objects=()) -> Path:
+def write_v2(src: Path, out: Path, model_id: str, fused_attention=False, widen_gate_value=True, extra_objects=(),
+             floats=None) -> Path:
     with Artifact(src) as art:
-        objs, _, resources = upstream_objects(art, fused_attention, widen_gate_value)
+        objs, _, resources = upstream_objects(art, fused_attention, widen_gate_value, floats)
     entries, payload, offset = [], bytearray(), 0
     for name, rows in objs:
         data = rows.encode()
@@ -232,10 +334,10 @@ def write_v2(src: Path, out: Path, model_id: str, fused_attention=False, widen_g
 
 
 def write_v3(src: Path, out: Path, fused_attention=True, widen_gate_value=False, part_bytes: int | None = None,
-             name: str = "qwen3.6-35b-a3b") -> Path:
+             name: str = "qwen3.6-35b-a3b", floats=None) -> Path:
     """`part_bytes`: payload bytes per file (a multiple of 4096): the rest goes to continuation parts."""
     with Artifact(src) as art:
-        objs, logical, resources = upstream_objects(art, fused_attention, widen_gate_value)
+        objs, logical, resources = upstream_objects(art, fused_attention, widen_gate_value, floats)
         cfg = json.loads(art.resource_bytes("resource/config.json"))
     text = cfg.get("text_config", cfg)
     ids = {n: f"w{i:04d}" for i, (n, _) in enumerate(objs)}

@@ -1,0 +1,167 @@
+"""Products with floating-point weight codes (NVFP4, FP8 E4M3FN rows; format/float_codes.py), dequantized
+in-kernel: no FP4/FP8 tensor cores needed, so they run on any GPU Triton targets.
+
+Few rows (decode, verify blocks): `float_gemv` reads each weight tile once per program and row block of x
+and sums in float32 (NVFP4: per 16-weight group, times its E4M3FN scale; then / the row's divisor; FP8:
+times the row's BF16 multiplier at the end). Many rows (prefill): `dense_rows_into` decodes row blocks to the
+activation dtype for the vendor GEMM."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import torch_path
+from .launch import LAUNCH, pdl_wait
+
+GEMV_MAX_ROWS = 16
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 nibble (int32) -> float32: bit 3 sign, exponent 2 bits (bias 1), mantissa 1 bit."""
+    mag = c & 7
+    e = mag >> 1
+    m = (mag & 1).to(tl.float32)
+    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.math.exp2((e - 1).to(tl.float32)))
+    return tl.where((c & 8) != 0, -val, val)
+
+
+@triton.jit
+def _e4m3fn(b):
+    """E4M3FN byte (int32) -> float32 (the NaN code decodes as 480: the reader refuses it before)."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    val = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.math.exp2((e - 10).to(tl.float32)))
+    return tl.where((b & 128) != 0, -val, val)
+
+
+@triton.jit
+def _float_gemv_kernel(x_ptr, code_ptr, scale_ptr, div_ptr, y_ptr, N, K, stride_x, stride_y,
+                       NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pdl_wait()
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.program_id(1)
+    ok = rows < N
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    if NVFP4:
+        HALF: tl.constexpr = BLOCK_K // 2
+        j = tl.arange(0, HALF)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 // 2 + j
+            m = ok[:, None] & (kk[None, :] < K // 2)
+            c = tl.load(code_ptr + rows[:, None] * (K // 2) + kk[None, :], mask=m, other=0).to(tl.int32)
+            xe = tl.load(x_ptr + t * stride_x + 2 * kk, mask=kk < K // 2, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + t * stride_x + 2 * kk + 1, mask=kk < K // 2, other=0.0).to(tl.float32)
+            prod = _e2m1(c & 15) * xe[None, :] + _e2m1(c >> 4) * xo[None, :]  # [BLOCK_N, HALF]
+            groups = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
+            g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            s = tl.load(scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=ok[:, None] & (g[None, :] < K // 16),
+                        other=0).to(tl.int32)
+            acc += tl.sum(groups * _e4m3fn(s), axis=1)
+        acc = acc / tl.load(div_ptr + rows, mask=ok, other=1.0)
+    else:
+        k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            m = ok[:, None] & (kk[None, :] < K)
+            c = tl.load(code_ptr + rows[:, None] * K + kk[None, :], mask=m, other=0).to(tl.int32)
+            xv = tl.load(x_ptr + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc += tl.sum(_e4m3fn(c) * xv[None, :], axis=1)
+        scale = tl.load(scale_ptr + rows, mask=ok, other=0).to(tl.float32)
+        acc = acc * scale
+    tl.store(y_ptr + t * stride_y + rows, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+class FloatCodes:
+    """A resident NVFP4 (`nvfp4-rows-v1`) or FP8 row-scale (`row-scale-v1`) matrix [rows, cols]: its code
+    plane, scale plane and (NVFP4) per-row divisors as device tensor views."""
+
+    def __init__(self, fmt: str, codes: torch.Tensor, scales: torch.Tensor, divisors: torch.Tensor | None,
+                 rows: int, cols: int):
+        self.fmt, self.rows, self.cols = fmt, rows, cols
+        self.nvfp4 = fmt == "NVFP4"
+        self.codes = codes.view(torch.uint8)
+        self.scales = scales.view(torch.uint8) if self.nvfp4 else scales.view(torch.bfloat16)
+        self.divisors = divisors.view(torch.float32) if divisors is not None else None
+
+    def rows_view(self, begin: int, end: int) -> "FloatCodes":
+        if self.nvfp4:
+            return FloatCodes(self.fmt, self.codes.view(self.rows, -1)[begin:end].reshape(-1),
+                              self.scales.view(self.rows, -1)[begin:end].reshape(-1), self.divisors[begin:end],
+                              end - begin, self.cols)
+        return FloatCodes(self.fmt, self.codes.view(self.rows, -1)[begin:end].reshape(-1), self.scales[begin:end],
+                          None, end - begin, self.cols)
+
+    def take(self, rows: torch.Tensor) -> "FloatCodes":
+        """The rows `rows` (a long tensor) as a new, compact matrix."""
+        codes = self.codes.view(self.rows, -1)[rows].reshape(-1)
+        if self.nvfp4:
+            return FloatCodes(self.fmt, codes, self.scales.view(self.rows, -1)[rows].reshape(-1), self.divisors[rows],
+                              len(rows), self.cols)
+        return FloatCodes(self.fmt, codes, self.scales[rows], None, len(rows), self.cols)
+
+    def dense(self, begin: int = 0, end: int | None = None, dtype=torch.float32) -> torch.Tensor:
+        """Rows [begin, end) decoded (the torch reference of every product here)."""
+        end = self.rows if end is None else end
+        return dense_reference(self if (begin, end) == (0, self.rows) else self.rows_view(begin, end)).to(dtype)
+
+
+def float_codes(fmt: str, raw: torch.Tensor, rows: int, cols: int) -> FloatCodes:
+    """FloatCodes viewing a whole object's bytes (a uint8 tensor) in its layout."""
+    from format.float_codes import geometry
+
+    geo = geometry(fmt, rows, cols)
+    if fmt == "NVFP4":
+        codes, scales, divisors = geo.split(raw)
+        return FloatCodes(fmt, codes, scales, divisors, rows, cols)
+    codes, scales = geo.split(raw)
+    return FloatCodes(fmt, codes, scales, None, rows, cols)
+
+
+_E2M1 = None
+
+
+def dense_reference(w: FloatCodes) -> torch.Tensor:
+    """float32 [rows, cols] with torch ops (bit-exact with format.float_codes)."""
+    global _E2M1
+    dev = w.codes.device
+    if _E2M1 is None or _E2M1.device != dev:
+        _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                             device=dev)
+    if w.nvfp4:
+        c = w.codes.view(w.rows, w.cols // 2).long()
+        vals = torch.stack([_E2M1[c & 15], _E2M1[c >> 4]], dim=-1).view(w.rows, w.cols // 16, 16)
+        s = w.scales.view(w.rows, w.cols // 16).view(torch.float8_e4m3fn).float()
+        return (vals * s[:, :, None]).view(w.rows, w.cols) / w.divisors.view(w.rows, 1)
+    v = w.codes.view(w.rows, w.cols).view(torch.float8_e4m3fn).float()
+    return v * w.scales.float().view(w.rows, 1)
+
+
+def float_gemv(x: torch.Tensor, w: FloatCodes, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] -> x @ W^T [T, N] in x's dtype, T <= GEMV_MAX_ROWS (more rows: dense_rows_into + GEMM)."""
+    t, k = x.shape
+    if k != w.cols:
+        raise ValueError(f"float_gemv: x has {k} columns, the weight {w.cols}")
+    if torch_path(x):
+        y = (x.float() @ dense_reference(w).t()).to(x.dtype)
+        return out.copy_(y) if out is not None else y
+    y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
+    block_n, block_k = 32, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 16
+    div = w.divisors if w.nvfp4 else w.scales  # unused for FP8
+    _float_gemv_kernel[(triton.cdiv(w.rows, block_n), t)](
+        x, w.codes, w.scales, div, y, w.rows, k, x.stride(0), y.stride(0), NVFP4=w.nvfp4, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4, **LAUNCH)
+    return y
+
+
+def float_linear(x: torch.Tensor, w: FloatCodes, chunk_rows: int = 8192) -> torch.Tensor:
+    """x [T, K] @ W^T: the in-kernel GEMV for few rows, else row blocks decoded for the GEMM."""
+    if x.shape[0] <= GEMV_MAX_ROWS or torch_path(x):
+        return float_gemv(x, w)
+    y = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
+    for r0 in range(0, w.rows, chunk_rows):
+        r1 = min(w.rows, r0 + chunk_rows)
+        y[:, r0:r1] = x @ w.dense(r0, r1, x.dtype).t()
+    return y
