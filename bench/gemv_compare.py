@@ -2,12 +2,13 @@
 run. `sweep`: the float kernel vs the dp4a kernel over a tile sweep (T = 1), with the dp4a kernel's
 error against the exact float product. `rows`: row blocks (T = 2, 4, 8, 16: lanes, verify blocks)
 through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1; `lanes`:
-the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8;
+the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_codes`: the NVFP4 / FP8-row
+products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
 CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes]
 """
 
 from __future__ import annotations
@@ -197,7 +198,44 @@ def t1_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def float_codes_main(out: str) -> None:
+    from format.float_codes import geometry
+    from runtime.kernels.float_gemv import TUNING, float_codes, launch_float_gemv
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, _ in [SHAPES[0], SHAPES[1], SHAPES[2]]:
+        q4, q4_bytes = random_packed(n, k, "Q4G64_F16S")
+        x1, y1 = _xy(1, k, n)
+        q4_us = bench_ms(lambda: ql.qlinear(x1, q4, out=y1)) * 1e3
+        for fmt in ("NVFP4", "FP8_E4M3FN_ROW_BF16S"):
+            geo = geometry(fmt, n, k)
+            raw = torch.randint(0, 0x70, (geo.total_bytes,), dtype=torch.uint8, device="cuda")
+            w = float_codes(fmt, raw, n, k)
+            if fmt == "NVFP4":
+                w.divisors.fill_(64.0)
+            for t in (1, 4):
+                x, y = _xy(t, k, n)
+                best = None
+                for bn, bk, nw in itertools.product((32, 64, 128), (128, 256), (4, 8)):
+                    if k % bk:
+                        continue
+                    ms = bench_ms(lambda: launch_float_gemv(x, w, y, bn, bk, nw))
+                    if best is None or ms < best[0]:
+                        best = (ms, bn, bk, nw)
+                ms, bn, bk, nw = best
+                row = {"op": label, "format": fmt, "T": t, "bytes": geo.total_bytes, "us": ms * 1e3,
+                       "frac_of_copy": geo.total_bytes / (ms * 1e-3) / peak, "tile": [bn, bk, nw],
+                       "q4_t1_us": q4_us, "q4_t1_frac": q4_bytes / (q4_us * 1e-6) / peak, "default_tile": dict(TUNING)}
+                rows.append(row)
+                print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
+
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
+    if mode == "float_codes":
+        return float_codes_main(out)
     if mode == "rows":
         return rows_main(out)
     if mode == "lanes":

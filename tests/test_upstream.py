@@ -278,3 +278,36 @@ def test_nvfp4_and_fp8_weights_bind_and_run_as_their_values(tmp_path, ours_dense
     with Artifact(rewritten.output) as art:
         assert art.objects["text/output_head"].format == "NVFP4"
         assert np.array_equal(art.read_float("text/output_head"), values["text/output_head"])
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU: the Triton engine on the device")
+def test_bound_upstream_files_run_on_the_gpu_engine(tmp_path, ours_dense, as_27b):
+    """On the GPU the bound files go through the real kernels (widened Q5 rows, NVFP4 / FP8 in-kernel
+    decoding): their logits match those of the artifacts they stand for."""
+    import torch
+
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+    from .upstream_files import FloatRows
+
+    with Artifact(ours_dense) as art:
+        head, gate_up = art.read_float("text/output_head"), art.read_float("text/layers/0/mlp/gate_up")
+        down = art.read_float("text/layers/0/mlp/down")
+    floats = {"text/output_head": FloatRows.encode_nvfp4(head, np.full(head.shape[0], 0.5)),
+              "text/layers/0/mlp/gate_up": FloatRows.encode_nvfp4(gate_up, np.full(gate_up.shape[0], 2.0)),
+              "text/layers/0/mlp/down": FloatRows.encode_fp8(down)}
+    pairs = [(write_v2(ours_dense, tmp_path / "q.ninfer", "qwen3.6-27b"), ours_dense),
+             (write_v3(ours_dense, tmp_path / "f.ninfer", fused_attention=False, name="qwen3.6-27b", floats=floats),
+              _twin(ours_dense, tmp_path / "twin.nfer", {n: f.decoded() for n, f in floats.items()}))]
+    prompt = [5, 17, 99, 300, 12, 7, 7, 41]
+    for up, ref in pairs:
+        got, want = [], []
+        for path, sink in ((up, got), (ref, want)):
+            engine = Engine(path, PlanOptions(max_context=256, prefill_chunk=128), device="cuda")
+            first = engine.prefill(0, prompt)
+            sink += [first.float().cpu(), engine.decode_step([0], [int(first.argmax())]).float().cpu()]
+            del engine
+        for g, w in zip(got, want):
+            finite = torch.isfinite(w)
+            assert torch.equal(finite, torch.isfinite(g))
+            assert (g[finite] - w[finite]).abs().max() <= 0.05 * w[finite].abs().max(), up.name

@@ -1,9 +1,9 @@
 """Products with floating-point weight codes (NVFP4, FP8 E4M3FN rows; format/float_codes.py), dequantized
 in-kernel: no FP4/FP8 tensor cores needed, so they run on any GPU Triton targets.
 
-Few rows (decode, verify blocks): `float_gemv` reads each weight tile once per program and row block of x
-and sums in float32 (NVFP4: per 16-weight group, times its E4M3FN scale; then / the row's divisor; FP8:
-times the row's BF16 multiplier at the end). Many rows (prefill): `dense_rows_into` decodes row blocks to the
+Few rows (decode, verify blocks): `float_gemv` decodes each weight tile once into bf16 (exact: E2M1 times
+an E4M3FN scale has at most 6 significant bits) and multiplies it with every row of x on the tensor cores,
+float32 sums; the row's divisor (NVFP4) or BF16 multiplier (FP8) applies at the end. Many rows (prefill): `dense_rows_into` decodes row blocks to the
 activation dtype for the vendor GEMM."""
 
 from __future__ import annotations
@@ -19,12 +19,18 @@ GEMV_MAX_ROWS = 16
 
 
 @triton.jit
+def _pow2(e):
+    """2^e for int32 e in the normal range, exactly (built from the exponent bits, not ex2.approx)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(c):
     """E2M1 nibble (int32) -> float32: bit 3 sign, exponent 2 bits (bias 1), mantissa 1 bit."""
     mag = c & 7
     e = mag >> 1
     m = (mag & 1).to(tl.float32)
-    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.math.exp2((e - 1).to(tl.float32)))
+    val = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * _pow2(e - 1))
     return tl.where((c & 8) != 0, -val, val)
 
 
@@ -33,45 +39,57 @@ def _e4m3fn(b):
     """E4M3FN byte (int32) -> float32 (the NaN code decodes as 480: the reader refuses it before)."""
     e = (b >> 3) & 15
     m = (b & 7).to(tl.float32)
-    val = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.math.exp2((e - 10).to(tl.float32)))
+    val = tl.where(e == 0, m * 0.001953125, (8.0 + m) * _pow2(e - 10))
     return tl.where((b & 128) != 0, -val, val)
 
 
 @triton.jit
-def _float_gemv_kernel(x_ptr, code_ptr, scale_ptr, div_ptr, y_ptr, N, K, stride_x, stride_y,
-                       NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _float_gemv_kernel(x_ptr, code_ptr, scale_ptr, div_ptr, y_ptr, T, N, K, stride_x, stride_y,
+                       NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                       DOT_BF16: tl.constexpr):
+    """y[t, rows] for a block of weight rows and up to BLOCK_T rows of x: every weight tile is decoded once
+    (NVFP4: E2M1 times its group's E4M3FN scale, exact in bf16; FP8: E4M3FN, exact in bf16) and multiplied
+    with all rows of x at once; the row's divisor / multiplier applies to the float32 sums."""
     pdl_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t = tl.program_id(1)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = rows < N
-    acc = tl.zeros((BLOCK_N,), tl.float32)
+    tok_ok = toks < T
+    dot_type = tl.bfloat16 if DOT_BF16 else tl.float32
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
     if NVFP4:
         HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 16
         j = tl.arange(0, HALF)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 // 2 + j
-            m = ok[:, None] & (kk[None, :] < K // 2)
-            c = tl.load(code_ptr + rows[:, None] * (K // 2) + kk[None, :], mask=m, other=0).to(tl.int32)
-            xe = tl.load(x_ptr + t * stride_x + 2 * kk, mask=kk < K // 2, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + t * stride_x + 2 * kk + 1, mask=kk < K // 2, other=0.0).to(tl.float32)
-            prod = _e2m1(c & 15) * xe[None, :] + _e2m1(c >> 4) * xo[None, :]  # [BLOCK_N, HALF]
-            groups = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
-            g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            s = tl.load(scale_ptr + rows[:, None] * (K // 16) + g[None, :], mask=ok[:, None] & (g[None, :] < K // 16),
+            kok = kk < K // 2
+            c = tl.load(code_ptr + rows[:, None] * (K // 2) + kk[None, :], mask=ok[:, None] & kok[None, :],
                         other=0).to(tl.int32)
-            acc += tl.sum(groups * _e4m3fn(s), axis=1)
-        acc = acc / tl.load(div_ptr + rows, mask=ok, other=1.0)
+            g = k0 // 16 + tl.arange(0, GROUPS)
+            s = _e4m3fn(tl.load(scale_ptr + rows[:, None] * (K // 16) + g[None, :],
+                                mask=ok[:, None] & (g[None, :] < K // 16), other=0).to(tl.int32))
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, 8)), (BLOCK_N, HALF))
+            we = (_e2m1(c & 15) * s).to(dot_type)
+            wo = (_e2m1(c >> 4) * s).to(dot_type)
+            xm = kok[:, None] & tok_ok[None, :]
+            xe = tl.load(x_ptr + toks[None, :] * stride_x + 2 * kk[:, None], mask=xm, other=0.0).to(dot_type)
+            xo = tl.load(x_ptr + toks[None, :] * stride_x + 2 * kk[:, None] + 1, mask=xm, other=0.0).to(dot_type)
+            acc = tl.dot(we, xe, acc, input_precision="ieee")
+            acc = tl.dot(wo, xo, acc, input_precision="ieee")
+        acc = acc / tl.load(div_ptr + rows, mask=ok, other=1.0)[:, None]
     else:
         k = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
-            m = ok[:, None] & (kk[None, :] < K)
-            c = tl.load(code_ptr + rows[:, None] * K + kk[None, :], mask=m, other=0).to(tl.int32)
-            xv = tl.load(x_ptr + t * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-            acc += tl.sum(_e4m3fn(c) * xv[None, :], axis=1)
-        scale = tl.load(scale_ptr + rows, mask=ok, other=0).to(tl.float32)
-        acc = acc * scale
-    tl.store(y_ptr + t * stride_y + rows, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            kok = kk < K
+            c = tl.load(code_ptr + rows[:, None] * K + kk[None, :], mask=ok[:, None] & kok[None, :], other=0).to(tl.int32)
+            xv = tl.load(x_ptr + toks[None, :] * stride_x + kk[:, None], mask=kok[:, None] & tok_ok[None, :],
+                         other=0.0).to(dot_type)
+            acc = tl.dot(_e4m3fn(c).to(dot_type), xv, acc, input_precision="ieee")
+        acc = acc * tl.load(scale_ptr + rows, mask=ok, other=0).to(tl.float32)[:, None]
+    out = y_ptr + toks[None, :] * stride_y + rows[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & tok_ok[None, :])
 
 
 class FloatCodes:
@@ -148,11 +166,20 @@ def float_gemv(x: torch.Tensor, w: FloatCodes, out: torch.Tensor | None = None) 
         y = (x.float() @ dense_reference(w).t()).to(x.dtype)
         return out.copy_(y) if out is not None else y
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
-    block_n, block_k = 32, 128 if k % 128 == 0 else 64 if k % 64 == 0 else 16
+    return launch_float_gemv(x, w, y, TUNING["block_n"], TUNING["block_k"], TUNING["num_warps"])
+
+
+TUNING = {"block_n": 64, "block_k": 128, "num_warps": 4}  # bench/gemv_compare.py float_codes sweeps these
+
+
+def launch_float_gemv(x, w: FloatCodes, y, block_n: int, block_k: int, num_warps: int) -> torch.Tensor:
+    """The product with an explicit tile (K need not divide block_k: the tail is masked)."""
     div = w.divisors if w.nvfp4 else w.scales  # unused for FP8
-    _float_gemv_kernel[(triton.cdiv(w.rows, block_n), t)](
-        x, w.codes, w.scales, div, y, w.rows, k, x.stride(0), y.stride(0), NVFP4=w.nvfp4, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=4, **LAUNCH)
+    t = x.shape[0]
+    _float_gemv_kernel[(triton.cdiv(w.rows, block_n), triton.cdiv(t, 16))](
+        x, w.codes, w.scales, div, y, t, w.rows, x.shape[1], x.stride(0), y.stride(0), NVFP4=w.nvfp4,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_T=16, DOT_BF16=x.dtype == torch.bfloat16, num_warps=num_warps,
+        **LAUNCH)
     return y
 
 
