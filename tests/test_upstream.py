@@ -311,3 +311,24 @@ def test_bound_upstream_files_run_on_the_gpu_engine(tmp_path, ours_dense, as_27b
             finite = torch.isfinite(w)
             assert torch.equal(finite, torch.isfinite(g))
             assert (g[finite] - w[finite]).abs().max() <= 0.05 * w[finite].abs().max(), up.name
+
+
+def test_v3_with_a_dflash2_companion_drafts_as_ours(tmp_path, tiny_with_mtp):
+    """A DFlash2 drafter in upstream's v3 (its config in components.dflash2, q/k/v and gate/up as logical
+    parameters, context K/V bound to the same rows): bound, it drafts exactly as our artifact's."""
+    from format.tiny import write_tiny_dflash2
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+
+    drafter = write_tiny_dflash2(tmp_path / "drafter", tiny_with_mtp, seed=7)
+    ours = convert_checkpoint(tiny_with_mtp, tmp_path / "d.nfer", ConvertOptions(recipe="q4", dflash2=drafter)).output
+    up = write_v3(ours, tmp_path / "d.ninfer", fused_attention=True, name="qwen3.8-27b")
+    with open_artifact(up) as bound:
+        assert "dflash2" in bound.components and not bound.unbound
+        _same_weights(ours, bound)
+    prompt = [5, 17, 99, 300, 12, 7, 7, 41]
+    runs = []
+    for path in (ours, up):
+        engine = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, spec="dflash2", draft_tokens=3), device="cpu")
+        runs.append(engine.generate(prompt, 12))
+    assert runs[0] == runs[1] and len(runs[0]) == 12

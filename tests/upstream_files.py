@@ -277,6 +277,22 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
         put("text/draft_head", Read.read(art, "lm_head_draft/head").take(order), [("proposal/head", len(ids))])
         put("text/draft_head_token_ids", Rows("I32", (len(ids),), words=ids[order].reshape(-1, 1).copy()),
             [("proposal/token_ids", len(ids))])
+    if art.has("dflash2/config.json"):  # names as ours; fused q/k/v and gate/up split into logical parameters
+        drafter = json.loads(art.resource_bytes("dflash2/config.json"))
+        q = drafter["num_attention_heads"] * drafter["head_dim"]
+        kv = drafter["num_key_value_heads"] * drafter["head_dim"]
+        for n, e in art.objects.items():
+            if not n.startswith("dflash2/") or e.kind != "tensor":
+                continue
+            r = Read.read(art, n)
+            b = n.rsplit("/", 1)[0] + "/"
+            if n.endswith("attention/query_key_value"):
+                put(n, r, [(b + "query", q), (b + "key", kv), (b + "value", kv)])
+                logical[b + "context_key"], logical[b + "context_value"] = logical[b + "key"], logical[b + "value"]
+            elif n.endswith("mlp/gate_up"):
+                put(n, r, [(b + "gate", r.n // 2), (b + "up", r.n // 2)])
+            else:
+                put(n, r, [(n, r.n)])
     resources = {}
     tok = json.loads(art.resource_bytes("resource/tokenizer.json"))
     tok_cfg = json.loads(art.resource_bytes("resource/tokenizer_config.json"))
@@ -367,6 +383,9 @@ def write_v3(src: Path, out: Path, fused_attention=True, widen_gate_value=False,
     components = {"text": {"config": text, "resources": res_ids}}
     if any(n.startswith("mtp/") for n in logical):
         components["mtp"] = {"config": {"architectures": ["Qwen3_5MTP"]}, "target": "text"}
+    if any(n.startswith("dflash2/") for n in logical):
+        with Artifact(src) as art:
+            components["dflash2"] = {"config": json.loads(art.resource_bytes("dflash2/config.json")), "target": "text"}
     if "proposal/head" in logical:
         components["text"]["proposal"] = {"domain": "indexed", "rows": logical["proposal/head"][0][2]}
     sizes = [len(payload)] if not part_bytes or part_bytes >= len(payload) else \
