@@ -421,7 +421,11 @@ class UpstreamDirectory:
                                                  {"query": dcfg.num_heads * dcfg.head_dim, "key": dcfg.kv_rows,
                                                   "value": dcfg.kv_rows}),
                    "mlp/gate_up": ("mlp/", ("gate", "up"), None)}
-        layer = re.compile(r"(text/layers/\d+/|mtp/layer/|dflash2/layers/\d+/)(.+)")
+        fused["attention/qkv"] = ("attention/", ("query", "key", "value"), None)  # vision blocks: three equal
+        fused["attention/qkv_bias"] = ("attention/", ("query_bias", "key_bias", "value_bias"), None)
+        renamed.update({"norm1/weight": "norm1_weight", "norm1/bias": "norm1_bias", "norm2/weight": "norm2_weight",
+                        "norm2/bias": "norm2_bias", "norm/weight": "norm_weight", "norm/bias": "norm_bias"})
+        layer = re.compile(r"(text/layers/\d+/|mtp/layer/|dflash2/layers/\d+/|vision/layers/\d+/|vision/merger/)(.+)")
         out: dict[str, Parts] = {}
         for o in self.objects.values():
             if o.kind == "resource":
@@ -440,10 +444,10 @@ class UpstreamDirectory:
             table = drafter if block.startswith("dflash2/") else fused
             if role in table:
                 prefix, names, sizes = table[role]
-                if sizes is None:  # the drafter's MLP: two equal halves
-                    sizes = {nm: o.shape[0] // 2 for nm in names}
-                width = o.shape[-1] if o.shape else 1
-                if len(o.shape) != 2 or sum(sizes[nm] for nm in names) != o.shape[0]:
+                if sizes is None:  # equal parts: the drafter's MLP halves, a vision block's q/k/v
+                    sizes = {nm: o.shape[0] // len(names) for nm in names}
+                width = o.shape[-1] if len(o.shape) == 2 else 1
+                if len(o.shape) not in (1, 2) or sum(sizes[nm] for nm in names) != o.shape[0]:
                     raise ArtifactError(f"{self.path}: {o.id} has shape {list(o.shape)}; {self.model_id} stacks "
                                         f"{'+'.join(str(sizes[nm]) for nm in names)} rows of {width} there")
                 row = 0

@@ -46,7 +46,7 @@ from .model_config import DFlash2Config, ModelConfig
 from .numeric import FORMAT_LAYOUT, FORMATS, DirectFormat, FloatCodeFormat, GroupedFormat, get_format
 from .upstream import UpstreamArtifactError, UpstreamDirectory
 
-# upstream frontend roles -> our resource names (vision processors stay with the unbound vision tower)
+# upstream frontend roles -> our resource names (the vision preprocessor joins a bound vision tower)
 _RESOURCES = {"tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer_config",
               "chat_template.jinja": "chat_template", "generation_config.json": "generation_config"}
 
@@ -69,6 +69,7 @@ class Plan:
     blocks: list[Block]
     transpose: bool = False
     notes: list[str] = field(default_factory=list)
+    entry_shape: tuple[int, ...] | None = None  # the same elements under our shape (the 5-D patch embedding)
 
 
 def _matrix_view(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -123,6 +124,8 @@ def _sources(cfg: ModelConfig, logical: _Logical, spec: ObjectSpec) -> tuple[lis
     if name.startswith(("text/layers/", "mtp/layers/")):
         parts = name.split("/")
         block, role = "/".join(parts[:3]) + "/", "/".join(parts[3:])
+    if name.startswith("vision/"):
+        return sum((L.blocks(n) for n in _vision_sources(name)), []), False
     if role == "attention/query_gate_key_value":
         d, heads = cfg.head_dim, cfg.num_heads
         out = []
@@ -153,6 +156,32 @@ def _sources(cfg: ModelConfig, logical: _Logical, spec: ObjectSpec) -> tuple[lis
         b = name.removesuffix("gate_up")
         return L.blocks(b + "gate") + L.blocks(b + "up"), False
     return L.blocks(name), False
+
+
+VISION_PATCH = "vision/patch_embed.proj.weight"
+_VISION_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
+                    "merger.linear_fc1.weight", "merger.linear_fc2.weight")
+
+
+def _vision_sources(name: str) -> list[str]:
+    """Upstream's logical vision parameters our checkpoint-named object `name` stacks."""
+    key = name.removeprefix("vision/")
+    fixed = {"patch_embed.proj.weight": "patch_embedding", "patch_embed.proj.bias": "patch_embedding_bias",
+             "pos_embed.weight": "position_embedding", "merger.norm.weight": "merger/norm_weight",
+             "merger.norm.bias": "merger/norm_bias", "merger.linear_fc1.weight": "merger/fc1",
+             "merger.linear_fc1.bias": "merger/fc1_bias", "merger.linear_fc2.weight": "merger/fc2",
+             "merger.linear_fc2.bias": "merger/fc2_bias"}
+    if key in fixed:
+        return ["vision/" + fixed[key]]
+    _, block, rest = key.split(".", 2)  # blocks.{i}.<rest>
+    b = f"vision/layers/{block}/"
+    per_block = {"norm1.weight": ["norm1_weight"], "norm1.bias": ["norm1_bias"], "norm2.weight": ["norm2_weight"],
+                 "norm2.bias": ["norm2_bias"], "attn.qkv.weight": ["attention/query", "attention/key", "attention/value"],
+                 "attn.qkv.bias": ["attention/query_bias", "attention/key_bias", "attention/value_bias"],
+                 "attn.proj.weight": ["attention/output"], "attn.proj.bias": ["attention/output_bias"],
+                 "mlp.linear_fc1.weight": ["mlp/fc1"], "mlp.linear_fc1.bias": ["mlp/fc1_bias"],
+                 "mlp.linear_fc2.weight": ["mlp/fc2"], "mlp.linear_fc2.bias": ["mlp/fc2_bias"]}
+    return [b + p for p in per_block[rest]]
 
 
 def _target_format(spec: ObjectSpec, formats: set[str], what: str) -> tuple[str, list[str]]:
@@ -248,16 +277,27 @@ class UpstreamArtifact(Artifact):
             except (ConvertError, BindingError) as exc:
                 self.unbound["dflash2"] = str(exc)
         if any(n.startswith("vision/") for n in d.bindings):
-            self.unbound["vision"] = "the upstream vision tower's names and layouts are not bound in this build"
+            try:
+                optional["vision"] = self._vision_specs(cfg)
+            except (BindingError, ConvertError, KeyError, TypeError) as exc:
+                self.unbound["vision"] = f"its vision config cannot be read ({exc})"
         if any(n.startswith("dflash/") for n in d.bindings):
             self.unbound["dflash"] = "DFlash (v1) drafters are not implemented in this build; DFlash2 is"
         for comp, comp_specs in optional.items():
             try:
                 plans = {s.name: self._plan(s, logical) for s in comp_specs}
+                if comp == "vision":
+                    plans[VISION_PATCH].entry_shape = self._patch_shape
+                    for role in ("preprocessor_config.json",):
+                        if role in d.resources:
+                            self._resources[RESOURCE_NAMES["preprocessor_config"]] = bytes(d.object_bytes(d.resources[role]))
                 if comp == "lm_head_draft":
                     plans = self._draft_plans(logical, cfg)
             except (BindingError, ArtifactError) as exc:
                 self.unbound[comp] = str(exc)
+                if comp == "vision":  # the text model runs without it: its config section goes too
+                    self._config.pop("vision_config", None)
+                    self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
                 continue
             self.plans.update(plans)
         stray = [n for n in text_params if n not in logical.used and not (n.startswith("mtp/") and "mtp" in self.unbound)
@@ -272,8 +312,8 @@ class UpstreamArtifact(Artifact):
         offset = 0
         for name, p in self.plans.items():
             nbytes = encoded_size(p.fmt, p.shape, name)
-            self._entries.append(ObjectEntry(name, "tensor", offset, nbytes, p.shape, p.fmt, FORMAT_LAYOUT[p.fmt],
-                                             component_of_name(name)))
+            self._entries.append(ObjectEntry(name, "tensor", offset, nbytes, p.entry_shape or p.shape, p.fmt,
+                                             FORMAT_LAYOUT[p.fmt], component_of_name(name)))
             offset = align_up(offset + nbytes, 256)
             self.notes += p.notes
         for name, data in self._resources.items():
@@ -296,6 +336,26 @@ class UpstreamArtifact(Artifact):
             raise BindingError(f"{what}: upstream holds {rows} rows of {'/'.join(map(str, sorted(widths)))}; "
                                f"{self.directory.model_id} needs {want_rows} rows of {want_width} ({list(spec.shape)})")
         return Plan(spec.name, tuple(spec.shape), fmt, blocks, transpose, notes)
+
+    def _vision_specs(self, cfg: ModelConfig) -> list[ObjectSpec]:
+        """Our vision objects (the checkpoint's names under vision/, format/shapes.vision_inventory) for
+        the tower's config: v3's vision component, or v2's model id (every family member has the same tower)."""
+        from .shapes import _VISION, vision_inventory
+
+        comp = self.directory.components.get("vision")
+        vcfg = dict(comp["config"]) if isinstance(comp, dict) and isinstance(comp.get("config"), dict) else dict(_VISION)
+        vcfg.setdefault("out_hidden_size", cfg.hidden_size)
+        vcfg.setdefault("in_channels", 3)
+        self._config["vision_config"] = vcfg
+        self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
+        specs = []
+        for name, shape in vision_inventory(vcfg):
+            matrix = name.endswith(_VISION_MATRICES) and len(shape) == 2
+            if name == VISION_PATCH:  # upstream stores it as the [hidden, C*T*P*P] matrix it multiplies
+                self._patch_shape = tuple(shape)
+                shape = (shape[0], int(np.prod(shape[1:])))
+            specs.append(ObjectSpec(name, tuple(shape), "companion_matrix" if matrix else "norm", "vision", ()))
+        return specs
 
     def _draft_plans(self, logical: _Logical, cfg: ModelConfig) -> dict[str, Plan]:
         """Upstream orders the draft head's rows by descending token count; ours ascend by token id."""

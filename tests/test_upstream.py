@@ -332,3 +332,35 @@ def test_v3_with_a_dflash2_companion_drafts_as_ours(tmp_path, tiny_with_mtp):
         engine = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, spec="dflash2", draft_tokens=3), device="cpu")
         runs.append(engine.generate(prompt, 12))
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_the_vision_tower_binds_to_the_checkpoint_names(tmp_path, hf_dense, monkeypatch, version):
+    """Upstream's vision objects (fused qkv and its bias split by thirds, the [hidden, C*T*P*P] patch matrix,
+    norm1/weight, merger/...) bind to our checkpoint-named tower with the same weights and config, and the
+    tower encodes an image exactly as ours does."""
+    import torch
+
+    from runtime.vision import ImageInput, VisionTower
+
+    ours = convert_checkpoint(hf_dense, tmp_path / "v.nfer", ConvertOptions(recipe="q4", vision_recipe="w8")).output
+    if version == 2:  # v2: the model id names the shape, and every family member has the same tower
+        text = _text_config(ours)
+        with Artifact(ours) as art:
+            vision = json.loads(art.resource_bytes("resource/config.json"))["vision_config"]
+        monkeypatch.setitem(format.shapes.NAMED_SHAPES, "qwen3.6-27b", text)
+        monkeypatch.setattr(format.shapes, "_VISION", {k: v for k, v in vision.items() if k != "out_hidden_size"})
+        up = write_v2(ours, tmp_path / "v.ninfer", "qwen3.6-27b")
+    else:
+        up = write_v3(ours, tmp_path / "v.ninfer", fused_attention=False, name="qwen3.6-27b")
+    with open_artifact(up) as bound, Artifact(ours) as art:
+        assert "vision" in bound.components and not bound.unbound
+        _same_weights(ours, bound)
+        for key in ("depth", "hidden_size", "out_hidden_size", "patch_size"):
+            got = json.loads(bound.resource_bytes("resource/config.json"))["vision_config"][key]
+            assert got == json.loads(art.resource_bytes("resource/config.json"))["vision_config"][key]
+        towers = [VisionTower.from_artifact(a, "cpu", torch.float32) for a in (bound, art)]
+        patch_values = 3 * 2 * towers[1].cfg.patch_size ** 2
+        image = ImageInput(torch.randn(16, patch_values, generator=torch.Generator().manual_seed(0)), (1, 4, 4))
+        a, b = (t.encode(image) for t in towers)
+        assert torch.equal(a, b)

@@ -293,6 +293,32 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
                 put(n, r, [(b + "gate", r.n // 2), (b + "up", r.n // 2)])
             else:
                 put(n, r, [(n, r.n)])
+    if art.has("vision/patch_embed.proj.weight"):  # checkpoint names -> upstream's vision objects
+        patch = Read.read(art, "vision/patch_embed.proj.weight")
+        h = art.objects["vision/patch_embed.proj.weight"].shape[0]
+        put("vision/patch_embedding", Rows(patch.fmt, (h, patch.words.size // h), words=patch.words.reshape(h, -1)),
+            [("vision/patch_embedding", h)])
+        simple = {"patch_embed.proj.bias": "patch_embedding_bias", "pos_embed.weight": "position_embedding",
+                  "merger.norm.weight": "merger/norm/weight", "merger.norm.bias": "merger/norm/bias",
+                  "merger.linear_fc1.weight": "merger/fc1", "merger.linear_fc1.bias": "merger/fc1_bias",
+                  "merger.linear_fc2.weight": "merger/fc2", "merger.linear_fc2.bias": "merger/fc2_bias"}
+        for key, up in simple.items():
+            r = Read.read(art, "vision/" + key)
+            put("vision/" + up, r, [("vision/" + up.replace("norm/", "norm_"), r.n)])
+        blocks = sorted({int(n.split(".")[1]) for n in art.objects if n.startswith("vision/blocks.")})
+        for i in blocks:
+            b, up = f"vision/blocks.{i}.", f"vision/layers/{i}/"
+            for key, name in (("attn.qkv.weight", "attention/qkv"), ("attn.qkv.bias", "attention/qkv_bias")):
+                r = Read.read(art, b + key)
+                suffix = "_bias" if key.endswith("bias") else ""
+                put(up + name, r, [(up + "attention/" + x + suffix, r.n // 3) for x in ("query", "key", "value")])
+            for key, name in (("attn.proj.weight", "attention/output"), ("attn.proj.bias", "attention/output_bias"),
+                              ("mlp.linear_fc1.weight", "mlp/fc1"), ("mlp.linear_fc1.bias", "mlp/fc1_bias"),
+                              ("mlp.linear_fc2.weight", "mlp/fc2"), ("mlp.linear_fc2.bias", "mlp/fc2_bias"),
+                              ("norm1.weight", "norm1/weight"), ("norm1.bias", "norm1/bias"),
+                              ("norm2.weight", "norm2/weight"), ("norm2.bias", "norm2/bias")):
+                r = Read.read(art, b + key)
+                put(up + name, r, [(up + name.replace("norm1/", "norm1_").replace("norm2/", "norm2_"), r.n)])
     resources = {}
     tok = json.loads(art.resource_bytes("resource/tokenizer.json"))
     tok_cfg = json.loads(art.resource_bytes("resource/tokenizer_config.json"))
@@ -303,6 +329,8 @@ def upstream_objects(art: Artifact, fused_attention: bool, widen_gate_value: boo
     resources["tokenizer.json"] = json.dumps(tok).encode()
     resources["tokenizer_config.json"] = json.dumps(tok_cfg).encode()
     resources["chat_template.jinja"] = art.resource_bytes("resource/chat_template.jinja")
+    if art.has("resource/preprocessor_config.json"):
+        resources["preprocessor_config.json"] = art.resource_bytes("resource/preprocessor_config.json")
     if art.has("resource/generation_config.json"):
         resources["generation_config.json"] = art.resource_bytes("resource/generation_config.json")
     return objs, logical, resources
@@ -383,6 +411,8 @@ def write_v3(src: Path, out: Path, fused_attention=True, widen_gate_value=False,
     components = {"text": {"config": text, "resources": res_ids}}
     if any(n.startswith("mtp/") for n in logical):
         components["mtp"] = {"config": {"architectures": ["Qwen3_5MTP"]}, "target": "text"}
+    if any(n.startswith("vision/") for n in logical):
+        components["vision"] = {"config": cfg["vision_config"], "target": "text"}
     if any(n.startswith("dflash2/") for n in logical):
         with Artifact(src) as art:
             components["dflash2"] = {"config": json.loads(art.resource_bytes("dflash2/config.json")), "target": "text"}
