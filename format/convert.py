@@ -408,7 +408,7 @@ def rewrite_artifact(src: str | os.PathLike, out: str | os.PathLike, checksums: 
                      progress=None) -> ConvertReport:
     """Any artifact this build reads, re-written as version 3 (`convert --from-artifact`): the same objects,
     bytes and formats, with v3's components and per-object checksums; a temp file renamed at the end.
-    Upstream ninfer files are recognised by the reader and refused with what they hold (format/upstream.py)."""
+    An upstream ninfer file is written as bound to our names and layouts (format/upstream_bind.py)."""
     from .container import open_artifact
 
     start = time.monotonic()
@@ -445,4 +445,7 @@ def rewrite_artifact(src: str | os.PathLike, out: str | os.PathLike, checksums: 
         return ConvertReport(str(out), 3, art.identity["weights_id"], art.identity["model_id"], components,
                              len(plan.objects), out.stat().st_size, by_format, round(time.monotonic() - start, 3),
                              _peak_rss_bytes(), src.stat().st_size,
-                             [f"re-written from version {art.version}; every byte of every object is the source's"])
+                             [f"re-written from version {art.version}; every byte of every object is the source's"
+                              if not hasattr(art, "describe") else
+                              f"re-written from upstream ninfer v{art.version}: objects as bound (specs/container.md §6), "
+                              "every decoded weight the source's"])
