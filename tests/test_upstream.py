@@ -131,6 +131,10 @@ def test_v3_dense_runs_through_the_cli_and_rewrites_as_ours(tmp_path, ours_dense
                                  "--prompt", "the quick brown fox", "--temperature", "0", "--max-context", "256"])
     assert engine.exit_code == 0, engine.output
     assert engine.stdout == ours.stdout  # the engine's weights come through the binder too
+    fits = [runner.invoke(app, ["fit", str(p), "--vram", "24G", "--json"]) for p in (up, ours_dense)]
+    assert all(f.exit_code == 0 for f in fits), fits[0].output
+    plans = [json.loads(f.stdout) for f in fits]
+    assert plans[0].keys() == plans[1].keys()
     rewritten = rewrite_artifact(up, tmp_path / "ours.nfer")
     with Artifact(rewritten.output) as art:
         _same_weights(ours_dense, art)
