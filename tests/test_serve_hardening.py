@@ -92,6 +92,12 @@ class Running:
         self.loopback.stop()
         self.scheduler.close()
 
+    def wait_busy(self, timeout: float = 10) -> None:
+        """Until a request holds a lane (the one just submitted from another thread)."""
+        deadline = time.time() + timeout
+        while httpx.get(self.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+
     def healthy(self) -> bool:
         return httpx.get(self.url + "/health", timeout=10).status_code == 200
 
@@ -216,9 +222,7 @@ def test_queue_timeout_is_a_503_before_any_stream_bytes():
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(s.chat, "long one", max_tokens=80)
-            deadline = time.time() + 10
-            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
-                time.sleep(0.02)  # the first request holds the only lane
+            s.wait_busy()  # the first request holds the only lane
             t0 = time.time()
             second = s.chat("waits", stream=True)
             waited = time.time() - t0
@@ -239,9 +243,7 @@ def test_a_queue_timeout_the_worker_sees_first_is_still_a_503(path):
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(s.chat, "long one", max_tokens=60)
-            deadline = time.time() + 10
-            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
-                time.sleep(0.02)
+            s.wait_busy()  # the first request holds the only lane
             second = httpx.post(s.url + path, json={**BASES[path], "stream": True}, timeout=30)
             assert first.result().status_code == 200
         assert second.status_code == 503 and second.headers["content-type"].startswith("application/json")
@@ -278,9 +280,7 @@ def test_a_queued_client_that_disconnects_leaves_the_queue(stream):
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(s.chat, "holder", max_tokens=100)
-            deadline = time.time() + 10
-            while httpx.get(s.url + "/health").json()["active_lanes"] == 0 and time.time() < deadline:
-                time.sleep(0.02)
+            s.wait_busy()  # the first request holds the only lane
             with pytest.raises(httpx.ReadTimeout):  # a stream waits for its lane before any bytes
                 s.chat("queued then gone", timeout=0.3, stream=stream)
             time.sleep(0.4)
