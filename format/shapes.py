@@ -45,6 +45,25 @@ _VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_hea
            "hidden_act": "gelu_pytorch_tanh"}
 
 
+# The layouts an official upstream artifact binds to (specs/container.md §6), for fit and bench without the file:
+# `groupwise-int`: our q4 formats, but the attention input stacked as Q5 (the 27B's Q4 query/key + Q5 gate/value
+# parents); `nvfp4`: every product NVFP4 (nvfp4-rows-v1), the embedding and head too.
+UPSTREAM_PROFILES = {
+    "groupwise-int": ("q4", {"attn_in": "Q5G64_F16S"}),
+    "nvfp4": ("q4", {r: "NVFP4" for r in ("embedding", "head", "attn_in", "attn_out", "gdn_in", "gdn_out", "mlp_up",
+                                          "mlp_down", "expert_up", "expert_down", "shared_up", "shared_down", "mtp_fc",
+                                          "draft_head", "companion_matrix")}),
+}
+
+
+def shape_format(recipe: str, role: str) -> str:
+    """A shape artifact's format for `role`: one of our recipes, or an upstream profile as it binds."""
+    if recipe in UPSTREAM_PROFILES:
+        base, overrides = UPSTREAM_PROFILES[recipe]
+        return overrides.get(role) or format_for(base, role)
+    return format_for(recipe, role)
+
+
 def _layers(n: int) -> list[str]:
     return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
 
@@ -112,8 +131,9 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
     from .convert import vision_format
 
     vision_format(vision_recipe, "", ())  # an unknown vision recipe is refused before anything is written
-    if recipe not in RECIPES:
-        raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if recipe not in RECIPES and recipe not in UPSTREAM_PROFILES:
+        raise ConvertError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}, or an upstream profile "
+                           f"({', '.join(UPSTREAM_PROFILES)})")
     text = shape_config(name)
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": text["model_type"].removesuffix("_text"),
               "text_config": text}
@@ -122,7 +142,8 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
     cfg = ModelConfig.from_hf_dict(config)
     names = SourceNames("", "", False)
     specs = text_inventory(cfg, names) + (mtp_inventory(cfg, names, 1) if mtp else [])
-    plan = ArtifactPlan(3, cfg.model_type, recipe, metadata={"converter": "ninfer", "recipe": recipe,
+    weights_id = recipe if recipe in RECIPES else UPSTREAM_PROFILES[recipe][0]
+    plan = ArtifactPlan(3, cfg.model_type, weights_id, metadata={"converter": "ninfer", "recipe": recipe,
                                                               "source": f"shape:{name} (zero payload)"})
     from .tiny import build_tokenizer  # a small stand-in: benchmarks feed token ids, never text
 
@@ -135,9 +156,9 @@ def write_shape_artifact(name: str, out: str | os.PathLike, recipe: str = "q4", 
         specs += dflash2_inventory(drafter)
         resources[DFLASH2_CONFIG] = json.dumps(drafter.to_hf_dict()).encode()
         plan.add_resource(DFLASH2_CONFIG, len(resources[DFLASH2_CONFIG]), "dflash2")
-    tensors = [(s.name, s.shape, format_for(recipe, s.role), s.component) for s in specs]
+    tensors = [(s.name, s.shape, shape_format(recipe, s.role), s.component) for s in specs]
     if lm_head_draft:
-        tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), format_for(recipe, "draft_head"), "lm_head_draft"))
+        tensors.append((DRAFT_HEAD, (lm_head_draft, cfg.hidden_size), shape_format(recipe, "draft_head"), "lm_head_draft"))
         tensors.append((DRAFT_TOKEN_IDS, (lm_head_draft,), "I32", "lm_head_draft"))
     if vision:
         tensors += [(vname, shape, vision_format(vision_recipe, vname, shape), "vision")

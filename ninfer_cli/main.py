@@ -203,7 +203,7 @@ class Spec(str, Enum):
 def fit(
     artifact: Annotated[Optional[Path], typer.Argument(help="The .nfer file (omit with --shape).")] = None,
     shape: Annotated[Optional[str], typer.Option(help="A full-size shape instead of a file: qwen3.6-27b, qwen3.8-27b, qwen3.6-35b-a3b (no download, no GPU).")] = None,
-    recipe: Annotated[str, typer.Option(help="Weight recipe of the --shape model (q4, q5, q6, w8, bf16).")] = "q4",
+    recipe: Annotated[str, typer.Option(help="Weight recipe of the --shape model (q4, q5, q6, w8, bf16), or an upstream profile as it binds (groupwise-int, nvfp4).")] = "q4",
     vision_recipe: Annotated[str, typer.Option(help="The --shape model's vision matrices with --vision: bf16, w8 or q6.")] = "bf16",
     vram: Annotated[Optional[str], typer.Option(help="Card memory, e.g. 24G (GiB), 80GB (10^9).")] = None,
     gpu: Annotated[Optional[str], typer.Option(help="A known card instead of --vram: rtx4090, rtx5090, h100, h200, ...")] = None,
@@ -377,7 +377,7 @@ def generate(
 def bench(
     artifact: Annotated[Optional[Path], typer.Argument(help="The .nfer file (omit with --random-weights).")] = None,
     random_weights: Annotated[Optional[str], typer.Option(help="Benchmark a full-size shape with random weights made on the GPU: qwen3.6-27b, qwen3.6-35b-a3b.")] = None,
-    recipe: Annotated[str, typer.Option(help="Weight recipe of the --random-weights artifact (q4, q5, q6, w8, bf16).")] = "q4",
+    recipe: Annotated[str, typer.Option(help="Weight recipe of the --random-weights artifact (q4, q5, q6, w8, bf16), or an upstream profile as it binds (groupwise-int, nvfp4).")] = "q4",
     depths: Annotated[str, typer.Option(help="Context depths, e.g. 8k,32k,200k.")] = "8k,32k",
     kv_dtype: Annotated[str, typer.Option(help="Comma-separated KV codecs, e.g. bf16,int8,rk4v4-e8.")] = "bf16",
     decode_tokens: Annotated[int, typer.Option(min=2, help="Tokens decoded at each depth.")] = 64,

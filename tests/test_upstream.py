@@ -368,3 +368,19 @@ def test_the_vision_tower_binds_to_the_checkpoint_names(tmp_path, hf_dense, monk
         image = ImageInput(torch.randn(16, patch_values, generator=torch.Generator().manual_seed(0)), (1, 4, 4))
         a, b = (t.encode(image) for t in towers)
         assert torch.equal(a, b)
+
+
+def test_fit_takes_the_upstream_profiles_of_a_full_size_shape():
+    """`fit --shape --recipe groupwise-int | nvfp4`: the memory of an official file as it binds, on a CPU."""
+    from ninfer_cli.main import app
+
+    weights = {}
+    for recipe in ("q4", "groupwise-int", "nvfp4"):
+        r = CliRunner().invoke(app, ["fit", "--shape", "qwen3.6-27b", "--recipe", recipe, "--gpu", "rtx5090", "--json"])
+        assert r.exit_code == 0, r.output
+        weights[recipe] = json.loads(r.stdout)["breakdown"]["weights"]
+    # the widened attention input costs 1 bit per weight of 16 layers' [14336, 5120]; NVFP4 4.5 bits against 4.25-6.25
+    assert weights["groupwise-int"] - weights["q4"] == 16 * 14336 * 5120 // 8
+    assert weights["nvfp4"] < weights["q4"]
+    bad = CliRunner().invoke(app, ["fit", "--shape", "qwen3.6-27b", "--recipe", "fp3", "--gpu", "rtx5090"])
+    assert bad.exit_code == 1 and "upstream profile (groupwise-int, nvfp4)" in bad.output
