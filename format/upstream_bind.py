@@ -537,6 +537,11 @@ def _widen(planes, src: GroupedFormat, dst: GroupedFormat, cols: int):
     """Re-pack plane rows of `src` codes in the wider `dst` with the same scales (same decoded values)."""
     base, high, scale = planes
     rows = base.shape[0]
+    if src.bits == 4 and dst.bits in (5, 6):  # same low nibbles; the high bits only sign-extend each code
+        sign = np.empty((rows, base.shape[1] * 2), np.uint8)
+        sign[:, 0::2], sign[:, 1::2] = (base >> 3) & 1, (base >> 7) & 1  # lane order: even lane = low nibble
+        bits = sign if dst.bits == 5 else np.repeat(sign, 2, axis=1)  # Q6: bits 4 and 5 of each lane
+        return base, np.packbits(bits, axis=1, bitorder="little"), scale
     k_pad = align_up(cols, 128)
     codes, bits = unpack_row_split(base.tobytes(), None if high is None else high.tobytes(), scale.tobytes(), rows, src, k_pad)
     if dst.group_size != src.group_size:  # a G64 group is G32 groups with its scale
