@@ -384,3 +384,31 @@ def test_fit_takes_the_upstream_profiles_of_a_full_size_shape():
     assert weights["nvfp4"] < weights["q4"]
     bad = CliRunner().invoke(app, ["fit", "--shape", "qwen3.6-27b", "--recipe", "fp3", "--gpu", "rtx5090"])
     assert bad.exit_code == 1 and "upstream profile (groupwise-int, nvfp4)" in bad.output
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_serve_answers_from_an_upstream_file_as_from_ours(tmp_path, ours_dense, as_27b, version):
+    """`ninfer serve` on an official-layout file: the same chat answer (greedy, with its chat template and
+    stop tokens from frontend/*) as our layout of the same weights, through the OpenAI SDK."""
+    import openai
+    import torch
+
+    from runtime.memory_plan import PlanOptions
+    from runtime.serve.launch import build_server
+    from .serving import Loopback
+
+    up = write_v2(ours_dense, tmp_path / "s.ninfer", "qwen3.6-27b", fused_attention=True) if version == 2 else \
+        write_v3(ours_dense, tmp_path / "s.ninfer", fused_attention=True, name="qwen3.6-27b")
+    answers = []
+    for path in (up, ours_dense):
+        app, summary = build_server(path, PlanOptions(max_context=256, prefill_chunk=128),
+                                    device="cuda" if torch.cuda.is_available() else "cpu", model_id="tiny")
+        loop = Loopback(app)
+        try:
+            client = openai.OpenAI(base_url=loop.url + "/v1", api_key="x")
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                               max_tokens=12, temperature=0)
+            answers.append((r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens))
+        finally:
+            loop.stop()
+    assert answers[0] == answers[1] and answers[0][2] > 0
