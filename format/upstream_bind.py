@@ -22,6 +22,7 @@ through the `Artifact` interface under our names and layouts (specs/container.md
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +77,7 @@ def _matrix_view(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, width) of an upstream object seen as a matrix: vectors and scalars are one column."""
     if len(shape) <= 1:
         return (shape[0] if shape else 1), 1
-    width = shape[-1]
-    return int(np.prod(shape[:-1])), width
+    return math.prod(shape[:-1]), shape[-1]
 
 
 class _Logical:
@@ -353,7 +353,7 @@ class UpstreamArtifact(Artifact):
             matrix = name.endswith(_VISION_MATRICES) and len(shape) == 2
             if name == VISION_PATCH:  # upstream stores it as the [hidden, C*T*P*P] matrix it multiplies
                 self._patch_shape = tuple(shape)
-                shape = (shape[0], int(np.prod(shape[1:])))
+                shape = (shape[0], math.prod(shape[1:]))
             specs.append(ObjectSpec(name, tuple(shape), "companion_matrix" if matrix else "norm", "vision", ()))
         return specs
 

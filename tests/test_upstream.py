@@ -412,3 +412,42 @@ def test_serve_answers_from_an_upstream_file_as_from_ours(tmp_path, ours_dense, 
         finally:
             loop.stop()
     assert answers[0] == answers[1] and answers[0][2] > 0
+
+
+def _edit_v3(path, edit) -> None:
+    """Re-write a v3 file's JSON directory in place through `edit(root)` (the payload start kept)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack_from("<Q", data, 8)
+    root = json.loads(bytes(data[32 : 32 + n]))
+    edit(root)
+    text = json.dumps(root).encode()
+    start = -(-(32 + n) // 4096) * 4096
+    assert 32 + len(text) <= start, "the edited directory must fit the same pages"
+    data[8:16] = struct.pack("<Q", start - 32)
+    data[32:start] = text + b" " * (start - 32 - len(text))  # JSON whitespace up to the payload
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["objects"].append(dict(r["objects"][0])), "duplicate object"),
+    (lambda r: r["objects"][1].update(offset=r["objects"][0]["offset"]), "overlaps"),
+    (lambda r: r["bindings"].update({"text/final_norm": {"parts": [{"object": r["objects"][0]["id"], "range": [0, 10 ** 12]}]}}),
+     "beyond the"),
+    (lambda r: r["bindings"].update({"text/final_norm": {"object": "nope"}}), "names no tensor object"),
+    (lambda r: r["uses"].append({"parameter": "text/ghost", "input": "x"}), "has no binding"),
+    (lambda r: r["objects"][0].update(bytes=r["objects"][0]["bytes"] + 1), "encodes to"),
+    (lambda r: r["objects"][0].update(format="q3_g64_fp16"), "not one this build reads"),
+    (lambda r: r["files"][0].update(payload_bytes=r["files"][0]["payload_bytes"] + 4096), "truncated or padded"),
+    (lambda r: r["components"].pop("text"), "components must be an object holding text"),
+    (lambda r: r["bindings"].update({"text/layers/0/input_norm": {"parts": [{"object": r["objects"][1]["id"], "range": [1, 3]}]}}),
+     "not whole rows|needs"),
+])
+def test_malformed_v3_directories_are_one_line(tmp_path, ours_moe, edit, message):
+    up = write_v3(ours_moe, tmp_path / "m.ninfer")
+    _edit_v3(up, edit)
+    with pytest.raises(ArtifactError) as err:
+        open_artifact(up)
+    assert "\n" not in str(err.value)
+    assert __import__("re").search(message, str(err.value)), str(err.value)
