@@ -281,6 +281,8 @@ class UpstreamArtifact(Artifact):
                 optional["vision"] = self._vision_specs(cfg)
             except (BindingError, ConvertError, KeyError, TypeError) as exc:
                 self.unbound["vision"] = f"its vision config cannot be read ({exc})"
+                self._config.pop("vision_config", None)
+                self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
         if any(n.startswith("dflash/") for n in d.bindings):
             self.unbound["dflash"] = "DFlash (v1) drafters are not implemented in this build; DFlash2 is"
         for comp, comp_specs in optional.items():
@@ -305,9 +307,10 @@ class UpstreamArtifact(Artifact):
         if stray:
             raise UpstreamArtifactError(self.upstream, f"its parameter {stray[0][:80]} is not one the {cfg.model_type} "
                                         "model of this build uses")
-        # weights_id names the recipe our own reader accepts when the file is re-written (convert --from-artifact)
-        self.identity = {"model_id": cfg.model_type, "weights_id": "q4" if d.profile in (None, "groupwise-int") else d.profile}
-        self.metadata = {"upstream_model_id": d.model_id, "upstream_version": d.version}
+        # weights_id must name a recipe our own reader accepts when the file is re-written (convert --from-artifact);
+        # no recipe of ours is upstream's profile, which the metadata keeps
+        self.identity = {"model_id": cfg.model_type, "weights_id": "q4"}
+        self.metadata = {"upstream_model_id": d.model_id, "upstream_version": d.version, "upstream_profile": d.profile}
         self._entries = []
         offset = 0
         for name, p in self.plans.items():

@@ -140,7 +140,7 @@ def test_v3_dense_runs_through_the_cli_and_rewrites_as_ours(tmp_path, ours_dense
         _same_weights(ours_dense, art)
 
 
-def test_foreign_formats_and_broken_files_are_one_line(tmp_path, ours_dense, as_27b):
+def test_stray_parameters_profiles_and_broken_files(tmp_path, ours_dense, as_27b):
     from ninfer_cli.main import app
 
     # a text parameter our model does not use: recognised, described, refused naming it
@@ -154,6 +154,10 @@ def test_foreign_formats_and_broken_files_are_one_line(tmp_path, ours_dense, as_
     assert "text/layers/0/gdn/extra is not one the qwen3_5 model of this build uses" in str(err.value)
     r = CliRunner().invoke(app, ["inspect", str(fake), "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout)["origin"] == "upstream ninfer"
+    # an nvfp4-profile file re-writes as our v3 (its profile kept in the metadata, not as one of our recipes)
+    profiled = write_v2(ours_dense, tmp_path / "p.ninfer", "qwen3.6-27b", profile="nvfp4")
+    with Artifact(rewrite_artifact(profiled, tmp_path / "p.nfer").output) as art:
+        assert art.metadata["upstream_profile"] == "nvfp4" and art.identity["weights_id"] == "q4"
     # truncated payload
     cut = tmp_path / "cut.ninfer"
     cut.write_bytes(up.read_bytes()[:-5000])

@@ -348,7 +348,7 @@ def _tensor_entry(name_key, name, rows, offset, nbytes, v3: bool) -> dict:
 
 
 def write_v2(src: Path, out: Path, model_id: str, fused_attention=False, widen_gate_value=True, extra_objects=(),
-             floats=None) -> Path:
+             floats=None, profile: str = "groupwise-int") -> Path:
     with Artifact(src) as art:
         objs, _, resources = upstream_objects(art, fused_attention, widen_gate_value, floats)
     entries, payload, offset = [], bytearray(), 0
@@ -371,7 +371,7 @@ def write_v2(src: Path, out: Path, model_id: str, fused_attention=False, widen_g
         entries.append({"name": "frontend/" + role, "kind": "resource", "encoding": "raw-bytes-v1", "offset": offset,
                         "bytes": len(data)})
         offset += len(data)
-    root = json.dumps({"identity": {"model_id": model_id, "weights_id": "groupwise-int"}, "objects": entries}).encode()
+    root = json.dumps({"identity": {"model_id": model_id, "weights_id": profile}, "objects": entries}).encode()
     start = align_up(16 + len(root), 4096)
     out.write_bytes(b"NINFER\x00\x02" + struct.pack("<Q", len(root)) + root + bytes(start - 16 - len(root)) + payload)
     return out
