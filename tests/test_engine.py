@@ -287,11 +287,13 @@ def test_cpu_torch_path_keeps_dequantized_weights_within_its_budget(monkeypatch)
     budget back when the weight goes), else dequantizes it per call; results are the same either way."""
     import gc
 
+    import runtime.kernels
     from runtime.kernels import qlinear as ql
 
     from .test_kernels import _packed
     from format.numeric import FORMATS
 
+    monkeypatch.setattr(runtime.kernels, "CPU_KERNELS", "torch")  # also under NINFER_CPU_KERNELS=triton
     gc.collect()
     x = torch.randn(3, 256)
     monkeypatch.setattr(ql, "DENSE_CACHE_BYTES", ql._dense_cached_bytes + 64 * 256 * 4)  # room for one 64x256

@@ -138,19 +138,20 @@ def float_codes(fmt: str, raw: torch.Tensor, rows: int, cols: int) -> FloatCodes
     return FloatCodes(fmt, codes, scales, None, rows, cols)
 
 
-_E2M1 = None
+def _e2m1_torch(c: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles -> float32 with device ops only (no host table: safe inside CUDA-graph capture)."""
+    mag = c & 7
+    e = (mag >> 1).float()
+    m = (mag & 1).float()
+    val = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2(e - 1))
+    return torch.where((c & 8) != 0, -val, val)
 
 
 def dense_reference(w: FloatCodes) -> torch.Tensor:
     """float32 [rows, cols] with torch ops (bit-exact with format.float_codes)."""
-    global _E2M1
-    dev = w.codes.device
-    if _E2M1 is None or _E2M1.device != dev:
-        _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                             device=dev)
     if w.nvfp4:
-        c = w.codes.view(w.rows, w.cols // 2).long()
-        vals = torch.stack([_E2M1[c & 15], _E2M1[c >> 4]], dim=-1).view(w.rows, w.cols // 16, 16)
+        c = w.codes.view(w.rows, w.cols // 2).to(torch.int32)
+        vals = torch.stack([_e2m1_torch(c & 15), _e2m1_torch(c >> 4)], dim=-1).view(w.rows, w.cols // 16, 16)
         s = w.scales.view(w.rows, w.cols // 16).view(torch.float8_e4m3fn).float()
         return (vals * s[:, :, None]).view(w.rows, w.cols) / w.divisors.view(w.rows, 1)
     v = w.codes.view(w.rows, w.cols).view(torch.float8_e4m3fn).float()
@@ -183,10 +184,14 @@ def launch_float_gemv(x, w: FloatCodes, y, block_n: int, block_k: int, num_warps
     return y
 
 
-def float_linear(x: torch.Tensor, w: FloatCodes, chunk_rows: int = 8192) -> torch.Tensor:
+DECODE_BLOCK_BYTES = 64 << 20  # float32 rows decoded at once for the prefill GEMM (within the planned workspace)
+
+
+def float_linear(x: torch.Tensor, w: FloatCodes) -> torch.Tensor:
     """x [T, K] @ W^T: the in-kernel GEMV for few rows, else row blocks decoded for the GEMM."""
     if x.shape[0] <= GEMV_MAX_ROWS or torch_path(x):
         return float_gemv(x, w)
+    chunk_rows = max(128, DECODE_BLOCK_BYTES // (4 * w.cols))
     y = torch.empty(x.shape[0], w.rows, dtype=x.dtype, device=x.device)
     for r0 in range(0, w.rows, chunk_rows):
         r1 = min(w.rows, r0 + chunk_rows)
