@@ -787,3 +787,24 @@ def test_strict_call_opened_inside_thinking_is_held_to_the_schema(eager_caller):
                                            "tools": [{"type": "function", "function": FORECAST}]}, timeout=60).json()
         calls = r["choices"][0]["message"]["tool_calls"]
         assert len(calls) == 1 and _valid_forecast(json.loads(calls[0]["function"]["arguments"])), r
+
+
+def test_an_answer_cut_inside_a_utf8_sequence_keeps_its_last_tokens():
+    """A length stop in the middle of a multi-byte character: the text ends in U+FFFD rather than losing the
+    tokens, and the streamed deltas, the final text and the logprobs all agree."""
+    import openai
+
+    s = Running()
+    try:
+        s.engine.prefer = 104  # a lone UTF-8 continuation byte: every prefix of the answer decodes to U+FFFD
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=4, top_logprobs=1,
+                                              temperature=0, reasoning={"effort": "none"}, stream=True))
+        final = events[-1].response
+        streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        tokens = [lp.token for lp in final.output[0].content[0].logprobs]
+        assert final.output_text and streamed == final.output_text == "".join(tokens) and len(tokens) == 4
+        chat = s.chat("hi", max_tokens=3, chat_template_kwargs={"enable_thinking": False}).json()
+        assert chat["choices"][0]["message"]["content"].endswith("\ufffd") and chat["usage"]["completion_tokens"] == 3
+    finally:
+        s.stop()

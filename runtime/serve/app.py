@@ -290,6 +290,13 @@ class Generation:
                     raise ApiError(503, "overloaded_error", f"request timed out in the queue: {error}")
                 self.finish_reason = reason
                 break
+            text = self.server.tokenizer.decode(self.ids, skip_special_tokens=False)
+            if text != self.text and self.parser.result.stopped_by is None:
+                # the answer ended inside a UTF-8 sequence (a length stop): say it as decoded (U+FFFD), so the
+                # text, the streamed deltas and the logprobs all carry its last token
+                delta, self.text = text[len(self.text):], text
+                for ev in self.parser.feed(delta):
+                    yield ev
             for ev in self.parser.finish():
                 yield ev
             if self.parser.result.tool_calls and self.finish_reason == "stop":
