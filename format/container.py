@@ -230,7 +230,7 @@ class Artifact:
         except ArtifactError:
             from .upstream import read_directory
 
-            directory = read_directory(self.path, self._file, self._mm, version)
+            directory = read_directory(self.path, self._file, self._mm, version, root, self.payload_offset)
             if directory is not None:  # upstream's directory, not a corrupt one of ours: open_artifact binds it
                 self._file = self._mm = None  # the directory owns the mapping now
                 raise UpstreamFound(directory) from None

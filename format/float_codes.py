@@ -151,3 +151,14 @@ def nvfp4_rows_bytes(codes: np.ndarray, scales: np.ndarray, divisors: np.ndarray
     out[geo.scale_offset : geo.scale_offset + geo.scale_bytes] = scales.reshape(-1)
     out[geo.divisor_offset :] = np.ascontiguousarray(divisors, "<f4").view(np.uint8)
     return out.tobytes()
+
+
+def fp8_rows_bytes(codes: np.ndarray, scales: np.ndarray) -> bytes:
+    """Planes of `row-scale-v1` from codes [N, K] and BF16 multiplier words [N]."""
+    rows, cols = codes.shape
+    geo = Fp8RowGeometry(rows, cols)
+    out = np.zeros(geo.total_bytes, np.uint8)
+    out[: geo.code_bytes] = codes.reshape(-1)
+    out[geo.scale_offset :] = np.ascontiguousarray(scales, "<u2").view(np.uint8)
+    return out.tobytes()
+

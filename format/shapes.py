@@ -19,6 +19,7 @@ from .inventory import (
     DFLASH2_CONFIG,
     DRAFT_HEAD,
     DRAFT_TOKEN_IDS,
+    MATRIX_ROLES,
     RESOURCE_NAMES,
     SourceNames,
     dflash2_inventory,
@@ -50,9 +51,7 @@ _VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_hea
 # parents); `nvfp4`: every product NVFP4 (nvfp4-rows-v1), the embedding and head too.
 UPSTREAM_PROFILES = {
     "groupwise-int": ("q4", {"attn_in": "Q5G64_F16S"}),
-    "nvfp4": ("q4", {r: "NVFP4" for r in ("embedding", "head", "attn_in", "attn_out", "gdn_in", "gdn_out", "mlp_up",
-                                          "mlp_down", "expert_up", "expert_down", "shared_up", "shared_down", "mtp_fc",
-                                          "draft_head", "companion_matrix")}),
+    "nvfp4": ("q4", {r: "NVFP4" for r in MATRIX_ROLES}),
 }
 
 

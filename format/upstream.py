@@ -14,7 +14,6 @@ ranges of objects; v2's fused objects are split into them here), resources by ro
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -22,6 +21,7 @@ import re
 import struct
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 
 from .errors import ArtifactError
@@ -32,7 +32,6 @@ UPSTREAM_MODEL_IDS = ("qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3.8-27b")
 UPSTREAM_PROFILES = ("groupwise-int", "nvfp4")
 PART_MAGIC = b"NINPRT\x00\x03"
 PAGE = 4096
-_MAX_JSON = 64 << 20
 _MAX_PARTS = 4096
 
 # v3 spellings -> ours (v2 spells formats as we do); formats this build does not decode keep their v2 name
@@ -93,19 +92,26 @@ class UpObject:
 Parts = tuple[tuple[str, int, int], ...]
 
 
+class PayloadFile(NamedTuple):
+    file: object
+    mm: mmap.mmap
+    start: int  # where the file's payload begins in it
+    begin: int  # P_i: its first byte in the logical payload
+    nbytes: int  # B_i
+
+
 class Payload:
     """The logical payload over the entry file and its continuation parts (v3 §2.2); read-only mmaps."""
 
     def __init__(self):
-        self.files: list[tuple[object, mmap.mmap, int, int, int]] = []  # (file, mm, payload_start, P_i, B_i)
+        self.files: list[PayloadFile] = []
 
     def add(self, f, mm, start: int, nbytes: int) -> None:
-        begin = self.files[-1][3] + self.files[-1][4] if self.files else 0
-        self.files.append((f, mm, start, begin, nbytes))
+        self.files.append(PayloadFile(f, mm, start, self.size, nbytes))
 
     @property
     def size(self) -> int:
-        return self.files[-1][3] + self.files[-1][4] if self.files else 0
+        return self.files[-1].begin + self.files[-1].nbytes if self.files else 0
 
     def read(self, offset: int, nbytes: int):
         """A memoryview when the range lies in one file, else a bytes copy joined across files."""
@@ -128,19 +134,6 @@ class Payload:
                 pass  # a caller still holds a view; the mapping closes when it is released
             f.close()
         self.files = []
-
-
-def _json_root(mm, header: int, what: str) -> dict:
-    (json_bytes,) = struct.unpack_from("<Q", mm, 8)
-    if not 0 < json_bytes <= _MAX_JSON or header + json_bytes > len(mm):
-        raise ArtifactError(f"{what}: json_bytes {json_bytes} is zero, too large or beyond the file")
-    try:
-        root = json.loads(bytes(mm[header : header + json_bytes]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ArtifactError(f"{what}: invalid JSON directory: {str(exc)[:160]}") from None
-    if not isinstance(root, dict):
-        raise ArtifactError(f"{what}: the JSON directory is not an object")
-    return root
 
 
 def _u64(value, what: str, positive: bool = False) -> int:
@@ -182,15 +175,11 @@ class UpstreamDirectory:
     """An upstream artifact's directory: objects, logical parameters, resources, config. Every malformed
     member is an ArtifactError naming it."""
 
-    def __init__(self, path: Path, version: int, root: dict, entry_file, entry_mm: mmap.mmap):
+    def __init__(self, path: Path, version: int, root: dict, entry_file, entry_mm: mmap.mmap, start: int):
         self.path, self.version = Path(path), version
         self.payload = Payload()
-        self.uses: list = []
         self.auxiliaries: dict[str, set[str]] = {}  # logical parameter -> auxiliary roles its uses carry
         self.metadata = root.get("metadata") if isinstance(root.get("metadata"), dict) else {}
-        header = 16 if version == 2 else 32
-        (json_bytes,) = struct.unpack_from("<Q", entry_mm, 8)
-        start = align_up(header + json_bytes, PAGE)
         if version == 2:
             identity = root.get("identity") if isinstance(root.get("identity"), dict) else {}
             self.model_id, self.profile = identity.get("model_id"), identity.get("weights_id")
@@ -372,7 +361,6 @@ class UpstreamDirectory:
             if not isinstance(aux, dict):
                 raise ArtifactError(f"{self.path}: uses[{i}].auxiliaries must be an object")
             self.auxiliaries.setdefault(u["parameter"], set()).update(aux)
-        self.uses = raw
 
     def _v2_logical(self) -> None:
         """v2's fused objects split into upstream's logical parameters (the rows each fused object stacks,
@@ -484,16 +472,10 @@ class UpstreamDirectory:
         self.payload.close()
 
 
-def read_directory(path, entry_file, mm: mmap.mmap, version: int) -> UpstreamDirectory | None:
-    """The upstream directory of an open file, or None when the directory is not upstream's (our own
-    reader then judges the file). A directory that is upstream's but malformed raises ArtifactError."""
-    header = {2: 16, 3: 32}.get(version)
-    if header is None or len(mm) < header:
+def read_directory(path, entry_file, mm: mmap.mmap, version: int, root, payload_start: int) -> UpstreamDirectory | None:
+    """The upstream directory of an open file whose JSON directory `root` (parsed by our reader) failed our
+    spec, or None when it is not upstream's either (our reader's error then stands). A directory that is
+    upstream's but malformed raises ArtifactError."""
+    if version not in (2, 3) or not is_upstream_root(root, version):
         return None
-    try:
-        root = _json_root(mm, header, str(path))
-    except ArtifactError:
-        return None
-    if not is_upstream_root(root, version):
-        return None
-    return UpstreamDirectory(Path(path), version, root, entry_file, mm)
+    return UpstreamDirectory(Path(path), version, root, entry_file, mm, payload_start)

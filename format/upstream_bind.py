@@ -30,7 +30,14 @@ import numpy as np
 
 from .container import Artifact, ObjectEntry, component_of_name
 from .errors import ArtifactError, BindingError, ConvertError
-from .float_codes import Fp8RowGeometry, decode_fp8_rows, decode_nvfp4, nvfp4_from_block_scale, nvfp4_rows_bytes
+from .float_codes import (
+    Fp8RowGeometry,
+    decode_fp8_rows,
+    decode_nvfp4,
+    fp8_rows_bytes,
+    nvfp4_from_block_scale,
+    nvfp4_rows_bytes,
+)
 from .inventory import (
     DFLASH2_CONFIG,
     DRAFT_HEAD,
@@ -58,6 +65,11 @@ class Block:
 
     oid: str
     rows: np.ndarray | range
+
+    @property
+    def index(self):
+        """The rows as an index into a [N, ...] array: a slice (a view) for a range, else the row array."""
+        return slice(self.rows.start, self.rows.stop) if isinstance(self.rows, range) else self.rows
 
 
 @dataclass
@@ -87,23 +99,23 @@ class _Logical:
         self.d = d
         self.used: set[str] = set()
 
-    def rows(self, name: str) -> int:
-        return sum(len(b.rows) for b in self.blocks(name))
-
     def blocks(self, name: str, begin: int | None = None, end: int | None = None) -> list[Block]:
         """The parameter's rows [begin, end) as blocks of its objects' rows."""
         parts = self.d.bindings.get(name)
         if parts is None:
             raise BindingError(f"the upstream artifact has no parameter {name}")
         self.used.add(name)
-        out, row = [], 0
+        applied = self.d.auxiliaries.get(name, set()) - {"activation_input_divisor"}  # A4 only: A16 ignores it
+        if applied:  # e.g. hadamard_signs: the stored matrix multiplies a rotated input
+            raise BindingError(f"upstream parameter {name} is used with {', '.join(sorted(applied))}, which this "
+                               "build does not apply")
+        out = []
         for oid, b, e in parts:
             n_rows, width = _matrix_view(self.d.objects[oid].shape)
             if b % width or e % width:
                 raise BindingError(f"upstream parameter {name} binds elements [{b}, {e}) of {oid[:60]}, which are not "
                                    f"whole rows of {width}; this build binds whole rows only")
             out.append(Block(oid, range(b // width, e // width)))
-            row += (e - b) // width
         if begin is None:
             return out
         picked, cursor = [], 0
@@ -136,7 +148,7 @@ def _sources(cfg: ModelConfig, logical: _Logical, spec: ObjectSpec) -> tuple[lis
     if role == "gdn/query_key_value_z":
         return sum((L.blocks(block + "gdn/" + p) for p in ("query", "key", "value", "z")), []), False
     simple = {"gdn/beta_projection": "gdn/b_projection", "gdn/alpha_projection": "gdn/a_projection",
-              "moe/router": "moe/router", "moe/shared_gate": "moe/shared_score", "moe/shared_down": "moe/shared/down"}
+              "moe/shared_gate": "moe/shared_score", "moe/shared_down": "moe/shared/down"}
     if role in simple:
         return L.blocks(block + simple[role]), False
     if role == "gdn/convolution":
@@ -159,8 +171,6 @@ def _sources(cfg: ModelConfig, logical: _Logical, spec: ObjectSpec) -> tuple[lis
 
 
 VISION_PATCH = "vision/patch_embed.proj.weight"
-_VISION_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
-                    "merger.linear_fc1.weight", "merger.linear_fc2.weight")
 
 
 def _vision_sources(name: str) -> list[str]:
@@ -215,8 +225,8 @@ class UpstreamArtifact(Artifact):
         self._file = self._mm = None
         self.directory = d = directory
         self.version = d.version
-        self.file_bytes = sum(f[2] + f[4] for f in d.payload.files)
-        self.payload_offset = d.payload.files[0][2]
+        self.file_bytes = sum(f.start + f.nbytes for f in d.payload.files)
+        self.payload_offset = d.payload.files[0].start
         self.artifact_id = getattr(d, "artifact_id", None)
         self.upstream = d.info()
         self.notes: list[str] = []
@@ -343,6 +353,7 @@ class UpstreamArtifact(Artifact):
     def _vision_specs(self, cfg: ModelConfig) -> list[ObjectSpec]:
         """Our vision objects (the checkpoint's names under vision/, format/shapes.vision_inventory) for
         the tower's config: v3's vision component, or v2's model id (every family member has the same tower)."""
+        from .convert import VISION_MATRICES
         from .shapes import _VISION, vision_inventory
 
         comp = self.directory.components.get("vision")
@@ -353,7 +364,7 @@ class UpstreamArtifact(Artifact):
         self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
         specs = []
         for name, shape in vision_inventory(vcfg):
-            matrix = name.endswith(_VISION_MATRICES) and len(shape) == 2
+            matrix = name.endswith(VISION_MATRICES) and len(shape) == 2
             if name == VISION_PATCH:  # upstream stores it as the [hidden, C*T*P*P] matrix it multiplies
                 self._patch_shape = tuple(shape)
                 shape = (shape[0], math.prod(shape[1:]))
@@ -363,7 +374,9 @@ class UpstreamArtifact(Artifact):
     def _draft_plans(self, logical: _Logical, cfg: ModelConfig) -> dict[str, Plan]:
         """Upstream orders the draft head's rows by descending token count; ours ascend by token id."""
         ids_blocks = logical.blocks("proposal/token_ids")
-        ids = np.concatenate([self._direct_rows(b, np.dtype("<i4")).reshape(-1) for b in ids_blocks])
+        if len(ids_blocks) != 1:
+            raise BindingError("the draft head's token ids are not one block")
+        ids = self._direct_rows(ids_blocks[0], np.dtype("<i4")).reshape(-1)
         if ids.size == 0 or ids.min() < 0 or ids.max() >= cfg.vocab_size or np.unique(ids).size != ids.size:
             raise BindingError("the draft head's token ids repeat or fall outside the vocabulary")
         order = np.argsort(ids, kind="stable")
@@ -374,9 +387,9 @@ class UpstreamArtifact(Artifact):
         fmt = self.directory.objects[oid].format
         rows = np.asarray(head[0].rows)[order]
         width = _matrix_view(self.directory.objects[oid].shape)[1]
-        self._resources_ids = ids[order].astype("<i4")
+        id_rows = np.asarray(ids_blocks[0].rows)[order]
         return {DRAFT_HEAD: Plan(DRAFT_HEAD, (ids.size, width), fmt, [Block(oid, rows)]),
-                DRAFT_TOKEN_IDS: Plan(DRAFT_TOKEN_IDS, (ids.size,), "I32", [])}
+                DRAFT_TOKEN_IDS: Plan(DRAFT_TOKEN_IDS, (ids.size,), "I32", [Block(ids_blocks[0].oid, id_rows)])}
 
     def _dflash2_config(self, cfg: ModelConfig) -> DFlash2Config:
         from .shapes import NAMED_SHAPES, dflash2_shape_config
@@ -403,25 +416,20 @@ class UpstreamArtifact(Artifact):
         o = self.directory.objects[blk.oid]
         n_rows, width = _matrix_view(o.shape)
         arr = np.frombuffer(self.directory.object_bytes(blk.oid), dtype=dtype).reshape(n_rows, width)
-        rows = blk.rows
-        return arr[rows.start : rows.stop] if isinstance(rows, range) else arr[rows]
+        return arr[blk.index]
 
     def _grouped_rows(self, blk: Block, fmt: GroupedFormat):
         """(base, high, scale) plane rows [r, bytes] of a block, in its parent's format."""
         o = self.directory.objects[blk.oid]
         geo = RowSplitGeometry(o.shape[0], o.shape[1], fmt)
         base, high, scale = geo.split(self.directory.object_bytes(blk.oid))
-        n = o.shape[0]
-        rows = blk.rows if not isinstance(blk.rows, range) else slice(blk.rows.start, blk.rows.stop)
-        planes = [np.frombuffer(base, np.uint8).reshape(n, -1)[rows],
-                  np.frombuffer(high, np.uint8).reshape(n, -1)[rows] if high is not None else None,
-                  np.frombuffer(scale, np.uint8).reshape(n, -1)[rows]]
-        return planes
+        n, rows = o.shape[0], blk.index
+        return [np.frombuffer(base, np.uint8).reshape(n, -1)[rows],
+                np.frombuffer(high, np.uint8).reshape(n, -1)[rows] if high is not None else None,
+                np.frombuffer(scale, np.uint8).reshape(n, -1)[rows]]
 
     def _build(self, p: Plan) -> bytes | memoryview:
         d = self.directory
-        if p.spec_name == DRAFT_TOKEN_IDS:
-            return self._resources_ids.tobytes()
         if len(p.blocks) == 1 and not p.transpose:
             o = d.objects[p.blocks[0].oid]
             rows = p.blocks[0].rows
@@ -481,16 +489,9 @@ class UpstreamArtifact(Artifact):
         cache: dict = {}
         picked = []
         for b in p.blocks:
-            rows = slice(b.rows.start, b.rows.stop) if isinstance(b.rows, range) else b.rows
-            picked.append([plane[rows] for plane in self._float_planes(b.oid, cache)])
+            picked.append([plane[b.index] for plane in self._float_planes(b.oid, cache)])
         planes = [np.concatenate([blk[i] for blk in picked]) for i in range(len(picked[0]))]
-        if p.fmt == "NVFP4":
-            return nvfp4_rows_bytes(*planes)
-        geo = Fp8RowGeometry(p.shape[0], p.shape[1])
-        out = np.zeros(geo.total_bytes, np.uint8)
-        out[: geo.code_bytes] = planes[0].reshape(-1)
-        out[geo.scale_offset :] = np.ascontiguousarray(planes[1], "<u2").view(np.uint8)
-        return out.tobytes()
+        return nvfp4_rows_bytes(*planes) if p.fmt == "NVFP4" else fp8_rows_bytes(*planes)
 
     def _dequantized(self, b: Block) -> np.ndarray:
         from .quantize import dequantize
@@ -498,8 +499,7 @@ class UpstreamArtifact(Artifact):
         o = self.directory.objects[b.oid]
         fmt = FORMATS[o.format]
         if isinstance(fmt, FloatCodeFormat):
-            planes = [plane[b.rows.start : b.rows.stop] if isinstance(b.rows, range) else plane[b.rows]
-                      for plane in self._float_planes(b.oid, {})]
+            planes = [plane[b.index] for plane in self._float_planes(b.oid, {})]
             rows = planes[0].shape[0]
             if o.format == "NVFP4":
                 return decode_nvfp4(planes[0].tobytes(), planes[1].tobytes(), planes[2].astype("<f4").tobytes(),
@@ -530,8 +530,7 @@ class UpstreamArtifact(Artifact):
     def describe(self) -> dict:
         """What the file is and which of its parts this build runs (inspect)."""
         info = self.upstream.as_dict()
-        bound = [c for c in self.components if c != "text"]
-        info.update(runnable=True, bound_components=["text"] + bound, unbound=dict(self.unbound), notes=list(self.notes),
+        info.update(runnable=True, bound_components=list(self.components), unbound=dict(self.unbound), notes=list(self.notes),
                     model=self.config.model_type, layers=self.config.num_layers, hidden=self.config.hidden_size)
         return info
 

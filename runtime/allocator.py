@@ -45,7 +45,7 @@ class DeviceMemory:
         without real weights): random codes with scales giving ~1/sqrt(cols) weights, random bf16
         matrices, unit norms, GDN decay controls in their trained range; integer tensors are read."""
         from format.layouts import RowSplitGeometry
-        from format.numeric import GroupedFormat, get_format
+        from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
         gen = torch.Generator(self.device).manual_seed(seed)
         for r in self.plan.arenas["weights"].regions:
@@ -61,7 +61,7 @@ class DeviceMemory:
                                                                     device=self.device, dtype=torch.uint8))
                 code_std = 2 ** fmt.bits / 12 ** 0.5
                 scale.view(torch.float16).fill_(1.0 / (e.shape[1] ** 0.5 * code_std))
-            elif e.format in ("NVFP4", "FP8_E4M3FN_ROW_BF16S"):  # random codes, scales giving ~1/sqrt(cols)
+            elif isinstance(fmt, FloatCodeFormat):  # random codes, scales giving ~1/sqrt(cols)
                 from format.float_codes import geometry
 
                 geo = geometry(e.format, e.shape[0], e.shape[1])

@@ -51,6 +51,10 @@ class DenseLinear:
     def rows(self, begin: int, end: int) -> "DenseLinear":
         return DenseLinear(self.weight[begin:end])
 
+    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows `tokens` (the embedding lookup)."""
+        return self.weight[tokens]
+
 
 class CodeLinear:
     """NVFP4 / FP8-row weights (upstream's nvfp4 profile), dequantized in-kernel (kernels/float_gemv.py)."""
@@ -65,7 +69,7 @@ class CodeLinear:
         return CodeLinear(self.codes.rows_view(begin, end))
 
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows `tokens` decoded (an embedding table stored in these formats)."""
+        """Rows `tokens` decoded."""
         return dense_reference(self.codes.take(tokens.reshape(-1))).view(*tokens.shape, self.codes.cols)
 
 
@@ -75,6 +79,10 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False):
         return qlinear(x, self.packed, xq=xq, defer_sum=defer_sum)
+
+    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows `tokens` decoded."""
+        return gather_rows(self.packed, tokens)
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
@@ -457,12 +465,7 @@ class Engine:
         return p + ("attention/query_gate_key_value" if c.is_full_attention(i) else "gdn/query_key_value_z")
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        emb = self.lin["text/token_embedding"]
-        if isinstance(emb, QuantLinear):
-            return gather_rows(emb.packed, tokens).to(self.act_dtype)
-        if isinstance(emb, CodeLinear):
-            return emb.gather(tokens).to(self.act_dtype)
-        return emb.weight[tokens].to(self.act_dtype)
+        return self.lin["text/token_embedding"].gather(tokens).to(self.act_dtype)
 
     @torch.no_grad()
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,

@@ -441,6 +441,8 @@ def _edit_v3(path, edit) -> None:
      "beyond the"),
     (lambda r: r["bindings"].update({"text/final_norm": {"object": "nope"}}), "names no tensor object"),
     (lambda r: r["uses"].append({"parameter": "text/ghost", "input": "x"}), "has no binding"),
+    (lambda r: r["uses"].append({"parameter": "text/final_norm", "input": "x", "auxiliaries": {
+        "hadamard_signs": {"object": r["objects"][0]["id"]}}}), "hadamard_signs, which this build does not apply"),
     (lambda r: r["objects"][0].update(bytes=r["objects"][0]["bytes"] + 1), "encodes to"),
     (lambda r: r["objects"][0].update(format="q3_g64_fp16"), "not one this build reads"),
     (lambda r: r["files"][0].update(payload_bytes=r["files"][0]["payload_bytes"] + 4096), "truncated or padded"),

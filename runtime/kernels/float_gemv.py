@@ -3,8 +3,8 @@ in-kernel: no FP4/FP8 tensor cores needed, so they run on any GPU Triton targets
 
 Few rows (decode, verify blocks): `float_gemv` decodes each weight tile once into bf16 (exact: E2M1 times
 an E4M3FN scale has at most 6 significant bits) and multiplies it with every row of x on the tensor cores,
-float32 sums; the row's divisor (NVFP4) or BF16 multiplier (FP8) applies at the end. Many rows (prefill): `dense_rows_into` decodes row blocks to the
-activation dtype for the vendor GEMM."""
+float32 sums; the row's divisor (NVFP4) or BF16 multiplier (FP8) applies at the end. Many rows (prefill):
+`float_linear` decodes row blocks to the activation dtype for the vendor GEMM."""
 
 from __future__ import annotations
 
@@ -104,26 +104,19 @@ class FloatCodes:
         self.scales = scales.view(torch.uint8) if self.nvfp4 else scales.view(torch.bfloat16)
         self.divisors = divisors.view(torch.float32) if divisors is not None else None
 
-    def rows_view(self, begin: int, end: int) -> "FloatCodes":
-        if self.nvfp4:
-            return FloatCodes(self.fmt, self.codes.view(self.rows, -1)[begin:end].reshape(-1),
-                              self.scales.view(self.rows, -1)[begin:end].reshape(-1), self.divisors[begin:end],
-                              end - begin, self.cols)
-        return FloatCodes(self.fmt, self.codes.view(self.rows, -1)[begin:end].reshape(-1), self.scales[begin:end],
-                          None, end - begin, self.cols)
+    def take(self, rows) -> "FloatCodes":
+        """Rows `rows` as a matrix of their own: a slice gives views, a long tensor a compact copy."""
+        codes = self.codes.view(self.rows, -1)[rows]
+        scales = self.scales.view(self.rows, -1)[rows] if self.nvfp4 else self.scales[rows]
+        divisors = self.divisors[rows] if self.nvfp4 else None
+        return FloatCodes(self.fmt, codes.reshape(-1), scales.reshape(-1), divisors, codes.shape[0], self.cols)
 
-    def take(self, rows: torch.Tensor) -> "FloatCodes":
-        """The rows `rows` (a long tensor) as a new, compact matrix."""
-        codes = self.codes.view(self.rows, -1)[rows].reshape(-1)
-        if self.nvfp4:
-            return FloatCodes(self.fmt, codes, self.scales.view(self.rows, -1)[rows].reshape(-1), self.divisors[rows],
-                              len(rows), self.cols)
-        return FloatCodes(self.fmt, codes, self.scales[rows], None, len(rows), self.cols)
+    def rows_view(self, begin: int, end: int) -> "FloatCodes":
+        return self.take(slice(begin, end))
 
     def dense(self, begin: int = 0, end: int | None = None, dtype=torch.float32) -> torch.Tensor:
         """Rows [begin, end) decoded (the torch reference of every product here)."""
-        end = self.rows if end is None else end
-        return dense_reference(self if (begin, end) == (0, self.rows) else self.rows_view(begin, end)).to(dtype)
+        return dense_reference(self.rows_view(begin, self.rows if end is None else end)).to(dtype)
 
 
 def float_codes(fmt: str, raw: torch.Tensor, rows: int, cols: int) -> FloatCodes:
@@ -159,7 +152,7 @@ def dense_reference(w: FloatCodes) -> torch.Tensor:
 
 
 def float_gemv(x: torch.Tensor, w: FloatCodes, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] -> x @ W^T [T, N] in x's dtype, T <= GEMV_MAX_ROWS (more rows: dense_rows_into + GEMM)."""
+    """x [T, K] -> x @ W^T [T, N] in x's dtype, T <= GEMV_MAX_ROWS (more rows: float_linear)."""
     t, k = x.shape
     if k != w.cols:
         raise ValueError(f"float_gemv: x has {k} columns, the weight {w.cols}")
