@@ -4,11 +4,12 @@ error against the exact float product. `rows`: row blocks (T = 2, 4, 8, 16: lane
 through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1; `lanes`:
 the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_codes`: the NVFP4 / FP8-row
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
-CUDA-graph replays, so launch overhead is not in the times. `t1`: the decode
+CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernel (Q4/Q5, T = 1..16)
+over a tile sweep next to the runtime's other products. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag]
 """
 
 from __future__ import annotations
@@ -233,7 +234,51 @@ def float_codes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+FRAG_SHAPES = [*SHAPES[:4], ("attention qgkv Q4", 14336, 5120, "Q4G64_F16S")]
+FRAG_TILES = [(4, 528), (4, 1056), (8, 264), (8, 528), (2, 1056)]  # warps per program, target programs
+
+
+def frag_main(out: str) -> None:
+    """The fragment kernel (Q4/Q5 code words straight into tensor-core fragments) at T = 1, 2, 4, 8, 16 over a
+    tile sweep, side by side with the products the runtime takes otherwise (T = 1: the dp4a decode GEMV;
+    T >= 2: the auto row path), CUDA-graph replays over weight copies that never hit L2; and its error
+    against its plain-torch group sums (frag_reference) and the exact product."""
+    from runtime.kernels.qgemm_rows_frag import frag_reference, qgemm_rows_frag
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in FRAG_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        ql.FRAG_MODE = "off"
+        t1 = _one_row(rotating, row, peak)
+        for t in (1, 2, 4, 8, 16):
+            x, y = _xy(t, k, n)
+            if t > 1:
+                us = rotating(lambda w: ql.qlinear(x, w, out=y))
+                row[f"t{t}_auto_us"], row[f"t{t}_auto_vs_t1"] = us, us / t1
+            best = None
+            for warps, programs in FRAG_TILES:
+                us = rotating(lambda w: qgemm_rows_frag(x, w, y, warps, programs))
+                row[f"t{t}_frag_{warps}w{programs}p_us"] = us
+                if best is None or us < best[0]:
+                    best = (us, f"{warps}w{programs}p")
+            row[f"t{t}_frag_us"], row[f"t{t}_frag_tile"] = best
+            row[f"t{t}_frag_frac"], row[f"t{t}_frag_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
+            got = qgemm_rows_frag(x, w, torch.empty(t, n, device="cuda", dtype=torch.float32))
+            want = frag_reference(x, w)
+            exact = ql.qlinear_reference(x.float(), w).float()
+            row[f"t{t}_frag_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
+            row[f"t{t}_frag_err_vs_exact"] = ((got - exact).abs().max() / exact.abs().max()).item()
+        ql.FRAG_MODE = "auto"
+        rows.append(row)
+        print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
+                          if not re.search(r"_frag_\d+w", k2)}), flush=True)
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
+    if mode == "frag":
+        return frag_main(out)
     if mode == "float_codes":
         return float_codes_main(out)
     if mode == "rows":

@@ -22,6 +22,7 @@ from format.numeric import GroupedFormat
 
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
+from .qgemm_rows_frag import frag_supported, qgemm_rows_frag
 from .qgemv_lanes import qgemv_lanes
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
                          qgemv_int8, split_partials)
@@ -79,6 +80,23 @@ def rows_path(bits: int, t: int = 16) -> str:
     if ROWS_PATH == "auto":
         return "lanes" if t <= LANES_MAX_T[bits] else ROWS_BY_BITS[bits]
     return ROWS_PATH
+# The fragment kernel (qgemm_rows_frag: code words loaded straight into tensor-core fragments by inline PTX)
+# for Q4/Q5 products of 1..16 rows. NINFER_GEMV_FRAG=on takes it for every product it supports (T = 1
+# included), off never; auto by code width and rows (FRAG_AUTO_T).
+FRAG_MODES = ("auto", "on", "off")
+FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
+FRAG_AUTO_T: dict[int, range] = {}
+
+
+def uses_frag(w: "PackedLinear", t: int) -> bool:
+    """Whether qlinear multiplies t rows of x with w through the fragment kernel."""
+    if FRAG_MODE not in FRAG_MODES:
+        raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
+    if FRAG_MODE == "off" or interpreted() or w.base.device.type != "cuda" or not frag_supported(w, t):
+        return False
+    return FRAG_MODE == "on" or t in FRAG_AUTO_T.get(w.fmt.bits, ())
+
+
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
 INTERPRETER_PROGRAMS = 4
 INTERPRETER_BLOCK_N = 64
@@ -396,7 +414,7 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
 def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     """Whether qlinear of `t` rows of x with `w` reads x as dp4a words (so the kernel producing x may
     write them: QuantizedX)."""
-    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base):
+    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base) or uses_frag(w, t):
         return False
     return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
 
@@ -419,6 +437,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         return _gemm(x, w, y)
     if xq is not None and not takes_quantized_x(w, t):
         xq = None  # this path multiplies x itself
+    if x.dtype == torch.bfloat16 and uses_frag(w, t):
+        return qgemm_rows_frag(x, w, y, defer_sum=defer_sum)
     if t == 1:
         return _gemv_vec(x, w, y, xq, defer_sum)
     path = rows_path(w.fmt.bits, t)

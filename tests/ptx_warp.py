@@ -1,0 +1,187 @@
+"""A tiny emulator of one warp running an inline-PTX block, for the kernels whose thread-level work lives in
+inline PTX (runtime/kernels/qgemm_rows_frag.py): the CPU cannot run them under Triton's interpreter, so the
+tests run their PTX here, lane by lane in lockstep, with mma.sync computed from the fragment layouts of the
+PTX ISA (m16n8k16, A row-major, B column-major). Only the instructions those kernels use are known; anything
+else raises, so a new instruction cannot pass unchecked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+MASK32 = 0xFFFFFFFF
+
+
+def f32_bits(value: float) -> int:
+    return int(np.array(value, dtype=np.float32).view(np.uint32))
+
+
+def bits_f32(bits: int) -> float:
+    return float(np.array(bits & MASK32, dtype=np.uint32).view(np.float32))
+
+
+def _bf16(bits16: int) -> float:
+    return bits_f32((bits16 & 0xFFFF) << 16)
+
+
+def _to_bf16(value: float) -> int:
+    bits = f32_bits(value)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even
+
+
+def _f16(bits16: int) -> float:
+    return float(np.array(bits16 & 0xFFFF, dtype=np.uint16).view(np.float16))
+
+
+class Memory:
+    """Byte buffers at fake addresses; reads are little-endian."""
+
+    def __init__(self):
+        self.buffers: list[tuple[int, bytes]] = []
+        self.next = 1 << 20
+
+    def place(self, data: bytes) -> int:
+        addr = self.next
+        self.buffers.append((addr, bytes(data)))
+        self.next += (len(data) + 4096) // 4096 * 4096 + 4096
+        return addr
+
+    def read(self, addr: int, size: int) -> bytes:
+        for base, data in self.buffers:
+            if base <= addr and addr + size <= base + len(data):
+                return data[addr - base : addr - base + size]
+        raise IndexError(f"emulated load of {size} bytes at {addr:#x} is outside every buffer")
+
+
+def _split(asm: str) -> list[str]:
+    out = []
+    for part in asm.split(";"):
+        part = part.strip().lstrip("{").strip().rstrip("}").strip()
+        if part and not part.startswith(".reg"):
+            out.append(part)
+    return out
+
+
+def _operands(text: str) -> list[str]:
+    """'d, {a, b}, [x+16], 0x5' -> ['d', '{a, b}', '[x+16]', '0x5'] (commas inside braces kept)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory: Memory) -> list[list[int]]:
+    """Run `asm` for the 32 lanes of a warp. inputs[lane][i] is operand $(n_outputs + i) as a bit pattern
+    (f32 as its bits, 64-bit values as ints); returns outputs[lane][i] for $i as bit patterns."""
+    lanes = [dict() for _ in range(32)]
+    for lane, values in enumerate(inputs):
+        for i, value in enumerate(values):
+            lanes[lane][f"${n_outputs + i}"] = value
+
+    def get(lane: int, name: str) -> int:
+        name = name.strip()
+        if name.startswith("0f"):
+            return int(name[2:], 16)
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", name):
+            return int(name, 0) & MASK32
+        if name == "%tid.x":
+            return lane
+        return lanes[lane][name]
+
+    for ins in _split(asm):
+        op, _, rest = ins.partition(" ")
+        args = _operands(rest)
+        if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
+            _mma(lanes, args)
+            continue
+        guarded = op.startswith("@")
+        if guarded:
+            guard = op[1:]
+            op, _, rest = rest.partition(" ")
+            args = _operands(rest)
+        for lane in range(32):
+            regs = lanes[lane]
+            if guarded and not regs[guard]:
+                continue
+            if op == "setp.ne.s32":
+                regs[args[0]] = get(lane, args[1]) != get(lane, args[2])
+            elif op.startswith("ld.global"):
+                dst, src = args
+                m = re.fullmatch(r"\[(\S+?)(?:\+(\d+))?\]", src)
+                addr = get(lane, m.group(1)) + int(m.group(2) or 0)
+                names = [n.strip() for n in dst.strip("{}").split(",")]
+                width = 2 if op.endswith(".b16") else 4
+                data = memory.read(addr, width * len(names))
+                for i, n in enumerate(names):
+                    regs[n] = int.from_bytes(data[i * width : (i + 1) * width], "little")
+            elif op == "mov.b64" and args[0].startswith("{"):
+                names = [n.strip() for n in args[0].strip("{}").split(",")]
+                value, width = get(lane, args[1]), 64 // len(names)
+                for i, n in enumerate(names):
+                    regs[n] = (value >> (width * i)) & ((1 << width) - 1)
+            elif op == "mov.b64" and args[1].startswith("{"):
+                names = [n.strip() for n in args[1].strip("{}").split(",")]
+                width = 64 // len(names)
+                regs[args[0]] = sum(get(lane, n) << (width * i) for i, n in enumerate(names))
+            elif op in ("mov.b32", "mov.f32", "mov.u32", "mov.b16"):
+                regs[args[0]] = get(lane, args[1])
+            elif op == "cvt.u32.u16":
+                regs[args[0]] = get(lane, args[1]) & 0xFFFF
+            elif op == "cvt.f32.f16":
+                regs[args[0]] = f32_bits(_f16(get(lane, args[1])))
+            elif op == "shl.b32":
+                regs[args[0]] = (get(lane, args[1]) << get(lane, args[2])) & MASK32
+            elif op == "shr.u32":
+                regs[args[0]] = get(lane, args[1]) >> get(lane, args[2])
+            elif op == "or.b32":
+                regs[args[0]] = get(lane, args[1]) | get(lane, args[2])
+            elif op == "lop3.b32":
+                a, b, c, lut = (get(lane, x) for x in args[1:])
+                regs[args[0]] = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
+                                    for i in range(32))
+            elif op == "prmt.b32":
+                a, b, sel = get(lane, args[1]), get(lane, args[2]), get(lane, args[3])
+                pool = a | (b << 32)
+                regs[args[0]] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+            elif op == "fma.rn.bf16x2":
+                a, b, c = (get(lane, x) for x in args[1:])
+                halves = [_to_bf16(_bf16(a >> s) * _bf16(b >> s) + _bf16(c >> s)) for s in (0, 16)]
+                regs[args[0]] = halves[0] | (halves[1] << 16)
+            elif op == "fma.rn.f32":
+                a, b, c = (bits_f32(get(lane, x)) for x in args[1:])
+                regs[args[0]] = f32_bits(np.float32(np.float64(a) * b + c))
+            else:
+                raise NotImplementedError(f"ptx_warp does not know {op!r} ({ins})")
+    return [[lanes[lane][f"${i}"] for i in range(n_outputs)] for lane in range(32)]
+
+
+def _mma(lanes: list[dict], args: list[str]) -> None:
+    """D = A (16x16 bf16) . B (16x8 bf16) + C (16x8 f32), from/to the lanes' fragments (PTX ISA layouts)."""
+    d, a, b, c = ([n.strip() for n in x.strip("{}").split(",")] for x in args)
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, name in enumerate(a):  # a0: (g, 2t..), a1: (g + 8, 2t..), a2: (g, 2t + 8..), a3: (g + 8, 2t + 8..)
+            row, col = g + 8 * (r % 2), 2 * t + 8 * (r // 2)
+            A[row, col], A[row, col + 1] = _bf16(regs[name]), _bf16(regs[name] >> 16)
+        for r, name in enumerate(b):  # b0: k = 2t, 2t + 1; b1: k = 2t + 8, 2t + 9; column g
+            B[2 * t + 8 * r, g], B[2 * t + 8 * r + 1, g] = _bf16(regs[name]), _bf16(regs[name] >> 16)
+        for r, name in enumerate(c):  # c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8
+            C[g + 8 * (r // 2), 2 * t + r % 2] = bits_f32(regs[name])
+    D = A @ B + C
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, name in enumerate(d):
+            regs[name] = f32_bits(np.float32(D[g + 8 * (r // 2), 2 * t + r % 2]))

@@ -1,0 +1,99 @@
+"""The fragment row kernel (runtime/kernels/qgemm_rows_frag.py). Its thread-level work is inline PTX, which
+Triton's interpreter cannot run, so on a CPU its load and group-product PTX runs in tests/ptx_warp.py's warp
+emulator over real packed weights and is held to `frag_reference` (the same group sums in plain torch) and
+to the exact product; on a GPU the kernel itself runs."""
+
+import pytest
+import torch
+
+from format.numeric import FORMATS
+from format.quantize import encode_rows
+from runtime.kernels import qgemm_rows_frag as frag
+from runtime.kernels.qlinear import PackedLinear, qlinear_reference
+from tests.ptx_warp import Memory, bits_f32, f32_bits, run_warp
+
+FMTS = ["Q4G64_F16S", "Q5G64_F16S"]
+
+
+def _packed(n, k, fmt, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    base, high, scale = encode_rows(torch.randn(n, k, generator=g), FORMATS[fmt])
+    u8 = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device) if b else None  # noqa: E731
+    return PackedLinear(u8(base), u8(high), u8(scale), n, k, FORMATS[fmt])
+
+
+def _emulate(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
+    """One warp per 16 rows walks every group with the kernel's own PTX; returns [T, N] float32."""
+    t, k = x.shape
+    nt = 1 if t <= 8 else 2
+    mem = Memory()
+    xb = x.to(torch.bfloat16).contiguous()
+    x_addr = mem.place(xb.view(torch.uint8).numpy().tobytes())
+    base_addr = mem.place(w.base.numpy().tobytes())
+    high_addr = mem.place((w.high if w.high is not None else w.base).numpy().tobytes())
+    scale_addr = mem.place(w.scale.view(torch.uint8).numpy().tobytes())
+    gpr = w.groups_per_row
+    out = torch.zeros(t, w.rows)
+    for block in range(0, w.rows, 16):
+        acc = [[f32_bits(0.0)] * 8 for _ in range(32)]
+        for gi in range(k // 64):
+            loads = []
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                r0, r1 = min(block + g, w.rows - 1), min(block + g + 8, w.rows - 1)
+                loads.append([base_addr + r0 * gpr * 32 + gi * 32 + c * 8, base_addr + r1 * gpr * 32 + gi * 32 + c * 8,
+                              scale_addr + (r0 * gpr + gi) * 2, scale_addr + (r1 * gpr + gi) * 2,
+                              high_addr + r0 * gpr * 8 + gi * 8 + c * 2, high_addr + r1 * gpr * 8 + gi * 8 + c * 2, 1])
+            slot = run_warp(frag._load_asm(w.fmt.bits), loads, 3, mem)
+            args = []
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
+                args.append(acc[lane] + slot[lane] + xa)
+            acc = run_warp(frag._compute_asm(w.fmt.bits, nt), args, 8, mem)
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            for i in range(4 * nt):
+                row, col = block + g + 8 * ((i % 4) // 2), 2 * c + i % 2 + 8 * (i // 4)
+                if row < w.rows and col < t:
+                    out[col, row] = bits_f32(acc[lane][i])
+    return out
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t,n", [(1, 16), (5, 24), (11, 16)])
+def test_fragment_ptx_computes_the_group_sums(fmt, t, n):
+    w = _packed(n, 256, fmt, seed=t + n)
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    got = _emulate(x, w)
+    want = frag.frag_reference(x, w)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+    exact = qlinear_reference(x.float(), w)
+    assert ((got - exact).abs().max() / exact.abs().max()).item() < 1e-5
+
+
+def test_fragment_kernel_takes_whole_group_steps_only():
+    q4 = _packed(16, 256, "Q4G64_F16S", 1)
+    assert frag.frag_supported(q4, 1) and frag.frag_supported(q4, 16)
+    assert not frag.frag_supported(q4, 17)
+    assert not frag.frag_supported(_packed(16, 192, "Q4G64_F16S", 1), 1)  # 3 groups: not a whole loop step
+    assert not frag.frag_supported(_packed(16, 256, "Q6G64_F16S", 1), 1)
+    # splits divide the groups into whole loop steps of at least 8 groups
+    for rows, groups in ((5120, 272), (34816, 80), (16384, 80), (5120, 96), (64, 8)):
+        split = frag.frag_splits(rows, groups, 4, 528)
+        assert groups % (4 * split) == 0 and (split == 1 or groups // split >= 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernel is inline PTX for NVIDIA GPUs (sm_80+); "
+                    "its PTX is checked on the CPU by test_fragment_ptx_computes_the_group_sums")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t,n,k", [(1, 64, 256), (2, 100, 512), (8, 5120, 1024), (9, 70, 256), (16, 1000, 2048),
+                                   (4, 5120, 17408)])
+def test_fragment_kernel_on_the_gpu(fmt, t, n, k):
+    w = _packed(n, k, fmt, seed=n + k, device="cuda")
+    x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    y = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    frag.qgemm_rows_frag(x, w, y)
+    want = frag.frag_reference(x, w)
+    err = ((y.float() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-2, err  # bf16 output rounding
