@@ -22,6 +22,8 @@ groups ahead by hand, so each thread keeps 64 bytes in flight. No interpreter pa
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -85,22 +87,25 @@ def _compute_asm(bits: int, nt: int) -> str:
     return " ".join(lines) + " }"
 
 
-def _load_asm(bits: int) -> str:
+def _load_asm(bits: int, hint: str = "") -> str:
     """Prefetch one group: $0/$1 code words of rows g / g + 8 (8 bytes each), $2 the two scales (and Q5's
-    high-bit halves); $3/$4 code addresses, $5/$6 scale addresses, $7/$8 high-bit addresses, $9 load or not."""
-    high = ("@p ld.global.nc.L1::no_allocate.b16 s2, [$7]; @p ld.global.nc.L1::no_allocate.b16 s3, [$8];"
-            if bits == 5 else "")
+    high-bit halves); $3/$4 code addresses, $5/$6 scale addresses, $7/$8 high-bit addresses, $9 load or not.
+    `hint`: cache qualifiers of HINTS (".L2::256B" asks L2 to fetch that much around each access: a warp
+    reads 32 bytes of each of its 16 rows per group, and the next groups of a row are then L2 hits)."""
+    ld = f"@p ld.global.nc{hint}"
+    high = f"{ld}.b16 s2, [$7]; {ld}.b16 s3, [$8];" if bits == 5 else ""
     return ("{ .reg .pred p; .reg .b32 a, b, c, d; .reg .b16 s0, s1, s2, s3; setp.ne.s32 p, $9, 0; "
             "mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; mov.b32 d, 0; "
             "mov.b16 s0, 0; mov.b16 s1, 0; mov.b16 s2, 0; mov.b16 s3, 0; "
-            "@p ld.global.nc.L1::no_allocate.v2.b32 {a, b}, [$3]; @p ld.global.nc.L1::no_allocate.v2.b32 {c, d}, [$4]; "
-            "@p ld.global.nc.L1::no_allocate.b16 s0, [$5]; @p ld.global.nc.L1::no_allocate.b16 s1, [$6]; " + high +
+            f"{ld}.v2.b32 {{a, b}}, [$3]; {ld}.v2.b32 {{c, d}}, [$4]; {ld}.b16 s0, [$5]; {ld}.b16 s1, [$6]; " + high +
             " mov.b64 $0, {a, b}; mov.b64 $1, {c, d}; mov.b64 $2, {s0, s1, s2, s3}; }")
 
 
+HINTS = (".L1::no_allocate", ".L1::no_allocate.L2::128B", ".L1::no_allocate.L2::256B", ".L2::256B")
 _COMPUTE = {(bits, nt): tl.constexpr(_compute_asm(bits, nt)) for bits in FRAG_BITS for nt in (1, 2)}
 _C4_1, _C4_2, _C5_1, _C5_2 = _COMPUTE[4, 1], _COMPUTE[4, 2], _COMPUTE[5, 1], _COMPUTE[5, 2]
-_L4, _L5 = tl.constexpr(_load_asm(4)), tl.constexpr(_load_asm(5))
+_L4_0, _L4_1, _L4_2, _L4_3 = (tl.constexpr(_load_asm(4, hint)) for hint in HINTS)
+_L5_0, _L5_1, _L5_2, _L5_3 = (tl.constexpr(_load_asm(5, hint)) for hint in HINTS)
 _COMPUTE_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["l"] * 5))
 _LOAD_CONSTRAINTS = tl.constexpr("=l,=l,=l,l,l,l,l,l,l,r")
 
@@ -111,17 +116,27 @@ def _thread_ids(like):
 
 
 @triton.jit
-def _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi, ok, BITS: tl.constexpr):
+def _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi, ok, BITS: tl.constexpr, HINT: tl.constexpr):
     """Code words, scales (and high bits) of group gi of this thread's rows, loaded when ok."""
-    flag = ok.to(tl.int32)
+    args = [wa0 + gi * 32, wa1 + gi * 32, sa0 + gi * 2, sa1 + gi * 2, ha0 + gi * 8, ha1 + gi * 8, ok.to(tl.int32)]
     if BITS == 4:
-        return tl.inline_asm_elementwise(_L4, _LOAD_CONSTRAINTS, [wa0 + gi * 32, wa1 + gi * 32, sa0 + gi * 2,
-                                         sa1 + gi * 2, ha0, ha1, flag], dtype=(tl.int64, tl.int64, tl.int64),
-                                         is_pure=False, pack=1)
+        if HINT == 0:
+            return tl.inline_asm_elementwise(_L4_0, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        elif HINT == 1:
+            return tl.inline_asm_elementwise(_L4_1, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        elif HINT == 2:
+            return tl.inline_asm_elementwise(_L4_2, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_L4_3, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
     else:
-        return tl.inline_asm_elementwise(_L5, _LOAD_CONSTRAINTS, [wa0 + gi * 32, wa1 + gi * 32, sa0 + gi * 2,
-                                         sa1 + gi * 2, ha0 + gi * 8, ha1 + gi * 8, flag],
-                                         dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        if HINT == 0:
+            return tl.inline_asm_elementwise(_L5_0, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        elif HINT == 1:
+            return tl.inline_asm_elementwise(_L5_1, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        elif HINT == 2:
+            return tl.inline_asm_elementwise(_L5_2, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_L5_3, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
 
 
 @triton.jit
@@ -145,8 +160,10 @@ def _group_product(acc, slot, xa0, xa1, gi, BITS: tl.constexpr, NT: tl.constexpr
 
 @triton.jit
 def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T, K, GROUPS_PER_SPLIT,
-                            GPR: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr):
-    """One program: 16 x WARPS weight rows, one K-split of GROUPS_PER_SPLIT groups (a multiple of 4); out is [T, N] (one
+                            GPR: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr,
+                            SLOTS: tl.constexpr, HINT: tl.constexpr):
+    """One program: 16 x WARPS weight rows, one K-split of GROUPS_PER_SPLIT groups (a multiple of SLOTS, the
+    groups each thread keeps in flight: 4 or 8); HINT: the L2 fetch size hint of HINTS; out is [T, N] (one
     split: y itself) or this split's float32 partials."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -168,10 +185,15 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
     ha0 = (high_ptr + r0 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
     ha1 = (high_ptr + r1 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
     # weights are never written during inference: the first groups are fetched before waiting on x's writer
-    s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 0, zero == 0, BITS)
-    s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 1, zero + 1 < GROUPS_PER_SPLIT, BITS)
-    s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 2, zero + 2 < GROUPS_PER_SPLIT, BITS)
-    s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 3, zero + 3 < GROUPS_PER_SPLIT, BITS)
+    s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 0, zero == 0, BITS, HINT)
+    s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 1, zero + 1 < GROUPS_PER_SPLIT, BITS, HINT)
+    s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 2, zero + 2 < GROUPS_PER_SPLIT, BITS, HINT)
+    s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 3, zero + 3 < GROUPS_PER_SPLIT, BITS, HINT)
+    if SLOTS == 8:
+        s4 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 4, zero + 4 < GROUPS_PER_SPLIT, BITS, HINT)
+        s5 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 5, zero + 5 < GROUPS_PER_SPLIT, BITS, HINT)
+        s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 6, zero + 6 < GROUPS_PER_SPLIT, BITS, HINT)
+        s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 7, zero + 7 < GROUPS_PER_SPLIT, BITS, HINT)
     pdl_wait()
     xr0 = tl.minimum(g, T - 1).to(tl.int64)
     xr1 = tl.minimum(g + 8, T - 1).to(tl.int64)
@@ -179,15 +201,27 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
     xa1 = (x_ptr + xr1 * K + lane16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * WARPS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for gi in range(0, GROUPS_PER_SPLIT, 4):
+    for gi in range(0, GROUPS_PER_SPLIT, SLOTS):  # slot j holds group gi + j, then fetches gi + j + SLOTS
         acc = _group_product(acc, s0, xa0, xa1, gi, BITS, NT)
-        s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 4, zero + gi + 4 < GROUPS_PER_SPLIT, BITS)
+        s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS, zero + gi + SLOTS < GROUPS_PER_SPLIT, BITS, HINT)
         acc = _group_product(acc, s1, xa0, xa1, gi + 1, BITS, NT)
-        s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 5, zero + gi + 5 < GROUPS_PER_SPLIT, BITS)
+        s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 1, zero + gi + SLOTS + 1 < GROUPS_PER_SPLIT, BITS,
+                         HINT)
         acc = _group_product(acc, s2, xa0, xa1, gi + 2, BITS, NT)
-        s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 6, zero + gi + 6 < GROUPS_PER_SPLIT, BITS)
+        s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 2, zero + gi + SLOTS + 2 < GROUPS_PER_SPLIT, BITS,
+                         HINT)
         acc = _group_product(acc, s3, xa0, xa1, gi + 3, BITS, NT)
-        s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 7, zero + gi + 7 < GROUPS_PER_SPLIT, BITS)
+        s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 3, zero + gi + SLOTS + 3 < GROUPS_PER_SPLIT, BITS,
+                         HINT)
+        if SLOTS == 8:
+            acc = _group_product(acc, s4, xa0, xa1, gi + 4, BITS, NT)
+            s4 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 12, zero + gi + 12 < GROUPS_PER_SPLIT, BITS, HINT)
+            acc = _group_product(acc, s5, xa0, xa1, gi + 5, BITS, NT)
+            s5 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 13, zero + gi + 13 < GROUPS_PER_SPLIT, BITS, HINT)
+            acc = _group_product(acc, s6, xa0, xa1, gi + 6, BITS, NT)
+            s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 14, zero + gi + 14 < GROUPS_PER_SPLIT, BITS, HINT)
+            acc = _group_product(acc, s7, xa0, xa1, gi + 7, BITS, NT)
+            s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 15, zero + gi + 15 < GROUPS_PER_SPLIT, BITS, HINT)
     # accumulator i of a thread: row g + 8 * ((i % 4) // 2), column 2c + i % 2 + 8 * (i // 4)
     out_base = out_ptr + split * T * N
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
@@ -212,33 +246,43 @@ def frag_supported(w, t: int) -> bool:
     return w.fmt.bits in FRAG_BITS and w.cols % (4 * GROUP) == 0 and 1 <= t <= 16
 
 
-def frag_splits(rows: int, groups: int, warps: int, programs: int) -> int:
-    """K-splits (each a multiple of 4 groups, the loop's step, and >= 8 groups) so that row blocks x splits
-    stay within `programs`."""
+def frag_splits(rows: int, groups: int, warps: int, programs: int, slots: int = 4) -> int:
+    """K-splits (each a multiple of `slots` groups, the loop's step, and >= 8 groups) so that row blocks x
+    splits stay within `programs`."""
     blocks = triton.cdiv(rows, ROWS_PER_WARP * warps)
     best = 1
     for split in range(2, groups // 8 + 1):
-        if groups % (4 * split) == 0 and blocks * split <= programs:
+        if groups % (slots * split) == 0 and blocks * split <= programs:
             best = split
     return best
 
 
-def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int = 4, programs: int = 528,
-                    defer_sum: bool = False) -> torch.Tensor | SplitPartials:
+FRAG_TUNING = {"warps": 4, "programs": 528, "slots": 4, "hint": 0}
+if os.environ.get("NINFER_FRAG_TILE"):  # side-by-side runs: slots,hint,warps,programs
+    FRAG_TUNING = dict(zip(("slots", "hint", "warps", "programs"), map(int, os.environ["NINFER_FRAG_TILE"].split(","))))
+
+
+def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int | None = None, programs: int | None = None,
+                    defer_sum: bool = False, slots: int | None = None, hint: int | None = None
+                    ) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T (bf16 x, T <= 16) through the fragment kernel (GPU only)."""
     t, k = x.shape
     if not frag_supported(w, t) or x.dtype != torch.bfloat16:
         raise ValueError(f"qgemm_rows_frag: {w.fmt.name} [{w.rows}, {w.cols}] with {t} rows of {x.dtype} is not "
                          "supported (Q4/Q5, K a multiple of 64, 1-16 bf16 rows)")
     x = x.contiguous()
+    warps, programs = warps or FRAG_TUNING["warps"], programs or FRAG_TUNING["programs"]
+    slots, hint = slots or FRAG_TUNING["slots"], FRAG_TUNING["hint"] if hint is None else hint
     groups = k // GROUP
-    split = frag_splits(w.rows, groups, warps, programs)
+    if groups % slots:
+        slots = 4
+    split = frag_splits(w.rows, groups, warps, programs, slots)
     target = split_partials(y, split)
     high = w.high if w.high is not None else w.base
     grid = (triton.cdiv(w.rows, ROWS_PER_WARP * warps), split)
     _qgemm_rows_frag_kernel[grid](x, w.base, high, w.scale, target, w.rows, t, k, groups // split,
                                   GPR=w.groups_per_row, BITS=w.fmt.bits, NT=1 if t <= 8 else 2, WARPS=warps,
-                                  num_warps=warps, **LAUNCH)
+                                  SLOTS=slots, HINT=hint, num_warps=warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 

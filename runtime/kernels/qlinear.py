@@ -82,8 +82,8 @@ def rows_path(bits: int, t: int = 16) -> str:
     return ROWS_PATH
 # The fragment kernel (qgemm_rows_frag: code words loaded straight into tensor-core fragments by inline PTX)
 # for Q4/Q5 products of 1..16 rows. NINFER_GEMV_FRAG=on takes it for every product it supports (T = 1
-# included), off never; auto by code width and rows (FRAG_AUTO_T).
-FRAG_MODES = ("auto", "on", "off")
+# included), rows for 2..16 rows only, off never; auto by code width and rows (FRAG_AUTO_T).
+FRAG_MODES = ("auto", "on", "rows", "off")
 FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 FRAG_AUTO_T: dict[int, range] = {}
 
@@ -94,7 +94,7 @@ def uses_frag(w: "PackedLinear", t: int) -> bool:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
     if FRAG_MODE == "off" or interpreted() or w.base.device.type != "cuda" or not frag_supported(w, t):
         return False
-    return FRAG_MODE == "on" or t in FRAG_AUTO_T.get(w.fmt.bits, ())
+    return FRAG_MODE == "on" or (FRAG_MODE == "rows" and t > 1) or t in FRAG_AUTO_T.get(w.fmt.bits, ())
 
 
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
