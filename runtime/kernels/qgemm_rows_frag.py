@@ -93,11 +93,13 @@ def _load_asm(bits: int, hint: str = "") -> str:
     `hint`: cache qualifiers of HINTS (".L2::256B" asks L2 to fetch that much around each access: a warp
     reads 32 bytes of each of its 16 rows per group, and the next groups of a row are then L2 hits)."""
     ld = f"@p ld.global.nc{hint}"
+    # a row's scales for 64 groups share one 128-byte line: cached in L1, they cost one L2 request per line
     high = f"{ld}.b16 s2, [$7]; {ld}.b16 s3, [$8];" if bits == 5 else ""
     return ("{ .reg .pred p; .reg .b32 a, b, c, d; .reg .b16 s0, s1, s2, s3; setp.ne.s32 p, $9, 0; "
             "mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; mov.b32 d, 0; "
             "mov.b16 s0, 0; mov.b16 s1, 0; mov.b16 s2, 0; mov.b16 s3, 0; "
-            f"{ld}.v2.b32 {{a, b}}, [$3]; {ld}.v2.b32 {{c, d}}, [$4]; {ld}.b16 s0, [$5]; {ld}.b16 s1, [$6]; " + high +
+            f"{ld}.v2.b32 {{a, b}}, [$3]; {ld}.v2.b32 {{c, d}}, [$4]; @p ld.global.nc.b16 s0, [$5]; "
+            "@p ld.global.nc.b16 s1, [$6]; " + high +
             " mov.b64 $0, {a, b}; mov.b64 $1, {c, d}; mov.b64 $2, {s0, s1, s2, s3}; }")
 
 
