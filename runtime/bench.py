@@ -428,7 +428,7 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
     from format.layouts import RowSplitGeometry
     from format.numeric import get_format
 
-    from .kernels.qlinear import PackedLinear, qlinear, rows_path
+    from .kernels.qlinear import PackedLinear, qlinear, rows_path, uses_frag
 
     products = distinct_products(path)
     bw = copy_bandwidth(device)
@@ -454,7 +454,8 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             us = graph_us(lambda: qlinear(x, next(cycle), out=y))
             row[f"t{t}_us"] = us
             row[f"t{t}_of_copy"] = geo.total_bytes / (us * 1e-6) / bw
-            row[f"t{t}_kernel"] = "decode GEMV" if t == 1 else ("GEMM" if t > 16 else rows_path(fmt.bits, t))
+            row[f"t{t}_kernel"] = ("fragment" if uses_frag(weights[0], t) else "decode GEMV" if t == 1
+                                   else "GEMM" if t > 16 else rows_path(fmt.bits, t))
             if row_counts[0] == 1:
                 row[f"t{t}_vs_t1"] = us / row["t1_us"]
         results["rows"].append(row)

@@ -259,7 +259,9 @@ def frag_splits(rows: int, groups: int, warps: int, programs: int, slots: int = 
     return best
 
 
-FRAG_TUNING = {"warps": 4, "programs": 528, "slots": 4, "hint": 0}
+# best total over the 27B's Q4/Q5 products at T = 8 in the H200 sweep (bench/RESULTS.md §2): 4 groups in flight,
+# L2 fetching 256 bytes per weight access, 4 warps, ~528 programs
+FRAG_TUNING = {"warps": 4, "programs": 528, "slots": 4, "hint": 2}
 if os.environ.get("NINFER_FRAG_TILE"):  # side-by-side runs: slots,hint,warps,programs
     FRAG_TUNING = dict(zip(("slots", "hint", "warps", "programs"), map(int, os.environ["NINFER_FRAG_TILE"].split(","))))
 

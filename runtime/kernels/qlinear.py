@@ -85,7 +85,10 @@ def rows_path(bits: int, t: int = 16) -> str:
 # included), rows for 2..16 rows only, off never; auto by code width and rows (FRAG_AUTO_T).
 FRAG_MODES = ("auto", "on", "rows", "off")
 FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
-FRAG_AUTO_T: dict[int, range] = {}
+# From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
+# tensor-core row kernels at every T >= 2 on Q4 and Q5 (MLP gate_up Q4 T = 8: 74.7 -> 42.1 us), and the lanes
+# kernel except for Q5 at T = 2 (MLP down: 34.2 lanes vs 39.5); at T = 1 the dp4a GEMV stays faster (28.3 vs 41.9)
+FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
