@@ -84,6 +84,40 @@ def test_fragment_kernel_takes_whole_group_steps_only():
         assert groups % (4 * split) == 0 and (split == 1 or groups // split >= 8)
 
 
+def test_fragment_kernel_is_chosen_by_rows_and_overrides(monkeypatch):
+    """auto: Q4 blocks of 2..16 rows and Q5 of 3..16 (the dp4a GEMV keeps T = 1); a forced row path or GEMV
+    path (side-by-side runs) is honoured; on / rows / off; never on a CPU or under the interpreter."""
+    from types import SimpleNamespace
+
+    from runtime.kernels import qlinear as ql
+
+    def weight(fmt, cols=5120, device="cuda"):
+        return SimpleNamespace(fmt=FORMATS[fmt], cols=cols, base=SimpleNamespace(device=torch.device(device)))
+
+    monkeypatch.setattr(ql, "interpreted", lambda: False)
+    monkeypatch.setattr(ql, "FRAG_MODE", "auto")
+    q4, q5, q6 = weight("Q4G64_F16S"), weight("Q5G64_F16S"), weight("Q6G64_F16S")
+    assert [ql.uses_frag(q4, t) for t in (1, 2, 16, 17)] == [False, True, True, False]
+    assert [ql.uses_frag(q5, t) for t in (1, 2, 3, 8)] == [False, False, True, True]
+    assert not ql.uses_frag(q6, 4) and not ql.uses_frag(weight("Q4G64_F16S", device="cpu"), 4)
+    assert not ql.uses_frag(weight("Q4G64_F16S", cols=5000), 4)
+    monkeypatch.setattr(ql, "ROWS_PATH", "int8")
+    assert not ql.uses_frag(q4, 4)
+    monkeypatch.setattr(ql, "ROWS_PATH", "auto")
+    monkeypatch.setattr(ql, "FRAG_MODE", "on")
+    assert ql.uses_frag(q4, 1) and ql.uses_frag(q5, 2)
+    monkeypatch.setattr(ql, "FRAG_MODE", "rows")
+    assert not ql.uses_frag(q4, 1) and ql.uses_frag(q4, 2)
+    monkeypatch.setattr(ql, "FRAG_MODE", "off")
+    assert not ql.uses_frag(q4, 4)
+    monkeypatch.setattr(ql, "FRAG_MODE", "fast")
+    with pytest.raises(ValueError, match="NINFER_GEMV_FRAG"):
+        ql.uses_frag(q4, 4)
+    monkeypatch.setattr(ql, "FRAG_MODE", "auto")
+    monkeypatch.setattr(ql, "interpreted", lambda: True)
+    assert not ql.uses_frag(q4, 4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernel is inline PTX for NVIDIA GPUs (sm_80+); "
                     "its PTX is checked on the CPU by test_fragment_ptx_computes_the_group_sums")
 @pytest.mark.parametrize("fmt", FMTS)

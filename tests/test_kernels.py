@@ -166,14 +166,19 @@ def test_rows_path_names_a_bad_override(monkeypatch):
 @pytest.mark.parametrize("fmt,path", [("Q4G64_F16S", "mma"), ("Q5G64_F16S", "mma"), ("Q6G64_F16S", "mma"),
                                       ("Q4G64_F16S", "int8"), ("Q5G64_F16S", "int8"), ("Q5G64_F16S", "bf16"),
                                       ("W8G32_F16S", "bf16"), ("Q4G64_F16S", "lanes"), ("Q6G64_F16S", "lanes"),
-                                      ("W8G32_F16S", "lanes")])
+                                      ("W8G32_F16S", "lanes"), ("Q4G64_F16S", "frag"), ("Q5G64_F16S", "frag")])
 def test_verify_rows_score_as_decode_steps(fmt, path, monkeypatch):
     """qlinear on a 4-row verify block agrees with qlinear on each row alone: bit for bit on the dp4a
     row kernels (same tiles, splits and sum order), to float32 summation order on the int8 tensor cores,
     to the single row's 14-bit activation rounding on the bf16 tensor cores (exact products)."""
     from runtime.kernels import qlinear as ql
 
-    monkeypatch.setattr(ql, "ROWS_PATH", path)
+    if path == "frag":
+        if DEVICE != "cuda":
+            pytest.skip("the fragment kernel is inline PTX for NVIDIA GPUs; tests/test_frag_kernel.py emulates it")
+        monkeypatch.setattr(ql, "FRAG_MODE", "rows")
+    else:
+        monkeypatch.setattr(ql, "ROWS_PATH", path)
     w = _packed(48, 1024, FORMATS[fmt], seed=11)
     x = torch.randn(4, 1024, device=DEVICE).to(DTYPE)
     block = ql.qlinear(x, w, out=_poison((4, 48))).float()
@@ -181,7 +186,7 @@ def test_verify_rows_score_as_decode_steps(fmt, path, monkeypatch):
     err = ((block - rows).abs().max() / rows.abs().max()).item()
     if path in ("int8", "lanes"):
         assert torch.equal(block, rows), f"max diff {(block - rows).abs().max().item():.3e}"
-    elif path == "bf16":  # exact products against single rows rounded to 14 bits: within that rounding
+    elif path in ("bf16", "frag"):  # exact products against single rows rounded to 14 bits: within that rounding
         assert err < (5e-4 if DTYPE == torch.float32 else 1e-2), f"relative error {err:.2e}"
     else:
         assert err < (1e-6 if DTYPE == torch.float32 else 1e-2), f"relative error {err:.2e}"

@@ -97,7 +97,9 @@ def uses_frag(w: "PackedLinear", t: int) -> bool:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
     if FRAG_MODE == "off" or interpreted() or w.base.device.type != "cuda" or not frag_supported(w, t):
         return False
-    return FRAG_MODE == "on" or (FRAG_MODE == "rows" and t > 1) or t in FRAG_AUTO_T.get(w.fmt.bits, ())
+    if FRAG_MODE == "auto":  # a forced NINFER_GEMV_ROWS / NINFER_GEMV path is honoured (side-by-side runs)
+        return ROWS_PATH == "auto" and GEMV_PATH == "int8" and t in FRAG_AUTO_T.get(w.fmt.bits, ())
+    return FRAG_MODE == "on" or (FRAG_MODE == "rows" and t > 1)
 
 
 # The CPU interpreter (tests) pays per program and per op, not per byte: few, wide programs.
