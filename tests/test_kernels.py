@@ -669,7 +669,9 @@ def test_attention_gate(rotate, n):
 
 
 # calls a kernel may make before pdl_wait(): none of them reads what another kernel writes
-_BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "_weight_tile"}
+# (the fragment kernel's _thread_ids reads %tid.x, _weight_addresses is arithmetic, _load_group loads weights)
+_BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "tl.zeros", "_weight_tile", "_thread_ids",
+                "_weight_addresses", "_load_group"}
 
 
 def _call_name(node) -> str:

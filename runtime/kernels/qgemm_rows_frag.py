@@ -161,6 +161,26 @@ def _group_product(acc, slot, xa0, xa1, gi, BITS: tl.constexpr, NT: tl.constexpr
 
 
 @triton.jit
+def _weight_addresses(base_ptr, high_ptr, scale_ptr, tid, pid, split, N, GROUPS_PER_SPLIT, GPR: tl.constexpr,
+                      WARPS: tl.constexpr):
+    """Byte addresses of this thread's rows g and g + 8 at the split's first group: code words, scales, Q5
+    high bits. Rows past N read row N - 1 (valid memory); their results are not stored."""
+    lane = tid % 32
+    c = lane % 4
+    row0 = pid * (16 * WARPS) + (tid // 32) * 16 + lane // 4
+    r0 = tl.minimum(row0, N - 1).to(tl.int64)
+    r1 = tl.minimum(row0 + 8, N - 1).to(tl.int64)
+    first = split * GROUPS_PER_SPLIT
+    wa0 = (base_ptr + r0 * (GPR * 32) + first * 32 + c * 8).to(tl.int64, bitcast=True)
+    wa1 = (base_ptr + r1 * (GPR * 32) + first * 32 + c * 8).to(tl.int64, bitcast=True)
+    sa0 = (scale_ptr + r0 * GPR + first).to(tl.int64, bitcast=True)
+    sa1 = (scale_ptr + r1 * GPR + first).to(tl.int64, bitcast=True)
+    ha0 = (high_ptr + r0 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
+    ha1 = (high_ptr + r1 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
+    return wa0, wa1, sa0, sa1, ha0, ha1
+
+
+@triton.jit
 def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T, K, GROUPS_PER_SPLIT,
                             GPR: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr,
                             SLOTS: tl.constexpr, HINT: tl.constexpr):
@@ -171,21 +191,8 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
     split = tl.program_id(1)
     zero = tl.zeros([32 * WARPS], tl.int32)
     tid = _thread_ids(zero)
-    lane = tid % 32
-    g = lane // 4
-    c = lane % 4
-    row0 = pid * (16 * WARPS) + (tid // 32) * 16 + g
-    # rows past N and columns past T read row N - 1 / T - 1 (valid memory); their results are not stored
-    r0 = tl.minimum(row0, N - 1).to(tl.int64)
-    r1 = tl.minimum(row0 + 8, N - 1).to(tl.int64)
-    first = split * GROUPS_PER_SPLIT
-    lane16 = (first * 64 + c * 16).to(tl.int64)
-    wa0 = (base_ptr + r0 * (GPR * 32) + first * 32 + c * 8).to(tl.int64, bitcast=True)
-    wa1 = (base_ptr + r1 * (GPR * 32) + first * 32 + c * 8).to(tl.int64, bitcast=True)
-    sa0 = (scale_ptr + r0 * GPR + first).to(tl.int64, bitcast=True)
-    sa1 = (scale_ptr + r1 * GPR + first).to(tl.int64, bitcast=True)
-    ha0 = (high_ptr + r0 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
-    ha1 = (high_ptr + r1 * (GPR * 8) + first * 8 + c * 2).to(tl.int64, bitcast=True)
+    wa0, wa1, sa0, sa1, ha0, ha1 = _weight_addresses(base_ptr, high_ptr, scale_ptr, tid, pid, split, N,
+                                                     GROUPS_PER_SPLIT, GPR, WARPS)
     # weights are never written during inference: the first groups are fetched before waiting on x's writer
     s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 0, zero == 0, BITS, HINT)
     s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 1, zero + 1 < GROUPS_PER_SPLIT, BITS, HINT)
@@ -197,6 +204,11 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
         s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 6, zero + 6 < GROUPS_PER_SPLIT, BITS, HINT)
         s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 7, zero + 7 < GROUPS_PER_SPLIT, BITS, HINT)
     pdl_wait()
+    lane = tid % 32
+    g = lane // 4
+    c = lane % 4
+    row0 = pid * (16 * WARPS) + (tid // 32) * 16 + g
+    lane16 = (split * GROUPS_PER_SPLIT * 64 + c * 16).to(tl.int64)
     xr0 = tl.minimum(g, T - 1).to(tl.int64)
     xr1 = tl.minimum(g + 8, T - 1).to(tl.int64)
     xa0 = (x_ptr + xr0 * K + lane16).to(tl.int64, bitcast=True)
