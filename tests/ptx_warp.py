@@ -126,14 +126,14 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory: Memory) 
                 data = memory.read(addr, width * len(names))
                 for i, n in enumerate(names):
                     regs[n] = int.from_bytes(data[i * width : (i + 1) * width], "little")
-            elif op == "mov.b64" and args[0].startswith("{"):
+            elif op in ("mov.b64", "mov.b32") and args[0].startswith("{"):  # unpack into narrower registers
                 names = [n.strip() for n in args[0].strip("{}").split(",")]
-                value, width = get(lane, args[1]), 64 // len(names)
+                value, width = get(lane, args[1]), int(op[-2:]) // len(names)
                 for i, n in enumerate(names):
                     regs[n] = (value >> (width * i)) & ((1 << width) - 1)
-            elif op == "mov.b64" and args[1].startswith("{"):
+            elif op in ("mov.b64", "mov.b32") and args[1].startswith("{"):  # pack narrower registers
                 names = [n.strip() for n in args[1].strip("{}").split(",")]
-                width = 64 // len(names)
+                width = int(op[-2:]) // len(names)
                 regs[args[0]] = sum(get(lane, n) << (width * i) for i, n in enumerate(names))
             elif op in ("mov.b32", "mov.f32", "mov.u32", "mov.b16"):
                 regs[args[0]] = get(lane, args[1])

@@ -60,6 +60,70 @@ def _emulate(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     return out
 
 
+def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
+    """qgemm_fragment_layout's PTX, one warp per 16-row block, over planes in fragment order -> [T, N]."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    t, k = x.shape
+    nt = 1 if t <= 8 else 2
+    mem = Memory()
+    x_addr = mem.place(x.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+    codes = mem.place(fp.codes.numpy().tobytes())
+    scales = mem.place(fp.scales.view(torch.uint8).numpy().tobytes())
+    high = mem.place((fp.high if fp.high is not None else fp.codes).numpy().tobytes())
+    out = torch.zeros(t, fp.rows)
+    chunks = fp.groups // fl.CHUNK
+    for block in range(fp.blocks):
+        acc = [[f32_bits(0.0)] * 8 for _ in range(32)]
+        for ci in range(chunks):
+            loads = [[codes + (block * fp.groups + ci * 4) * 512 + lane * 16,
+                      scales + ((block * chunks + ci) * 8 + lane // 4) * 16,
+                      high + (block * chunks + ci) * 512 + lane * 16, 1] for lane in range(32)]
+            chunk = run_warp(fl._chunk_load_asm(fp.fmt.bits, ""), loads, 12, mem)
+            for j in range(4):
+                gi = ci * 4 + j
+                args = []
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
+                    args.append(acc[lane] + chunk[lane][3 * j : 3 * j + 3] + xa)
+                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt), args, 8, mem)
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            for i in range(4 * nt):
+                row, col = block * 16 + g + 8 * ((i % 4) // 2), 2 * c + i % 2 + 8 * (i // 4)
+                if row < fp.rows and col < t:
+                    out[col, row] = bits_f32(acc[lane][i])
+    return out
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n", [16, 21])
+def test_fragment_layout_round_trips(fmt, n):
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, row_planes
+
+    w = _packed(n, 1024, fmt, seed=n)
+    fp = fragment_planes(w)
+    assert fp.codes.numel() == fp.blocks * 16 * 512 and fp.scales.numel() == fp.blocks * 16 * 16
+    base, high, scale = row_planes(fp)
+    assert torch.equal(base, w.base.view(n, -1)) and torch.equal(scale, w.scale.view(n, -1))
+    assert (high is None) == (w.high is None) and (high is None or torch.equal(high, w.high.view(n, -1)))
+    base, high, scale = row_planes(fp, 3, 5)
+    assert torch.equal(base, w.base.view(n, -1)[3:8]) and torch.equal(scale, w.scale.view(n, -1)[3:8])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t,n", [(1, 16), (6, 21), (12, 16)])
+def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n):
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+
+    w = _packed(n, 512, fmt, seed=t + n)
+    x = torch.randn(t, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = _emulate_fragment_layout(x, fragment_planes(w))
+    want = frag.frag_reference(x, w)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,n", [(1, 16), (5, 24), (11, 16)])
 def test_fragment_ptx_computes_the_group_sums(fmt, t, n):
@@ -118,8 +182,24 @@ def test_fragment_kernel_is_chosen_by_rows_and_overrides(monkeypatch):
     assert not ql.uses_frag(q4, 4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernel is inline PTX for NVIDIA GPUs (sm_80+); "
-                    "its PTX is checked on the CPU by test_fragment_ptx_computes_the_group_sums")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "
+                    "their PTX is checked on the CPU by the warp emulator tests above")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t,n,k", [(1, 64, 512), (2, 100, 1024), (8, 5120, 1024), (9, 70, 512), (16, 1000, 2048),
+                                   (4, 5120, 17408)])
+def test_fragment_layout_kernel_on_the_gpu(fmt, t, n, k):
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
+
+    w = _packed(n, k, fmt, seed=n + k, device="cuda")
+    x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    y = torch.full((t, n), float("nan"), device="cuda", dtype=torch.float32)
+    qgemm_fragment_layout(x, fragment_planes(w), y)
+    want = frag.frag_reference(x, w)
+    assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "
+                    "their PTX is checked on the CPU by the warp emulator tests above")
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,n,k", [(1, 64, 256), (2, 100, 512), (8, 5120, 1024), (9, 70, 256), (16, 1000, 2048),
                                    (4, 5120, 17408)])

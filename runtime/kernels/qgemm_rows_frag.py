@@ -236,7 +236,13 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
             s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 14, zero + gi + 14 < GROUPS_PER_SPLIT, BITS, HINT)
             acc = _group_product(acc, s7, xa0, xa1, gi + 7, BITS, NT)
             s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 15, zero + gi + 15 < GROUPS_PER_SPLIT, BITS, HINT)
-    # accumulator i of a thread: row g + 8 * ((i % 4) // 2), column 2c + i % 2 + 8 * (i // 4)
+    _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, split, T, N, row0, c, NT: tl.constexpr):
+    """Accumulator i of a thread is row row0 + 8 * ((i % 4) // 2), column 2c + i % 2 + 8 * (i // 4): stored to
+    this split's [T, N] (rows < N, columns < T)."""
     out_base = out_ptr + split * T * N
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     ty = out_ptr.dtype.element_ty

@@ -1,0 +1,229 @@
+"""The fragment kernel over weights re-laid-out once in fragment order (Q4/Q5, T = 1..16 rows of x).
+
+Why: the fragment kernel (qgemm_rows_frag) reads the artifact's row-major planes, so each warp-wide load
+touches 8 weight rows x 32 bytes and the L1 sends L2 one 32-byte request per row; on the H200 it streams at
+0.33-0.53 of copy at any T (bench/RESULTS.md §2). Here the planes are permuted at load time so that what one
+thread needs for a 16-row block is contiguous: per (16-row block, 64-lane group) 512 bytes of code words, lane
+L = 4g + c holding its 8 bytes of row g then its 8 of row g + 8; per (block, 4 groups) 128 bytes of scales,
+lane g's 16 bytes being row g's 4 scales then row g + 8's; Q5's high bits per (block, 4 groups) 512 bytes, lane
+L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run (four whole
+lines) and the scales of 4 groups one line. The group product (PTX, unpacking, mma) is qgemm_rows_frag's own.
+
+`FragmentPlanes` holds the permuted planes; `fragment_planes(w)` builds them from a PackedLinear (torch ops,
+any device) and `row_planes` undoes it for any row range (prefill, references). Rows are padded to 16 with
+zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from format.numeric import GroupedFormat
+
+from .launch import LAUNCH, pdl_wait
+from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, ROWS_PER_WARP, SplitPartials, _group_product, _store_rows,
+                              _thread_ids, finish_splits, split_partials)
+
+CHUNK = 4  # groups per scale line and per load
+
+
+@dataclass
+class FragmentPlanes:
+    """A Q4/Q5 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
+    8, 2, 4] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    high: torch.Tensor | None
+    rows: int
+    cols: int
+    fmt: GroupedFormat
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.rows // ROWS_PER_WARP)
+
+    @property
+    def groups(self) -> int:
+        return self.cols // GROUP
+
+
+def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
+    return fmt.bits in FRAG_BITS and cols % (2 * CHUNK * GROUP) == 0
+
+
+def fragment_planes(w) -> FragmentPlanes:
+    """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original)."""
+    if not fragment_supported(w.fmt, w.cols):
+        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5 with K a multiple of 512")
+    n, groups = w.rows, w.cols // GROUP
+    blocks = -(-n // ROWS_PER_WARP)
+    pad = blocks * ROWS_PER_WARP - n
+
+    def rows_of(plane: torch.Tensor, width: int) -> torch.Tensor:
+        t = plane.view(n, -1)[:, :width]
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+    base = rows_of(w.base.view(torch.uint8), groups * 32)  # [rows, groups * 32 bytes]
+    codes = base.reshape(blocks, 2, 8, groups, 4, 8).permute(0, 3, 2, 4, 1, 5).contiguous()
+    scale = rows_of(w.scale.view(torch.float16), groups)
+    scales = scale.reshape(blocks, 2, 8, groups // CHUNK, CHUNK).permute(0, 3, 2, 1, 4).contiguous()
+    high = None
+    if w.fmt.bits == 5:
+        h = rows_of(w.high.view(torch.uint8), groups * 8)  # 8 bytes per group: thread c's 2 bytes at 2c
+        high = h.reshape(blocks, 2, 8, groups // CHUNK, CHUNK, 4, 2).permute(0, 3, 2, 5, 4, 1, 6).contiguous()
+    return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt)
+
+
+def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
+    """Rows [row0, row0 + n) back in the artifact's row-split planes (uint8 base, uint8 high or None, float16
+    scales), for the prefill's dequantization and the references."""
+    n = fp.rows - row0 if n is None else n
+    blocks, groups = fp.blocks, fp.groups
+    base = fp.codes.view(blocks, groups, 8, 4, 2, 8).permute(0, 4, 2, 1, 3, 5).reshape(blocks * 16, groups * 32)
+    scale = fp.scales.view(blocks, groups // CHUNK, 8, 2, CHUNK).permute(0, 3, 2, 1, 4).reshape(blocks * 16, groups)
+    high = None
+    if fp.high is not None:
+        high = fp.high.view(blocks, groups // CHUNK, 8, 4, CHUNK, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
+        high = high.reshape(blocks * 16, groups * 8)[row0 : row0 + n]
+    return base[row0 : row0 + n], high, scale[row0 : row0 + n]
+
+
+def _chunk_load_asm(bits: int, hint: str) -> str:
+    """4 groups of this thread's rows: $0-$11 the groups' (code words of row g, of row g + 8, scales and Q5 high
+    bits) as qgemm_rows_frag's slots; $12 codes, $13 scales, $14 high-bit addresses, $15 load or not."""
+    ld = f"@p ld.global.nc{hint}"
+    lines = ["{ .reg .pred p; .reg .b32 a<16>, s<4>, h<4>; .reg .b16 q<16>; setp.ne.s32 p, $15, 0;"]
+    lines += [f"mov.b32 a{i}, 0;" for i in range(16)] + [f"mov.b32 s{i}, 0; mov.b32 h{i}, 0;" for i in range(4)]
+    lines += [f"{ld}.v4.b32 {{a{4 * j}, a{4 * j + 1}, a{4 * j + 2}, a{4 * j + 3}}}, [$12+{512 * j}];" for j in range(4)]
+    lines.append("@p ld.global.nc.v4.b32 {s0, s1, s2, s3}, [$13];")  # a line shared by the quad: keep it in L1
+    if bits == 5:
+        lines.append(f"{ld}.v4.b32 {{h0, h1, h2, h3}}, [$14];")
+    # scales: s0 = row g groups 0-1, s1 = row g groups 2-3, s2/s3 = row g + 8; high: h_j = (row g, row g + 8)
+    lines += ["mov.b32 {q0, q1}, s0; mov.b32 {q2, q3}, s1; mov.b32 {q4, q5}, s2; mov.b32 {q6, q7}, s3;",
+              "mov.b32 {q8, q9}, h0; mov.b32 {q10, q11}, h1; mov.b32 {q12, q13}, h2; mov.b32 {q14, q15}, h3;"]
+    for j in range(4):
+        lines.append(f"mov.b64 ${3 * j}, {{a{4 * j}, a{4 * j + 1}}}; mov.b64 ${3 * j + 1}, {{a{4 * j + 2}, a{4 * j + 3}}}; "
+                     f"mov.b64 ${3 * j + 2}, {{q{j}, q{4 + j}, q{8 + 2 * j}, q{9 + 2 * j}}};")
+    return " ".join(lines) + " }"
+
+
+_K4_0, _K4_2, _K4_3 = (tl.constexpr(_chunk_load_asm(4, HINTS[h])) for h in (0, 2, 3))
+_K5_0, _K5_2, _K5_3 = (tl.constexpr(_chunk_load_asm(5, HINTS[h])) for h in (0, 2, 3))
+_CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=l"] * 12 + ["l", "l", "l", "r"]))
+
+
+@triton.jit
+def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, HINT: tl.constexpr):
+    """The 12 slot words of chunk ci (groups 4ci..4ci + 3) of this thread's rows, loaded when ok."""
+    args = [ca + ci * 2048, sa + ci * 128, ha + ci * 512, ok.to(tl.int32)]
+    if BITS == 4:
+        if HINT == 0:
+            return tl.inline_asm_elementwise(_K4_0, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+        elif HINT == 2:
+            return tl.inline_asm_elementwise(_K4_2, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_K4_3, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+    else:
+        if HINT == 0:
+            return tl.inline_asm_elementwise(_K5_0, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+        elif HINT == 2:
+            return tl.inline_asm_elementwise(_K5_2, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_K5_3, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_product(acc, chunk, xa0, xa1, ci, BITS: tl.constexpr, NT: tl.constexpr):
+    w0, v0, s0, w1, v1, s1, w2, v2, s2, w3, v3, s3 = chunk
+    acc = _group_product(acc, (w0, v0, s0), xa0, xa1, ci * 4, BITS, NT)
+    acc = _group_product(acc, (w1, v1, s1), xa0, xa1, ci * 4 + 1, BITS, NT)
+    acc = _group_product(acc, (w2, v2, s2), xa0, xa1, ci * 4 + 2, BITS, NT)
+    return _group_product(acc, (w3, v3, s3), xa0, xa1, ci * 4 + 3, BITS, NT)
+
+
+@triton.jit
+def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
+                     WARPS: tl.constexpr):
+    """This thread's byte addresses at the split's first chunk. A warp past the last block reads the last one
+    (valid memory); its rows are past N and not stored."""
+    lane = tid % 32
+    block = tl.minimum(pid * WARPS + tid // 32, BLOCKS - 1).to(tl.int64)
+    first = split * CHUNKS_PER_SPLIT
+    ca = (codes_ptr + (block * G + first * 4) * 512 + lane * 16).to(tl.int64, bitcast=True)
+    sa = (scales_ptr + ((block * (G // 4) + first) * 8 + lane // 4) * 8).to(tl.int64, bitcast=True)
+    ha = (high_ptr + (block * (G // 4) + first) * 512 + lane * 16).to(tl.int64, bitcast=True)
+    return ca, sa, ha
+
+
+@triton.jit
+def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
+                                  G: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr,
+                                  HINT: tl.constexpr):
+    """One program: WARPS 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks (even: two chunks in
+    flight per thread); out is [T, N] (one split: y itself) or this split's float32 partials."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    zero = tl.zeros([32 * WARPS], tl.int32)
+    tid = _thread_ids(zero)
+    ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G,
+                                  WARPS)
+    # weights are never written during inference: the first chunks are fetched before waiting on x's writer
+    c0 = _load_chunk(ca, sa, ha, 0, zero == 0, BITS, HINT)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < CHUNKS_PER_SPLIT, BITS, HINT)
+    pdl_wait()
+    lane = tid % 32
+    g = lane // 4
+    c = lane % 4
+    lane16 = (split * CHUNKS_PER_SPLIT * 256 + c * 16).to(tl.int64)
+    xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + lane16).to(tl.int64, bitcast=True)
+    xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + lane16).to(tl.int64, bitcast=True)
+    f = tl.zeros([32 * WARPS], tl.float32)
+    acc = (f, f, f, f, f, f, f, f)
+    for ci in range(0, CHUNKS_PER_SPLIT, 2):
+        acc = _chunk_product(acc, c0, xa0, xa1, ci, BITS, NT)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < CHUNKS_PER_SPLIT, BITS, HINT)
+        acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, BITS, NT)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < CHUNKS_PER_SPLIT, BITS, HINT)
+    row0 = (pid * WARPS + tid // 32) * 16 + g
+    _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
+
+
+def fragment_splits(rows: int, chunks: int, warps: int, programs: int) -> int:
+    """K-splits (each an even number of chunks, >= 2) so that row blocks x splits stay within `programs`."""
+    blocks = triton.cdiv(rows, ROWS_PER_WARP * warps)
+    best = 1
+    for split in range(2, chunks // 2 + 1):
+        if chunks % (2 * split) == 0 and blocks * split <= programs:
+            best = split
+    return best
+
+
+FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2}
+
+
+def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
+                          programs: int | None = None, hint: int | None = None,
+                          defer_sum: bool = False) -> torch.Tensor | SplitPartials:
+    """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only)."""
+    t, k = x.shape
+    if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
+        raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
+                         f"{fp.cols}] (1-16 bf16 rows of the matrix's width)")
+    x = x.contiguous()
+    warps = warps or FRAGMENT_TUNING["warps"]
+    programs = programs or FRAGMENT_TUNING["programs"]
+    hint = FRAGMENT_TUNING["hint"] if hint is None else hint
+    chunks = fp.groups // CHUNK
+    split = fragment_splits(fp.rows, chunks, warps, programs)
+    target = split_partials(y, split)
+    high = fp.high if fp.high is not None else fp.codes
+    grid = (triton.cdiv(fp.blocks, warps), split)
+    _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, chunks // split,
+                                        G=fp.groups, BITS=fp.fmt.bits, NT=1 if t <= 8 else 2, WARPS=warps, HINT=hint,
+                                        num_warps=warps, **LAUNCH)
+    return finish_splits(target, y, defer_sum)
