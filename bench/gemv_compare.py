@@ -5,11 +5,12 @@ through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep)
 the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_codes`: the NVFP4 / FP8-row
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernel (Q4/Q5, T = 1..16)
-over a tile sweep next to the runtime's other products. `t1`: the decode
+over a tile sweep next to the runtime's other products; `frag_layout`: the same kernel over planes permuted into
+fragment order. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|frag_layout]
 """
 
 from __future__ import annotations
@@ -280,7 +281,52 @@ def frag_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def frag_layout_main(out: str) -> None:
+    """The fragment kernel over planes permuted into fragment order (qgemm_fragment_layout) against the same
+    kernel over the artifact's planes (qgemm_rows_frag, default tile) and the runtime's T = 1 product, T = 1..16,
+    over a sweep of (cache hint, warps, programs); CUDA-graph replays over weight copies that never hit L2."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
+    from runtime.kernels.qgemm_rows_frag import frag_reference, qgemm_rows_frag
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in FRAG_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        ql.FRAG_MODE = "off"
+        t1 = _one_row(rotating, row, peak)
+        planes = {}
+
+        def fp_of(w):
+            if id(w) not in planes:
+                planes[id(w)] = fragment_planes(w)
+            return planes[id(w)]
+
+        for t in (1, 2, 4, 8, 16):
+            x, y = _xy(t, k, n)
+            us = rotating(lambda w: qgemm_rows_frag(x, w, y))
+            row[f"t{t}_frag_us"], row[f"t{t}_frag_frac"] = us, nbytes / (us * 1e-6) / peak
+            best = None
+            for hint, warps, programs in itertools.product((0, 2, 3), (4, 8), (528, 1056)):
+                us = rotating(lambda w: qgemm_fragment_layout(x, fp_of(w), y, warps, programs, hint))
+                row[f"t{t}_layout_h{hint}w{warps}p{programs}_us"] = us
+                if best is None or us < best[0]:
+                    best = (us, f"h{hint}w{warps}p{programs}")
+            row[f"t{t}_layout_us"], row[f"t{t}_layout_tile"] = best
+            row[f"t{t}_layout_frac"], row[f"t{t}_layout_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
+            got = qgemm_fragment_layout(x, fp_of(w), torch.empty(t, n, device="cuda", dtype=torch.float32))
+            want = frag_reference(x, w)
+            row[f"t{t}_layout_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
+        ql.FRAG_MODE = "auto"
+        rows.append(row)
+        print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
+                          if not re.search(r"_layout_h\d", k2)}), flush=True)
+        planes.clear()
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
+    if mode == "frag_layout":
+        return frag_layout_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":
