@@ -29,9 +29,10 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
+from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route
 from .kernels.qgemv_int8 import QuantizedX
-from .kernels.qlinear import GEMV_MAX_T, PackedLinear, gather_rows, qlinear, takes_quantized_x
+from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
 from .kernels.qk_norm_rope import qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
@@ -192,7 +193,10 @@ class Engine:
             fmt = get_format(e.format)
             if isinstance(fmt, GroupedFormat):
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
-                self.lin[r.name] = QuantLinear(PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt))
+                packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
+                if fragment_layout_enabled() and raw.device.type == "cuda" and takes_fragment_layout(r.name, packed):
+                    to_fragment_layout(packed)  # in place: the plan's bytes, permuted
+                self.lin[r.name] = QuantLinear(packed)
                 continue
             if isinstance(fmt, FloatCodeFormat):
                 self.lin[r.name] = CodeLinear(float_codes(e.format, raw, e.shape[0], e.shape[1]))

@@ -211,3 +211,43 @@ def test_fragment_kernel_on_the_gpu(fmt, t, n, k):
     want = frag.frag_reference(x, w)
     err = ((y.float() - want).abs().max() / want.abs().max()).item()
     assert err < 1e-2, err  # bf16 output rounding
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
+    """to_fragment_layout permutes the planes in place (in row steps) and the weight still multiplies, dequantizes
+    rows for the prefill GEMM (the Triton dequantizer, interpreted on a CPU) and refuses gathers."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(fl, "CONVERT_ROWS", 32)  # several steps, one partial
+    w = _packed(80, 1024, fmt, seed=3)
+    dense = w.dense().clone()
+    before = w.base.clone()
+    w._dense = None
+    fl.to_fragment_layout(w)
+    assert w.fragment is not None and not torch.equal(w.base, before)
+    assert w.fragment.codes.data_ptr() == w.base.data_ptr()  # in place
+    assert torch.equal(w.dense(), dense)
+    x = torch.randn(3, 1024)
+    assert torch.allclose(ql.qlinear(x, w), x @ dense.t(), atol=1e-4)
+    assert not ql.takes_quantized_x(w, 1)
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    rows = ql.dequantize_rows(w, 16, 40, torch.float32)
+    assert torch.equal(rows, dense[16:56])
+    with pytest.raises(ValueError, match="fragment order"):
+        ql.gather_rows(w, torch.tensor([1, 2]))
+
+
+def test_engine_re_lays_out_layer_products_only():
+    from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout
+
+    q4, odd = _packed(32, 512, "Q4G64_F16S", 1), _packed(24, 512, "Q4G64_F16S", 1)
+    assert takes_fragment_layout("text/layers/3/mlp/gate_up", q4)
+    assert takes_fragment_layout("mtp/layers/0/attention/output", q4)
+    assert not takes_fragment_layout("text/token_embedding", q4)
+    assert not takes_fragment_layout("text/layers/3/moe/experts_gate_up", q4)
+    assert not takes_fragment_layout("dflash2/layers/0/mlp/gate_up", q4)
+    assert not takes_fragment_layout("text/layers/3/mlp/gate_up", odd)  # 24 rows: not whole 16-row blocks
+    assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 256, "Q4G64_F16S", 1))
+    assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 512, "Q6G64_F16S", 1))

@@ -79,6 +79,47 @@ def fragment_planes(w) -> FragmentPlanes:
     return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt)
 
 
+# Objects the engine re-lays out under NINFER_GEMV_FRAG=layout: products that only ever go through qlinear
+# whole (no row views, gathers or expert kernels read them)
+FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/query_key_value_z", "gdn/output",
+                    "mlp/gate_up", "mlp/down", "moe/shared_gate_up", "moe/shared_down", "mtp/input_projection")
+CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
+
+
+def takes_fragment_layout(name: str, w) -> bool:
+    """Whether the engine re-lays out object `name` (a PackedLinear) in fragment order."""
+    return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
+            and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_WARP == 0)
+
+
+def to_fragment_layout(w):
+    """Permute a PackedLinear's planes into fragment order in place (CONVERT_ROWS rows at a time, so the
+    temporary stays small; a 16-row block's bytes stay inside the block's own byte ranges) and attach the
+    FragmentPlanes views; returns w."""
+    if not takes_fragment_layout("text/layers/0/mlp/down", w):
+        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
+                         "rows a multiple of 16")
+    from .qlinear import PackedLinear
+
+    groups = w.cols // GROUP
+    base, scale = w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1)
+    high = w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None
+    for r0 in range(0, w.rows, CONVERT_ROWS):
+        r1 = min(w.rows, r0 + CONVERT_ROWS)
+        part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
+                            scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
+        fp = fragment_planes(part)
+        base[r0:r1].reshape(-1).copy_(fp.codes)
+        scale[r0:r1].reshape(-1).copy_(fp.scales)
+        if high is not None:
+            high[r0:r1].reshape(-1).copy_(fp.high)
+    # K % 512 == 0, so the planes have no K padding: each is exactly its fragment-order tensor
+    w.fragment = FragmentPlanes(base.view(-1), scale.view(-1), None if high is None else high.view(-1), w.rows,
+                                w.cols, w.fmt)
+    assert groups * 32 == base.shape[1]
+    return w
+
+
 def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     """Rows [row0, row0 + n) back in the artifact's row-split planes (uint8 base, uint8 high or None, float16
     scales), for the prefill's dequantization and the references."""

@@ -22,6 +22,7 @@ from format.numeric import GroupedFormat
 
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
+from .qgemm_fragment_layout import qgemm_fragment_layout, row_planes
 from .qgemm_rows_frag import frag_supported, qgemm_rows_frag
 from .qgemv_lanes import qgemv_lanes
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
@@ -82,13 +83,20 @@ def rows_path(bits: int, t: int = 16) -> str:
     return ROWS_PATH
 # The fragment kernel (qgemm_rows_frag: code words loaded straight into tensor-core fragments by inline PTX)
 # for Q4/Q5 products of 1..16 rows. NINFER_GEMV_FRAG=on takes it for every product it supports (T = 1
-# included), rows for 2..16 rows only, off never; auto by code width and rows (FRAG_AUTO_T).
-FRAG_MODES = ("auto", "on", "rows", "off")
+# included), rows for 2..16 rows only, off never; auto by code width and rows (FRAG_AUTO_T). layout: as auto,
+# and the engine re-lays out its Q4/Q5 layer products in fragment order (qgemm_fragment_layout), which then take
+# every product of 1..16 rows (experimental: not yet measured on a GPU).
+FRAG_MODES = ("auto", "on", "rows", "off", "layout")
 FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 # From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
 # tensor-core row kernels at every T >= 2 on Q4 and Q5 (MLP gate_up Q4 T = 8: 74.7 -> 42.1 us), and the lanes
 # kernel except for Q5 at T = 2 (MLP down: 34.2 lanes vs 39.5); at T = 1 the dp4a GEMV stays faster (28.3 vs 41.9)
 FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
+
+
+def fragment_layout_enabled() -> bool:
+    """Whether the engine re-lays out its Q4/Q5 layer products in fragment order (NINFER_GEMV_FRAG=layout)."""
+    return FRAG_MODE == "layout"
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
@@ -97,7 +105,7 @@ def uses_frag(w: "PackedLinear", t: int) -> bool:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
     if FRAG_MODE == "off" or interpreted() or w.base.device.type != "cuda" or not frag_supported(w, t):
         return False
-    if FRAG_MODE == "auto":  # a forced NINFER_GEMV_ROWS / NINFER_GEMV path is honoured (side-by-side runs)
+    if FRAG_MODE in ("auto", "layout"):  # a forced NINFER_GEMV_ROWS / NINFER_GEMV path is honoured (side-by-side runs)
         return ROWS_PATH == "auto" and GEMV_PATH == "int8" and t in FRAG_AUTO_T.get(w.fmt.bits, ())
     return FRAG_MODE == "on" or (FRAG_MODE == "rows" and t > 1)
 
@@ -236,6 +244,11 @@ GEMV_MAX_T = 16
 
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if w.fragment is not None:  # the rows back in row-split order (a temporary ~1/4 of the dense rows), then as usual
+        base, high, scale = row_planes(w.fragment, row0, n)
+        w = PackedLinear(base.reshape(-1), None if high is None else high.reshape(-1), scale.reshape(-1), n, w.cols,
+                         w.fmt)
+        row0 = 0
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
     high = w.high if w.high is not None else w.base
@@ -384,6 +397,7 @@ class PackedLinear:
         self.k_pad = -(-cols // 128) * 128
         self.groups_per_row = self.k_pad // fmt.group_size
         self._dense: torch.Tensor | None = None
+        self.fragment = None  # FragmentPlanes when the planes were re-laid out in fragment order
 
     def dense(self) -> torch.Tensor:
         """The dequantized matrix in float32 (the torch path on a CPU, and the references); on a CPU kept
@@ -393,8 +407,11 @@ class PackedLinear:
             return self._dense
         from runtime.dequant import dense_rows
 
-        dense = dense_rows(self.base.view(torch.uint8), None if self.high is None else self.high.view(torch.uint8),
-                           self.scale, self.rows, self.cols, self.fmt)
+        base, high, scale = self.base, self.high, self.scale
+        if self.fragment is not None:
+            base, high, scale = row_planes(self.fragment)
+        dense = dense_rows(base.reshape(-1).view(torch.uint8), None if high is None else high.reshape(-1).view(torch.uint8),
+                           scale.reshape(-1), self.rows, self.cols, self.fmt)
         size = dense.numel() * dense.element_size()
         if dense.device.type == "cpu" and _dense_cached_bytes + size <= DENSE_CACHE_BYTES:
             self._dense = dense
@@ -421,6 +438,8 @@ def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     write them: QuantizedX)."""
     if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base) or uses_frag(w, t):
         return False
+    if w.fragment is not None:
+        return False
     return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
 
 
@@ -442,6 +461,10 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         return _gemm(x, w, y)
     if xq is not None and not takes_quantized_x(w, t):
         xq = None  # this path multiplies x itself
+    if w.fragment is not None:  # planes in fragment order: only the fragment-order kernel reads them (PTX: no
+        if interpreted():  # interpreter path; its PTX is emulated in tests/test_frag_kernel.py)
+            return y.copy_((x.float() @ w.dense().t()).to(y.dtype))
+        return qgemm_fragment_layout(x, w.fragment, y, defer_sum=defer_sum)
     if x.dtype == torch.bfloat16 and uses_frag(w, t):
         return qgemm_rows_frag(x, w, y, defer_sum=defer_sum)
     if t == 1:
@@ -476,6 +499,8 @@ def gather_rows(w: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
     """Dequantize only rows `ids` (embedding lookup) -> float32 [len(ids), K]; pure tensor ops."""
     from runtime.dequant import dense_rows
 
+    if w.fragment is not None:
+        raise ValueError("gather_rows: the weight's planes are in fragment order (embeddings are never re-laid out)")
     ids = ids.long()
     high = w.high.view(w.rows, -1)[ids] if w.high is not None else None
     return dense_rows(w.base.view(w.rows, -1)[ids], high, w.scale.view(w.rows, -1)[ids], ids.shape[0], w.cols, w.fmt)
