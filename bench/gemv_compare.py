@@ -4,13 +4,13 @@ error against the exact float product. `rows`: row blocks (T = 2, 4, 8, 16: lane
 through the int8 tensor-core kernel and the bf16 tensor-core kernel (tile sweep), next to T = 1; `lanes`:
 the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_codes`: the NVFP4 / FP8-row
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
-CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernel (Q4/Q5, T = 1..16)
-over a tile sweep next to the runtime's other products; `frag_layout`: the same kernel over planes permuted into
-fragment order. `t1`: the decode
+CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
+over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
+products. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|frag_layout]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag]
 """
 
 from __future__ import annotations
@@ -236,57 +236,18 @@ def float_codes_main(out: str) -> None:
 
 
 FRAG_SHAPES = [*SHAPES[:4], ("attention qgkv Q4", 14336, 5120, "Q4G64_F16S")]
-FRAG_SWEEP = [(slots, hint, warps, programs) for slots in (4, 8) for hint in (0, 2, 3)
-              for warps, programs in ((4, 528), (4, 1056))]
+FRAG_TILES = [(hint, warps, programs) for hint in (0, 2, 3) for warps, programs in ((4, 528), (4, 1056), (8, 528))]
 
 
 def frag_main(out: str) -> None:
-    """The fragment kernel (Q4/Q5 code words straight into tensor-core fragments): T = 1 and 8 over a sweep
-    of (slots in flight, cache hint, warps, programs), then the best at T = 2, 4, 16; side by side with the
-    products the runtime takes otherwise (T = 1: the dp4a decode GEMV; T >= 2: the auto row path),
-    CUDA-graph replays over weight copies that never hit L2; and its error against its plain-torch group
-    sums (frag_reference) and the exact product."""
-    from runtime.kernels.qgemm_rows_frag import HINTS, frag_reference, qgemm_rows_frag
-
-    peak = copy_bandwidth()
-    rows = []
-    for label, n, k, fmt in FRAG_SHAPES:
-        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
-        ql.FRAG_MODE = "off"
-        t1 = _one_row(rotating, row, peak)
-        best_of = {}
-        for t in (1, 8, 2, 4, 16):
-            x, y = _xy(t, k, n)
-            if t > 1:
-                us = rotating(lambda w: ql.qlinear(x, w, out=y))
-                row[f"t{t}_auto_us"], row[f"t{t}_auto_vs_t1"] = us, us / t1
-            sweep = FRAG_SWEEP if t in (1, 8) else [best_of[1 if t < 8 else 8][1]]
-            best = None
-            for slots, hint, warps, programs in sweep:
-                us = rotating(lambda w: qgemm_rows_frag(x, w, y, warps, programs, slots=slots, hint=hint))
-                row[f"t{t}_frag_s{slots}h{hint}w{warps}p{programs}_us"] = us
-                if best is None or us < best[0]:
-                    best = (us, (slots, hint, warps, programs))
-            best_of[t] = best
-            row[f"t{t}_frag_us"], row[f"t{t}_frag_tile"] = best[0], "s{}h{}w{}p{}".format(*best[1])
-            row[f"t{t}_frag_frac"], row[f"t{t}_frag_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
-            got = qgemm_rows_frag(x, w, torch.empty(t, n, device="cuda", dtype=torch.float32))
-            want = frag_reference(x, w)
-            row[f"t{t}_frag_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
-        ql.FRAG_MODE = "auto"
-        rows.append(row)
-        print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
-                          if not re.search(r"_frag_s\d", k2)}), flush=True)
-    print("hints:", HINTS, flush=True)
-    _save(out, peak, rows)
-
-
-def frag_layout_main(out: str) -> None:
-    """The fragment kernel over planes permuted into fragment order (qgemm_fragment_layout) against the same
-    kernel over the artifact's planes (qgemm_rows_frag, default tile) and the runtime's T = 1 product, T = 1..16,
-    over a sweep of (cache hint, warps, programs); CUDA-graph replays over weight copies that never hit L2."""
+    """The fragment kernels (Q4/Q5 code words straight into tensor-core fragments) at T = 1, 2, 4, 8, 16: over
+    the artifact's planes (`frag`, qgemm_rows_frag) and over planes permuted into fragment order (`layout`,
+    qgemm_fragment_layout); T = 1 and 8 over a sweep of (cache hint, warps, programs), the best of those at
+    the other T. Side by side with the products the runtime takes with the fragment kernels off (T = 1: the
+    dp4a decode GEMV; T >= 2: the lanes / int8 tensor-core row path); CUDA-graph replays over weight copies
+    that never hit L2; each kernel's error against the plain-torch group sums (frag_reference)."""
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
-    from runtime.kernels.qgemm_rows_frag import frag_reference, qgemm_rows_frag
+    from runtime.kernels.qgemm_rows_frag import HINTS, frag_reference, qgemm_rows_frag
 
     peak = copy_bandwidth()
     rows = []
@@ -296,37 +257,43 @@ def frag_layout_main(out: str) -> None:
         t1 = _one_row(rotating, row, peak)
         planes = {}
 
-        def fp_of(w):
+        def layout_of(w):
             if id(w) not in planes:
                 planes[id(w)] = fragment_planes(w)
             return planes[id(w)]
 
-        for t in (1, 2, 4, 8, 16):
+        kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
+                   "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0])}
+        best_of = {}
+        for t in (1, 8, 2, 4, 16):
             x, y = _xy(t, k, n)
-            us = rotating(lambda w: qgemm_rows_frag(x, w, y))
-            row[f"t{t}_frag_us"], row[f"t{t}_frag_frac"] = us, nbytes / (us * 1e-6) / peak
-            best = None
-            for hint, warps, programs in itertools.product((0, 2, 3), (4, 8), (528, 1056)):
-                us = rotating(lambda w: qgemm_fragment_layout(x, fp_of(w), y, warps, programs, hint))
-                row[f"t{t}_layout_h{hint}w{warps}p{programs}_us"] = us
-                if best is None or us < best[0]:
-                    best = (us, f"h{hint}w{warps}p{programs}")
-            row[f"t{t}_layout_us"], row[f"t{t}_layout_tile"] = best
-            row[f"t{t}_layout_frac"], row[f"t{t}_layout_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
-            got = qgemm_fragment_layout(x, fp_of(w), torch.empty(t, n, device="cuda", dtype=torch.float32))
-            want = frag_reference(x, w)
-            row[f"t{t}_layout_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
+            if t > 1:
+                us = rotating(lambda w: ql.qlinear(x, w, out=y))
+                row[f"t{t}_off_us"], row[f"t{t}_off_vs_t1"] = us, us / t1
+            for name, kernel in kernels.items():
+                tiles = FRAG_TILES if t in (1, 8) else [best_of[name, 1 if t < 8 else 8]]
+                best = None
+                for tile in tiles:
+                    us = rotating(lambda w: kernel(x, w, y, tile))
+                    row["t{}_{}_h{}w{}p{}_us".format(t, name, *tile)] = us
+                    if best is None or us < best[0]:
+                        best = (us, tile)
+                best_of[name, t] = best[1]
+                row[f"t{t}_{name}_us"], row[f"t{t}_{name}_tile"] = best[0], "h{}w{}p{}".format(*best[1])
+                row[f"t{t}_{name}_frac"], row[f"t{t}_{name}_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
+                got = kernel(x, w, torch.empty(t, n, device="cuda", dtype=torch.float32), best[1])
+                want = frag_reference(x, w)
+                row[f"t{t}_{name}_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
         ql.FRAG_MODE = "auto"
+        planes.clear()
         rows.append(row)
         print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
-                          if not re.search(r"_layout_h\d", k2)}), flush=True)
-        planes.clear()
+                          if not re.search(r"_h\d+w\d+p\d+_us", k2)}), flush=True)
+    print("hints:", HINTS, flush=True)
     _save(out, peak, rows)
 
 
 def main(out: str, mode: str = "sweep") -> None:
-    if mode == "frag_layout":
-        return frag_layout_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":

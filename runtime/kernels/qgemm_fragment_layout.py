@@ -25,10 +25,11 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from .launch import LAUNCH, pdl_wait
-from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, ROWS_PER_WARP, SplitPartials, _group_product, _store_rows,
-                              _thread_ids, finish_splits, split_partials)
+from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _group_product, _store_rows,
+                              _thread_ids, finish_splits, frag_splits, split_partials)
 
 CHUNK = 4  # groups per scale line and per load
+ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 
 
 @dataclass
@@ -45,7 +46,7 @@ class FragmentPlanes:
 
     @property
     def blocks(self) -> int:
-        return -(-self.rows // ROWS_PER_WARP)
+        return -(-self.rows // ROWS_PER_BLOCK)
 
     @property
     def groups(self) -> int:
@@ -61,8 +62,8 @@ def fragment_planes(w) -> FragmentPlanes:
     if not fragment_supported(w.fmt, w.cols):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5 with K a multiple of 512")
     n, groups = w.rows, w.cols // GROUP
-    blocks = -(-n // ROWS_PER_WARP)
-    pad = blocks * ROWS_PER_WARP - n
+    blocks = -(-n // ROWS_PER_BLOCK)
+    pad = blocks * ROWS_PER_BLOCK - n
 
     def rows_of(plane: torch.Tensor, width: int) -> torch.Tensor:
         t = plane.view(n, -1)[:, :width]
@@ -89,7 +90,7 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 def takes_fragment_layout(name: str, w) -> bool:
     """Whether the engine re-lays out object `name` (a PackedLinear) in fragment order."""
     return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
-            and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_WARP == 0)
+            and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0)
 
 
 def to_fragment_layout(w):
@@ -153,38 +154,23 @@ def _chunk_load_asm(bits: int, hint: str) -> str:
     return " ".join(lines) + " }"
 
 
-_K4_0, _K4_2, _K4_3 = (tl.constexpr(_chunk_load_asm(4, HINTS[h])) for h in (0, 2, 3))
-_K5_0, _K5_2, _K5_3 = (tl.constexpr(_chunk_load_asm(5, HINTS[h])) for h in (0, 2, 3))
 _CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=l"] * 12 + ["l", "l", "l", "r"]))
 
 
 @triton.jit
-def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, HINT: tl.constexpr):
+def _load_chunk(ca, sa, ha, ci, ok, LOAD_ASM: tl.constexpr):
     """The 12 slot words of chunk ci (groups 4ci..4ci + 3) of this thread's rows, loaded when ok."""
-    args = [ca + ci * 2048, sa + ci * 128, ha + ci * 512, ok.to(tl.int32)]
-    if BITS == 4:
-        if HINT == 0:
-            return tl.inline_asm_elementwise(_K4_0, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
-        elif HINT == 2:
-            return tl.inline_asm_elementwise(_K4_2, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_K4_3, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
-    else:
-        if HINT == 0:
-            return tl.inline_asm_elementwise(_K5_0, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
-        elif HINT == 2:
-            return tl.inline_asm_elementwise(_K5_2, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_K5_3, _CHUNK_CONSTRAINTS, args, dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS, [ca + ci * 2048, sa + ci * 128, ha + ci * 512,
+                                     ok.to(tl.int32)], dtype=(tl.int64,) * 12, is_pure=False, pack=1)
 
 
 @triton.jit
-def _chunk_product(acc, chunk, xa0, xa1, ci, BITS: tl.constexpr, NT: tl.constexpr):
+def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
     w0, v0, s0, w1, v1, s1, w2, v2, s2, w3, v3, s3 = chunk
-    acc = _group_product(acc, (w0, v0, s0), xa0, xa1, ci * 4, BITS, NT)
-    acc = _group_product(acc, (w1, v1, s1), xa0, xa1, ci * 4 + 1, BITS, NT)
-    acc = _group_product(acc, (w2, v2, s2), xa0, xa1, ci * 4 + 2, BITS, NT)
-    return _group_product(acc, (w3, v3, s3), xa0, xa1, ci * 4 + 3, BITS, NT)
+    acc = _group_product(acc, (w0, v0, s0), xa0, xa1, ci * 4, COMPUTE_ASM)
+    acc = _group_product(acc, (w1, v1, s1), xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
+    acc = _group_product(acc, (w2, v2, s2), xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
+    return _group_product(acc, (w3, v3, s3), xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
 
 
 @triton.jit
@@ -203,8 +189,8 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 @triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
-                                  G: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr,
-                                  HINT: tl.constexpr):
+                                  G: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, LOAD_ASM: tl.constexpr,
+                                  COMPUTE_ASM: tl.constexpr):
     """One program: WARPS 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks (even: two chunks in
     flight per thread); out is [T, N] (one split: y itself) or this split's float32 partials."""
     pid = tl.program_id(0)
@@ -214,8 +200,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G,
                                   WARPS)
     # weights are never written during inference: the first chunks are fetched before waiting on x's writer
-    c0 = _load_chunk(ca, sa, ha, 0, zero == 0, BITS, HINT)
-    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < CHUNKS_PER_SPLIT, BITS, HINT)
+    c0 = _load_chunk(ca, sa, ha, 0, zero == 0, LOAD_ASM)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < CHUNKS_PER_SPLIT, LOAD_ASM)
     pdl_wait()
     lane = tid % 32
     g = lane // 4
@@ -226,22 +212,12 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     f = tl.zeros([32 * WARPS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
     for ci in range(0, CHUNKS_PER_SPLIT, 2):
-        acc = _chunk_product(acc, c0, xa0, xa1, ci, BITS, NT)
-        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < CHUNKS_PER_SPLIT, BITS, HINT)
-        acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, BITS, NT)
-        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < CHUNKS_PER_SPLIT, BITS, HINT)
+        acc = _chunk_product(acc, c0, xa0, xa1, ci, COMPUTE_ASM)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < CHUNKS_PER_SPLIT, LOAD_ASM)
+        acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, COMPUTE_ASM)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < CHUNKS_PER_SPLIT, LOAD_ASM)
     row0 = (pid * WARPS + tid // 32) * 16 + g
     _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
-
-
-def fragment_splits(rows: int, chunks: int, warps: int, programs: int) -> int:
-    """K-splits (each an even number of chunks, >= 2) so that row blocks x splits stay within `programs`."""
-    blocks = triton.cdiv(rows, ROWS_PER_WARP * warps)
-    best = 1
-    for split in range(2, chunks // 2 + 1):
-        if chunks % (2 * split) == 0 and blocks * split <= programs:
-            best = split
-    return best
 
 
 FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2}
@@ -260,11 +236,12 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
     chunks = fp.groups // CHUNK
-    split = fragment_splits(fp.rows, chunks, warps, programs)
+    split = frag_splits(fp.rows, chunks, warps, programs, step=2, least=2)  # two 4-group chunks per loop step
+    nt = 1 if t <= 8 else 2
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, warps), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, chunks // split,
-                                        G=fp.groups, BITS=fp.fmt.bits, NT=1 if t <= 8 else 2, WARPS=warps, HINT=hint,
-                                        num_warps=warps, **LAUNCH)
+                                        G=fp.groups, NT=nt, WARPS=warps,
+                                        LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]), COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt), num_warps=warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)

@@ -15,9 +15,11 @@ Each group's products are exact float32 sums of bf16 products, scaled once by th
 
 Triton lays out tensors per element, not per thread, and an mma is warp-collective: the kernel therefore
 keeps one element per thread (tensors of 32 x warps elements, the default layout), and all thread-specific
-work (addresses from %tid.x, loads, unpacking, mma) happens in inline PTX. Weight words are loaded SLOTS
-groups ahead by hand, so each thread keeps 64 bytes in flight. No interpreter path: the CPU runs
-`frag_reference`, which computes the same group sums in plain torch; GPU tests hold the kernel to it.
+work (addresses from %tid.x, loads, unpacking, mma) happens in inline PTX. Weight words are loaded 4 groups
+ahead by hand, so each thread keeps 64 bytes in flight. The PTX strings are the kernels' constexpr arguments,
+chosen on the host for the format, the cache hint and the number of x columns. No interpreter path: on a CPU,
+tests/ptx_warp.py runs the PTX of one warp and tests/test_frag_kernel.py holds it to `frag_reference` (the
+same group sums in plain torch); GPU tests hold the kernel to it.
 """
 
 from __future__ import annotations
@@ -104,10 +106,6 @@ def _load_asm(bits: int, hint: str = "") -> str:
 
 
 HINTS = (".L1::no_allocate", ".L1::no_allocate.L2::128B", ".L1::no_allocate.L2::256B", ".L2::256B")
-_COMPUTE = {(bits, nt): tl.constexpr(_compute_asm(bits, nt)) for bits in FRAG_BITS for nt in (1, 2)}
-_C4_1, _C4_2, _C5_1, _C5_2 = _COMPUTE[4, 1], _COMPUTE[4, 2], _COMPUTE[5, 1], _COMPUTE[5, 2]
-_L4_0, _L4_1, _L4_2, _L4_3 = (tl.constexpr(_load_asm(4, hint)) for hint in HINTS)
-_L5_0, _L5_1, _L5_2, _L5_3 = (tl.constexpr(_load_asm(5, hint)) for hint in HINTS)
 _COMPUTE_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["l"] * 5))
 _LOAD_CONSTRAINTS = tl.constexpr("=l,=l,=l,l,l,l,l,l,l,r")
 
@@ -118,46 +116,21 @@ def _thread_ids(like):
 
 
 @triton.jit
-def _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi, ok, BITS: tl.constexpr, HINT: tl.constexpr):
-    """Code words, scales (and high bits) of group gi of this thread's rows, loaded when ok."""
+def _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi, ok, LOAD_ASM: tl.constexpr):
+    """Code words, scales (and high bits) of group gi of this thread's rows, loaded when ok (_load_asm)."""
     args = [wa0 + gi * 32, wa1 + gi * 32, sa0 + gi * 2, sa1 + gi * 2, ha0 + gi * 8, ha1 + gi * 8, ok.to(tl.int32)]
-    if BITS == 4:
-        if HINT == 0:
-            return tl.inline_asm_elementwise(_L4_0, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        elif HINT == 1:
-            return tl.inline_asm_elementwise(_L4_1, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        elif HINT == 2:
-            return tl.inline_asm_elementwise(_L4_2, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_L4_3, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-    else:
-        if HINT == 0:
-            return tl.inline_asm_elementwise(_L5_0, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        elif HINT == 1:
-            return tl.inline_asm_elementwise(_L5_1, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        elif HINT == 2:
-            return tl.inline_asm_elementwise(_L5_2, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_L5_3, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(LOAD_ASM, _LOAD_CONSTRAINTS, args, dtype=(tl.int64, tl.int64, tl.int64),
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
-def _group_product(acc, slot, xa0, xa1, gi, BITS: tl.constexpr, NT: tl.constexpr):
-    """acc (8 float32 per thread) + this group's contribution, from a loaded slot."""
+def _group_product(acc, slot, xa0, xa1, gi, COMPUTE_ASM: tl.constexpr):
+    """acc (8 float32 per thread) + this group's contribution, from a loaded slot (_compute_asm)."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     w01, w23, sh = slot
     args = [a0, a1, a2, a3, a4, a5, a6, a7, w01, w23, sh, xa0 + gi * 128, xa1 + gi * 128]
-    f32 = tl.float32
-    if BITS == 4:
-        if NT == 1:
-            return tl.inline_asm_elementwise(_C4_1, _COMPUTE_CONSTRAINTS, args, dtype=(f32,) * 8, is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_C4_2, _COMPUTE_CONSTRAINTS, args, dtype=(f32,) * 8, is_pure=False, pack=1)
-    else:
-        if NT == 1:
-            return tl.inline_asm_elementwise(_C5_1, _COMPUTE_CONSTRAINTS, args, dtype=(f32,) * 8, is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_C5_2, _COMPUTE_CONSTRAINTS, args, dtype=(f32,) * 8, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(COMPUTE_ASM, _COMPUTE_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -182,11 +155,11 @@ def _weight_addresses(base_ptr, high_ptr, scale_ptr, tid, pid, split, N, GROUPS_
 
 @triton.jit
 def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T, K, GROUPS_PER_SPLIT,
-                            GPR: tl.constexpr, BITS: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr,
-                            SLOTS: tl.constexpr, HINT: tl.constexpr):
-    """One program: 16 x WARPS weight rows, one K-split of GROUPS_PER_SPLIT groups (a multiple of SLOTS, the
-    groups each thread keeps in flight: 4 or 8); HINT: the L2 fetch size hint of HINTS; out is [T, N] (one
-    split: y itself) or this split's float32 partials."""
+                            GPR: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, LOAD_ASM: tl.constexpr,
+                            COMPUTE_ASM: tl.constexpr):
+    """One program: 16 x WARPS weight rows, one K-split of GROUPS_PER_SPLIT groups (a multiple of 4, the groups
+    each thread keeps in flight; 8 were no faster on the H200); LOAD_ASM / COMPUTE_ASM: the PTX of _load_asm /
+    _compute_asm for the format, cache hint and columns; out is [T, N] (one split: y itself) or this split's float32 partials."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     zero = tl.zeros([32 * WARPS], tl.int32)
@@ -194,15 +167,10 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
     wa0, wa1, sa0, sa1, ha0, ha1 = _weight_addresses(base_ptr, high_ptr, scale_ptr, tid, pid, split, N,
                                                      GROUPS_PER_SPLIT, GPR, WARPS)
     # weights are never written during inference: the first groups are fetched before waiting on x's writer
-    s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 0, zero == 0, BITS, HINT)
-    s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 1, zero + 1 < GROUPS_PER_SPLIT, BITS, HINT)
-    s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 2, zero + 2 < GROUPS_PER_SPLIT, BITS, HINT)
-    s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 3, zero + 3 < GROUPS_PER_SPLIT, BITS, HINT)
-    if SLOTS == 8:
-        s4 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 4, zero + 4 < GROUPS_PER_SPLIT, BITS, HINT)
-        s5 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 5, zero + 5 < GROUPS_PER_SPLIT, BITS, HINT)
-        s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 6, zero + 6 < GROUPS_PER_SPLIT, BITS, HINT)
-        s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 7, zero + 7 < GROUPS_PER_SPLIT, BITS, HINT)
+    s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 0, zero == 0, LOAD_ASM)
+    s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 1, zero + 1 < GROUPS_PER_SPLIT, LOAD_ASM)
+    s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 2, zero + 2 < GROUPS_PER_SPLIT, LOAD_ASM)
+    s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, 3, zero + 3 < GROUPS_PER_SPLIT, LOAD_ASM)
     pdl_wait()
     lane = tid % 32
     g = lane // 4
@@ -215,27 +183,15 @@ def _qgemm_rows_frag_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, out_ptr, N, T,
     xa1 = (x_ptr + xr1 * K + lane16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * WARPS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for gi in range(0, GROUPS_PER_SPLIT, SLOTS):  # slot j holds group gi + j, then fetches gi + j + SLOTS
-        acc = _group_product(acc, s0, xa0, xa1, gi, BITS, NT)
-        s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS, zero + gi + SLOTS < GROUPS_PER_SPLIT, BITS, HINT)
-        acc = _group_product(acc, s1, xa0, xa1, gi + 1, BITS, NT)
-        s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 1, zero + gi + SLOTS + 1 < GROUPS_PER_SPLIT, BITS,
-                         HINT)
-        acc = _group_product(acc, s2, xa0, xa1, gi + 2, BITS, NT)
-        s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 2, zero + gi + SLOTS + 2 < GROUPS_PER_SPLIT, BITS,
-                         HINT)
-        acc = _group_product(acc, s3, xa0, xa1, gi + 3, BITS, NT)
-        s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + SLOTS + 3, zero + gi + SLOTS + 3 < GROUPS_PER_SPLIT, BITS,
-                         HINT)
-        if SLOTS == 8:
-            acc = _group_product(acc, s4, xa0, xa1, gi + 4, BITS, NT)
-            s4 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 12, zero + gi + 12 < GROUPS_PER_SPLIT, BITS, HINT)
-            acc = _group_product(acc, s5, xa0, xa1, gi + 5, BITS, NT)
-            s5 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 13, zero + gi + 13 < GROUPS_PER_SPLIT, BITS, HINT)
-            acc = _group_product(acc, s6, xa0, xa1, gi + 6, BITS, NT)
-            s6 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 14, zero + gi + 14 < GROUPS_PER_SPLIT, BITS, HINT)
-            acc = _group_product(acc, s7, xa0, xa1, gi + 7, BITS, NT)
-            s7 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 15, zero + gi + 15 < GROUPS_PER_SPLIT, BITS, HINT)
+    for gi in range(0, GROUPS_PER_SPLIT, 4):  # slot j holds group gi + j, then fetches gi + j + 4
+        acc = _group_product(acc, s0, xa0, xa1, gi, COMPUTE_ASM)
+        s0 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 4, zero + gi + 4 < GROUPS_PER_SPLIT, LOAD_ASM)
+        acc = _group_product(acc, s1, xa0, xa1, gi + 1, COMPUTE_ASM)
+        s1 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 5, zero + gi + 5 < GROUPS_PER_SPLIT, LOAD_ASM)
+        acc = _group_product(acc, s2, xa0, xa1, gi + 2, COMPUTE_ASM)
+        s2 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 6, zero + gi + 6 < GROUPS_PER_SPLIT, LOAD_ASM)
+        acc = _group_product(acc, s3, xa0, xa1, gi + 3, COMPUTE_ASM)
+        s3 = _load_group(wa0, wa1, sa0, sa1, ha0, ha1, gi + 7, zero + gi + 7 < GROUPS_PER_SPLIT, LOAD_ASM)
     _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
 
 
@@ -266,27 +222,26 @@ def frag_supported(w, t: int) -> bool:
     return w.fmt.bits in FRAG_BITS and w.cols % (4 * GROUP) == 0 and 1 <= t <= 16
 
 
-def frag_splits(rows: int, groups: int, warps: int, programs: int, slots: int = 4) -> int:
-    """K-splits (each a multiple of `slots` groups, the loop's step, and >= 8 groups) so that row blocks x
-    splits stay within `programs`."""
+def frag_splits(rows: int, units: int, warps: int, programs: int, step: int = 4, least: int = 8) -> int:
+    """K-splits of `units` (groups here: each split a multiple of `step`, the loop's step, and >= `least`) so that
+    row blocks x splits stay within `programs`."""
     blocks = triton.cdiv(rows, ROWS_PER_WARP * warps)
     best = 1
-    for split in range(2, groups // 8 + 1):
-        if groups % (slots * split) == 0 and blocks * split <= programs:
+    for split in range(2, units // least + 1):
+        if units % (step * split) == 0 and blocks * split <= programs:
             best = split
     return best
 
 
-# best total over the 27B's Q4/Q5 products at T = 8 in the H200 sweep (bench/RESULTS.md §2): 4 groups in flight,
-# L2 fetching 256 bytes per weight access, 4 warps, ~528 programs
-FRAG_TUNING = {"warps": 4, "programs": 528, "slots": 4, "hint": 2}
-if os.environ.get("NINFER_FRAG_TILE"):  # side-by-side runs: slots,hint,warps,programs
-    FRAG_TUNING = dict(zip(("slots", "hint", "warps", "programs"), map(int, os.environ["NINFER_FRAG_TILE"].split(","))))
+# best total over the 27B's Q4/Q5 products at T = 8 in the H200 sweep (bench/RESULTS.md §2): L2 fetching 256 bytes
+# per weight access, 4 warps, ~528 programs
+FRAG_TUNING = {"warps": 4, "programs": 528, "hint": 2}
+if os.environ.get("NINFER_FRAG_TILE"):  # side-by-side runs: hint,warps,programs
+    FRAG_TUNING = dict(zip(("hint", "warps", "programs"), map(int, os.environ["NINFER_FRAG_TILE"].split(","))))
 
 
 def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int | None = None, programs: int | None = None,
-                    defer_sum: bool = False, slots: int | None = None, hint: int | None = None
-                    ) -> torch.Tensor | SplitPartials:
+                    defer_sum: bool = False, hint: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T (bf16 x, T <= 16) through the fragment kernel (GPU only)."""
     t, k = x.shape
     if not frag_supported(w, t) or x.dtype != torch.bfloat16:
@@ -294,17 +249,17 @@ def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int | None = Non
                          "supported (Q4/Q5, K a multiple of 64, 1-16 bf16 rows)")
     x = x.contiguous()
     warps, programs = warps or FRAG_TUNING["warps"], programs or FRAG_TUNING["programs"]
-    slots, hint = slots or FRAG_TUNING["slots"], FRAG_TUNING["hint"] if hint is None else hint
+    hint = FRAG_TUNING["hint"] if hint is None else hint
     groups = k // GROUP
-    if groups % slots:
-        slots = 4
-    split = frag_splits(w.rows, groups, warps, programs, slots)
+    split = frag_splits(w.rows, groups, warps, programs)
+    nt = 1 if t <= 8 else 2
     target = split_partials(y, split)
     high = w.high if w.high is not None else w.base
     grid = (triton.cdiv(w.rows, ROWS_PER_WARP * warps), split)
     _qgemm_rows_frag_kernel[grid](x, w.base, high, w.scale, target, w.rows, t, k, groups // split,
-                                  GPR=w.groups_per_row, BITS=w.fmt.bits, NT=1 if t <= 8 else 2, WARPS=warps,
-                                  SLOTS=slots, HINT=hint, num_warps=warps, **LAUNCH)
+                                  GPR=w.groups_per_row, NT=nt, WARPS=warps, LOAD_ASM=_load_asm(w.fmt.bits, HINTS[hint]),
+                                  COMPUTE_ASM=_compute_asm(w.fmt.bits, nt),
+                                  num_warps=warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 
