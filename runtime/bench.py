@@ -428,7 +428,8 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
     from format.layouts import RowSplitGeometry
     from format.numeric import get_format
 
-    from .kernels.qlinear import PackedLinear, qlinear, rows_path, uses_frag
+    from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
+    from .kernels.qlinear import PackedLinear, fragment_layout_enabled, qlinear, rows_path, uses_frag
 
     products = distinct_products(path)
     bw = copy_bandwidth(device)
@@ -444,7 +445,10 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             raw = torch.randint(0, 256, (geo.total_bytes,), dtype=torch.uint8, device=device, generator=gen)
             base, high, scale = geo.split(raw)
             scale.view(torch.float16).copy_((torch.rand(scale.numel() // 2, device=device, generator=gen) * 1e-3).half())
-            weights.append(PackedLinear(base, high, scale, n, k, fmt))
+            w = PackedLinear(base, high, scale, n, k, fmt)
+            if fragment_layout_enabled() and takes_fragment_layout(names[0], w):  # as the engine binds it
+                to_fragment_layout(w)
+            weights.append(w)
         short = names[0].split("/layers/")[-1].split("/", 1)[-1] if "/layers/" in names[0] else names[0].split("/")[-1]
         row = {"matrix": short, "format": fmt_name, "N": n, "K": k, "bytes": geo.total_bytes, "per_step": len(names)}
         for t in row_counts:
@@ -454,8 +458,9 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             us = graph_us(lambda: qlinear(x, next(cycle), out=y))
             row[f"t{t}_us"] = us
             row[f"t{t}_of_copy"] = geo.total_bytes / (us * 1e-6) / bw
-            row[f"t{t}_kernel"] = ("fragment" if uses_frag(weights[0], t) else "decode GEMV" if t == 1
-                                   else "GEMM" if t > 16 else rows_path(fmt.bits, t))
+            row[f"t{t}_kernel"] = ("GEMM" if t > 16 else "fragment order" if weights[0].fragment is not None
+                                   else "fragment" if uses_frag(weights[0], t) else "decode GEMV" if t == 1
+                                   else rows_path(fmt.bits, t))
             if row_counts[0] == 1:
                 row[f"t{t}_vs_t1"] = us / row["t1_us"]
         results["rows"].append(row)
