@@ -108,8 +108,11 @@ def test_fragment_layout_round_trips(fmt, n):
     base, high, scale = row_planes(fp)
     assert torch.equal(base, w.base.view(n, -1)) and torch.equal(scale, w.scale.view(n, -1))
     assert (high is None) == (w.high is None) and (high is None or torch.equal(high, w.high.view(n, -1)))
-    base, high, scale = row_planes(fp, 3, 5)
-    assert torch.equal(base, w.base.view(n, -1)[3:8]) and torch.equal(scale, w.scale.view(n, -1)[3:8])
+    for row0, rows in [(r, m) for r, m in ((3, 5), (14, 5), (16, 5)) if r + m <= n]:  # in a block, across, padded
+        base, high, scale = row_planes(fp, row0, rows)
+        sl = slice(row0, row0 + rows)
+        assert torch.equal(base, w.base.view(n, -1)[sl]) and torch.equal(scale, w.scale.view(n, -1)[sl])
+        assert high is None or torch.equal(high, w.high.view(n, -1)[sl])
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -87,22 +87,27 @@ FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/q
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 
 
+def in_place_supported(w) -> bool:
+    """Q4/Q5, K a multiple of 512 (so the planes have no K padding) and whole 16-row blocks (no row padding):
+    the fragment-order planes then fill exactly the artifact's plane bytes."""
+    return fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+
+
 def takes_fragment_layout(name: str, w) -> bool:
     """Whether the engine re-lays out object `name` (a PackedLinear) in fragment order."""
     return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
-            and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0)
+            and in_place_supported(w))
 
 
 def to_fragment_layout(w):
     """Permute a PackedLinear's planes into fragment order in place (CONVERT_ROWS rows at a time, so the
     temporary stays small; a 16-row block's bytes stay inside the block's own byte ranges) and attach the
     FragmentPlanes views; returns w."""
-    if not takes_fragment_layout("text/layers/0/mlp/down", w):
+    if not in_place_supported(w):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
                          "rows a multiple of 16")
     from .qlinear import PackedLinear
 
-    groups = w.cols // GROUP
     base, scale = w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1)
     high = w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None
     for r0 in range(0, w.rows, CONVERT_ROWS):
@@ -114,25 +119,26 @@ def to_fragment_layout(w):
         scale[r0:r1].reshape(-1).copy_(fp.scales)
         if high is not None:
             high[r0:r1].reshape(-1).copy_(fp.high)
-    # K % 512 == 0, so the planes have no K padding: each is exactly its fragment-order tensor
     w.fragment = FragmentPlanes(base.view(-1), scale.view(-1), None if high is None else high.view(-1), w.rows,
                                 w.cols, w.fmt)
-    assert groups * 32 == base.shape[1]
     return w
 
 
 def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     """Rows [row0, row0 + n) back in the artifact's row-split planes (uint8 base, uint8 high or None, float16
-    scales), for the prefill's dequantization and the references."""
+    scales), for the prefill's dequantization and the references; only the 16-row blocks holding them are
+    copied."""
     n = fp.rows - row0 if n is None else n
-    blocks, groups = fp.blocks, fp.groups
-    base = fp.codes.view(blocks, groups, 8, 4, 2, 8).permute(0, 4, 2, 1, 3, 5).reshape(blocks * 16, groups * 32)
-    scale = fp.scales.view(blocks, groups // CHUNK, 8, 2, CHUNK).permute(0, 3, 2, 1, 4).reshape(blocks * 16, groups)
+    b0, b1 = row0 // ROWS_PER_BLOCK, -(-(row0 + n) // ROWS_PER_BLOCK)
+    groups, chunks, rows = fp.groups, fp.groups // CHUNK, (b1 - b0) * ROWS_PER_BLOCK
+    first = row0 - b0 * ROWS_PER_BLOCK
+    base = fp.codes.view(fp.blocks, groups, 8, 4, 2, 8)[b0:b1].permute(0, 4, 2, 1, 3, 5).reshape(rows, groups * 32)
+    scale = fp.scales.view(fp.blocks, chunks, 8, 2, CHUNK)[b0:b1].permute(0, 3, 2, 1, 4).reshape(rows, groups)
     high = None
     if fp.high is not None:
-        high = fp.high.view(blocks, groups // CHUNK, 8, 4, CHUNK, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
-        high = high.reshape(blocks * 16, groups * 8)[row0 : row0 + n]
-    return base[row0 : row0 + n], high, scale[row0 : row0 + n]
+        high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1].permute(0, 5, 2, 1, 4, 3, 6)
+        high = high.reshape(rows, groups * 8)[first : first + n]
+    return base[first : first + n], high, scale[first : first + n]
 
 
 def _chunk_load_asm(bits: int, hint: str) -> str:
