@@ -13,9 +13,15 @@ timeout 120 python bench/attention_compare.py "$OUT/attention.json" bf16,rk4v4-e
 timeout 170 python bench/gemv_compare.py "$OUT/gemv_rows.json" rows 2>&1 | grep "{" | cut -c1-400
 timeout 150 python bench/serve_smoke.py /tmp/smoke > "$OUT/smoke.log" 2>&1
 grep -E "PASS|FAIL|HTTP" "$OUT/smoke.log"
-timeout 200 python -m pytest -q tests/test_kernels.py tests/test_engine.py tests/test_vision.py -rs 2>&1 | tail -4
+timeout 200 python -m pytest -q tests/test_kernels.py tests/test_frag_kernel.py tests/test_engine.py tests/test_vision.py \
+  -rs 2>&1 | tail -4
 B="python -m ninfer_cli.main bench --random-weights"
 timeout 200 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
   --json-out "$OUT/27b.json" 2>&1 | tail -7
 timeout 100 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 --spec mtp --draft-tokens 3 \
   --accepted-drafts 3 --decode-tokens 64 --json-out "$OUT/27b-mtp.json" 2>&1 | tail -3
+# several lanes (bench/RESULTS.md §2): the default, and the fragment-order layout (NINFER_GEMV_FRAG=layout)
+timeout 120 $B qwen3.6-27b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/lanes.json" 2>&1 | grep "│"
+NINFER_GEMV_FRAG=layout timeout 120 $B qwen3.6-27b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+  --json-out "$OUT/lanes-layout.json" 2>&1 | grep "│"
+timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-600
