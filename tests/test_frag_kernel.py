@@ -245,3 +245,12 @@ def test_engine_re_lays_out_layer_products_only():
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", odd)  # 24 rows: not whole 16-row blocks
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 256, "Q4G64_F16S", 1))
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 512, "Q6G64_F16S", 1))
+
+
+def test_x_rows_reach_the_ptx_16_byte_aligned():
+    buffer = torch.zeros(3 * 512 + 1, dtype=torch.bfloat16)
+    odd = buffer[1:].view(3, 512)  # contiguous, 2 bytes past an aligned start
+    assert odd.data_ptr() % 16 != 0
+    fixed = frag.aligned_rows(odd)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
+    assert frag.aligned_rows(buffer[:1536].view(3, 512)).data_ptr() == buffer.data_ptr()  # no copy when aligned

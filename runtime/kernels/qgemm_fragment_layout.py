@@ -26,7 +26,7 @@ from format.numeric import GroupedFormat
 
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _group_product, _store_rows,
-                              _thread_ids, finish_splits, frag_splits, split_partials)
+                              _thread_ids, aligned_rows, finish_splits, frag_splits, split_partials)
 
 CHUNK = 4  # groups per scale line and per load
 ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
@@ -237,7 +237,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
                          f"{fp.cols}] (1-16 bf16 rows of the matrix's width)")
-    x = x.contiguous()
+    x = aligned_rows(x)
     warps = warps or FRAGMENT_TUNING["warps"]
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint

@@ -216,6 +216,13 @@ def _store_rows(out_ptr, acc, split, T, N, row0, c, NT: tl.constexpr):
         tl.store(out_base + (n0 + 9) * N + row0 + 8, a7.to(ty), mask=ok1 & (n0 + 9 < T))
 
 
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous and 16-byte aligned: the PTX loads x's lanes 16 bytes at a time (a view at an odd offset
+    into a larger buffer would fault with a misaligned address)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def frag_supported(w, t: int) -> bool:
     """Whether the fragment kernel takes this product: Q4/Q5, K a multiple of 256 (whole groups, four per
     loop step), 1..16 rows of x."""
@@ -247,7 +254,7 @@ def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int | None = Non
     if not frag_supported(w, t) or x.dtype != torch.bfloat16:
         raise ValueError(f"qgemm_rows_frag: {w.fmt.name} [{w.rows}, {w.cols}] with {t} rows of {x.dtype} is not "
                          "supported (Q4/Q5, K a multiple of 64, 1-16 bf16 rows)")
-    x = x.contiguous()
+    x = aligned_rows(x)
     warps, programs = warps or FRAG_TUNING["warps"], programs or FRAG_TUNING["programs"]
     hint = FRAG_TUNING["hint"] if hint is None else hint
     groups = k // GROUP
