@@ -254,3 +254,15 @@ def test_x_rows_reach_the_ptx_16_byte_aligned():
     fixed = frag.aligned_rows(odd)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
     assert frag.aligned_rows(buffer[:1536].view(3, 512)).data_ptr() == buffer.data_ptr()  # no copy when aligned
+
+
+def test_fragment_order_splits_cover_every_chunk_once():
+    from runtime.kernels.qgemm_fragment_layout import fragment_splits
+
+    for blocks, chunks in ((320, 68), (2176, 20), (1024, 20), (320, 24), (4, 2), (64, 8)):
+        for warps, programs in ((4, 528), (4, 1056), (8, 528)):
+            splits, size = fragment_splits(blocks, chunks, warps, programs)
+            last = chunks - (splits - 1) * size
+            assert size % 2 == 0 and 0 < last <= size and last % 2 == 0
+            assert splits == 1 or splits * -(-blocks // warps) <= 2 * programs
+    assert fragment_splits(320, 68, 4, 528) == (6, 12)  # MLP down: 6 splits where an even division allows 2

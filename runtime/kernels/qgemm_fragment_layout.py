@@ -26,7 +26,7 @@ from format.numeric import GroupedFormat
 
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _group_product, _store_rows,
-                              _thread_ids, aligned_rows, finish_splits, frag_splits, split_partials)
+                              _thread_ids, aligned_rows, finish_splits, split_partials)
 
 CHUNK = 4  # groups per scale line and per load
 ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
@@ -198,16 +198,18 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
                                   G: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, LOAD_ASM: tl.constexpr,
                                   COMPUTE_ASM: tl.constexpr):
     """One program: WARPS 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks (even: two chunks in
-    flight per thread); out is [T, N] (one split: y itself) or this split's float32 partials."""
+    flight per thread; the last split takes what is left, an even count too); out is [T, N] (one split: y
+    itself) or this split's float32 partials."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     zero = tl.zeros([32 * WARPS], tl.int32)
     tid = _thread_ids(zero)
     ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G,
                                   WARPS)
+    count = tl.minimum(CHUNKS_PER_SPLIT, G // 4 - split * CHUNKS_PER_SPLIT)
     # weights are never written during inference: the first chunks are fetched before waiting on x's writer
-    c0 = _load_chunk(ca, sa, ha, 0, zero == 0, LOAD_ASM)
-    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < CHUNKS_PER_SPLIT, LOAD_ASM)
+    c0 = _load_chunk(ca, sa, ha, 0, zero < count, LOAD_ASM)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, LOAD_ASM)
     pdl_wait()
     lane = tid % 32
     g = lane // 4
@@ -217,16 +219,27 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + lane16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * WARPS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for ci in range(0, CHUNKS_PER_SPLIT, 2):
+    for ci in range(0, count, 2):
         acc = _chunk_product(acc, c0, xa0, xa1, ci, COMPUTE_ASM)
-        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < CHUNKS_PER_SPLIT, LOAD_ASM)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, LOAD_ASM)
         acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, COMPUTE_ASM)
-        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < CHUNKS_PER_SPLIT, LOAD_ASM)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, LOAD_ASM)
     row0 = (pid * WARPS + tid // 32) * 16 + g
     _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
 
 
 FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2}
+
+
+def fragment_splits(blocks: int, chunks: int, warps: int, programs: int) -> tuple[int, int]:
+    """(splits, chunks per split): about `programs` programs of `warps` 16-row blocks in all, each split an even
+    number of chunks (the loop's step), the last one taking what is left. Few-row, long-K products (MLP down
+    5120 x 17408: 80 programs per split) need several splits to keep enough loads in flight, and an even split
+    of 68 chunks would allow only 2 or 17."""
+    per_split = triton.cdiv(blocks, warps)
+    wanted = max(1, min(programs // per_split, chunks // 2))
+    size = 2 * triton.cdiv(chunks, 2 * wanted)
+    return triton.cdiv(chunks, size), size
 
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
@@ -241,13 +254,13 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     warps = warps or FRAGMENT_TUNING["warps"]
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    chunks = fp.groups // CHUNK
-    split = frag_splits(fp.rows, chunks, warps, programs, step=2, least=2)  # two 4-group chunks per loop step
+    split, size = fragment_splits(fp.blocks, fp.groups // CHUNK, warps, programs)
     nt = 1 if t <= 8 else 2
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, warps), split)
-    _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, chunks // split,
+    _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
                                         G=fp.groups, NT=nt, WARPS=warps,
-                                        LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]), COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt), num_warps=warps, **LAUNCH)
+                                        LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
+                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt), num_warps=warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)
