@@ -226,9 +226,12 @@ def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
     x = torch.randn(3, 1024)
     assert torch.allclose(ql.qlinear(x, w), x @ dense.t(), atol=1e-4)
     assert not ql.takes_quantized_x(w, 1)
-    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")  # the GPU's routes, interpreted
     rows = ql.dequantize_rows(w, 16, 40, torch.float32)
     assert torch.equal(rows, dense[16:56])
+    assert torch.allclose(ql.qlinear(x, w), x @ dense.t(), atol=1e-4)  # 1..16 rows: the dense fallback
+    x24 = torch.randn(24, 1024)
+    assert torch.allclose(ql.qlinear(x24, w), x24 @ dense.t(), atol=1e-3)  # prefill: rows put back, dequantized
     with pytest.raises(ValueError, match="fragment order"):
         ql.gather_rows(w, torch.tensor([1, 2]))
 
