@@ -671,7 +671,7 @@ def test_attention_gate(rotate, n):
 # calls a kernel may make before pdl_wait(): none of them reads what another kernel writes
 # (the fragment kernels' _thread_ids reads %tid.x, _weight_addresses / _chunk_addresses are arithmetic,
 # _load_group / _load_chunk load weights)
-_BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "tl.zeros", "_weight_tile", "_thread_ids",
+_BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "tl.zeros", "tl.minimum", "_weight_tile", "_thread_ids",
                 "_weight_addresses", "_load_group", "_chunk_addresses", "_load_chunk"}
 
 
