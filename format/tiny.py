@@ -97,10 +97,11 @@ def write_tokenizer(out: Path, vocab_size: int) -> dict:
     return ids
 
 
-def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_layers: int = 1) -> dict:
+def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_layers: int = 1, hidden: int = 64,
+                     intermediate: int = 128) -> dict:
     text = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-        "vocab_size": vocab_size, "hidden_size": 64, "num_hidden_layers": layers,
+        "vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
@@ -113,7 +114,7 @@ def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_laye
     if moe:
         text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     else:
-        text.update(intermediate_size=128)
+        text.update(intermediate_size=intermediate)
     return text
 
 
@@ -163,15 +164,16 @@ def _layer_tensors(g, cfg: dict, prefix: str, full: bool, moe: bool) -> dict:
 
 
 def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 384,
-                          layers: int = 4, mtp_layers: int = 1) -> Path:
-    """Write config.json, model.safetensors (bf16), tokenizer files and generation_config.json."""
+                          layers: int = 4, mtp_layers: int = 1, hidden: int = 64, intermediate: int = 128) -> Path:
+    """Write config.json, model.safetensors (bf16), tokenizer files and generation_config.json (`hidden` and
+    `intermediate` widen the model, e.g. so its products reach the GPU kernels' shape rules)."""
     import torch
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, vocab_size)
-    text = tiny_text_config(moe, vocab_size, layers, mtp_layers)
+    text = tiny_text_config(moe, vocab_size, layers, mtp_layers, hidden, intermediate)
     text["eos_token_id"] = ids["<|im_end|>"]
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "tie_word_embeddings": False}

@@ -306,3 +306,60 @@ def test_cpu_torch_path_keeps_dequantized_weights_within_its_budget(monkeypatch)
     c = _packed(64, 256, FORMATS["Q6G64_F16S"], seed=3)
     ql.qlinear(x, c)
     assert c._dense is not None  # a's share came back when it went
+
+
+@pytest.fixture(scope="module")
+def wide_q4(tmp_path_factory):
+    """A tiny model wide enough (hidden 512, MLP 1,024) that its products meet the fragment kernels' shape rules:
+    attention input, GDN input and the MLP in fragment order; attention output (K 256) on artifact planes; GDN output
+    (K 64) on the other kernels."""
+    from format.tiny import write_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("wide")
+    src = write_tiny_checkpoint(d / "hf", seed=5, layers=4, mtp_layers=0, hidden=512, intermediate=1024)
+    return convert_checkpoint(src, d / "wide.nfer", ConvertOptions(recipe="q4")).output
+
+
+def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
+    from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout
+    from runtime.kernels.qgemm_rows_frag import frag_supported
+
+    engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    quant = {n: lin.packed for n, lin in engine.lin.items() if hasattr(lin, "packed")}
+    layout = [n for n, w in quant.items() if takes_fragment_layout(n, w)]
+    planes = [n for n, w in quant.items() if n not in layout and frag_supported(w, 4)]
+    assert any(n.endswith("mlp/down") for n in layout) and any(n.endswith("attention/query_gate_key_value") for n in layout)
+    assert any(n.endswith("attention/output") for n in planes)
+    # NINFER_GEMV_FRAG=layout: the engine permutes those products in place and still generates the reference's tokens
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(ql, "FRAG_MODE", "layout")
+    engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    assert all(engine.lin[n].packed.fragment is not None for n in layout)
+    assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
+                    "emulated on the CPU in tests/test_frag_kernel.py")
+@pytest.mark.parametrize("mode", ["auto", "layout"])
+def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
+    """The engine with the fragment kernels (auto: row blocks; layout: every 1..16-row product in fragment order)
+    matches the reference runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(ql, "FRAG_MODE", mode)
+    engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
+    if mode == "layout":
+        assert any(getattr(lin, "packed", None) is not None and lin.packed.fragment is not None
+                   for lin in engine.lin.values())
+    _assert_matches_reference(engine, wide_q4, PROMPT, NEW)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[3:], PROMPT[:7]]
+    steps = {}
+    for m in (mode, "off"):
+        monkeypatch.setattr(ql, "FRAG_MODE", m)
+        e = engine if m == mode else Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128),
+                                            device=DEVICE)
+        first = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
+        steps[m] = e.decode_step([0, 1, 2, 3], first).float().cpu()
+    rel = ((steps[mode] - steps["off"]).pow(2).mean().sqrt() / steps["off"].pow(2).mean().sqrt()).item()
+    assert rel < 2e-2, f"4-lane logits {mode} vs off: relative RMS {rel:.4f}"
