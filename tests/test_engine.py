@@ -355,10 +355,9 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     _assert_matches_reference(engine, wide_q4, PROMPT, NEW)
     prompts = [PROMPT, PROMPT[::-1], PROMPT[3:], PROMPT[:7]]
     steps = {}
-    for m in (mode, "off"):
+    for m in (mode, "off"):  # fresh engines: the layout is chosen at bind
         monkeypatch.setattr(ql, "FRAG_MODE", m)
-        e = engine if m == mode else Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128),
-                                            device=DEVICE)
+        e = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
         first = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
         steps[m] = e.decode_step([0, 1, 2, 3], first).float().cpu()
     rel = ((steps[mode] - steps["off"]).pow(2).mean().sqrt() / steps["off"].pow(2).mean().sqrt()).item()
