@@ -20,8 +20,3 @@ timeout 200 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype bf16,r
   --json-out "$OUT/27b.json" 2>&1 | tail -7
 timeout 100 $B qwen3.6-27b --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 --spec mtp --draft-tokens 3 \
   --accepted-drafts 3 --decode-tokens 64 --json-out "$OUT/27b-mtp.json" 2>&1 | tail -3
-# several lanes (bench/RESULTS.md §2): the default, and the fragment-order layout (NINFER_GEMV_FRAG=layout)
-timeout 120 $B qwen3.6-27b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/lanes.json" 2>&1 | grep "│"
-NINFER_GEMV_FRAG=layout timeout 120 $B qwen3.6-27b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
-  --json-out "$OUT/lanes-layout.json" 2>&1 | grep "│"
-timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-600
