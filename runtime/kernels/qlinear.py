@@ -436,9 +436,9 @@ def _config(t: int, n: int, k_pad: int) -> tuple[int, int, int, int]:
 def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     """Whether qlinear of `t` rows of x with `w` reads x as dp4a words (so the kernel producing x may
     write them: QuantizedX)."""
-    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base) or uses_frag(w, t):
+    if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base):
         return False
-    if w.fragment is not None:
+    if w.fragment is not None or uses_frag(w, t):  # the fragment kernels read x itself, in bf16
         return False
     return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
 
