@@ -175,6 +175,8 @@ def open_artifact(path: str | os.PathLike) -> "Artifact":
 class Artifact:
     """A validated, memory-mapped .nfer file. Every spec violation raises ArtifactError."""
 
+    origin = "ninfer"  # an upstream file bound to our names says so (format/upstream_bind.UpstreamArtifact)
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._file = None

@@ -446,6 +446,6 @@ def rewrite_artifact(src: str | os.PathLike, out: str | os.PathLike, checksums: 
                              len(plan.objects), out.stat().st_size, by_format, round(time.monotonic() - start, 3),
                              _peak_rss_bytes(), src.stat().st_size,
                              [f"re-written from version {art.version}; every byte of every object is the source's"
-                              if not hasattr(art, "describe") else
+                              if art.origin == "ninfer" else
                               f"re-written from upstream ninfer v{art.version}: objects as bound (specs/container.md §6), "
                               "every decoded weight the source's"])

@@ -56,8 +56,8 @@ def summarize(art: Artifact) -> dict:
                  "full_attention_layers": sum(cfg.is_full_attention(i) for i in range(cfg.num_layers)),
                  "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
                  "experts": cfg.num_experts, "mtp_layers": report.mtp_layers, "dflash2": drafter}
-    origin = {"origin": "ninfer"}
-    if hasattr(art, "describe"):  # an upstream ninfer artifact, bound to our names (format/upstream_bind.py)
+    origin = {"origin": art.origin}
+    if art.origin != "ninfer":  # an upstream ninfer artifact, bound to our names (format/upstream_bind.py)
         up = art.describe()
         origin = {"origin": up["origin"], "upstream_model_id": up["model_id"], "weights_profile": up["weights_profile"],
                   "upstream_components": up["components"], "bound_components": up["bound_components"],

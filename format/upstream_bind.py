@@ -291,8 +291,7 @@ class UpstreamArtifact(Artifact):
                 optional["vision"] = self._vision_specs(cfg)
             except (BindingError, ConvertError, KeyError, TypeError) as exc:
                 self.unbound["vision"] = f"its vision config cannot be read ({exc})"
-                self._config.pop("vision_config", None)
-                self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
+                self._set_vision_config(None)
         if any(n.startswith("dflash/") for n in d.bindings):
             self.unbound["dflash"] = "DFlash (v1) drafters are not implemented in this build; DFlash2 is"
         for comp, comp_specs in optional.items():
@@ -308,8 +307,7 @@ class UpstreamArtifact(Artifact):
             except (BindingError, ArtifactError) as exc:
                 self.unbound[comp] = str(exc)
                 if comp == "vision":  # the text model runs without it: its config section goes too
-                    self._config.pop("vision_config", None)
-                    self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
+                    self._set_vision_config(None)
                 continue
             self.plans.update(plans)
         stray = [n for n in text_params if n not in logical.used and not (n.startswith("mtp/") and "mtp" in self.unbound)
@@ -350,6 +348,14 @@ class UpstreamArtifact(Artifact):
                                f"{self.directory.model_id} needs {want_rows} rows of {want_width} ({list(spec.shape)})")
         return Plan(spec.name, tuple(spec.shape), fmt, blocks, transpose, notes)
 
+    def _set_vision_config(self, vcfg: dict | None) -> None:
+        """The config resource with the tower's section (None: without it, the text model alone)."""
+        if vcfg is None:
+            self._config.pop("vision_config", None)
+        else:
+            self._config["vision_config"] = vcfg
+        self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
+
     def _vision_specs(self, cfg: ModelConfig) -> list[ObjectSpec]:
         """Our vision objects (the checkpoint's names under vision/, format/shapes.vision_inventory) for
         the tower's config: v3's vision component, or v2's model id (every family member has the same tower)."""
@@ -360,8 +366,7 @@ class UpstreamArtifact(Artifact):
         vcfg = dict(comp["config"]) if isinstance(comp, dict) and isinstance(comp.get("config"), dict) else dict(_VISION)
         vcfg.setdefault("out_hidden_size", cfg.hidden_size)
         vcfg.setdefault("in_channels", 3)
-        self._config["vision_config"] = vcfg
-        self._resources[RESOURCE_NAMES["config"]] = json.dumps(self._config).encode()
+        self._set_vision_config(vcfg)
         specs = []
         for name, shape in vision_inventory(vcfg):
             matrix = name.endswith(VISION_MATRICES) and len(shape) == 2

@@ -139,7 +139,7 @@ def _print_inspect(s: dict) -> None:
     from rich.table import Table
 
     out.print(f"{s['path']}: magic {s['magic']}  version {s['version']}  {human_bytes(s['file_bytes'])}", markup=False)
-    if s.get("origin", "ninfer") != "ninfer":
+    if s["origin"] != "ninfer":
         out.print(f"origin: {s['origin']} (model {s['upstream_model_id'] or 'unknown'}, weights {s['weights_profile'] or 'unknown'}; components "
                   f"{', '.join(s['upstream_components'])}), bound to this build's names and layouts", markup=False)
         for note in s["binding_notes"][:3]:

@@ -29,8 +29,8 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route
+from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm

@@ -138,7 +138,7 @@ def test_inspect_prints_artifact_text_as_itself():
     import ninfer_cli.main as cli
 
     buf = io.StringIO()
-    summary = {"path": "/m/[bold]a.nfer", "magic": "NINFER", "version": 3, "file_bytes": 10,
+    summary = {"origin": "ninfer", "path": "/m/[bold]a.nfer", "magic": "NINFER", "version": 3, "file_bytes": 10,
                "identity": {"model_id": "[/x]", "weights_id": "q4"}, "artifact_id": None, "model": None,
                "components": ["text"], "objects": 1, "checksums": 1, "by_format": {"Q4[x]": {"objects": 1, "bytes": 5}},
                "runnable": False, "problems": ["expected a [channels, 1, width] kernel"], "features": [], "companions": {}}
