@@ -7,8 +7,9 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 . bench/device_env.sh
-timeout 120 python -m pytest -q -n 4 tests/test_frag_kernel.py tests/test_engine.py -k "frag or fragment or wide" \
-  2>&1 | grep -E "passed|failed|FAILED"
+timeout 150 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_engine.py \
+  -k "frag or fragment or wide" > "$OUT/tests.log" 2>&1
+grep -E "^E |passed|failed|FAILED" "$OUT/tests.log" | head -40
 echo "t=$(el)"
 timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-900
 echo "t=$(el)"

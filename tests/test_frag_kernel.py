@@ -79,15 +79,17 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
             loads = [[codes + (block * fp.groups + ci * 4) * 512 + lane * 16,
                       scales + ((block * chunks + ci) * 8 + lane // 4) * 16,
                       high + (block * chunks + ci) * 512 + lane * 16, 1] for lane in range(32)]
-            chunk = run_warp(fl._chunk_load_asm(fp.fmt.bits, ""), loads, 12, mem)
+            words = 24 if fp.fmt.bits == 5 else 20
+            chunk = run_warp(fl._chunk_load_asm(fp.fmt.bits, ""), loads, words, mem)
             for j in range(4):
                 gi = ci * 4 + j
                 args = []
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
                     xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
-                    args.append(acc[lane] + chunk[lane][3 * j : 3 * j + 3] + xa)
-                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt), args, 8, mem)
+                    high_bits = chunk[lane][20 + j] if fp.fmt.bits == 5 else 0
+                    args.append(acc[lane] + chunk[lane][4 * j : 4 * j + 4] + [chunk[lane][16 + j], high_bits] + xa)
+                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True), args, 8, mem)
         for lane in range(32):
             g, c = lane // 4, lane % 4
             for i in range(4 * nt):
@@ -210,30 +212,36 @@ def test_fragment_kernels_on_the_gpu(kernel, fmt, t, n, k):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
     """to_fragment_layout permutes the planes in place (in row steps) and the weight still multiplies, dequantizes
-    rows for the prefill GEMM (the Triton dequantizer, interpreted on a CPU) and refuses gathers."""
+    rows for the prefill GEMM and refuses gathers: on a CPU through the torch references and then the GPU's
+    routes interpreted, on a GPU through the kernels themselves."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(fl, "CONVERT_ROWS", 32)  # several steps, one partial
-    w = _packed(80, 1024, fmt, seed=3)
-    dense = w.dense().clone()
+    w = _packed(80, 1024, fmt, seed=3, device=device)
+    dense = w.dense().clone().float()
     before = w.base.clone()
     w._dense = None
     fl.to_fragment_layout(w)
     assert w.fragment is not None and not torch.equal(w.base, before)
     assert w.fragment.codes.data_ptr() == w.base.data_ptr()  # in place
-    assert torch.equal(w.dense(), dense)
-    x = torch.randn(3, 1024)
-    assert torch.allclose(ql.qlinear(x, w), x @ dense.t(), atol=1e-4)
+    assert torch.equal(w.dense().float(), dense)
     assert not ql.takes_quantized_x(w, 1)
-    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")  # the GPU's routes, interpreted
-    rows = ql.dequantize_rows(w, 16, 40, torch.float32)
-    assert torch.equal(rows, dense[16:56])
-    assert torch.allclose(ql.qlinear(x, w), x @ dense.t(), atol=1e-4)  # 1..16 rows: the dense fallback
-    x24 = torch.randn(24, 1024)
-    assert torch.allclose(ql.qlinear(x24, w), x24 @ dense.t(), atol=1e-3)  # prefill: rows put back, dequantized
+    routes = ["torch", "triton"] if device == "cpu" else ["gpu"]
+    for route in routes:
+        if route == "triton":
+            monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")  # the GPU's routes, interpreted
+        rows = ql.dequantize_rows(w, 16, 40, torch.float32)
+        assert torch.equal(rows, dense[16:56])
+        for t in (1, 3, 16, 24):  # one lane, row blocks, the prefill (rows put back, dequantized)
+            x = torch.randn(t, 1024, device=device)
+            want = x @ dense.t()
+            got = ql.qlinear(x if device == "cpu" else x.to(torch.bfloat16), w).float()
+            tol = 1e-4 if device == "cpu" else 2e-2 * want.abs().max().item()
+            assert torch.allclose(got, want, atol=tol), (route, t, (got - want).abs().max())
     with pytest.raises(ValueError, match="fragment order"):
-        ql.gather_rows(w, torch.tensor([1, 2]))
+        ql.gather_rows(w, torch.tensor([1, 2], device=device))
 
 
 def test_engine_re_lays_out_layer_products_only():

@@ -5,9 +5,11 @@ touches 8 weight rows x 32 bytes and the L1 sends L2 one 32-byte request per row
 0.33-0.53 of copy at any T (bench/RESULTS.md §2). Here the planes are permuted at load time so that what one
 thread needs for a 16-row block is contiguous: per (16-row block, 64-lane group) 512 bytes of code words, lane
 L = 4g + c holding its 8 bytes of row g then its 8 of row g + 8; per (block, 4 groups) 128 bytes of scales,
-lane g's 16 bytes being row g's 4 scales then row g + 8's; Q5's high bits per (block, 4 groups) 512 bytes, lane
+lane g's 16 bytes being the 4 groups' (row g, row g + 8) scale pairs; Q5's high bits per (block, 4 groups) 512 bytes, lane
 L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run (four whole
-lines) and the scales of 4 groups one line. The group product (PTX, unpacking, mma) is qgemm_rows_frag's own.
+lines) and the scales of 4 groups one line. The loads write their registers straight from memory (nothing
+in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
+(PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
 
 `FragmentPlanes` holds the permuted planes; `fragment_planes(w)` builds them from a PackedLinear (torch ops,
 any device) and `row_planes` undoes it for any row range (prefill, references). Rows are padded to 16 with
@@ -25,7 +27,7 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from .launch import LAUNCH, pdl_wait
-from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _group_product, _store_rows,
+from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _store_rows,
                               _thread_ids, aligned_rows, finish_splits, split_partials)
 
 CHUNK = 4  # groups per scale line and per load
@@ -35,7 +37,7 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 @dataclass
 class FragmentPlanes:
     """A Q4/Q5 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
-    8, 2, 4] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words."""
+    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -72,7 +74,7 @@ def fragment_planes(w) -> FragmentPlanes:
     base = rows_of(w.base.view(torch.uint8), groups * 32)  # [rows, groups * 32 bytes]
     codes = base.reshape(blocks, 2, 8, groups, 4, 8).permute(0, 3, 2, 4, 1, 5).contiguous()
     scale = rows_of(w.scale.view(torch.float16), groups)
-    scales = scale.reshape(blocks, 2, 8, groups // CHUNK, CHUNK).permute(0, 3, 2, 1, 4).contiguous()
+    scales = scale.reshape(blocks, 2, 8, groups // CHUNK, CHUNK).permute(0, 3, 2, 4, 1).contiguous()
     high = None
     if w.fmt.bits == 5:
         h = rows_of(w.high.view(torch.uint8), groups * 8)  # 8 bytes per group: thread c's 2 bytes at 2c
@@ -133,7 +135,7 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     groups, chunks, rows = fp.groups, fp.groups // CHUNK, (b1 - b0) * ROWS_PER_BLOCK
     first = row0 - b0 * ROWS_PER_BLOCK
     base = fp.codes.view(fp.blocks, groups, 8, 4, 2, 8)[b0:b1].permute(0, 4, 2, 1, 3, 5).reshape(rows, groups * 32)
-    scale = fp.scales.view(fp.blocks, chunks, 8, 2, CHUNK)[b0:b1].permute(0, 3, 2, 1, 4).reshape(rows, groups)
+    scale = fp.scales.view(fp.blocks, chunks, 8, CHUNK, 2)[b0:b1].permute(0, 4, 2, 1, 3).reshape(rows, groups)
     high = None
     if fp.high is not None:
         high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1].permute(0, 5, 2, 1, 4, 3, 6)
@@ -142,41 +144,55 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
 
 
 def _chunk_load_asm(bits: int, hint: str) -> str:
-    """4 groups of this thread's rows: $0-$11 the groups' (code words of row g, of row g + 8, scales and Q5 high
-    bits) as qgemm_rows_frag's slots; $12 codes, $13 scales, $14 high-bit addresses, $15 load or not."""
+    """4 groups of this thread's rows, each output one loaded register: $0-$15 code words (group j's at 4j..4j + 3:
+    row g's two, row g + 8's two), $16-$19 group j's (row g, row g + 8) scales, Q5: $20-$23 group j's high-bit
+    halves; then the inputs: codes, scales, high-bit addresses, load or not."""
+    outputs = 24 if bits == 5 else 20
+    codes, scales, high, ok = (f"${outputs + i}" for i in range(4))
     ld = f"@p ld.global.nc{hint}"
-    lines = ["{ .reg .pred p; .reg .b32 a<16>, s<4>, h<4>; .reg .b16 q<16>; setp.ne.s32 p, $15, 0;"]
-    lines += [f"mov.b32 a{i}, 0;" for i in range(16)] + [f"mov.b32 s{i}, 0; mov.b32 h{i}, 0;" for i in range(4)]
-    lines += [f"{ld}.v4.b32 {{a{4 * j}, a{4 * j + 1}, a{4 * j + 2}, a{4 * j + 3}}}, [$12+{512 * j}];" for j in range(4)]
-    lines.append("@p ld.global.nc.v4.b32 {s0, s1, s2, s3}, [$13];")  # a line shared by the quad: keep it in L1
+    lines = [f"{{ .reg .pred p; setp.ne.s32 p, {ok}, 0;"] + [f"mov.b32 ${i}, 0;" for i in range(outputs)]
+    lines += [f"{ld}.v4.b32 {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, [{codes}+{512 * j}];"
+              for j in range(4)]
+    lines.append(f"@p ld.global.nc.v4.b32 {{$16, $17, $18, $19}}, [{scales}];")  # a line shared by the quad: L1
     if bits == 5:
-        lines.append(f"{ld}.v4.b32 {{h0, h1, h2, h3}}, [$14];")
-    # scales: s0 = row g groups 0-1, s1 = row g groups 2-3, s2/s3 = row g + 8; high: h_j = (row g, row g + 8)
-    lines += ["mov.b32 {q0, q1}, s0; mov.b32 {q2, q3}, s1; mov.b32 {q4, q5}, s2; mov.b32 {q6, q7}, s3;",
-              "mov.b32 {q8, q9}, h0; mov.b32 {q10, q11}, h1; mov.b32 {q12, q13}, h2; mov.b32 {q14, q15}, h3;"]
-    for j in range(4):
-        lines.append(f"mov.b64 ${3 * j}, {{a{4 * j}, a{4 * j + 1}}}; mov.b64 ${3 * j + 1}, {{a{4 * j + 2}, a{4 * j + 3}}}; "
-                     f"mov.b64 ${3 * j + 2}, {{q{j}, q{4 + j}, q{8 + 2 * j}, q{9 + 2 * j}}};")
+        lines.append(f"{ld}.v4.b32 {{$20, $21, $22, $23}}, [{high}];")
     return " ".join(lines) + " }"
 
 
-_CHUNK_CONSTRAINTS = tl.constexpr(",".join(["=l"] * 12 + ["l", "l", "l", "r"]))
+_CHUNK_CONSTRAINTS_Q4 = tl.constexpr(",".join(["=r"] * 20 + ["l", "l", "l", "r"]))
+_CHUNK_CONSTRAINTS_Q5 = tl.constexpr(",".join(["=r"] * 24 + ["l", "l", "l", "r"]))
+_WORDS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 6 + ["l"] * 2))
 
 
 @triton.jit
-def _load_chunk(ca, sa, ha, ci, ok, LOAD_ASM: tl.constexpr):
-    """The 12 slot words of chunk ci (groups 4ci..4ci + 3) of this thread's rows, loaded when ok."""
-    return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS, [ca + ci * 2048, sa + ci * 128, ha + ci * 512,
-                                     ok.to(tl.int32)], dtype=(tl.int64,) * 12, is_pure=False, pack=1)
+def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
+    """The 20 (Q4) or 24 (Q5) words of chunk ci (groups 4ci..4ci + 3) of this thread's rows, loaded when ok;
+    Q4's 4 high-bit words are zeros."""
+    args = [ca + ci * 2048, sa + ci * 128, ha + ci * 512, ok.to(tl.int32)]
+    if BITS == 5:
+        return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q5, args, dtype=(tl.int32,) * 24,
+                                         is_pure=False, pack=1)
+    zero = ok.to(tl.int32) * 0
+    return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q4, args, dtype=(tl.int32,) * 20, is_pure=False,
+                                     pack=1) + (zero, zero, zero, zero)
+
+
+@triton.jit
+def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, COMPUTE_ASM: tl.constexpr):
+    """acc + one group's contribution from its loaded words (_compute_asm, words form)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * 128, xa1 + gi * 128]
+    return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
 def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
-    w0, v0, s0, w1, v1, s1, w2, v2, s2, w3, v3, s3 = chunk
-    acc = _group_product(acc, (w0, v0, s0), xa0, xa1, ci * 4, COMPUTE_ASM)
-    acc = _group_product(acc, (w1, v1, s1), xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
-    acc = _group_product(acc, (w2, v2, s2), xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
-    return _group_product(acc, (w3, v3, s3), xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
+    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
+    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, COMPUTE_ASM)
+    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
+    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
+    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
 
 
 @triton.jit
@@ -195,8 +211,8 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 @triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
-                                  G: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, LOAD_ASM: tl.constexpr,
-                                  COMPUTE_ASM: tl.constexpr):
+                                  G: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, BITS: tl.constexpr,
+                                  LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     """One program: WARPS 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks (even: two chunks in
     flight per thread; the last split takes what is left, an even count too); out is [T, N] (one split: y
     itself) or this split's float32 partials."""
@@ -208,8 +224,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
                                   WARPS)
     count = tl.minimum(CHUNKS_PER_SPLIT, G // 4 - split * CHUNKS_PER_SPLIT)
     # weights are never written during inference: the first chunks are fetched before waiting on x's writer
-    c0 = _load_chunk(ca, sa, ha, 0, zero < count, LOAD_ASM)
-    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, LOAD_ASM)
+    c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
     pdl_wait()
     lane = tid % 32
     g = lane // 4
@@ -221,9 +237,9 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     acc = (f, f, f, f, f, f, f, f)
     for ci in range(0, count, 2):
         acc = _chunk_product(acc, c0, xa0, xa1, ci, COMPUTE_ASM)
-        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, LOAD_ASM)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
         acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, COMPUTE_ASM)
-        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, LOAD_ASM)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     row0 = (pid * WARPS + tid // 32) * 16 + g
     _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
 
@@ -260,7 +276,8 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, warps), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
-                                        G=fp.groups, NT=nt, WARPS=warps,
+                                        G=fp.groups, NT=nt, WARPS=warps, BITS=fp.fmt.bits,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt), num_warps=warps, **LAUNCH)
+                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True), num_warps=warps,
+                                        **LAUNCH)
     return finish_splits(target, y, defer_sum)
