@@ -14,8 +14,11 @@ echo "t=$(el)"
 timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-900
 echo "t=$(el)"
 B="python -m ninfer_cli.main bench --random-weights qwen3.6-27b"
-for mode in auto layout; do
-  NINFER_GEMV_FRAG=$mode timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+# auto: fragment kernel on the artifact's planes for row blocks; layout: the fragment-order kernel for every
+# 1-16-row product (warps per block chosen per product); layout-k1: the same with K split across programs only
+for mode in auto layout layout-k1; do
+  tile=""; [ "$mode" = layout-k1 ] && tile="2,4,528,1"
+  NINFER_GEMV_FRAG=${mode%-k1} NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
     --json-out "$OUT/lanes-$mode.json" 2>&1 | grep "│ bf16"
   echo "$mode t=$(el)"
 done

@@ -263,7 +263,11 @@ def frag_main(out: str) -> None:
             return planes[id(w)]
 
         kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
-                   "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0])}
+                   "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0],
+                                                                         ksplit=tile[3])}
+        # layout: warps per block chosen per product (k0), and K split across programs only (k1)
+        sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0) for tile in FRAG_TILES] + [(2, 4, 528, 1), (2, 4, 1056, 1)]}
+        label = lambda tile: "h{}w{}p{}".format(*tile) + (f"k{tile[3]}" if len(tile) > 3 else "")  # noqa: E731
         best_of = {}
         for t in (1, 8, 2, 4, 16):
             x, y = _xy(t, k, n)
@@ -271,15 +275,15 @@ def frag_main(out: str) -> None:
                 us = rotating(lambda w: ql.qlinear(x, w, out=y))
                 row[f"t{t}_off_us"], row[f"t{t}_off_vs_t1"] = us, us / t1
             for name, kernel in kernels.items():
-                tiles = FRAG_TILES if t in (1, 8) else [best_of[name, 1 if t < 8 else 8]]
+                tiles = sweeps[name] if t in (1, 8) else [best_of[name, 1 if t < 8 else 8]]
                 best = None
                 for tile in tiles:
                     us = rotating(lambda w: kernel(x, w, y, tile))
-                    row["t{}_{}_h{}w{}p{}_us".format(t, name, *tile)] = us
+                    row[f"t{t}_{name}_{label(tile)}_us"] = us
                     if best is None or us < best[0]:
                         best = (us, tile)
                 best_of[name, t] = best[1]
-                row[f"t{t}_{name}_us"], row[f"t{t}_{name}_tile"] = best[0], "h{}w{}p{}".format(*best[1])
+                row[f"t{t}_{name}_us"], row[f"t{t}_{name}_tile"] = best[0], label(best[1])
                 row[f"t{t}_{name}_frac"], row[f"t{t}_{name}_vs_t1"] = nbytes / (best[0] * 1e-6) / peak, best[0] / t1
                 got = kernel(x, w, torch.empty(t, n, device="cuda", dtype=torch.float32), best[1])
                 want = frag_reference(x, w)
@@ -288,7 +292,7 @@ def frag_main(out: str) -> None:
         planes.clear()
         rows.append(row)
         print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
-                          if not re.search(r"_h\d+w\d+p\d+_us", k2)}), flush=True)
+                          if not re.search(r"_h\d+w\d+p\d+(k\d+)?_us", k2)}), flush=True)
     print("hints:", HINTS, flush=True)
     _save(out, peak, rows)
 

@@ -354,11 +354,12 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
                    for lin in engine.lin.values())
     _assert_matches_reference(engine, wide_q4, PROMPT, NEW)
     prompts = [PROMPT, PROMPT[::-1], PROMPT[3:], PROMPT[:7]]
-    steps = {}
+    steps, first = {}, None
     for m in (mode, "off"):  # fresh engines: the layout is chosen at bind
         monkeypatch.setattr(ql, "FRAG_MODE", m)
         e = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
-        first = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
+        prefilled = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
+        first = first or prefilled  # the same next tokens for both (a near tie may round either way)
         steps[m] = e.decode_step([0, 1, 2, 3], first).float().cpu()
     rel = ((steps[mode] - steps["off"]).pow(2).mean().sqrt() / steps["off"].pow(2).mean().sqrt()).item()
     assert rel < 2e-2, f"4-lane logits {mode} vs off: relative RMS {rel:.4f}"

@@ -209,6 +209,25 @@ def test_fragment_kernels_on_the_gpu(kernel, fmt, t, n, k):
     frag.qgemm_rows_frag(x, w, y16) if kernel == "artifact planes" else qgemm_fragment_layout(x, fragment_planes(w), y16)
     assert ((y16.float() - want).abs().max() / want.abs().max()).item() < 1e-2
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "
+                    "their PTX is checked on the CPU by the warp emulator tests above")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_fragment_order_kernel_sums_every_k_share(fmt):
+    """Warps sharing a block's K in a program, K-splits across programs (the last one short, some warps with no
+    chunk) and both together give the same product."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, fragment_shape, qgemm_fragment_layout
+
+    w = _packed(320, 17408, fmt, seed=11, device="cuda")
+    fp = fragment_planes(w)
+    x = torch.randn(3, 17408, device="cuda").to(torch.bfloat16)
+    want = frag.frag_reference(x, w)
+    for warps, programs, ksplit in ((4, 528, 1), (4, 528, 2), (4, 528, 4), (4, 4000, 4), (8, 2000, 2), (4, 528, 0)):
+        assert fragment_shape(fp.blocks, fp.groups // 4, warps, programs, ksplit)[2] > 1 or ksplit != 1
+        y = torch.full((3, 320), float("nan"), device="cuda", dtype=torch.float32)
+        qgemm_fragment_layout(x, fp, y, warps=warps, programs=programs, ksplit=ksplit)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (warps, programs, ksplit)
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
     """to_fragment_layout permutes the planes in place (in row steps) and the weight still multiplies, dequantizes
@@ -267,13 +286,24 @@ def test_x_rows_reach_the_ptx_16_byte_aligned():
     assert frag.aligned_rows(buffer[:1536].view(3, 512)).data_ptr() == buffer.data_ptr()  # no copy when aligned
 
 
-def test_fragment_order_splits_cover_every_chunk_once():
-    from runtime.kernels.qgemm_fragment_layout import fragment_splits
+def test_fragment_order_shapes_cover_every_chunk_once():
+    """Every chunk of K is summed by exactly one (split, warp share); each warp's share is even (its loop steps
+    two); about programs x warps warps run in all; few-block products share K inside a program first."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_shape
 
-    for blocks, chunks in ((320, 68), (2176, 20), (1024, 20), (320, 24), (4, 2), (64, 8)):
-        for warps, programs in ((4, 528), (4, 1056), (8, 528)):
-            splits, size = fragment_splits(blocks, chunks, warps, programs)
-            last = chunks - (splits - 1) * size
-            assert size % 2 == 0 and 0 < last <= size and last % 2 == 0
-            assert splits == 1 or splits * -(-blocks // warps) <= 2 * programs
-    assert fragment_splits(320, 68, 4, 528) == (6, 12)  # MLP down: 6 splits where an even division allows 2
+    for blocks, chunks in ((320, 68), (2176, 20), (1024, 20), (896, 20), (320, 24), (4, 2), (64, 8), (1, 10)):
+        for warps, programs, ksplit in ((4, 528, 0), (4, 1056, 0), (8, 528, 0), (4, 528, 1), (4, 528, 2)):
+            bw, ks, splits, size = fragment_shape(blocks, chunks, warps, programs, ksplit)
+            assert size % (2 * ks) == 0 and bw * ks == max(warps, ks) and (not ksplit or ks == ksplit)
+            covered = [0] * chunks
+            for split in range(splits):
+                for share in range(ks):
+                    first = split * size + share * (size // ks)
+                    for ci in range(first, min(first + size // ks, chunks)):
+                        covered[ci] += 1
+            assert covered == [1] * chunks, (blocks, chunks, warps, programs, ksplit)
+            if splits > 1:
+                assert -(-blocks // bw) * splits * bw * ks <= 2 * programs * warps
+    assert fragment_shape(2176, 20, 4, 528) == (4, 1, 1, 20)  # MLP gate_up: enough blocks, K whole
+    assert fragment_shape(1024, 20, 4, 528) == (2, 2, 1, 20)  # GDN input: 2 warps per block, no partials
+    assert fragment_shape(320, 68, 4, 528)[:2] == (1, 4)  # MLP down: 4 warps per block

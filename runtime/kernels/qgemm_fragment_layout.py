@@ -18,6 +18,7 @@ zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -196,13 +197,9 @@ def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
-                     WARPS: tl.constexpr):
-    """This thread's byte addresses at the split's first chunk. A warp past the last block reads the last one
-    (valid memory); its rows are past N and not stored."""
+def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, block, first, G: tl.constexpr):
+    """This thread's byte addresses at chunk `first` of its 16-row block."""
     lane = tid % 32
-    block = tl.minimum(pid * WARPS + tid // 32, BLOCKS - 1).to(tl.int64)
-    first = split * CHUNKS_PER_SPLIT
     ca = (codes_ptr + (block * G + first * 4) * 512 + lane * 16).to(tl.int64, bitcast=True)
     sa = (scales_ptr + ((block * (G // 4) + first) * 8 + lane // 4) * 8).to(tl.int64, bitcast=True)
     ha = (high_ptr + (block * (G // 4) + first) * 512 + lane * 16).to(tl.int64, bitcast=True)
@@ -211,18 +208,23 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 @triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
-                                  G: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, BITS: tl.constexpr,
-                                  LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
-    """One program: WARPS 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks (even: two chunks in
-    flight per thread; the last split takes what is left, an even count too); out is [T, N] (one split: y
-    itself) or this split's float32 partials."""
+                                  G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
+                                  BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+    """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
+    block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
+    warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
+    split's float32 partials."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    zero = tl.zeros([32 * WARPS], tl.int32)
+    zero = tl.zeros([32 * BW * KS], tl.int32)
     tid = _thread_ids(zero)
-    ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G,
-                                  WARPS)
-    count = tl.minimum(CHUNKS_PER_SPLIT, G // 4 - split * CHUNKS_PER_SPLIT)
+    warp = tid // 32
+    # a warp past the last block reads the last one (valid memory); its rows are past N and not stored
+    block = tl.minimum(pid * BW + warp % BW, BLOCKS - 1).to(tl.int64)
+    per_warp = CHUNKS_PER_SPLIT // KS
+    first = split * CHUNKS_PER_SPLIT + (warp // BW) * per_warp
+    count = tl.minimum(tl.maximum(G // 4 - first, 0), per_warp)
+    ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, block, first, G)
     # weights are never written during inference: the first chunks are fetched before waiting on x's writer
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
     c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
@@ -230,37 +232,54 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     lane = tid % 32
     g = lane // 4
     c = lane % 4
-    lane16 = (split * CHUNKS_PER_SPLIT * 256 + c * 16).to(tl.int64)
-    xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + lane16).to(tl.int64, bitcast=True)
-    xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + lane16).to(tl.int64, bitcast=True)
-    f = tl.zeros([32 * WARPS], tl.float32)
+    xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+    xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+    f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for ci in range(0, count, 2):
-        acc = _chunk_product(acc, c0, xa0, xa1, ci, COMPUTE_ASM)
+    for ci in range(0, per_warp, 2):  # chunks past a warp's count hold zeros; x is read at a valid chunk
+        acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), COMPUTE_ASM)
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-        acc = _chunk_product(acc, c1, xa0, xa1, ci + 1, COMPUTE_ASM)
+        acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), COMPUTE_ASM)
         c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
-    row0 = (pid * WARPS + tid // 32) * 16 + g
-    _store_rows(out_ptr, acc, split, T, N, row0, c, NT)
+    if KS > 1:  # the K shares of a block, summed in the program (Triton reduces across warps)
+        a0, a1, a2, a3, a4, a5, a6, a7 = acc
+        acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
+    first_warps = tl.arange(0, 32 * BW)
+    row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
+    _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
 
 
-FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2}
+# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape)
+FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0}
+if os.environ.get("NINFER_FRAGMENT_TILE"):  # side-by-side runs: hint,warps,programs[,ksplit]
+    FRAGMENT_TUNING.update(zip(("hint", "warps", "programs", "ksplit"),
+                               map(int, os.environ["NINFER_FRAGMENT_TILE"].split(","))))
 
 
-def fragment_splits(blocks: int, chunks: int, warps: int, programs: int) -> tuple[int, int]:
-    """(splits, chunks per split): about `programs` programs of `warps` 16-row blocks in all, each split an even
-    number of chunks (the loop's step), the last one taking what is left. Few-row, long-K products (MLP down
-    5120 x 17408: 80 programs per split) need several splits to keep enough loads in flight, and an even split
-    of 68 chunks would allow only 2 or 17."""
-    per_split = triton.cdiv(blocks, warps)
-    wanted = max(1, min(programs // per_split, chunks // 2))
-    size = 2 * triton.cdiv(chunks, 2 * wanted)
-    return triton.cdiv(chunks, size), size
+def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0) -> tuple[int, int, int, int]:
+    """(blocks per program, warps per block, splits, chunks per split). About programs x warps warps in all
+    keep enough loads in flight: a product with few 16-row blocks (MLP down 5120 x 17408: 320) first lets up to 4
+    warps of a program share each block's K (summed in the program, no extra launch), then splits K across
+    programs (float32 partials, summed by finish_splits or the next rmsnorm). Each split is a multiple of
+    2 x warps-per-block chunks (every warp's loop steps two), the last one taking what is left."""
+    ks = ksplit
+    if not ks:
+        ks = 1
+        while ks < 4 and blocks * ks * 2 <= programs * warps and chunks >= 4 * ks:
+            ks *= 2
+    bw = max(1, warps // ks)
+    per_split = triton.cdiv(blocks, bw)
+    wanted = max(1, min(programs * warps // (per_split * bw * ks), chunks // (2 * ks)))
+    size = 2 * ks * triton.cdiv(chunks, 2 * ks * wanted)
+    return bw, ks, triton.cdiv(chunks, size), size
 
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
-                          programs: int | None = None, hint: int | None = None,
-                          defer_sum: bool = False) -> torch.Tensor | SplitPartials:
+                          programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
+                          ksplit: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
@@ -270,14 +289,15 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     warps = warps or FRAGMENT_TUNING["warps"]
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    split, size = fragment_splits(fp.blocks, fp.groups // CHUNK, warps, programs)
+    ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
+    bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
-    grid = (triton.cdiv(fp.blocks, warps), split)
+    grid = (triton.cdiv(fp.blocks, bw), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
-                                        G=fp.groups, NT=nt, WARPS=warps, BITS=fp.fmt.bits,
+                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True), num_warps=warps,
+                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True), num_warps=bw * ks,
                                         **LAUNCH)
     return finish_splits(target, y, defer_sum)
