@@ -197,13 +197,21 @@ def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, block, first, G: tl.constexpr):
-    """This thread's byte addresses at chunk `first` of its 16-row block."""
+def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
+                     BW: tl.constexpr, KS: tl.constexpr):
+    """This thread's share: byte addresses at its first chunk, that chunk's index and how many it sums. Warp w
+    takes block w % BW of the program and the (w // BW)-th share of the split (the last split is shorter: a
+    share may be empty); a warp past the last block reads the last one (valid memory), its rows are not stored."""
+    warp = tid // 32
     lane = tid % 32
+    block = tl.minimum(pid * BW + warp % BW, BLOCKS - 1).to(tl.int64)
+    per_warp = CHUNKS_PER_SPLIT // KS
+    first = split * CHUNKS_PER_SPLIT + (warp // BW) * per_warp
+    count = tl.minimum(tl.maximum(G // 4 - first, 0), per_warp)
     ca = (codes_ptr + (block * G + first * 4) * 512 + lane * 16).to(tl.int64, bitcast=True)
     sa = (scales_ptr + ((block * (G // 4) + first) * 8 + lane // 4) * 8).to(tl.int64, bitcast=True)
     ha = (high_ptr + (block * (G // 4) + first) * 512 + lane * 16).to(tl.int64, bitcast=True)
-    return ca, sa, ha
+    return ca, sa, ha, first, count
 
 
 @triton.jit
@@ -218,13 +226,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     split = tl.program_id(1)
     zero = tl.zeros([32 * BW * KS], tl.int32)
     tid = _thread_ids(zero)
-    warp = tid // 32
-    # a warp past the last block reads the last one (valid memory); its rows are past N and not stored
-    block = tl.minimum(pid * BW + warp % BW, BLOCKS - 1).to(tl.int64)
-    per_warp = CHUNKS_PER_SPLIT // KS
-    first = split * CHUNKS_PER_SPLIT + (warp // BW) * per_warp
-    count = tl.minimum(tl.maximum(G // 4 - first, 0), per_warp)
-    ca, sa, ha = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, block, first, G)
+    ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
+                                                CHUNKS_PER_SPLIT, G, BW, KS)
     # weights are never written during inference: the first chunks are fetched before waiting on x's writer
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
     c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
@@ -236,7 +239,7 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for ci in range(0, per_warp, 2):  # chunks past a warp's count hold zeros; x is read at a valid chunk
+    for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count hold zeros; x is read at a valid chunk
         acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), COMPUTE_ASM)
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
         acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), COMPUTE_ASM)
