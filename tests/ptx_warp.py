@@ -7,6 +7,7 @@ else raises, so a new instruction cannot pass unchecked.
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import numpy as np
@@ -82,9 +83,19 @@ def _operands(text: str) -> list[str]:
     return out
 
 
-def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory: Memory) -> list[list[int]]:
+class HostMemory:
+    """The process's own memory (CPU tensors' data pointers, as Triton's interpreter passes them)."""
+
+    def read(self, addr: int, size: int) -> bytes:
+        if addr < 4096:
+            raise IndexError(f"emulated load of {size} bytes at {addr:#x}: not an address")
+        return ctypes.string_at(addr, size)
+
+
+def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base: int = 0) -> list[list[int]]:
     """Run `asm` for the 32 lanes of a warp. inputs[lane][i] is operand $(n_outputs + i) as a bit pattern
-    (f32 as its bits, 64-bit values as ints); returns outputs[lane][i] for $i as bit patterns."""
+    (f32 as its bits, 64-bit values as ints); returns outputs[lane][i] for $i as bit patterns. %tid.x of
+    lane l is tid_base + l."""
     lanes = [dict() for _ in range(32)]
     for lane, values in enumerate(inputs):
         for i, value in enumerate(values):
@@ -97,7 +108,7 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory: Memory) 
         if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", name):
             return int(name, 0) & MASK32
         if name == "%tid.x":
-            return lane
+            return tid_base + lane
         return lanes[lane][name]
 
     for ins in _split(asm):
@@ -185,3 +196,45 @@ def _mma(lanes: list[dict], args: list[str]) -> None:
         g, t = lane // 4, lane % 4
         for r, name in enumerate(d):
             regs[name] = f32_bits(np.float32(D[g + 8 * (r // 2), 2 * t + r % 2]))
+
+
+_BITS = {"fp32": (np.uint32, np.float32), "int32": (np.uint32, np.int32), "int64": (np.uint64, np.int64),
+         "int1": (np.uint32, np.bool_)}
+
+
+class _AsmResults:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def get_result(self, i):
+        return self.handles[i]
+
+
+def interpret_inline_asm(builder, asm, constraints, values, types, is_pure, pack):
+    """Triton's interpreter hook for tl.inline_asm_elementwise (monkeypatched over InterpreterBuilder's
+    create_inline_asm): the kernels keep one element per thread, so element i of a program's tensors is
+    thread i; each warp's 32 elements run the PTX here over the host memory the pointers address."""
+    from triton.runtime.interpreter import TensorHandle
+
+    if pack != 1:
+        raise NotImplementedError("ptx_warp runs one element per thread (pack=1)")
+    shape = values[0].data.shape
+    n = values[0].data.size
+    words = []
+    for v in values:  # each operand as its bit pattern
+        data = np.ascontiguousarray(np.broadcast_to(v.data, shape)).reshape(-1)
+        bits = data.astype(np.uint32) if data.dtype == np.bool_ else data.view(f"u{data.dtype.itemsize}")
+        words.append(bits.astype(np.uint64))
+    outs = [np.zeros(n, dtype=np.uint64) for _ in types]
+    memory = HostMemory()
+    for base in range(0, n, 32):
+        inputs = [[int(w[base + lane]) for w in words] for lane in range(32)]
+        result = run_warp(asm, inputs, len(types), memory, tid_base=base)
+        for lane in range(32):
+            for i, value in enumerate(result[lane]):
+                outs[i][base + lane] = value
+    handles = []
+    for out, ty in zip(outs, types):
+        unsigned, signed = _BITS[ty.element_ty.name]
+        handles.append(TensorHandle(out.astype(unsigned).view(signed).reshape(shape), ty.element_ty))
+    return _AsmResults(handles)

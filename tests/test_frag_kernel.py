@@ -209,23 +209,55 @@ def test_fragment_kernels_on_the_gpu(kernel, fmt, t, n, k):
     frag.qgemm_rows_frag(x, w, y16) if kernel == "artifact planes" else qgemm_fragment_layout(x, fragment_planes(w), y16)
     assert ((y16.float() - want).abs().max() / want.abs().max()).item() < 1e-2
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "
-                    "their PTX is checked on the CPU by the warp emulator tests above")
-@pytest.mark.parametrize("fmt", FMTS)
-def test_fragment_order_kernel_sums_every_k_share(fmt):
-    """Warps sharing a block's K in a program, K-splits across programs (the last one short, some warps with no
-    chunk) and both together give the same product."""
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """"cuda" on a GPU; on a CPU, Triton's interpreter with tl.inline_asm_elementwise run by the warp emulator
+    (tests/ptx_warp.py: one element per thread, so a program's tensors are its threads), so the whole kernel
+    (addresses, splits, warps sharing K, the in-program sum, the stores) runs."""
+    if torch.cuda.is_available():
+        return "cuda"
+    from triton.runtime import interpreter
+
+    from tests.ptx_warp import interpret_inline_asm
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", interpret_inline_asm)
+    return "cpu"
+
+
+@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 1), ("Q5G64_F16S", 11), ("Q4G64_F16S", 5)])
+def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
+    """Warps sharing a block's K in a program (one share empty), K-splits across programs (the last one short)
+    and both together give the same product as the group sums."""
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, fragment_shape, qgemm_fragment_layout
 
-    w = _packed(320, 17408, fmt, seed=11, device="cuda")
+    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2560)
+    w = _packed(n, k, fmt, seed=11, device=kernel_device)
     fp = fragment_planes(w)
-    x = torch.randn(3, 17408, device="cuda").to(torch.bfloat16)
+    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
     want = frag.frag_reference(x, w)
-    for warps, programs, ksplit in ((4, 528, 1), (4, 528, 2), (4, 528, 4), (4, 4000, 4), (8, 2000, 2), (4, 528, 0)):
-        assert fragment_shape(fp.blocks, fp.groups // 4, warps, programs, ksplit)[2] > 1 or ksplit != 1
-        y = torch.full((3, 320), float("nan"), device="cuda", dtype=torch.float32)
+    configs = ((4, 528, 4), (4, 3, 1), (4, 6, 2)) if kernel_device == "cpu" else \
+        ((4, 528, 1), (4, 528, 2), (4, 528, 4), (4, 4000, 4), (8, 2000, 2), (4, 528, 0))
+    shapes = set()
+    for warps, programs, ksplit in configs:
+        shapes.add(fragment_shape(fp.blocks, fp.groups // 4, warps, programs, ksplit))
+        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
         qgemm_fragment_layout(x, fp, y, warps=warps, programs=programs, ksplit=ksplit)
         assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (warps, programs, ksplit)
+    chunks = fp.groups // 4
+    last_share = [(splits - 1) * size + (ks - 1) * (size // ks) for _, ks, splits, size in shapes]
+    assert max(last_share) >= chunks  # the last split's last warp share starts past K: it sums nothing
+    assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
+
+
+def test_artifact_planes_kernel_runs_whole(kernel_device):
+    """qgemm_rows_frag end to end (on a CPU: interpreted, its PTX emulated), K split across programs."""
+    w = _packed(40, 1024, "Q5G64_F16S", seed=2, device=kernel_device)
+    x = torch.randn(9, 1024, device=kernel_device).to(torch.bfloat16)
+    y = torch.full((9, 40), float("nan"), device=kernel_device, dtype=torch.float32)
+    frag.qgemm_rows_frag(x, w, y, warps=2, programs=4)
+    assert frag.frag_splits(40, 16, 2, 4) == 2
+    want = frag.frag_reference(x, w)
+    assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("fmt", FMTS)
