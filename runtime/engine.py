@@ -151,6 +151,8 @@ class Engine:
             self.mem.fill_random(self.art, random_weights_seed)
         self.act_dtype = torch.bfloat16 if on_gpu else torch.float32
         self.lanes = opts.max_concurrency
+        # rows of x a decode step multiplies at most: the lanes' verify blocks when speculating
+        self.rows_per_step = self.lanes * (1 + (opts.draft_tokens if opts.spec != "none" else 0))
         self._bind_weights()
         self._bind_state()
         self.vision = None
@@ -194,7 +196,7 @@ class Engine:
             if isinstance(fmt, GroupedFormat):
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
-                if fragment_layout_enabled() and takes_fragment_layout(r.name, packed):
+                if fragment_layout_enabled(self.rows_per_step) and takes_fragment_layout(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
                 self.lin[r.name] = QuantLinear(packed)
                 continue

@@ -337,19 +337,27 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all(engine.lin[n].packed.fragment is not None for n in layout)
     assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
+    # auto: one plain lane keeps the artifact's planes; several lanes (or verify blocks) take fragment order
+    monkeypatch.setattr(ql, "FRAG_MODE", "auto")
+    two_lanes = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128, max_concurrency=2), device="cpu")
+    assert two_lanes.rows_per_step == 2
+    assert all(two_lanes.lin[n].packed.fragment is not None for n in layout)
+    engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    assert all(engine.lin[n].packed.fragment is None for n in layout)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
                     "emulated on the CPU in tests/test_frag_kernel.py")
-@pytest.mark.parametrize("mode", ["auto", "layout"])
+@pytest.mark.parametrize("mode", ["auto", "rows", "layout"])
 def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
-    """The engine with the fragment kernels (auto: row blocks; layout: every 1..16-row product in fragment order)
-    matches the reference runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
+    """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
+    layout: every 1..16-row product in fragment order) matches the reference runtime, and 4 lanes decoding at
+    once give the logits of the kernels turned off."""
     from runtime.kernels import qlinear as ql
 
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
-    if mode == "layout":
+    if mode != "rows":
         assert any(getattr(lin, "packed", None) is not None and lin.packed.fragment is not None
                    for lin in engine.lin.values())
     _assert_matches_reference(engine, wide_q4, PROMPT, NEW)

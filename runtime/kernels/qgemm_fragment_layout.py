@@ -239,7 +239,7 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count hold zeros; x is read at a valid chunk
+    for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
         acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), COMPUTE_ASM)
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
         acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), COMPUTE_ASM)
@@ -293,6 +293,8 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
     ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
+    if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
+        ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
     target = split_partials(y, split)

@@ -81,11 +81,13 @@ def rows_path(bits: int, t: int = 16) -> str:
     if ROWS_PATH == "auto":
         return "lanes" if t <= LANES_MAX_T[bits] else ROWS_BY_BITS[bits]
     return ROWS_PATH
-# The fragment kernel (qgemm_rows_frag: code words loaded straight into tensor-core fragments by inline PTX)
-# for Q4/Q5 products of 1..16 rows. NINFER_GEMV_FRAG=on takes it for every product it supports (T = 1
-# included), rows for 2..16 rows only, off never; auto by code width and rows (FRAG_AUTO_T). layout: as auto,
-# and the engine re-lays out its Q4/Q5 layer products in fragment order (qgemm_fragment_layout), which then take
-# every product of 1..16 rows (experimental: not yet measured on a GPU).
+# The fragment kernels (code words loaded straight into tensor-core fragments by inline PTX) for Q4/Q5
+# products of 1..16 rows. Over the artifact's planes (qgemm_rows_frag): NINFER_GEMV_FRAG=on takes it for every
+# product it supports (T = 1 included), rows for 2..16 rows only, off never; auto by code width and rows
+# (FRAG_AUTO_T). Over planes permuted at bind into fragment order (qgemm_fragment_layout), which then take every
+# product of 1..16 rows: layout always; auto when the engine runs more than one row per step (several lanes or
+# speculative verify blocks), where it wins (H200, bench/RESULTS.md §2: 27B 8 lanes 9.5 ms a step against 12.4);
+# one plain lane keeps the artifact's planes and the dp4a GEMV (6.6 ms against 7.1).
 FRAG_MODES = ("auto", "on", "rows", "off", "layout")
 FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 # From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
@@ -94,9 +96,12 @@ FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 
 
-def fragment_layout_enabled() -> bool:
-    """Whether the engine re-lays out its Q4/Q5 layer products in fragment order (NINFER_GEMV_FRAG=layout)."""
-    return FRAG_MODE == "layout"
+def fragment_layout_enabled(rows_per_step: int = 1) -> bool:
+    """Whether an engine that multiplies up to `rows_per_step` rows of x per decode step (lanes x verify
+    block) re-lays out its Q4/Q5 layer products in fragment order."""
+    if FRAG_MODE not in FRAG_MODES:
+        raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
+    return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and rows_per_step > 1)
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
@@ -135,17 +140,53 @@ def _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD: tl.constexpr, GROUP: t
 
 
 @triton.jit
+def _fragment_offsets(rows, idx, UNIT: tl.constexpr, PER_GROUP: tl.constexpr, GPR: tl.constexpr):
+    """Byte offsets, in planes permuted into fragment order (qgemm_fragment_layout), of byte `idx` of `rows`
+    in a row-split plane of PER_GROUP bytes per group: codes (32 per group, in 8-byte units: lane L = 4g + c
+    of a 16-row block holds row g's unit c then row g + 8's) or Q5 high bits (8 per group, 2-byte units:
+    lane L holds 4 groups' (row g, row g + 8) units c)."""
+    r = rows[:, None]
+    block, g, half = r // 16, r % 8, (r % 16) // 8
+    gi = idx[None, :] // PER_GROUP
+    unit, within = (idx[None, :] % PER_GROUP) // UNIT, idx[None, :] % UNIT
+    if UNIT == 8:
+        return ((block * GPR + gi) * 32 + g * 4 + unit) * 16 + half * 8 + within
+    return ((block * (GPR // 4) + gi // 4) * 32 + g * 4 + unit) * 16 + (gi % 4) * 4 + half * 2 + within
+
+
+@triton.jit
+def _scale_offsets(rows, gidx, GPR: tl.constexpr, FRAGMENT: tl.constexpr):
+    """Element offsets of the scales of groups `gidx` of `rows` (row-split, or fragment order: per 16-row block
+    and 4 groups, lane g's 4 (row g, row g + 8) pairs)."""
+    if FRAGMENT:
+        r = rows[:, None]
+        gi = gidx[None, :]
+        return (((r // 16) * (GPR // 4) + gi // 4) * 8 + r % 8) * 8 + (gi % 4) * 2 + (r % 16) // 8
+    return rows[:, None] * GPR + gidx[None, :]
+
+
+@triton.jit
 def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR: tl.constexpr,
-                  HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  FRAGMENT: tl.constexpr = False):
     """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
-    ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats."""
+    ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats; FRAGMENT: planes in fragment order
+    (Q4/Q5)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
-    packed = tl.load(base_ptr + rows[:, None] * (K_PAD // 2) + half[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+    if FRAGMENT:
+        code_at = _fragment_offsets(rows, half, 8, 32, GPR)
+    else:
+        code_at = rows[:, None] * (K_PAD // 2) + half[None, :]
+    packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
     lo = packed & 0xF
     hi = (packed >> 4) & 0xF
     if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
         hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
+        if FRAGMENT:
+            high_at = _fragment_offsets(rows, hidx, 2, 8, GPR)
+        else:
+            high_at = rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :]
+        hb = tl.load(high_ptr + high_at, mask=row_ok[:, None], other=0).to(tl.int32)
         sh = 2 * tl.arange(0, 4)
         lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
         hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
@@ -212,8 +253,9 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
 @triton.jit
 def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows [row0, row0 + N) of a packed matrix -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+                    HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
+    """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT: Q4/Q5 planes in fragment
+    order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
     pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
@@ -221,13 +263,15 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
     k0 = tl.program_id(1) * BLOCK_K
     gpb: tl.constexpr = BLOCK_K // GROUP
     gidx = k0 // GROUP + tl.arange(0, gpb)
-    scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    scale_at = _scale_offsets(rows, gidx, GPR, FRAGMENT)
+    scale = tl.load(scale_ptr + scale_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if BITS == 8:
         ks = k0 + tl.arange(0, BLOCK_K)
         w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K)
         tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
     else:
-        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
+        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K,
+                               FRAGMENT)
         lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2))
@@ -244,17 +288,15 @@ GEMV_MAX_T = 16
 
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    if w.fragment is not None:  # the rows back in row-split order (a temporary ~1/4 of the dense rows), then as usual
-        base, high, scale = row_planes(w.fragment, row0, n)
-        w = PackedLinear(base.reshape(-1), None if high is None else high.reshape(-1), scale.reshape(-1), n, w.cols,
-                         w.fmt)
-        row0 = 0
+    """Rows [row0, row0 + n) dense (the prefill GEMM's scratch); planes in fragment order are read in place."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
-    high = w.high if w.high is not None else w.base
+    base, high, scale = (w.base, w.high, w.scale) if w.fragment is None else \
+        (w.fragment.codes, w.fragment.high, w.fragment.scales)
     _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
-        w.base, high, w.scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits,
-        GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, **LAUNCH)
+        base, high if high is not None else base, scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad,
+        BITS=w.fmt.bits, GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n,
+        BLOCK_K=block_k, FRAGMENT=w.fragment is not None, **LAUNCH)
     return dense
 
 
