@@ -188,6 +188,7 @@ class Engine:
 
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
+        self.fragment_order_products = 0  # layer products re-laid out in fragment order at bind
         self.vec: dict[str, torch.Tensor] = {}
         for r in self.plan.arenas["weights"].regions:
             e = self.art.objects[r.name]
@@ -198,6 +199,7 @@ class Engine:
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 if fragment_layout_enabled(self.rows_per_step) and takes_fragment_layout(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
+                    self.fragment_order_products += 1
                 self.lin[r.name] = QuantLinear(packed)
                 continue
             if isinstance(fmt, FloatCodeFormat):

@@ -342,6 +342,7 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     two_lanes = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128, max_concurrency=2), device="cpu")
     assert two_lanes.rows_per_step == 2
     assert all(two_lanes.lin[n].packed.fragment is not None for n in layout)
+    assert two_lanes.fragment_order_products == len(layout)  # the server's start-up line reports it
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all(engine.lin[n].packed.fragment is None for n in layout)
 

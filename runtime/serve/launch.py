@@ -37,5 +37,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
     summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "
                f"KV {options.kv_dtype}, prefill chunk {engine.opts.prefill_chunk} ({engine.shared_chunk} beside decoding lanes), {plan.total_bytes / 2**30:.2f} GiB planned"
                + (f", {options.spec.upper()} with {options.draft_tokens} draft tokens" if options.spec != "none" else "")
-               + (", vision on" if options.vision else ""))
+               + (", vision on" if options.vision else "")
+               + (f", {engine.fragment_order_products} products in fragment order" if engine.fragment_order_products
+                  else ""))
     return build_app(server, cors=cors), summary
