@@ -198,8 +198,7 @@ def _mma(lanes: list[dict], args: list[str]) -> None:
             regs[name] = f32_bits(np.float32(D[g + 8 * (r // 2), 2 * t + r % 2]))
 
 
-_BITS = {"fp32": (np.uint32, np.float32), "int32": (np.uint32, np.int32), "int64": (np.uint64, np.int64),
-         "int1": (np.uint32, np.bool_)}
+_BITS = {"fp32": (np.uint32, np.float32), "int32": (np.uint32, np.int32), "int64": (np.uint64, np.int64)}
 
 
 class _AsmResults:

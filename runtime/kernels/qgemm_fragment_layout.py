@@ -5,8 +5,8 @@ touches 8 weight rows x 32 bytes and the L1 sends L2 one 32-byte request per row
 0.33-0.53 of copy at any T (bench/RESULTS.md §2). Here the planes are permuted at load time so that what one
 thread needs for a 16-row block is contiguous: per (16-row block, 64-lane group) 512 bytes of code words, lane
 L = 4g + c holding its 8 bytes of row g then its 8 of row g + 8; per (block, 4 groups) 128 bytes of scales,
-lane g's 16 bytes being the 4 groups' (row g, row g + 8) scale pairs; Q5's high bits per (block, 4 groups) 512 bytes, lane
-L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run (four whole
+lane g's 16 bytes being the 4 groups' (row g, row g + 8) scale pairs; Q5's high bits per (block, 4 groups) 512
+bytes, lane L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run (four whole
 lines) and the scales of 4 groups one line. The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
