@@ -57,7 +57,7 @@ class FragmentPlanes:
 
 
 def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
-    return fmt.bits in FRAG_BITS and cols % (2 * CHUNK * GROUP) == 0
+    return fmt.bits in FRAG_BITS and fmt.group_size == GROUP and cols % (2 * CHUNK * GROUP) == 0
 
 
 def fragment_planes(w) -> FragmentPlanes:

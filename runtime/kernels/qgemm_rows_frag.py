@@ -233,9 +233,9 @@ def aligned_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def frag_supported(w, t: int) -> bool:
-    """Whether the fragment kernel takes this product: Q4/Q5, K a multiple of 256 (whole groups, four per
-    loop step), 1..16 rows of x."""
-    return w.fmt.bits in FRAG_BITS and w.cols % (4 * GROUP) == 0 and 1 <= t <= 16
+    """Whether the fragment kernel takes this product: Q4/Q5 in groups of 64 lanes, K a multiple of 256 (whole
+    groups, four per loop step), 1..16 rows of x."""
+    return w.fmt.bits in FRAG_BITS and w.fmt.group_size == GROUP and w.cols % (4 * GROUP) == 0 and 1 <= t <= 16
 
 
 def frag_splits(rows: int, units: int, warps: int, programs: int, step: int = 4, least: int = 8) -> int:
