@@ -337,14 +337,17 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all(engine.lin[n].packed.fragment is not None for n in layout)
     assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
-    # auto: one plain lane keeps the artifact's planes; several lanes (or verify blocks) take fragment order
+    # auto: one plain lane keeps its Q4 products on the artifact's planes; several lanes (or verify blocks) take
+    # fragment order
     monkeypatch.setattr(ql, "FRAG_MODE", "auto")
     two_lanes = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128, max_concurrency=2), device="cpu")
     assert two_lanes.rows_per_step == 2
     assert all(two_lanes.lin[n].packed.fragment is not None for n in layout)
     assert two_lanes.fragment_order_products == len(layout)  # the server's start-up line reports it
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
-    assert all(engine.lin[n].packed.fragment is None for n in layout)
+    assert all((engine.lin[n].packed.fragment is not None) == (engine.lin[n].packed.fmt.bits == 5) for n in layout)
+    assert any(engine.lin[n].packed.fmt.bits == 5 for n in layout) and any(engine.lin[n].packed.fmt.bits == 4
+                                                                          for n in layout)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "

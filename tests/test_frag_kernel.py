@@ -186,13 +186,15 @@ def test_fragment_kernel_is_chosen_by_rows_and_overrides(monkeypatch):
     monkeypatch.setattr(ql, "interpreted", lambda: True)
     assert not ql.uses_frag(q4, 4)
     # fragment order: always under layout; under auto for engines of several rows per step (lanes x verify rows)
-    assert [ql.fragment_layout_enabled(rows) for rows in (1, 2, 16)] == [False, True, True]
+    # and for Q5 products at any
+    assert [ql.fragment_layout_enabled(rows, 4) for rows in (1, 2, 16)] == [False, True, True]
+    assert [ql.fragment_layout_enabled(rows, 5) for rows in (1, 2)] == [True, True]
     for mode, want in (("layout", True), ("rows", False), ("on", False), ("off", False)):
         monkeypatch.setattr(ql, "FRAG_MODE", mode)
-        assert ql.fragment_layout_enabled(1) == want and ql.fragment_layout_enabled(8) == want
+        assert all(ql.fragment_layout_enabled(rows, bits) == want for rows in (1, 8) for bits in (4, 5))
     monkeypatch.setattr(ql, "FRAG_MODE", "fast")
     with pytest.raises(ValueError, match="NINFER_GEMV_FRAG"):
-        ql.fragment_layout_enabled(4)
+        ql.fragment_layout_enabled(4, 4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "

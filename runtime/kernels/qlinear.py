@@ -86,8 +86,9 @@ def rows_path(bits: int, t: int = 16) -> str:
 # product it supports (T = 1 included), rows for 2..16 rows only, off never; auto by code width and rows
 # (FRAG_AUTO_T). Over planes permuted at bind into fragment order (qgemm_fragment_layout), which then take every
 # product of 1..16 rows: layout always; auto when the engine runs more than one row per step (several lanes or
-# speculative verify blocks), where it wins (H200, bench/RESULTS.md §2: 27B 8 lanes 9.5 ms a step against 12.4);
-# one plain lane keeps the artifact's planes and the dp4a GEMV (6.6 ms against 7.1).
+# speculative verify blocks), where it wins (H200, bench/RESULTS.md §2: 27B 8 lanes 9.5 ms a step against 12.4),
+# and for Q5 products always; one plain lane keeps its Q4 products on the artifact's planes and the dp4a GEMV
+# (6.6 ms a step against 7.1 with every product in fragment order).
 FRAG_MODES = ("auto", "on", "rows", "off", "layout")
 FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 # From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
@@ -96,12 +97,14 @@ FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 
 
-def fragment_layout_enabled(rows_per_step: int = 1) -> bool:
+def fragment_layout_enabled(rows_per_step: int, bits: int) -> bool:
     """Whether an engine that multiplies up to `rows_per_step` rows of x per decode step (lanes x verify
-    block) re-lays out its Q4/Q5 layer products in fragment order."""
+    block) re-lays out its `bits`-bit layer products (Q4/Q5) in fragment order: under auto, for several rows,
+    and for Q5 even at one row (its one-row product beats the dp4a GEMV there: MLP down 23.7 against 24.6 µs,
+    GDN out 11.0 against 11.4; Q4's does not: gate_up 30.3 against 28.2)."""
     if FRAG_MODE not in FRAG_MODES:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
-    return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and rows_per_step > 1)
+    return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and (rows_per_step > 1 or bits == 5))
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
