@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls (< 600 s each) for the fragment kernels (bench/RESULTS.md §2).
-#   run (carry .carry):  bash bench/device_frag.sh kernels   # GPU tests, per product, lanes, MTP3
-#                        bash bench/device_frag.sh serve     # rk4v4-e8 lanes, the server with 4 clients
+#   run (carry .carry):  bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
+#                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), and layout-k1 (fragment order with K split across programs only, no warps sharing K).
@@ -26,11 +26,16 @@ kernels)
   timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-900
   echo "t=$(el)"
   for mode in rows auto layout-k1; do lanes $mode bf16; done
+  ;;
+serve)
+  for mode in rows auto; do  # one plain lane: auto puts only its Q5 products in fragment order
+    NINFER_GEMV_FRAG=$mode timeout 60 $B --depths 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/one-lane-$mode.json" 2>&1 | grep "│ bf16"
+    echo "one lane $mode t=$(el)"
+  done
   timeout 70 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
     --json-out "$OUT/mtp.json" 2>&1 | grep "│ bf16"
   echo "t=$(el)"
-  ;;
-serve)
   for mode in rows auto; do lanes $mode rk4v4-e8; done
   for mode in rows auto; do  # one client alone, then 4 at once, in one server of 4 lanes
     NINFER_GEMV_FRAG=$mode PYTHONPATH=. timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 \
