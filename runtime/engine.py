@@ -29,7 +29,7 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route
+from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
@@ -431,17 +431,28 @@ class Engine:
         n, k = h.shape[0], c.experts_per_token
         inter, hid = c.moe_intermediate_size, c.hidden_size
         gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
-        shared = self.lin[m + "shared_down"](swiglu(self.lin[m + "shared_gate_up"](h)))
+        shared_up, shared_down = self.lin[m + "shared_gate_up"], self.lin[m + "shared_down"]
         shared_gate = self.lin[m + "shared_gate"](h)  # logits: the combine applies the sigmoid
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
+        if quantized and n <= GEMV_MAX_T and all(
+                isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
+                for e, s, rows in ((gate_up, shared_up, 2 * inter), (down, shared_down, hid))):
+            # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in
+            # one launch per matrix (pair p reads x row p // k, then its own row), no host sync, and one
+            # launch weighs, gates and sums
+            ids, weights = route(self.lin[m + "router"](h), k)
+            pairs = ids.reshape(-1)
+            act = swiglu(expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed))
+            y = expert_gemv(act, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k)
+            return combine_experts(y[: n * k], weights, y[n * k :], shared_gate=shared_gate)
+        shared = shared_down(swiglu(shared_up(h)))
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
             ids, weights = route(self.lin[m + "router"](h), k)
             if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, grouped products
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
                                       swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill,
                                       shared_gate=shared_gate)
-            # decode / verify: every (token, expert) pair in one launch per matrix (pair p reads x row p // k,
-            # then its own row), no host sync, and one launch weighs, gates and sums
+            # decode / verify with a shared expert the launches above cannot take (dense, or in fragment order)
             pairs = ids.reshape(-1)
             act = swiglu(expert_gemv(h, k, pairs, gate_up.packed, 2 * inter))
             y = expert_gemv(act, 1, pairs, down.packed, hid)

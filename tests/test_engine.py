@@ -375,3 +375,28 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
         steps[m] = e.decode_step([0, 1, 2, 3], first).float().cpu()
     rel = ((steps[mode] - steps["off"]).pow(2).mean().sqrt() / steps["off"].pow(2).mean().sqrt()).item()
     assert rel < 2e-2, f"4-lane logits {mode} vs off: relative RMS {rel:.4f}"
+
+
+@pytest.fixture(scope="module")
+def moe_equal_shared(tmp_path_factory):
+    """A tiny MoE whose shared expert is as wide as a routed one (as the 35B-A3B's: 512 and 512), so its
+    products ride in the routed experts' launches."""
+    from format.tiny import write_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("moe-shared")
+    src = write_tiny_checkpoint(d / "hf", moe=True, seed=9, mtp_layers=0, shared_intermediate=32)
+    return convert_checkpoint(src, d / "moe.nfer", ConvertOptions(recipe="q4")).output
+
+
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.triton_kernels)])
+def test_moe_shared_expert_rides_with_the_routed_ones(moe_equal_shared, kernels, monkeypatch):
+    """Decode runs the shared expert inside the routed experts' two launches (its rows after the pairs') and
+    still generates the reference's tokens, on both CPU paths and on a GPU."""
+    import runtime.engine as engine_module
+
+    calls = []
+    real = engine_module.expert_gemv
+    monkeypatch.setattr(engine_module, "expert_gemv", lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+    engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
+    assert calls and all(shared is not None for shared in calls)  # every decode step took the fused launches

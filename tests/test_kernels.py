@@ -441,6 +441,24 @@ def test_expert_gemv(fmt):
     _check(expert_gemv(x, x_rows, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), x_rows.cpu(), ex.cpu(), _to_cpu(w), rows_per_expert))
     # x rows by pair index (pair p reads row p // 2): a decode step's k = 2 pairs per token, no index tensor
     _check(expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert))
+    # the shared expert in the same launch: its rows after the routed pairs, over x rows shared_x0..
+    other = FORMATS["W8G32_F16S"] if fmt.name != "W8G32_F16S" else FORMATS["Q4G64_F16S"]
+    for x_rows_arg, x0, shared in ((2, 0, _packed(rows_per_expert, k, fmt, seed=12)),
+                                   (x_rows, 1, _packed(rows_per_expert, k, other, seed=13))):  # another format
+        got = expert_gemv(x, x_rows_arg, ex, w, rows_per_expert, shared=shared, shared_x0=x0).cpu()
+        rows_arg = x_rows_arg if isinstance(x_rows_arg, int) else x_rows_arg.cpu()
+        want = torch.cat([expert_gemv_reference(x.cpu(), rows_arg, ex.cpu(), _to_cpu(w), rows_per_expert),
+                          expert_gemv_reference(x.cpu()[x0:], 1, torch.zeros(3 - x0, dtype=torch.int32),
+                                                _to_cpu(shared), rows_per_expert)])
+        assert got.shape == (6 + 3 - x0, rows_per_expert)
+        _check(got, want)
+    from runtime.kernels.moe import shared_fusable
+
+    assert shared_fusable(w, shared, rows_per_expert) and not shared_fusable(w, shared, rows_per_expert + 1)
+    assert not shared_fusable(w, torch.zeros(rows_per_expert, k), rows_per_expert)  # a dense (bf16) matrix
+    assert not shared_fusable(w, _packed(rows_per_expert, k + 64, fmt, seed=1), rows_per_expert)
+    with pytest.raises(ValueError, match="shared expert"):
+        expert_gemv(x, 2, ex, w, rows_per_expert + 1, shared=shared)
 
 
 @pytest.mark.parametrize("slotted", [False, True], ids=["pair-order", "slots"])

@@ -68,67 +68,104 @@ def route_reference(router_logits, top_k):
 
 
 @triton.jit
-def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, ROWS_PER_EXPERT, K,
-                        stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INT8: tl.constexpr, USE_ASM: tl.constexpr, PAIRS_PER_X_ROW: tl.constexpr):
-    """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread)."""
-    pdl_wait()
-    pair = tl.program_id(0)
-    local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = local < ROWS_PER_EXPERT
-    expert = tl.load(experts_ptr + pair)
-    if PAIRS_PER_X_ROW > 0:
-        x_row = pair // PAIRS_PER_X_ROW
-    else:
-        x_row = tl.load(x_rows_ptr + pair)
-    rows = expert * ROWS_PER_EXPERT + local
+def _expert_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, GPR: tl.constexpr, K_PAD: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, INT8: tl.constexpr, USE_ASM: tl.constexpr):
+    """W[rows] @ x -> [BLOCK_N] float32, one GEMV tile of a packed matrix."""
     if INT8:
         # expert matrices are small: each program quantizes its row of x (no extra launch)
         words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok[:, None], 0, GPR, K_PAD, BITS,
                                             GROUP, HIGH_BYTES, BLOCK_K)
-        y = _dot_rows_int8(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, words, high,
-                           w_scale, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
+        y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, words, high, w_scale, GPR,
+                           K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
     else:
-        y = _dot_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD,
-                      GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
+        y = _dot_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, GPR, K_PAD, BITS, GROUP, HIGH_BYTES,
+                      BLOCK_N, BLOCK_K)
+    return y
+
+
+@triton.jit
+def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, s_base_ptr, s_high_ptr,
+                        s_scale_ptr, y_ptr, ROWS_PER_EXPERT, K, stride_x, SHARED_FROM, SHARED_X0,
+                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                        HIGH_BYTES: tl.constexpr, INT8: tl.constexpr, S_GPR: tl.constexpr, S_K_PAD: tl.constexpr,
+                        S_BITS: tl.constexpr, S_GROUP: tl.constexpr, S_HIGH_BYTES: tl.constexpr,
+                        S_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+                        PAIRS_PER_X_ROW: tl.constexpr):
+    """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread). Pairs from SHARED_FROM
+    on are the shared expert's (its own matrix s_*, in its own format S_*): pair p reads x row
+    p - SHARED_FROM + SHARED_X0."""
+    pdl_wait()
+    pair = tl.program_id(0)
+    local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = local < ROWS_PER_EXPERT
+    if pair >= SHARED_FROM:
+        y = _expert_rows(x_ptr + (pair - SHARED_FROM + SHARED_X0) * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr,
+                         local, ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, BLOCK_N, BLOCK_K, S_INT8,
+                         USE_ASM)
+    else:
+        expert = tl.load(experts_ptr + pair)
+        if PAIRS_PER_X_ROW > 0:
+            x_row = pair // PAIRS_PER_X_ROW
+        else:
+            x_row = tl.load(x_rows_ptr + pair)
+        y = _expert_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, expert * ROWS_PER_EXPERT + local,
+                         ok, K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, INT8, USE_ASM)
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
+    """Whether the shared expert's matrix (a PackedLinear, or anything else) can ride in the routed experts'
+    launch: the same width, one expert's rows, planes in row-split order (any grouped format)."""
+    return (isinstance(shared, PackedLinear) and shared.cols == experts.cols and shared.rows == rows_per_expert
+            and shared.fragment is None and experts.fragment is None)
+
+
 def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tensor, w: PackedLinear,
-                rows_per_expert: int) -> torch.Tensor:
+                rows_per_expert: int, shared: PackedLinear | None = None, shared_x0: int = 0) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
     ([E * rows_per_expert, K] packed); `x_rows` an int n: x row p // n (a decode step's k pairs per token
-    are n = k; the down product's own rows n = 1), without an index tensor to build per step. Returns
-    [pairs, rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
+    are n = k; the down product's own rows n = 1), without an index tensor to build per step. With `shared`
+    (the shared expert's matrix, any grouped format: shared_fusable), the same launch also multiplies it with
+    x rows shared_x0, shared_x0 + 1, ... to the end of x, after the routed pairs. Returns [pairs (+ shared
+    rows), rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
     qgemv_int8) unless NINFER_GEMV=float."""
-    pairs = experts.numel()
+    routed = experts.numel()
+    if shared is not None and not shared_fusable(w, shared, rows_per_expert):
+        raise ValueError("expert_gemv: the shared expert's matrix differs from one routed expert's")
+    extra = x.shape[0] - shared_x0 if shared is not None else 0
     if torch_path(x):  # the exact products, as qlinear's torch path, one matrix product per expert in use
-        rows = torch.arange(pairs) // x_rows if isinstance(x_rows, int) else x_rows.long()
+        rows = torch.arange(routed) // x_rows if isinstance(x_rows, int) else x_rows.long()
         experts = experts.reshape(-1).long()
-        y = torch.empty(pairs, rows_per_expert, dtype=x.dtype)
+        y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype)
         for e in experts.unique().tolist():
             sel = (experts == e).nonzero(as_tuple=True)[0]
             y[sel] = (x.float()[rows[sel]] @ w.dense()[e * rows_per_expert : (e + 1) * rows_per_expert].t()).to(x.dtype)
+        if extra:
+            y[routed:] = (x.float()[shared_x0:] @ shared.dense().t()).to(x.dtype)
         return y
-    y = torch.empty(pairs, rows_per_expert, dtype=x.dtype, device=x.device)
-    int8 = GEMV_PATH == "int8" and w.fmt.bits in INT8_BITS
+    y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype, device=x.device)
+    s = shared if shared is not None else w
+    int8, s_int8 = (GEMV_PATH == "int8" and m.fmt.bits in INT8_BITS for m in (w, s))
     tuning = INT8_TUNING if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
-    while w.k_pad % block_k:
+    while w.k_pad % block_k or s.k_pad % block_k:
         block_k //= 2
     x = x.contiguous()
-    if int8:
-        base, high = code_words(w.base), high_plane(w)
-    else:
-        base, high = w.base, (w.high if w.high is not None else w.base)
+    planes = []
+    for m, m_int8 in ((w, int8), (s, s_int8)):
+        if m_int8:
+            planes += [code_words(m.base), high_plane(m), m.scale]
+        else:
+            planes += [m.base, m.high if m.high is not None else m.base, m.scale]
     per_row = x_rows if isinstance(x_rows, int) else 0
     x_rows = experts if per_row else x_rows.contiguous()  # unread when per_row
-    _expert_gemv_kernel[(pairs, triton.cdiv(rows_per_expert, block_n))](
-        x, x_rows, experts.contiguous(), base, high, w.scale, y, rows_per_expert, w.cols,
-        x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, INT8=int8, USE_ASM=native_dp4a(),
-        PAIRS_PER_X_ROW=per_row, num_warps=tuning["num_warps"], **LAUNCH)
+    _expert_gemv_kernel[(routed + extra, triton.cdiv(rows_per_expert, block_n))](
+        x, x_rows, experts.contiguous(), *planes, y, rows_per_expert, w.cols, x.stride(0), routed, shared_x0,
+        GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
+        HIGH_BYTES=w.fmt.high_bytes_per_group, INT8=int8, S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits,
+        S_GROUP=s.fmt.group_size, S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_INT8=s_int8, BLOCK_N=block_n,
+        BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, num_warps=tuning["num_warps"], **LAUNCH)
     return y
 
 
