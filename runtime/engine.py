@@ -188,6 +188,7 @@ class Engine:
 
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
+        routers: dict[str, torch.Tensor] = {}
         self.fragment_order_products = 0  # layer products re-laid out in fragment order at bind
         self.vec: dict[str, torch.Tensor] = {}
         for r in self.plan.arenas["weights"].regions:
@@ -207,12 +208,24 @@ class Engine:
                 continue
             dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "I32": torch.int32}[e.format]
             t = raw.view(dtype).view(*e.shape) if e.shape else raw.view(dtype)
+            if r.name.endswith("moe/router"):
+                routers[r.name] = t
             if e.format == "BF16" and self.act_dtype != torch.bfloat16:
                 t = t.to(self.act_dtype)  # CPU interpreter path computes in float32
             if len(e.shape) == 2 and e.component in ("text", "mtp", "lm_head_draft", "dflash2") \
                     and not r.name.endswith("convolution"):
                 self.lin[r.name] = DenseLinear(t)
             self.vec[r.name] = t
+        # a MoE layer's router and shared-expert gate (both [*, hidden] bf16) lie next to each other in the
+        # plan: one product over both rows gives the routing logits and the gate logit (a launch less per layer)
+        self.router_and_gate: dict[str, DenseLinear] = {}
+        for name, router in routers.items():
+            gate = self.mem.raw("weights", name[: -len("router")] + "shared_gate") \
+                if ("weights", name[: -len("router")] + "shared_gate") in self.mem.regions else None
+            if gate is not None and gate.data_ptr() == router.data_ptr() + router.numel() * router.element_size() \
+                    and gate.numel() == router.shape[1] * router.element_size():
+                both = router.as_strided((router.shape[0] + 1, router.shape[1]), (router.shape[1], 1))
+                self.router_and_gate[name[: -len("router")]] = DenseLinear(both.to(self.act_dtype))
 
     def _bind_state(self) -> None:
         c, lanes = self.cfg, self.lanes
@@ -432,7 +445,12 @@ class Engine:
         inter, hid = c.moe_intermediate_size, c.hidden_size
         gate_up, down = self.lin[m + "experts_gate_up"], self.lin[m + "experts_down"]
         shared_up, shared_down = self.lin[m + "shared_gate_up"], self.lin[m + "shared_down"]
-        shared_gate = self.lin[m + "shared_gate"](h)  # logits: the combine applies the sigmoid
+        both = self.router_and_gate.get(m)
+        if both is not None:  # one product: the routing logits, then the shared gate's (a strided column)
+            logits = both(h)
+            router_logits, shared_gate = logits[:, :-1], logits[:, -1:]
+        else:
+            router_logits, shared_gate = None, self.lin[m + "shared_gate"](h)  # the combine applies the sigmoid
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
         if quantized and n <= GEMV_MAX_T and all(
                 isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
@@ -440,14 +458,14 @@ class Engine:
             # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in
             # one launch per matrix (pair p reads x row p // k, then its own row), no host sync, and one
             # launch weighs, gates and sums
-            ids, weights = route(self.lin[m + "router"](h), k)
+            ids, weights = route(self.lin[m + "router"](h) if router_logits is None else router_logits, k)
             pairs = ids.reshape(-1)
             act = swiglu(expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed))
             y = expert_gemv(act, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k)
             return combine_experts(y[: n * k], weights, y[n * k :], shared_gate=shared_gate)
         shared = shared_down(swiglu(shared_up(h)))
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
-            ids, weights = route(self.lin[m + "router"](h), k)
+            ids, weights = route(self.lin[m + "router"](h) if router_logits is None else router_logits, k)
             if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, grouped products
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
                                       swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill,

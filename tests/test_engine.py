@@ -400,3 +400,16 @@ def test_moe_shared_expert_rides_with_the_routed_ones(moe_equal_shared, kernels,
     engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
     _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
     assert calls and all(shared is not None for shared in calls)  # every decode step took the fused launches
+
+
+def test_moe_router_and_shared_gate_are_one_product(artifacts):
+    """The plan lays a MoE layer's router and shared-expert gate side by side: the engine multiplies both in one
+    product (the gate's logit its last column) and still generates the reference's tokens."""
+    engine = Engine(artifacts["moe-q5"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    moe_layers = [n for n in engine.lin if n.endswith("moe/router")]
+    assert moe_layers and len(engine.router_and_gate) == len(moe_layers)
+    m = moe_layers[0][: -len("router")]
+    both = engine.router_and_gate[m].weight
+    assert torch.equal(both[:-1].float(), engine.lin[m + "router"].weight.float())
+    assert torch.equal(both[-1:].float(), engine.lin[m + "shared_gate"].weight.float())
+    _assert_matches_reference(engine, artifacts["moe-q5"], PROMPT, NEW)

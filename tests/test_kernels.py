@@ -427,6 +427,11 @@ def test_moe_routing(t, e, k):
     want_ids, want_w = route_reference(logits.cpu(), k)
     assert torch.equal(ids.cpu(), want_ids)
     _check(w.cpu(), want_w, torch.float32)
+    # the router's columns of a wider product (router and shared gate in one GEMM): rows read at their stride
+    wide = torch.cat([logits, torch.full((t, 1), 1e9, device=DEVICE)], dim=1)
+    ids, w = route(wide[:, :e], k)
+    assert torch.equal(ids.cpu(), want_ids)
+    _check(w.cpu(), want_w, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS.values() if isinstance(f, GroupedFormat)], ids=lambda f: f.name)
@@ -477,7 +482,11 @@ def test_combine_experts(slotted, gated):
     gate = torch.randn(t, 1, generator=g).to(DTYPE) if gated else None
     dev = lambda a: None if a is None else a.to(DEVICE)
     got = combine_experts(dev(y), dev(weights), dev(shared), dev(slot), dev(gate))
-    _check(got.cpu(), combine_experts_reference(y, weights, shared, slot, gate))
+    want = combine_experts_reference(y, weights, shared, slot, gate)
+    _check(got.cpu(), want)
+    if gated:  # the gate as a strided column (the last column of the router's product)
+        logits = torch.cat([torch.randn(t, 7, generator=g).to(DTYPE), gate], dim=1)
+        _check(combine_experts(dev(y), dev(weights), dev(shared), dev(slot), dev(logits)[:, 7]).cpu(), want)
 
 
 def test_sort_pairs_groups_pairs_by_expert_in_whole_blocks():

@@ -29,12 +29,12 @@ from .launch import LAUNCH, pdl_wait
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl_wait()
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    logit = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf")).to(tl.float32)
+    logit = tl.load(logits_ptr + t * stride_t + e, mask=ok, other=float("-inf")).to(tl.float32)
     p = tl.exp(logit - tl.max(logit, axis=0))
     p = tl.where(ok, p / tl.sum(p, axis=0), -1.0)
     k = tl.arange(0, TOPK)
@@ -51,13 +51,17 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, TOPK: tl.constexpr, BLOCK
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (expert ids [T, k] int32, weights [T, k] float32 summing to 1)."""
+    """router_logits [T, E] (rows may be strided: the router's columns of a wider product) -> (expert ids
+    [T, k] int32, weights [T, k] float32 summing to 1)."""
     if torch_path(router_logits):
         return route_reference(router_logits, top_k)
     t, e = router_logits.shape
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    _route_kernel[(t,)](router_logits.contiguous(), ids, weights, e, TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), **LAUNCH)
+    _route_kernel[(t,)](router_logits, ids, weights, e, router_logits.stride(0), TOPK=top_k,
+                        BLOCK_E=triton.next_power_of_2(e), **LAUNCH)
     return ids, weights
 
 
@@ -260,7 +264,7 @@ def sort_pairs(ids: torch.Tensor, experts: int, block_m: int = EXPERT_BLOCK_M):
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, gate_ptr, out_ptr, H, TOPK: tl.constexpr,
+def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, gate_ptr, out_ptr, H, gate_stride, TOPK: tl.constexpr,
                     SLOTS: tl.constexpr, GATED: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum_j weights[t, j] * y[slot[t, j]] + sigmoid(gate[t]) * shared[t], in float32 and j order;
     without SLOTS, pair (t, j) is y row t * TOPK + j; without GATED, the shared output counts whole."""
@@ -278,7 +282,7 @@ def _combine_kernel(y_ptr, slot_ptr, weights_ptr, shared_ptr, gate_ptr, out_ptr,
         acc += w * tl.load(y_ptr + s * H + cols, mask=ok, other=0.0).to(tl.float32)
     shared = tl.load(shared_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
     if GATED:
-        shared = shared * tl.sigmoid(tl.load(gate_ptr + t).to(tl.float32))
+        shared = shared * tl.sigmoid(tl.load(gate_ptr + t * gate_stride).to(tl.float32))
     tl.store(out_ptr + t * H + cols, (acc + shared).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -286,7 +290,8 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
                     shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     """A MoE block's output in one launch: y [pairs, H] the routed experts' outputs, weights [T, k], shared
     [T, H] the shared expert's output, `slot` [T, k] the y row of pair (t, j) (None: t * k + j), `shared_gate`
-    [T] or [T, 1] the shared expert's gate logits (None: ungated). Returns [T, H] in shared's dtype."""
+    [T] or [T, 1] the shared expert's gate logits, any row stride (None: ungated). Returns [T, H] in shared's
+    dtype."""
     if torch_path(shared):
         return combine_experts_reference(y, weights, shared, slot, shared_gate)
     t, k = weights.shape
@@ -294,9 +299,9 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     out = torch.empty_like(shared)
     block_h = min(1024, triton.next_power_of_2(hid))
     slots = slot.contiguous() if slot is not None else weights
-    gate = shared_gate.contiguous() if shared_gate is not None else shared
+    gate = shared_gate.reshape(t, -1) if shared_gate is not None else shared  # a strided column stays a view
     _combine_kernel[(t, triton.cdiv(hid, block_h))](y, slots, weights.contiguous(), shared.contiguous(), gate, out,
-                                                    hid, TOPK=k, SLOTS=slot is not None, GATED=shared_gate is not None,
+                                                    hid, gate.stride(0), TOPK=k, SLOTS=slot is not None, GATED=shared_gate is not None,
                                                     BLOCK_H=block_h, **LAUNCH)
     return out
 
