@@ -456,12 +456,13 @@ class Engine:
                 isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
                 for e, s, rows in ((gate_up, shared_up, 2 * inter), (down, shared_down, hid))):
             # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in
-            # one launch per matrix (pair p reads x row p // k, then its own row), no host sync, and one
-            # launch weighs, gates and sums
+            # one launch per matrix (pair p reads x row p // k, then its own row; the down launch applies
+            # SwiGLU as it reads), no host sync, and one launch weighs, gates and sums
             ids, weights = route(self.lin[m + "router"](h) if router_logits is None else router_logits, k)
             pairs = ids.reshape(-1)
-            act = swiglu(expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed))
-            y = expert_gemv(act, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k)
+            gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed)
+            y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
+                            swiglu=True)  # SwiGLU inside the down launch
             return combine_experts(y[: n * k], weights, y[n * k :], shared_gate=shared_gate)
         shared = shared_down(swiglu(shared_up(h)))
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):

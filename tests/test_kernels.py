@@ -457,6 +457,12 @@ def test_expert_gemv(fmt):
                                                 _to_cpu(shared), rows_per_expert)])
         assert got.shape == (6 + 3 - x0, rows_per_expert)
         _check(got, want)
+    # SwiGLU of gate/up rows applied as the launch reads them: the same rows as a SwiGLU launch, then the product
+    from runtime.kernels.swiglu import swiglu
+
+    gu = torch.randn(6 + 3, 2 * k, device=DEVICE).to(DTYPE)
+    fused = expert_gemv(gu, 1, ex, w, rows_per_expert, shared=shared, shared_x0=6, swiglu=True)
+    assert torch.equal(fused, expert_gemv(swiglu(gu), 1, ex, w, rows_per_expert, shared=shared, shared_x0=6))
     from runtime.kernels.moe import shared_fusable
 
     assert shared_fusable(w, shared, rows_per_expert) and not shared_fusable(w, shared, rows_per_expert + 1)

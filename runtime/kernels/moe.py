@@ -26,6 +26,7 @@ from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, INT8_TUNING, VEC_TUNING, Pa
                       _dot_rows, dequantize_rows)
 from . import torch_path
 from .launch import LAUNCH, pdl_wait
+from .swiglu import swiglu as swiglu_rows
 
 
 @triton.jit
@@ -74,14 +75,15 @@ def route_reference(router_logits, top_k):
 @triton.jit
 def _expert_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, GPR: tl.constexpr, K_PAD: tl.constexpr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, INT8: tl.constexpr, USE_ASM: tl.constexpr):
-    """W[rows] @ x -> [BLOCK_N] float32, one GEMV tile of a packed matrix."""
+                 BLOCK_K: tl.constexpr, INT8: tl.constexpr, USE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
+    """W[rows] @ x -> [BLOCK_N] float32, one GEMV tile of a packed matrix (SWIGLU: x = SwiGLU of a gate/up row,
+    dp4a path only)."""
     if INT8:
         # expert matrices are small: each program quantizes its row of x (no extra launch)
         words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok[:, None], 0, GPR, K_PAD, BITS,
                                             GROUP, HIGH_BYTES, BLOCK_K)
         y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, words, high, w_scale, GPR,
-                           K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False)
+                           K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, USE_ASM, False, SWIGLU)
     else:
         y = _dot_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, 0, K_PAD, GPR, K_PAD, BITS, GROUP, HIGH_BYTES,
                       BLOCK_N, BLOCK_K)
@@ -95,10 +97,11 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
                         HIGH_BYTES: tl.constexpr, INT8: tl.constexpr, S_GPR: tl.constexpr, S_K_PAD: tl.constexpr,
                         S_BITS: tl.constexpr, S_GROUP: tl.constexpr, S_HIGH_BYTES: tl.constexpr,
                         S_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-                        PAIRS_PER_X_ROW: tl.constexpr):
+                        PAIRS_PER_X_ROW: tl.constexpr, SWIGLU: tl.constexpr):
     """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread). Pairs from SHARED_FROM
     on are the shared expert's (its own matrix s_*, in its own format S_*): pair p reads x row
-    p - SHARED_FROM + SHARED_X0."""
+    p - SHARED_FROM + SHARED_X0. SWIGLU: x's rows are gate/up projections (2K wide) and the product is taken
+    with silu(gate) * up, as the SwiGLU kernel would have written it."""
     pdl_wait()
     pair = tl.program_id(0)
     local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +109,7 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     if pair >= SHARED_FROM:
         y = _expert_rows(x_ptr + (pair - SHARED_FROM + SHARED_X0) * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr,
                          local, ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, BLOCK_N, BLOCK_K, S_INT8,
-                         USE_ASM)
+                         USE_ASM, SWIGLU)
     else:
         expert = tl.load(experts_ptr + pair)
         if PAIRS_PER_X_ROW > 0:
@@ -114,7 +117,7 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
         else:
             x_row = tl.load(x_rows_ptr + pair)
         y = _expert_rows(x_ptr + x_row * stride_x, base_ptr, high_ptr, scale_ptr, expert * ROWS_PER_EXPERT + local,
-                         ok, K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, INT8, USE_ASM)
+                         ok, K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, INT8, USE_ASM, SWIGLU)
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -126,15 +129,21 @@ def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
 
 
 def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tensor, w: PackedLinear,
-                rows_per_expert: int, shared: PackedLinear | None = None, shared_x0: int = 0) -> torch.Tensor:
+                rows_per_expert: int, shared: PackedLinear | None = None, shared_x0: int = 0,
+                swiglu: bool = False) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
     ([E * rows_per_expert, K] packed); `x_rows` an int n: x row p // n (a decode step's k pairs per token
     are n = k; the down product's own rows n = 1), without an index tensor to build per step. With `shared`
     (the shared expert's matrix, any grouped format: shared_fusable), the same launch also multiplies it with
-    x rows shared_x0, shared_x0 + 1, ... to the end of x, after the routed pairs. Returns [pairs (+ shared
-    rows), rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
+    x rows shared_x0, shared_x0 + 1, ... to the end of x, after the routed pairs. With `swiglu`, x's rows are
+    gate/up projections [*, 2K] and each product takes silu(gate) * up (in the launch itself on the dp4a path:
+    no SwiGLU launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
     qgemv_int8) unless NINFER_GEMV=float."""
     routed = experts.numel()
+    s = shared if shared is not None else w
+    int8, s_int8 = (GEMV_PATH == "int8" and m.fmt.bits in INT8_BITS for m in (w, s))
+    if swiglu and (torch_path(x) or not (int8 and s_int8)):  # SwiGLU first (the torch path, float GEMVs)
+        return expert_gemv(swiglu_rows(x), x_rows, experts, w, rows_per_expert, shared, shared_x0)
     if shared is not None and not shared_fusable(w, shared, rows_per_expert):
         raise ValueError("expert_gemv: the shared expert's matrix differs from one routed expert's")
     extra = x.shape[0] - shared_x0 if shared is not None else 0
@@ -149,8 +158,6 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
             y[routed:] = (x.float()[shared_x0:] @ shared.dense().t()).to(x.dtype)
         return y
     y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype, device=x.device)
-    s = shared if shared is not None else w
-    int8, s_int8 = (GEMV_PATH == "int8" and m.fmt.bits in INT8_BITS for m in (w, s))
     tuning = INT8_TUNING if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
     while w.k_pad % block_k or s.k_pad % block_k:
@@ -169,7 +176,8 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, INT8=int8, S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits,
         S_GROUP=s.fmt.group_size, S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_INT8=s_int8, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, num_warps=tuning["num_warps"], **LAUNCH)
+        BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, SWIGLU=swiglu, num_warps=tuning["num_warps"],
+        **LAUNCH)
     return y
 
 

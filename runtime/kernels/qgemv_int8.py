@@ -79,10 +79,19 @@ def _pack4(b0, b1, b2, b3):
 
 
 @triton.jit
-def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x lanes [k0, k0 + BLOCK_K) loaded and quantized (see _quantize_values)."""
+def _quantized_x(x_ptr, k0, K, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SWIGLU: tl.constexpr = False):
+    """x lanes [k0, k0 + BLOCK_K) loaded and quantized (see _quantize_values). SWIGLU: the row holds a gate/up
+    projection (gate lanes, then up lanes at K) and x is silu(gate) * up, rounded to the row's dtype as the
+    SwiGLU kernel writes it."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    return _quantize_values(tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32), BITS, GROUP, BLOCK_K)
+    if SWIGLU:
+        g = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        xv = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    return _quantize_values(xv, BITS, GROUP, BLOCK_K)
 
 
 @triton.jit
@@ -206,12 +215,12 @@ def _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok, k0, GPR: tl.constexpr,
 def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begin, k_end, words, high, w_scale,
                    GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                    HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-                   PREQUANT: tl.constexpr):
+                   PREQUANT: tl.constexpr, SWIGLU: tl.constexpr = False):
     """sum_k W[rows, k] * x[k] over [k_begin, k_end) -> [BLOCK_N] float32; (words, high, w_scale) is
     the first tile, from _weight_tile(..., k_begin, ...). `base_ptr` points at the code plane as int32
     words (8 lanes per word for 4-6 bits, 4 for 8 bits); for Q6 `high_ptr` is the high plane as int16.
     With PREQUANT, `x_ptr` is x's row already in dp4a words (see _quantize_x_kernel), shared by every
-    program instead of quantized by each. Each step issues the next tile's loads before its own
+    program instead of quantized by each; SWIGLU: x is SwiGLU of a gate/up row (_quantized_x). Each step issues the next tile's loads before its own
     arithmetic, so two tiles per program are in flight (the loop waits on memory, not on issue)."""
     LANES: tl.constexpr = 4 if BITS == 8 else 8  # lanes per code word
     gpb: tl.constexpr = BLOCK_K // GROUP
@@ -233,7 +242,7 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
             x_scale = tl.load(x_ptr + 4 * row_words + gq).to(tl.float32, bitcast=True)
             x_sum = tl.load(x_ptr + 4 * row_words + GPR + gq)
         else:
-            hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K)
+            hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr, k0, K, BITS, GROUP, BLOCK_K, SWIGLU)
         even, odd = _unpack_codes(words, high, BITS)
         acc += group_products(even, odd, hi_a, lo_a, hi_b, lo_b, x_scale, x_sum, w_scale, BITS, GROUP, BLOCK_N, BLOCK_K,
                               USE_ASM)
