@@ -2,6 +2,7 @@
 # Device calls (< 600 s each) for the fragment kernels (bench/RESULTS.md §2).
 #   run (carry .carry):  bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
 #                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
+#                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), and layout-k1 (fragment order with K split across programs only, no warps sharing K).
@@ -42,5 +43,15 @@ serve)
       --json "$OUT/serve-$mode.json" 2>&1 | tail -2
     echo "serve $mode t=$(el)"
   done
+  ;;
+moe)  # 35B-A3B: one lane with the MoE decode launches fused vs separate, then lanes (fragment order for the layers)
+  M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
+  for mode in fused separate; do
+    NINFER_MOE_DECODE=$mode timeout 90 $M --depths 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/moe-one-lane-$mode.json" 2>&1 | grep "│ bf16"
+    echo "moe $mode t=$(el)"
+  done
+  timeout 120 $M --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "moe lanes t=$(el)"
   ;;
 esac

@@ -42,6 +42,12 @@ from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit, 
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
+# MoE decode (kernels/moe.py): fused puts the shared expert in the routed experts' launches, SwiGLU in the down
+# launch and the shared gate in the router's product when the shapes allow; separate: a launch each (the path
+# before, for side-by-side runs)
+MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -169,6 +175,9 @@ class Engine:
         # MoE prefill experts (kernels/moe.py): NINFER_MOE_PREFILL=fused or dense forces one of expert_prefill's
         # paths (auto: by chunk length), loop: one GEMM per active expert (the path before them, for side-by-side runs)
         self.moe_prefill = os.environ.get("NINFER_MOE_PREFILL", "auto")
+        if MOE_DECODE not in ("fused", "separate"):
+            raise MemoryPlanError(f"NINFER_MOE_DECODE={MOE_DECODE!r} is not a MoE decode path; use fused or separate "
+                                  "(or unset it)")
         if self.moe_prefill not in ("auto", "fused", "dense", "loop"):
             raise MemoryPlanError(f"NINFER_MOE_PREFILL={self.moe_prefill!r} is not a MoE prefill path; "
                                   "use auto, fused, dense or loop (or unset it)")
@@ -219,7 +228,7 @@ class Engine:
         # a MoE layer's router and shared-expert gate (both [*, hidden] bf16) lie next to each other in the
         # plan: one product over both rows gives the routing logits and the gate logit (a launch less per layer)
         self.router_and_gate: dict[str, DenseLinear] = {}
-        for name, router in routers.items():
+        for name, router in routers.items() if MOE_DECODE == "fused" else ():
             gate = self.mem.raw("weights", name[: -len("router")] + "shared_gate") \
                 if ("weights", name[: -len("router")] + "shared_gate") in self.mem.regions else None
             if gate is not None and gate.data_ptr() == router.data_ptr() + router.numel() * router.element_size() \
@@ -452,7 +461,7 @@ class Engine:
         else:
             router_logits, shared_gate = None, self.lin[m + "shared_gate"](h)  # the combine applies the sigmoid
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
-        if quantized and n <= GEMV_MAX_T and all(
+        if quantized and n <= GEMV_MAX_T and MOE_DECODE == "fused" and all(
                 isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
                 for e, s, rows in ((gate_up, shared_up, 2 * inter), (down, shared_down, hid))):
             # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in

@@ -400,6 +400,13 @@ def test_moe_shared_expert_rides_with_the_routed_ones(moe_equal_shared, kernels,
     engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
     _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
     assert calls and all(shared is not None for shared in calls)  # every decode step took the fused launches
+    # NINFER_MOE_DECODE=separate: a launch each, as before (side-by-side runs), the same tokens
+    monkeypatch.setattr(engine_module, "MOE_DECODE", "separate")
+    calls.clear()
+    engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    assert not engine.router_and_gate
+    _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
+    assert calls and all(shared is None for shared in calls)
 
 
 def test_moe_router_and_shared_gate_are_one_product(artifacts):
