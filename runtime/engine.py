@@ -229,12 +229,13 @@ class Engine:
         # plan: one product over both rows gives the routing logits and the gate logit (a launch less per layer)
         self.router_and_gate: dict[str, DenseLinear] = {}
         for name, router in routers.items() if MOE_DECODE == "fused" else ():
-            gate = self.mem.raw("weights", name[: -len("router")] + "shared_gate") \
-                if ("weights", name[: -len("router")] + "shared_gate") in self.mem.regions else None
+            prefix = name[: -len("router")]
+            region = ("weights", prefix + "shared_gate")
+            gate = self.mem.raw(*region) if region in self.mem.regions else None
             if gate is not None and gate.data_ptr() == router.data_ptr() + router.numel() * router.element_size() \
                     and gate.numel() == router.shape[1] * router.element_size():
                 both = router.as_strided((router.shape[0] + 1, router.shape[1]), (router.shape[1], 1))
-                self.router_and_gate[name[: -len("router")]] = DenseLinear(both.to(self.act_dtype))
+                self.router_and_gate[prefix] = DenseLinear(both.to(self.act_dtype))
 
     def _bind_state(self) -> None:
         c, lanes = self.cfg, self.lanes
