@@ -93,6 +93,8 @@ class QuantLinear:
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
+        if p.fragment is not None:  # row views of fragment order would mix 16-row blocks
+            raise ValueError("QuantLinear.rows: the planes are in fragment order (only whole layer products are)")
         g = p.groups_per_row
         f = p.fmt
         base = p.base.view(p.rows, -1)[begin:end].reshape(-1)

@@ -336,6 +336,8 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     monkeypatch.setattr(ql, "FRAG_MODE", "layout")
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all(engine.lin[n].packed.fragment is not None for n in layout)
+    with pytest.raises(ValueError, match="fragment order"):
+        engine.lin[layout[0]].rows(0, 16)
     assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
     # auto: one plain lane keeps its Q4 products on the artifact's planes; several lanes (or verify blocks) take
     # fragment order
