@@ -133,7 +133,8 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
             engine.speculator.forced_accept = opts.accepted_drafts
         engine.mem.buffers["kv_pool"].zero_()
         log(f"[{kv}] engine ready in {load_s:.1f} s; plan {engine.plan.total_bytes / 2**30:.2f} GiB; "
-            f"prefill chunk {engine.opts.prefill_chunk}")
+            f"prefill chunk {engine.opts.prefill_chunk}; {engine.fragment_order_products} products in fragment order")
+        results["fragment_order_products"] = engine.fragment_order_products  # which product layout ran
         # compile the prefill kernels (a full chunk and a short tail) outside the timing
         warm = torch.randint(0, engine.cfg.vocab_size, (min(engine.opts.prefill_chunk + 7, max_context - 1),),
                              generator=gen).tolist()
@@ -221,6 +222,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
                                           prefill_chunk=prefill_chunk), device=device,
                         random_weights_seed=random_weights_seed)
         engine.mem.buffers["kv_pool"].zero_()
+        results["fragment_order_products"] = engine.fragment_order_products  # which product layout ran
         shared, per_lane = _weight_and_lane_bytes(engine, depth)
         base_step = None
         for n in sorted(lanes):
