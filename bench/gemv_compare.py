@@ -264,10 +264,14 @@ def frag_main(out: str) -> None:
 
         kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
                    "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0],
-                                                                         ksplit=tile[3])}
-        # layout: warps per block chosen per product (k0), and K split across programs only (k1)
-        sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0) for tile in FRAG_TILES] + [(2, 4, 528, 1), (2, 4, 1056, 1)]}
-        label = lambda tile: "h{}w{}p{}".format(*tile) + (f"k{tile[3]}" if len(tile) > 3 else "")  # noqa: E731
+                                                                         ksplit=tile[3], xorder=tile[4])}
+        # layout: warps per block chosen per product (k0), K split across programs only (k1), x in fragment order (x1)
+        sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0, 0) for tile in FRAG_TILES]
+                  + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (0, 4, 528, 0, 1), (0, 4, 1056, 0, 1)]}
+
+        def label(tile):
+            return "h{}w{}p{}".format(*tile) + ("k{}x{}".format(*tile[3:]) if len(tile) > 3 else "")
+
         best_of = {}
         for t in (1, 8, 2, 4, 16):
             x, y = _xy(t, k, n)
@@ -292,7 +296,7 @@ def frag_main(out: str) -> None:
         planes.clear()
         rows.append(row)
         print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
-                          if not re.search(r"_h\d+w\d+p\d+(k\d+)?_us", k2)}), flush=True)
+                          if not re.search(r"_h\d+w\d+p\d+(k\d+x\d+)?_us", k2)}), flush=True)
     print("hints:", HINTS, flush=True)
     _save(out, peak, rows)
 

@@ -179,21 +179,22 @@ def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
 
 
 @triton.jit
-def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, COMPUTE_ASM: tl.constexpr):
-    """acc + one group's contribution from its loaded words (_compute_asm, words form)."""
+def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, X_GROUP: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+    """acc + one group's contribution from its loaded words (_compute_asm, words form); x's groups X_GROUP bytes
+    apart."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * 128, xa1 + gi * 128]
+    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * X_GROUP, xa1 + gi * X_GROUP]
     return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
                                      pack=1)
 
 
 @triton.jit
-def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
+def _chunk_product(acc, chunk, xa0, xa1, ci, X_GROUP: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
-    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, COMPUTE_ASM)
-    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
-    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
-    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
+    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, X_GROUP, COMPUTE_ASM)
+    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, X_GROUP, COMPUTE_ASM)
+    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, X_GROUP, COMPUTE_ASM)
+    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, X_GROUP, COMPUTE_ASM)
 
 
 @triton.jit
@@ -217,7 +218,8 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 @triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
                                   G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
-                                  BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+                                  BITS: tl.constexpr, X_FRAGMENT: tl.constexpr, LOAD_ASM: tl.constexpr,
+                                  COMPUTE_ASM: tl.constexpr):
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
@@ -235,14 +237,20 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     lane = tid % 32
     g = lane // 4
     c = lane % 4
-    xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
-    xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+    if X_FRAGMENT:  # x in fragment order (fragment_order_x): per group and column tile, 2 x 32 lanes x 16 bytes
+        x_group: tl.constexpr = NT * 1024
+        xa0 = (x_ptr + lane * 8).to(tl.int64, bitcast=True)
+        xa1 = xa0 + 1024
+    else:
+        x_group: tl.constexpr = 128
+        xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+        xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
     for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-        acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), COMPUTE_ASM)
+        acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), x_group, COMPUTE_ASM)
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-        acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), COMPUTE_ASM)
+        acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), x_group, COMPUTE_ASM)
         c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     if KS > 1:  # the K shares of a block, summed in the program (Triton reduces across warps)
         a0, a1, a2, a3, a4, a5, a6, a7 = acc
@@ -255,11 +263,24 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
 
 
-# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape)
-FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0}
-if os.environ.get("NINFER_FRAGMENT_TILE"):  # side-by-side runs: hint,warps,programs[,ksplit]
-    FRAGMENT_TUNING.update(zip(("hint", "warps", "programs", "ksplit"),
+# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xorder 1 puts
+# x of 2+ rows in fragment order first (fragment_order_x: one launch more, a warp's x loads 512-byte runs where
+# they touch 8 rows' lines; not yet measured, so off)
+FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0}
+if os.environ.get("NINFER_FRAGMENT_TILE"):  # side-by-side runs: hint,warps,programs[,ksplit[,xorder]]
+    FRAGMENT_TUNING.update(zip(("hint", "warps", "programs", "ksplit", "xorder"),
                                map(int, os.environ["NINFER_FRAGMENT_TILE"].split(","))))
+
+
+def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
+    """x [T, K] (T <= 8 nt) in the order the fragment kernels read it: per 64-lane group and 8-row column tile,
+    two halves of 32 thread slots x 8 lanes (thread 4g + c: row g of the tile, lanes 16c + 8 half ..), rows past
+    T zero. A warp's x load is then one 512-byte run instead of 8 rows' lines."""
+    t, k = x.shape
+    padded = torch.zeros(8 * nt, k, dtype=x.dtype, device=x.device)
+    padded[:t] = x
+    groups = k // GROUP
+    return padded.view(nt, 8, groups, 4, 2, 8).permute(2, 0, 4, 1, 3, 5).contiguous().view(-1)
 
 
 def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0) -> tuple[int, int, int, int]:
@@ -282,7 +303,7 @@ def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: 
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
-                          ksplit: int | None = None) -> torch.Tensor | SplitPartials:
+                          ksplit: int | None = None, xorder: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
@@ -297,12 +318,16 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
         ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
+    x_fragment = t > 1 and bool(FRAGMENT_TUNING["xorder"] if xorder is None else xorder)
+    if x_fragment:
+        x = fragment_order_x(x, nt)
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
-                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits,
+                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_FRAGMENT=x_fragment,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True), num_warps=bw * ks,
-                                        **LAUNCH)
+                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True,
+                                                                 x_half=512 if x_fragment else 16),
+                                        num_warps=bw * ks, **LAUNCH)
     return finish_splits(target, y, defer_sum)
