@@ -20,8 +20,8 @@ lanes() {  # mode kv
 }
 case "${1:-kernels}" in
 kernels)
-  timeout 150 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_engine.py \
-    -k "frag or fragment or wide" > "$OUT/tests.log" 2>&1
+  timeout 180 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_engine.py tests/test_kernels.py \
+    -k "frag or fragment or wide or moe or rides or router or expert or routing or combine" > "$OUT/tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/tests.log" | head -40
   echo "t=$(el)"
   timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-900
