@@ -174,3 +174,19 @@ def test_the_ride_graphs_pool_is_planned(artifact):
         two.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH
     eager = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, cuda_graphs=False))
     assert eager.graph_pool_bytes == 0
+
+
+def test_moe_router_and_shared_gate_lie_side_by_side(tmp_path):
+    """The 35B-A3B's plan puts every MoE layer's shared-expert gate right after its router, so the engine multiplies
+    both as one [experts + 1, hidden] product (Engine.router_and_gate)."""
+    from format.shapes import write_shape_artifact
+
+    plan = build_plan(Artifact(write_shape_artifact("qwen3.6-35b-a3b", tmp_path / "m.nfer", "q4", mtp=False)),
+                      PlanOptions(max_context=4096))
+    plan.arenas["weights"].layout()
+    regions = {r.name: r for r in plan.arenas["weights"].regions}
+    routers = [n for n in regions if n.endswith("moe/router")]
+    assert len(routers) == 40
+    for name in routers:
+        router, gate = regions[name], regions[name[: -len("router")] + "shared_gate"]
+        assert gate.offset == router.offset + router.nbytes and gate.nbytes == 2 * 2048
