@@ -200,7 +200,6 @@ class Engine:
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
         routers: dict[str, torch.Tensor] = {}
-        self.fragment_order_products = 0  # layer products re-laid out in fragment order at bind
         self.vec: dict[str, torch.Tensor] = {}
         for r in self.plan.arenas["weights"].regions:
             e = self.art.objects[r.name]
@@ -211,7 +210,6 @@ class Engine:
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 if fragment_layout_enabled(self.rows_per_step, fmt.bits) and takes_fragment_layout(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
-                    self.fragment_order_products += 1
                 self.lin[r.name] = QuantLinear(packed)
                 continue
             if isinstance(fmt, FloatCodeFormat):
@@ -238,6 +236,11 @@ class Engine:
                     and gate.numel() == router.shape[1] * router.element_size():
                 both = router.as_strided((router.shape[0] + 1, router.shape[1]), (router.shape[1], 1))
                 self.router_and_gate[prefix] = DenseLinear(both.to(self.act_dtype))
+
+    @property
+    def fragment_order_products(self) -> int:
+        """Layer products re-laid out in fragment order at bind (the server's start-up line and the benches say it)."""
+        return sum(isinstance(lin, QuantLinear) and lin.packed.fragment is not None for lin in self.lin.values())
 
     def _bind_state(self) -> None:
         c, lanes = self.cfg, self.lanes
@@ -461,8 +464,8 @@ class Engine:
         if both is not None:  # one product: the routing logits, then the shared gate's (a strided column)
             logits = both(h)
             router_logits, shared_gate = logits[:, :-1], logits[:, -1:]
-        else:
-            router_logits, shared_gate = None, self.lin[m + "shared_gate"](h)  # the combine applies the sigmoid
+        else:  # the gate's logits: the combine applies the sigmoid
+            router_logits, shared_gate = self.lin[m + "router"](h), self.lin[m + "shared_gate"](h)
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
         if quantized and n <= GEMV_MAX_T and MOE_DECODE == "fused" and all(
                 isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
@@ -470,7 +473,7 @@ class Engine:
             # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in
             # one launch per matrix (pair p reads x row p // k, then its own row; the down launch applies
             # SwiGLU as it reads), no host sync, and one launch weighs, gates and sums
-            ids, weights = route(self.lin[m + "router"](h) if router_logits is None else router_logits, k)
+            ids, weights = route(router_logits, k)
             pairs = ids.reshape(-1)
             gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed)
             y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
@@ -478,7 +481,7 @@ class Engine:
             return combine_experts(y[: n * k], weights, y[n * k :], shared_gate=shared_gate)
         shared = shared_down(swiglu(shared_up(h)))
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
-            ids, weights = route(self.lin[m + "router"](h) if router_logits is None else router_logits, k)
+            ids, weights = route(router_logits, k)
             if n > GEMV_MAX_T:  # prefill: pairs sorted by expert, grouped products
                 return expert_prefill(h, ids, weights, gate_up.packed, down.packed, inter, c.num_experts, shared,
                                       swiglu, path=None if self.moe_prefill == "auto" else self.moe_prefill,
@@ -489,7 +492,7 @@ class Engine:
             y = expert_gemv(act, 1, pairs, down.packed, hid)
             return combine_experts(y, weights, shared, shared_gate=shared_gate)
         shared = shared * torch.sigmoid(shared_gate)
-        probs = torch.softmax(self.lin[m + "router"](h).float(), dim=-1)
+        probs = torch.softmax(router_logits.float(), dim=-1)
         weights, idx = torch.topk(probs, k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
         out = torch.zeros_like(h)

@@ -137,8 +137,8 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
     (the shared expert's matrix, any grouped format: shared_fusable), the same launch also multiplies it with
     x rows shared_x0, shared_x0 + 1, ... to the end of x, after the routed pairs. With `swiglu`, x's rows are
     gate/up projections [*, 2K] and each product takes silu(gate) * up (in the launch itself on the dp4a path:
-    no SwiGLU launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per group as in the dp4a GEMV (see
-    qgemv_int8) unless NINFER_GEMV=float."""
+    no SwiGLU launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per
+    group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
     routed = experts.numel()
     s = shared if shared is not None else w
     int8, s_int8 = (GEMV_PATH == "int8" and m.fmt.bits in INT8_BITS for m in (w, s))
@@ -309,8 +309,8 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
     slots = slot.contiguous() if slot is not None else weights
     gate = shared_gate.reshape(t, -1) if shared_gate is not None else shared  # a strided column stays a view
     _combine_kernel[(t, triton.cdiv(hid, block_h))](y, slots, weights.contiguous(), shared.contiguous(), gate, out,
-                                                    hid, gate.stride(0), TOPK=k, SLOTS=slot is not None, GATED=shared_gate is not None,
-                                                    BLOCK_H=block_h, **LAUNCH)
+                                                    hid, gate.stride(0), TOPK=k, SLOTS=slot is not None,
+                                                    GATED=shared_gate is not None, BLOCK_H=block_h, **LAUNCH)
     return out
 
 

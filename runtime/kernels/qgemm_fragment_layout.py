@@ -6,8 +6,8 @@ touches 8 weight rows x 32 bytes and the L1 sends L2 one 32-byte request per row
 thread needs for a 16-row block is contiguous: per (16-row block, 64-lane group) 512 bytes of code words, lane
 L = 4g + c holding its 8 bytes of row g then its 8 of row g + 8; per (block, 4 groups) 128 bytes of scales,
 lane g's 16 bytes being the 4 groups' (row g, row g + 8) scale pairs; Q5's high bits per (block, 4 groups) 512
-bytes, lane L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run (four whole
-lines) and the scales of 4 groups one line. The loads write their registers straight from memory (nothing
+bytes, lane L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run
+(four whole lines) and the scales of 4 groups one line. The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
 
@@ -83,8 +83,8 @@ def fragment_planes(w) -> FragmentPlanes:
     return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt)
 
 
-# Objects the engine re-lays out under NINFER_GEMV_FRAG=layout: products that only ever go through qlinear
-# whole (no row views, gathers or expert kernels read them)
+# Objects the engine may re-lay out (qlinear.fragment_layout_enabled says when): products that only ever go through
+# qlinear whole (no row views, gathers or expert kernels read them)
 FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/query_key_value_z", "gdn/output",
                     "mlp/gate_up", "mlp/down", "moe/shared_gate_up", "moe/shared_down", "mtp/input_projection")
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)

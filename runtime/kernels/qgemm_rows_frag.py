@@ -240,13 +240,13 @@ def frag_supported(w, t: int) -> bool:
     return w.fmt.bits in FRAG_BITS and w.fmt.group_size == GROUP and w.cols % (4 * GROUP) == 0 and 1 <= t <= 16
 
 
-def frag_splits(rows: int, units: int, warps: int, programs: int, step: int = 4, least: int = 8) -> int:
-    """K-splits of `units` (groups here: each split a multiple of `step`, the loop's step, and >= `least`) so that
-    row blocks x splits stay within `programs`."""
+def frag_splits(rows: int, groups: int, warps: int, programs: int) -> int:
+    """K-splits (each a multiple of 4 groups, the loop's step, and >= 8 groups) so that row blocks x splits
+    stay within `programs`."""
     blocks = triton.cdiv(rows, ROWS_PER_WARP * warps)
     best = 1
-    for split in range(2, units // least + 1):
-        if units % (step * split) == 0 and blocks * split <= programs:
+    for split in range(2, groups // 8 + 1):
+        if groups % (4 * split) == 0 and blocks * split <= programs:
             best = split
     return best
 
