@@ -37,6 +37,23 @@ def _cpu_kernels(request, monkeypatch):
         monkeypatch.setattr(runtime.kernels, "CPU_KERNELS", "triton")
 
 
+@pytest.fixture
+def kernel_device(monkeypatch):
+    """"cuda" on a GPU; on a CPU, Triton's interpreter with tl.inline_asm_elementwise run by the warp emulator
+    (tests/ptx_warp.py: one element per thread, so a program's tensors are its threads), so the whole kernel
+    (addresses, splits, warps sharing K, the in-program sum, the stores) runs."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    from triton.runtime import interpreter
+
+    from tests.ptx_warp import interpret_inline_asm
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", interpret_inline_asm)
+    return "cpu"
+
+
 def _hf_checkpoint(path, moe: bool):
     import torch
     import transformers

@@ -8,6 +8,7 @@ else raises, so a new instruction cannot pass unchecked.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 import numpy as np
@@ -36,6 +37,25 @@ def _f16(bits16: int) -> float:
     return float(np.array(bits16 & 0xFFFF, dtype=np.uint16).view(np.float16))
 
 
+def _to_f16(value: float) -> int:
+    return int(np.array(value, dtype=np.float32).astype(np.float16).view(np.uint16))  # round to nearest even
+
+
+def _f16x2(a: int, b: int, op) -> int:
+    """A packed-half operation: each 16-bit half computed exactly, then rounded once to fp16."""
+    halves = [_to_f16(op(np.float64(_f16(a >> s)), np.float64(_f16(b >> s)))) for s in (0, 16)]
+    return halves[0] | (halves[1] << 16)
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """The three-input logic op: bit i of the result is lut[(a_i << 2) | (b_i << 1) | c_i]."""
+    out = 0
+    for minterm in range(8):
+        if (lut >> minterm) & 1:
+            out |= ((a if minterm & 4 else ~a) & (b if minterm & 2 else ~b) & (c if minterm & 1 else ~c)) & MASK32
+    return out
+
+
 class Memory:
     """Byte buffers at fake addresses; reads are little-endian."""
 
@@ -56,13 +76,14 @@ class Memory:
         raise IndexError(f"emulated load of {size} bytes at {addr:#x} is outside every buffer")
 
 
-def _split(asm: str) -> list[str]:
+@functools.lru_cache(maxsize=256)
+def _split(asm: str) -> tuple[str, ...]:
     out = []
     for part in asm.split(";"):
         part = part.strip().lstrip("{").strip().rstrip("}").strip()
         if part and not part.startswith(".reg"):
             out.append(part)
-    return out
+    return tuple(out)
 
 
 def _operands(text: str) -> list[str]:
@@ -114,8 +135,20 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
     for ins in _split(asm):
         op, _, rest = ins.partition(" ")
         args = _operands(rest)
-        if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
-            _mma(lanes, args)
+        if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32."):
+            _mma(lanes, args, half=_f16 if ".f16.f16." in op else _bf16)
+            continue
+        if op == "shfl.sync.bfly.b32":  # d = a of lane ^ b (whole warp, clamp 0x1f)
+            source = [get(lane, args[1]) for lane in range(32)]
+            for lane in range(32):
+                lanes[lane][args[0]] = source[lane ^ get(lane, args[2])]
+            continue
+        if op == "movmatrix.sync.aligned.m8n8.trans.b16":  # an 8x8 b16 fragment (row lane / 4, cols 2 (lane % 4) ..)
+            source = [get(lane, args[1]) for lane in range(32)]
+            for lane in range(32):
+                row, col = lane // 4, 2 * (lane % 4)
+                pick = [(source[4 * k + row // 2] >> (16 * (row % 2))) & 0xFFFF for k in (col, col + 1)]
+                lanes[lane][args[0]] = pick[0] | (pick[1] << 16)
             continue
         guarded = op.startswith("@")
         if guarded:
@@ -154,14 +187,12 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
                 regs[args[0]] = f32_bits(_f16(get(lane, args[1])))
             elif op == "shl.b32":
                 regs[args[0]] = (get(lane, args[1]) << get(lane, args[2])) & MASK32
-            elif op == "shr.u32":
+            elif op in ("shr.u32", "shr.b32"):
                 regs[args[0]] = get(lane, args[1]) >> get(lane, args[2])
             elif op == "or.b32":
                 regs[args[0]] = get(lane, args[1]) | get(lane, args[2])
             elif op == "lop3.b32":
-                a, b, c, lut = (get(lane, x) for x in args[1:])
-                regs[args[0]] = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i
-                                    for i in range(32))
+                regs[args[0]] = _lop3(*(get(lane, x) for x in args[1:]))
             elif op == "prmt.b32":
                 a, b, sel = get(lane, args[1]), get(lane, args[2]), get(lane, args[3])
                 pool = a | (b << 32)
@@ -170,6 +201,16 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
                 a, b, c = (get(lane, x) for x in args[1:])
                 halves = [_to_bf16(_bf16(a >> s) * _bf16(b >> s) + _bf16(c >> s)) for s in (0, 16)]
                 regs[args[0]] = halves[0] | (halves[1] << 16)
+            elif op == "sub.rn.f16x2":
+                regs[args[0]] = _f16x2(get(lane, args[1]), get(lane, args[2]), lambda x, y: x - y)
+            elif op == "mul.rn.f16x2":
+                regs[args[0]] = _f16x2(get(lane, args[1]), get(lane, args[2]), lambda x, y: x * y)
+            elif op == "cvt.rn.f16x2.f32":  # d = {a (high half), b (low half)}
+                a, b = (bits_f32(get(lane, x)) for x in args[1:])
+                regs[args[0]] = _to_f16(b) | (_to_f16(a) << 16)
+            elif op in ("mul.f32", "add.f32", "max.f32"):
+                a, b = (np.float32(bits_f32(get(lane, x))) for x in args[1:])
+                regs[args[0]] = f32_bits(a * b if op == "mul.f32" else a + b if op == "add.f32" else max(a, b))
             elif op == "fma.rn.f32":
                 a, b, c = (bits_f32(get(lane, x)) for x in args[1:])
                 regs[args[0]] = f32_bits(np.float32(np.float64(a) * b + c))
@@ -178,17 +219,18 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
     return [[lanes[lane][f"${i}"] for i in range(n_outputs)] for lane in range(32)]
 
 
-def _mma(lanes: list[dict], args: list[str]) -> None:
-    """D = A (16x16 bf16) . B (16x8 bf16) + C (16x8 f32), from/to the lanes' fragments (PTX ISA layouts)."""
+def _mma(lanes: list[dict], args: list[str], half=_bf16) -> None:
+    """D = A (16x16) . B (16x8) + C (16x8 f32), A and B bf16 or fp16 (`half` decodes one), from/to the lanes'
+    fragments (PTX ISA layouts)."""
     d, a, b, c = ([n.strip() for n in x.strip("{}").split(",")] for x in args)
     A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
     for lane, regs in enumerate(lanes):
         g, t = lane // 4, lane % 4
         for r, name in enumerate(a):  # a0: (g, 2t..), a1: (g + 8, 2t..), a2: (g, 2t + 8..), a3: (g + 8, 2t + 8..)
             row, col = g + 8 * (r % 2), 2 * t + 8 * (r // 2)
-            A[row, col], A[row, col + 1] = _bf16(regs[name]), _bf16(regs[name] >> 16)
+            A[row, col], A[row, col + 1] = half(regs[name]), half(regs[name] >> 16)
         for r, name in enumerate(b):  # b0: k = 2t, 2t + 1; b1: k = 2t + 8, 2t + 9; column g
-            B[2 * t + 8 * r, g], B[2 * t + 8 * r + 1, g] = _bf16(regs[name]), _bf16(regs[name] >> 16)
+            B[2 * t + 8 * r, g], B[2 * t + 8 * r + 1, g] = half(regs[name]), half(regs[name] >> 16)
         for r, name in enumerate(c):  # c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8
             C[g + 8 * (r // 2), 2 * t + r % 2] = bits_f32(regs[name])
     D = A @ B + C

@@ -219,20 +219,6 @@ def test_fragment_kernels_on_the_gpu(kernel, fmt, t, n, k):
     frag.qgemm_rows_frag(x, w, y16) if kernel == "artifact planes" else qgemm_fragment_layout(x, fragment_planes(w), y16)
     assert ((y16.float() - want).abs().max() / want.abs().max()).item() < 1e-2
 
-@pytest.fixture
-def kernel_device(monkeypatch):
-    """"cuda" on a GPU; on a CPU, Triton's interpreter with tl.inline_asm_elementwise run by the warp emulator
-    (tests/ptx_warp.py: one element per thread, so a program's tensors are its threads), so the whole kernel
-    (addresses, splits, warps sharing K, the in-program sum, the stores) runs."""
-    if torch.cuda.is_available():
-        return "cuda"
-    from triton.runtime import interpreter
-
-    from tests.ptx_warp import interpret_inline_asm
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", interpret_inline_asm)
-    return "cpu"
-
 
 @pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 1), ("Q5G64_F16S", 11), ("Q4G64_F16S", 5)])
 def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):

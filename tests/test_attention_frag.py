@@ -1,0 +1,50 @@
+"""The fragment decode attention over int4 keys and values (runtime/kernels/paged_attention_frag.py). On a CPU
+Triton's interpreter runs the whole kernel with its PTX emulated warp by warp (tests/ptx_warp.py), so pages,
+splits, short last tiles, causal masks of several query rows and the combine are held to the reference
+attention; on a GPU the kernel itself runs."""
+
+import pytest
+import torch
+
+from runtime.kernels import paged_attention_frag as fa
+from runtime.kernels.paged_attention import PAGE, paged_attention_reference
+from runtime.kv.codecs import CODECS
+
+
+def _case(codec, lanes, t, hq, hkv, ctx, per_lane, seed, device):
+    c = CODECS[codec]
+    g = torch.Generator().manual_seed(seed)
+    total = lanes * per_lane + 1
+    pool = c.encode(torch.randn(total, PAGE, hkv, 256, generator=g), torch.randn(total, PAGE, hkv, 256, generator=g))
+    block_table = torch.randperm(total, generator=g)[: lanes * per_lane].view(lanes, per_lane).int()
+    ctx = torch.tensor(ctx, dtype=torch.int32)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, 256, generator=g) * 2)
+    want = paged_attention_reference(q.float(), pool, c, block_table, ctx, 256 ** -0.5)
+    dev = {k: v.to(device) for k, v in pool.items()}
+    return c, q.to(device), dev, block_table.to(device), ctx.to(device), want
+
+
+@pytest.mark.parametrize("codec,t,hq,hkv,split_tokens,warps", [
+    ("rk4v4-e8", 1, 12, 2, 64, 2),  # the 27B's 6-head groups, one page per split, a short last tile
+    ("rk4v4", 1, 16, 2, 128, 4),  # the 35B-A3B's 8-head groups (every column), two tiles per split, empty warps
+    ("rk4v4-e8", 2, 8, 2, 0, 2),  # two query rows per head: causal masks inside the last tile; splits by capacity
+])
+def test_fragment_attention_matches_the_reference(kernel_device, codec, t, hq, hkv, split_tokens, warps):
+    c, q, pool, block_table, ctx, want = _case(codec, 2, t, hq, hkv, [70, 150], 3, 7 + t + hq, kernel_device)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=kernel_device)
+    got = fa.paged_attention_frag(q.float() if kernel_device == "cpu" else q, pool, c, block_table, ctx, 256 ** -0.5,
+                                  out=out, warps=warps, target_splits=8, split_tokens=split_tokens)
+    err = (got.cpu() - want).abs().max() / want.abs().max()
+    assert err < 1e-3, err  # fp16 operands (4.5e-4 seen)
+
+
+def test_fragment_attention_takes_int4_decode_shapes_only():
+    for name in ("rk4v4", "rk4v4-e8"):
+        assert fa.frag_attention_supported(CODECS[name], 256, 6) and fa.frag_attention_supported(CODECS[name], 256, 8)
+        assert not fa.frag_attention_supported(CODECS[name], 256, 9)  # two column tiles: not built
+        assert not fa.frag_attention_supported(CODECS[name], 128, 6)
+    for name in ("bf16", "rk2v4-e8", "rk8v4"):
+        assert not fa.frag_attention_supported(CODECS[name], 256, 6)
+    c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 3, 18, 2, [70], 2, 1, "cpu")
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        fa.paged_attention_frag(q, pool, c, block_table, ctx, 0.1)
