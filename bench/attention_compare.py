@@ -3,6 +3,7 @@ this tree's kernel over a small tile sweep, and (when `.carry/old_paged_attentio
 version of the module) the earlier kernel; also the KV append (encode + write) per layer, kernel vs torch.
 
     PYTHONPATH=. python bench/attention_compare.py OUT.json [CODEC,...] [DEPTH,...]
+    PYTHONPATH=. python bench/attention_compare.py OUT.json frag   # int4 KV: tl.dot kernel vs fragment kernel
 """
 
 from __future__ import annotations
@@ -149,7 +150,61 @@ def main(out_path: str, codecs=CODEC_NAMES, depths=DEPTHS) -> None:
     Path(out_path).write_text(json.dumps({"peak_GBps": peak / 1e9, "rows": rows}, indent=1))
 
 
+FRAG_SWEEP = [(4, 1024, 2), (4, 1024, 0), (4, 1024, 1), (2, 1024, 2), (8, 1024, 2), (4, 512, 2), (4, 2048, 2),
+              (4, 4096, 2)]
+
+
+def frag_main(out_path: str, codecs=("rk4v4-e8",), depths=DEPTHS) -> None:
+    """int4 KV decode attention (T = 1 and T = 1 x 4 lanes at 27B shapes): the tl.dot kernel against the fragment
+    kernel (paged_attention_frag) over its (warps, splits, hint) sweep, CUDA-graph replays, L2 flushed by the pool's
+    size; max difference against the tl.dot kernel's output and fraction of copy."""
+    from runtime.kernels import paged_attention_frag as fa
+
+    peak = copy_bandwidth()
+    rows = []
+    for name in codecs:
+        codec = CODECS[name]
+        pool = _pool(codec, max(depths) // 64)
+        for depth, lanes in itertools.product(depths, (1, 4)):
+            pages = depth // 64
+            if lanes * pages > max(depths) // 64:
+                pages = max(depths) // 64 // lanes
+            bt = torch.arange(lanes * pages, dtype=torch.int32, device="cuda").view(lanes, pages)
+            ctx = torch.full((lanes,), pages * 64, dtype=torch.int32, device="cuda")
+            q = torch.randn(lanes, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+            kv_bytes = codec.bytes_per_token_head(D) * HKV * pages * 64 * lanes
+            row = {"codec": name, "depth": pages * 64, "lanes": lanes, "kv_bytes": kv_bytes}
+            ref = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+            row["dot_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
+            for warps, splits, hint in FRAG_SWEEP:
+                key = f"frag_{warps}w_{splits}s_h{hint}"
+                run = lambda: fa.paged_attention_frag(q, pool, codec, bt, ctx, D ** -0.5, warps=warps,  # noqa: E731
+                                                      target_splits=splits, hint=hint)
+                try:
+                    out = run().float()
+                    row[key + "_graph_us"] = graph_ms(run) * 1e3
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                    row[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    continue
+                row[key + "_maxdiff"] = (out - ref).abs().max().item()
+            times = {k: v for k, v in row.items() if k.startswith("frag_") and k.endswith("_graph_us")}
+            if times:
+                best = min(times, key=times.get)
+                row["best"], row["best_us"] = best, times[best]
+                row["best_frac_of_copy"] = kv_bytes / (times[best] * 1e-6) / peak
+                row["dot_frac_of_copy"] = kv_bytes / (row["dot_graph_us"] * 1e-6) / peak
+                row["speedup"] = row["dot_graph_us"] / times[best]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    Path(out_path).write_text(json.dumps({"peak_GBps": peak / 1e9, "rows": rows}, indent=1))
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if len(args) > 1 and args[1] == "frag":
+        frag_main(args[0])
+        sys.exit()
     main(args[0], *([args[1].split(",")] if len(args) > 1 else []),
          *([[int(x) for x in args[2].split(",")]] if len(args) > 2 else []))

@@ -161,6 +161,9 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
                 continue
             if op == "setp.ne.s32":
                 regs[args[0]] = get(lane, args[1]) != get(lane, args[2])
+            elif op == "setp.gt.s32":
+                signed = [(v & MASK32) - ((v & 0x80000000) << 1) for v in (get(lane, args[1]), get(lane, args[2]))]
+                regs[args[0]] = signed[0] > signed[1]
             elif op.startswith("ld.global"):
                 dst, src = args
                 m = re.fullmatch(r"\[(\S+?)(?:\+(\d+))?\]", src)
@@ -208,9 +211,10 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
             elif op == "cvt.rn.f16x2.f32":  # d = {a (high half), b (low half)}
                 a, b = (bits_f32(get(lane, x)) for x in args[1:])
                 regs[args[0]] = _to_f16(b) | (_to_f16(a) << 16)
-            elif op in ("mul.f32", "add.f32", "max.f32"):
+            elif op in ("mul.f32", "add.f32", "sub.f32", "max.f32"):
                 a, b = (np.float32(bits_f32(get(lane, x))) for x in args[1:])
-                regs[args[0]] = f32_bits(a * b if op == "mul.f32" else a + b if op == "add.f32" else max(a, b))
+                regs[args[0]] = f32_bits({"mul.f32": np.multiply, "add.f32": np.add, "sub.f32": np.subtract,
+                                          "max.f32": np.maximum}[op](a, b))
             elif op == "fma.rn.f32":
                 a, b, c = (bits_f32(get(lane, x)) for x in args[1:])
                 regs[args[0]] = f32_bits(np.float32(np.float64(a) * b + c))

@@ -26,6 +26,7 @@ def _case(codec, lanes, t, hq, hkv, ctx, per_lane, seed, device):
 
 @pytest.mark.parametrize("codec,t,hq,hkv,split_tokens,warps", [
     ("rk4v4-e8", 1, 12, 2, 64, 2),  # the 27B's 6-head groups, one page per split, a short last tile
+    ("rk4v4-e8", 1, 24, 4, 64, 2),  # the 27B's 4 kv heads: a program's warps are two heads of one split
     ("rk4v4", 1, 16, 2, 128, 4),  # the 35B-A3B's 8-head groups (every column), two tiles per split, empty warps
     ("rk4v4-e8", 2, 8, 2, 0, 2),  # two query rows per head: causal masks inside the last tile; splits by capacity
 ])
@@ -48,3 +49,32 @@ def test_fragment_attention_takes_int4_decode_shapes_only():
     c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 3, 18, 2, [70], 2, 1, "cpu")
     with pytest.raises(ValueError, match="at most 8 rows"):
         fa.paged_attention_frag(q, pool, c, block_table, ctx, 0.1)
+
+
+@pytest.mark.triton_kernels
+def test_paged_attention_takes_the_fragment_kernel_when_on(kernel_device, monkeypatch):
+    """NINFER_ATTENTION_FRAG=on routes int4 decode rows (<= 8 per kv head) to the fragment kernel and anything
+    else (a 12-row block) to the tl.dot kernel; both match the reference."""
+    from runtime.kernels import paged_attention as pa
+
+    monkeypatch.setitem(fa.FRAG_ATTENTION, "mode", "on")
+    calls, real = [], fa.paged_attention_frag
+    monkeypatch.setattr(fa, "paged_attention_frag", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for t in (1, 2):
+        c, q, pool, block_table, ctx, want = _case("rk4v4-e8", 1, t, 12, 2, [130], 3, 3 + t, kernel_device)
+        got = pa.paged_attention(q.float() if kernel_device == "cpu" else q, pool, c, block_table, ctx, 256 ** -0.5)
+        assert ((got.float().cpu() - want).abs().max() / want.abs().max()).item() < 1e-2
+    assert len(calls) == 1  # T = 2 is 12 rows of a 6-head group: the tl.dot kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a 27B-shaped context of thousands of keys: GPU only")
+def test_fragment_attention_at_depth_on_the_gpu():
+    """27B heads (24 / 4), three lanes of 4,000-9,000 keys over shuffled pages: the fragment kernel against the
+    reference and the tl.dot kernel, with the engine's defaults (splits, hint)."""
+    from runtime.kernels import paged_attention as pa
+
+    c, q, pool, block_table, ctx, want = _case("rk4v4-e8", 3, 1, 24, 4, [4000, 9000, 6100], 150, 5, "cuda")
+    got = fa.paged_attention_frag(q, pool, c, block_table, ctx, 256 ** -0.5).float().cpu()
+    dot = pa.paged_attention(q, pool, c, block_table, ctx, 256 ** -0.5).float().cpu()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+    assert ((got - dot).abs().max() / dot.abs().max()).item() < 1e-2

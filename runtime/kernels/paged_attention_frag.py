@@ -32,6 +32,7 @@ on a CPU, Triton's interpreter runs the kernel with the PTX emulated warp by war
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -53,39 +54,49 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 MODES = ("off", "on")
 # warps per program (each its own split) and the splits aimed at over the whole grid (~12 warps per SM resident)
-FRAG_ATTENTION = {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1536}
-if os.environ.get("NINFER_ATTENTION_FRAG_TILE"):  # side-by-side runs: warps,splits
-    FRAG_ATTENTION.update(zip(("warps", "splits"), map(int, os.environ["NINFER_ATTENTION_FRAG_TILE"].split(","))))
+# Warps per program (consecutive warps: the kv heads of one split, so a program reads whole token rows), the
+# splits aimed at over the grid (x kv heads = warps; ~8 warps per SM are resident at ~250 registers) and the cache
+# hint of the code loads (HINTS)
+FRAG_ATTENTION = {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1024, "hint": 2}
+if os.environ.get("NINFER_ATTENTION_FRAG_TILE"):  # side-by-side runs: warps,splits[,hint]
+    FRAG_ATTENTION.update(zip(("warps", "splits", "hint"),
+                              map(int, os.environ["NINFER_ATTENTION_FRAG_TILE"].split(","))))
 if FRAG_ATTENTION["mode"] not in MODES:
     raise SystemExit(f"ninfer: NINFER_ATTENTION_FRAG={FRAG_ATTENTION['mode']!r} is not one of {', '.join(MODES)}")
 
-_LOW = "0x000F000F, 0x64086408, 0x6a"  # (w & mask) ^ magic: low nibbles n as 1032 + n
-_HIGH = "0x00F000F0, 0x64806480, 0x6a"  # high nibbles as 1152 + 16 n
+_LOW = "0x000F000F, 0x00080008, 0x6a"  # (w & mask) ^ 8: low nibble n as the fp16 subnormal (n + 8) 2^-24
+_HIGH = "0x00F000F0, 0x00800080, 0x6a"  # high nibble as 16 (n + 8) 2^-24
+_ZERO_LOW, _ZERO_HIGH = "0x00080008", "0x00800080"  # the same of a zero code (n = 0): the offsets taken off
+UNIT = tl.constexpr(2.0 ** 24)  # codes reach the mma in units of 2^-24
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 
 
 def _nibbles(out: list[str], word: str) -> str:
-    """A code word's 8 nibbles as 4 exact fp16 pairs: (j, j + 4) for j = 0..3, low nibbles as n, high as 16 n."""
-    return (f"shr.b32 t, {word}, 8; "
-            f"lop3.b32 {out[0]}, {word}, {_LOW}; sub.rn.f16x2 {out[0]}, {out[0]}, kl; "
-            f"lop3.b32 {out[1]}, {word}, {_HIGH}; sub.rn.f16x2 {out[1]}, {out[1]}, kh; "
-            f"lop3.b32 {out[2]}, t, {_LOW}; sub.rn.f16x2 {out[2]}, {out[2]}, kl; "
-            f"lop3.b32 {out[3]}, t, {_HIGH}; sub.rn.f16x2 {out[3]}, {out[3]}, kh; ")
+    """A code word's 8 nibbles as 4 exact fp16 pairs, (j, j + 4) for j = 0..3: one logic op each, no offset taken
+    off (the products' offsets are summed apart and subtracted once)."""
+    return (f"shr.b32 t, {word}, 8; lop3.b32 {out[0]}, {word}, {_LOW}; lop3.b32 {out[1]}, {word}, {_HIGH}; "
+            f"lop3.b32 {out[2]}, t, {_LOW}; lop3.b32 {out[3]}, t, {_HIGH}; ")
 
 
-def keys_asm() -> str:
-    """Scores of 16 keys (g, g + 8) x 8 query columns (2c, 2c + 1), scaled into the log2 domain. Operands: $0-$3
-    out (key g: columns 2c, 2c + 1; key g + 8: same); $4/$5 code addresses of keys g / g + 8 (+ 8c), $6/$7 their
-    scale rows, $8/$9 whether to load them, $10 the softmax scale x log2(e), $11-$42 Q's B fragments (group G,
-    k-step j: $(11 + 8G + 2j), $(12 + 8G + 2j))."""
-    lines = ["{ .reg .pred pg, ph; .reg .b32 w<16>, sc<4>, a<8>, e<8>, t, kl, kh; .reg .b16 s<8>; "
-             ".reg .f32 p<4>, z, f, h; setp.ne.s32 pg, $8, 0; setp.ne.s32 ph, $9, 0; mov.f32 z, 0f00000000; "
-             "mov.b32 kl, 0x64086408; mov.b32 kh, 0x64806480;"]
-    lines += [f"mov.b32 w{i}, 0;" for i in range(16)] + [f"mov.b32 sc{i}, 0;" for i in range(4)]
-    for key, (addr, pred) in enumerate((("$4", "pg"), ("$5", "ph"))):
-        lines += [f"@{pred} ld.global.nc.v2.b32 {{w{8 * key + 2 * grp}, w{8 * key + 2 * grp + 1}}}, [{addr}+{32 * grp}];"
-                  for grp in range(4)]
-    lines += ["@pg ld.global.nc.v2.b32 {sc0, sc1}, [$6];", "@ph ld.global.nc.v2.b32 {sc2, sc3}, [$7];",
+HINTS = ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")  # on the code loads (a page's rows: all heads)
+
+
+def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "") -> str:
+    """Scores of keys 16 step + (g, g + 8) of a page x query columns (2c, 2c + 1), in the log2 domain. Operands:
+    $0-$3 out (key g: columns 2c, 2c + 1; key g + 8: same); $4 the page's code address for key 0 of this thread
+    (+ g rows + 8c bytes), $5 its scale address (+ g rows), $6 keys left in the page from key g, $7 the softmax
+    scale x log2(e) x 2^24, $8-$15 each group's offset sums (key_offsets_asm), $16-$47 Q's B fragments (group G,
+    k-step j: $(16 + 8G + 2j), $(17 + 8G + 2j)). Code words are loaded whole pages at a time (in bounds even past
+    the context; their scores are masked), scales only for keys in the context (zero otherwise)."""
+    first, second = 16 * step, 16 * step + 8
+    lines = ["{ .reg .pred pg, ph; .reg .b32 w<16>, sc<4>, a<8>, e<8>, t; .reg .b16 s<8>; .reg .f32 p<4>, z, f, h, d<4>;",
+             f"setp.gt.s32 pg, $6, {first}; setp.gt.s32 ph, $6, {second}; mov.f32 z, 0f00000000;",
+             "mov.b32 sc0, 0; mov.b32 sc1, 0; mov.b32 sc2, 0; mov.b32 sc3, 0;"]
+    for key, row in enumerate((first, second)):
+        lines += [f"ld.global.nc{hint}.v2.b32 {{w{8 * key + 2 * grp}, w{8 * key + 2 * grp + 1}}}, "
+                  f"[$4+{row * code_stride + 32 * grp}];" for grp in range(4)]
+    lines += [f"@pg ld.global.nc.v2.b32 {{sc0, sc1}}, [$5+{first * scale_stride}];",
+              f"@ph ld.global.nc.v2.b32 {{sc2, sc3}}, [$5+{second * scale_stride}];",
               "mov.b32 {s0, s1}, sc0; mov.b32 {s2, s3}, sc1; mov.b32 {s4, s5}, sc2; mov.b32 {s6, s7}, sc3;"]
     lines += [f"mov.f32 ${i}, z;" for i in range(4)]
     a, e = [f"a{i}" for i in range(8)], [f"e{i}" for i in range(8)]
@@ -93,74 +104,100 @@ def keys_asm() -> str:
         lines.append(_nibbles(a[:4], f"w{2 * grp}") + _nibbles(a[4:], f"w{2 * grp + 1}"))
         lines.append(_nibbles(e[:4], f"w{8 + 2 * grp}") + _nibbles(e[4:], f"w{9 + 2 * grp}"))
         for j in range(4):
-            qb = 11 + 8 * grp + 2 * j
+            qb = 16 + 8 * grp + 2 * j
             acc = "z, z, z, z" if j == 0 else "p0, p1, p2, p3"
             lines.append(f"{_MMA} {{p0, p1, p2, p3}}, {{a{2 * j}, e{2 * j}, a{2 * j + 1}, e{2 * j + 1}}}, "
                          f"{{${qb}, ${qb + 1}}}, {{{acc}}};")
-        lines.append(f"cvt.f32.f16 f, s{grp}; cvt.f32.f16 h, s{4 + grp}; mul.f32 f, f, $10; mul.f32 h, h, $10; "
-                     "fma.rn.f32 $0, p0, f, $0; fma.rn.f32 $1, p1, f, $1; fma.rn.f32 $2, p2, h, $2; "
-                     "fma.rn.f32 $3, p3, h, $3;")
+        o0, o1 = f"${8 + 2 * grp}", f"${9 + 2 * grp}"
+        lines.append(f"cvt.f32.f16 f, s{grp}; cvt.f32.f16 h, s{4 + grp}; mul.f32 f, f, $7; mul.f32 h, h, $7; "
+                     f"sub.f32 d0, p0, {o0}; sub.f32 d1, p1, {o1}; sub.f32 d2, p2, {o0}; sub.f32 d3, p3, {o1}; "
+                     "fma.rn.f32 $0, d0, f, $0; fma.rn.f32 $1, d1, f, $1; fma.rn.f32 $2, d2, h, $2; "
+                     "fma.rn.f32 $3, d3, h, $3;")
     return " ".join(lines) + " }"
 
 
-def values_asm(group: int, rescale: bool) -> str:
-    """acc (group `group`'s 4 m-tiles of O^T, 16 dims x 8 query columns each) += V^T P^T over 16 keys (optionally
-    acc x alpha first: the tile's first step). Operands: $0-$15 acc out (m-tile j at 4j: dims row g / g + 8,
-    columns 2c, 2c + 1), $16-$31 acc in, $32-$35 code addresses of keys 2c, 2c + 1, 2c + 8, 2c + 9 (+ 4g), $36-$39
-    their scale rows, $40-$43 whether to load them, $44/$45 P's B fragments (keys 2c.. / 2c + 8.., column g),
-    $46/$47 alpha of columns 2c / 2c + 1."""
-    lines = ["{ .reg .pred qa, qb, qc, qd; .reg .b32 wa, wb, wc, wd, x, y, u, v, xs, ys, m0, m1, m2, m3, sab, scd, "
-             "b0, b1, kl, kh; .reg .b16 ha, hb, hc, hd; .reg .f32 c<16>;",
-             "setp.ne.s32 qa, $40, 0; setp.ne.s32 qb, $41, 0; setp.ne.s32 qc, $42, 0; setp.ne.s32 qd, $43, 0;",
-             "mov.b32 wa, 0; mov.b32 wb, 0; mov.b32 wc, 0; mov.b32 wd, 0; "
-             "mov.b16 ha, 0; mov.b16 hb, 0; mov.b16 hc, 0; mov.b16 hd, 0;"]
-    for name, addr, scale, pred in (("wa", "$32", "$36", "qa"), ("wb", "$33", "$37", "qb"),
-                                    ("wc", "$34", "$38", "qc"), ("wd", "$35", "$39", "qd")):
-        lines.append(f"@{pred} ld.global.nc.b32 {name}, [{addr}+{32 * group}]; "
-                     f"@{pred} ld.global.nc.b16 h{name[1]}, [{scale}+{2 * group}];")
-    lines += ["mov.b32 sab, {ha, hb}; mov.b32 scd, {hc, hd}; mul.rn.f16x2 b0, $44, sab; mul.rn.f16x2 b1, $45, scd;",
-              "mov.b32 kl, 0x64086408; mov.b32 kh, 0x64806480;",
-              # bytes 0, 1 of keys 2c and 2c + 1 (x) / 2c + 8 and 2c + 9 (y); bytes 2, 3 likewise (u, v)
-              "prmt.b32 x, wa, wb, 0x5410; prmt.b32 y, wc, wd, 0x5410; "
-              "prmt.b32 u, wa, wb, 0x7632; prmt.b32 v, wc, wd, 0x7632;"]
-    for j, (lo, hi) in enumerate((("x", "y"), ("xs", "ys"), ("u", "v"), ("xs", "ys"))):
+def key_offsets_asm() -> str:
+    """What a zero code contributes to each group's product with Q (columns 2c, 2c + 1): the same mma over the
+    offset every nibble carries. Operands: $0-$7 out (group G at 2G, 2G + 1), $8-$39 Q's B fragments."""
+    lines = ["{ .reg .b32 lo, hi; .reg .f32 p<4>, z; mov.f32 z, 0f00000000; "
+             f"mov.b32 lo, {_ZERO_LOW}; mov.b32 hi, {_ZERO_HIGH};"]
+    for grp in range(4):
+        for j in range(4):
+            qb = 8 + 8 * grp + 2 * j
+            acc = "z, z, z, z" if j == 0 else "p0, p1, p2, p3"
+            lines.append(f"{_MMA} {{p0, p1, p2, p3}}, {{lo, lo, hi, hi}}, {{${qb}, ${qb + 1}}}, {{{acc}}};")
+        lines.append(f"mov.f32 ${2 * grp}, p0; mov.f32 ${2 * grp + 1}, p1;")
+    return " ".join(lines) + " }"
+
+
+def probabilities_asm(step: int, scale_stride: int) -> str:
+    """P^T's B fragments for keys 16 step + (2c, 2c + 1 | 2c + 8, 2c + 9) of column g, times each key's group
+    scale, per group. Operands: $0-$7 out (group G: $2G keys 2c.., $(2G + 1) keys 2c + 8..), $8/$9 the scores'
+    probabilities of key g (columns 2c, 2c + 1), $10/$11 of key g + 8, $12 the page's value-scale address
+    (+ 2c rows), $13 keys left in the page from key 2c. The transpose is one movmatrix per 8 x 8 half."""
+    base = 16 * step
+    lines = ["{ .reg .pred qa, qb, qc, qd; .reg .b32 t0, t1, b0, b1, xa<2>, xb<2>, xc<2>, xd<2>, sp;",
+             "cvt.rn.f16x2.f32 t0, $9, $8; movmatrix.sync.aligned.m8n8.trans.b16 b0, t0;",
+             "cvt.rn.f16x2.f32 t1, $11, $10; movmatrix.sync.aligned.m8n8.trans.b16 b1, t1;"]
+    for name, key in (("a", 0), ("b", 1), ("c", 8), ("d", 9)):
+        lines.append(f"setp.gt.s32 q{name}, $13, {base + key}; mov.b32 x{name}0, 0; mov.b32 x{name}1, 0; "
+                     f"@q{name} ld.global.nc.v2.b32 {{x{name}0, x{name}1}}, [$12+{(base + key) * scale_stride}];")
+    for grp in range(4):
+        word, sel = grp // 2, "0x5410" if grp % 2 == 0 else "0x7632"
+        lines.append(f"prmt.b32 sp, xa{word}, xb{word}, {sel}; mul.rn.f16x2 ${2 * grp}, b0, sp; "
+                     f"prmt.b32 sp, xc{word}, xd{word}, {sel}; mul.rn.f16x2 ${2 * grp + 1}, b1, sp;")
+    return " ".join(lines) + " }"
+
+
+def values_asm(step: int, group: int, rescale: bool, code_stride: int, hint: str = "") -> str:
+    """acc (group `group`'s 4 m-tiles of O^T: 16 dims x 8 query columns each) and its offset sums += V^T P^T over
+    keys 16 step + 0..15 of a page (acc x alpha first when `rescale`: a page's first step). Operands: $0-$15 acc
+    out (m-tile j at 4j: dim rows g / g + 8, columns 2c, 2c + 1), $16-$19 offset sums out (rows g / g + 8 likewise),
+    $20-$35 acc in, $36-$39 offset sums in, $40 the page's value-code address (+ 2c rows + 4g bytes), $41/$42 the
+    group's scaled P fragments (probabilities_asm), $43/$44 alpha of columns 2c / 2c + 1."""
+    rows = [16 * step + k for k in (0, 1, 8, 9)]
+    lines = ["{ .reg .b32 wa, wb, wc, wd, x, y, xu, xv, xs, ys, m0, m1, m2, m3, lo, hi; .reg .f32 c<20>;"]
+    lines += [f"ld.global.nc{hint}.b32 {name}, [$40+{row * code_stride + 32 * group}];"
+              for name, row in zip(("wa", "wb", "wc", "wd"), rows)]
+    # bytes 0, 1 of keys 2c and 2c + 1 (x) / 2c + 8 and 2c + 9 (y); bytes 2, 3 likewise (xu, xv)
+    lines.append("prmt.b32 x, wa, wb, 0x5410; prmt.b32 y, wc, wd, 0x5410; "
+                 "prmt.b32 xu, wa, wb, 0x7632; prmt.b32 xv, wc, wd, 0x7632;")
+    for j, (lo, hi) in enumerate((("x", "y"), ("xs", "ys"), ("xu", "xv"), ("xs", "ys"))):
         if j in (1, 3):  # the odd byte of each pair
-            src = "x, y" if j == 1 else "u, v"
-            lines.append(f"shr.b32 xs, {src.split(', ')[0]}, 8; shr.b32 ys, {src.split(', ')[1]}, 8;")
-        lines.append(f"lop3.b32 m0, {lo}, {_LOW}; sub.rn.f16x2 m0, m0, kl; "
-                     f"lop3.b32 m1, {lo}, {_HIGH}; sub.rn.f16x2 m1, m1, kh; "
-                     f"lop3.b32 m2, {hi}, {_LOW}; sub.rn.f16x2 m2, m2, kl; "
-                     f"lop3.b32 m3, {hi}, {_HIGH}; sub.rn.f16x2 m3, m3, kh;")
-        acc_in = [f"${16 + 4 * j + i}" for i in range(4)]
-        if rescale:
-            for i in range(4):
-                lines.append(f"mul.f32 c{4 * j + i}, {acc_in[i]}, ${46 + i % 2};")
-            acc_in = [f"c{4 * j + i}" for i in range(4)]
-        lines.append(f"{_MMA} {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, {{m0, m1, m2, m3}}, {{b0, b1}}, "
-                     f"{{{', '.join(acc_in)}}};")
+            first, second = ("x", "y") if j == 1 else ("xu", "xv")
+            lines.append(f"shr.b32 xs, {first}, 8; shr.b32 ys, {second}, 8;")
+        lines.append(f"lop3.b32 m0, {lo}, {_LOW}; lop3.b32 m1, {lo}, {_HIGH}; "
+                     f"lop3.b32 m2, {hi}, {_LOW}; lop3.b32 m3, {hi}, {_HIGH};")
+        lines.append(_value_mma([f"${4 * j + i}" for i in range(4)], [f"${20 + 4 * j + i}" for i in range(4)],
+                                [f"c{4 * j + i}" for i in range(4)], "m0, m1, m2, m3", rescale))
+    lines.append(f"mov.b32 lo, {_ZERO_LOW}; mov.b32 hi, {_ZERO_HIGH};")
+    lines.append(_value_mma([f"${16 + i}" for i in range(4)], [f"${36 + i}" for i in range(4)],
+                            [f"c{16 + i}" for i in range(4)], "lo, hi, lo, hi", rescale))
     return " ".join(lines) + " }"
 
 
-P_FRAGMENT_ASM = tl.constexpr("{ .reg .b32 t; cvt.rn.f16x2.f32 t, $2, $1; movmatrix.sync.aligned.m8n8.trans.b16 $0, t; }")
+def _value_mma(out: list[str], acc_in: list[str], scratch: list[str], a: str, rescale: bool) -> str:
+    text = ""
+    if rescale:
+        text = " ".join(f"mul.f32 {scratch[i]}, {acc_in[i]}, ${43 + i % 2};" for i in range(4)) + " "
+        acc_in = scratch
+    return text + f"{_MMA} {{{', '.join(out)}}}, {{{a}}}, {{$41, $42}}, {{{', '.join(acc_in)}}};"
+
+
 WARP_MAX_ASM = tl.constexpr("{ .reg .f32 t; shfl.sync.bfly.b32 t, $1, 4, 0x1f, 0xffffffff; max.f32 $0, $1, t; "
-                "shfl.sync.bfly.b32 t, $0, 8, 0x1f, 0xffffffff; max.f32 $0, $0, t; "
-                "shfl.sync.bfly.b32 t, $0, 16, 0x1f, 0xffffffff; max.f32 $0, $0, t; }")
+                            "shfl.sync.bfly.b32 t, $0, 8, 0x1f, 0xffffffff; max.f32 $0, $0, t; "
+                            "shfl.sync.bfly.b32 t, $0, 16, 0x1f, 0xffffffff; max.f32 $0, $0, t; }")
 WARP_SUM_ASM = tl.constexpr(WARP_MAX_ASM.value.replace("max.f32", "add.f32"))
-_KEYS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["l"] * 4 + ["r", "r", "f"] + ["r"] * 32))
-_VALUES_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["l"] * 8 + ["r"] * 6 + ["f", "f"]))
+_KEYS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["l", "l", "r"] + ["f"] * 9 + ["r"] * 32))
+_OFFSETS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 32))
+_PROBABILITIES_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["f"] * 4 + ["l", "r"]))
+_VALUES_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 20 + ["f"] * 20 + ["l", "r", "r", "f", "f"]))
 
 
 @triton.jit
 def _lanes(x, ASM: tl.constexpr):
     """x reduced (max or sum) over the 8 threads holding the same query columns (lanes c, c + 4, .. c + 28)."""
     return tl.inline_asm_elementwise(ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _p_fragment(p_even, p_odd):
-    """P^T's B fragment (keys 2c, 2c + 1 of column g) from the scores' C fragment (key g, columns 2c, 2c + 1)."""
-    return tl.inline_asm_elementwise(P_FRAGMENT_ASM, "=r,f,f", [p_even, p_odd], dtype=tl.int32, is_pure=False,
-                                     pack=1)
 
 
 @triton.jit
@@ -184,10 +221,13 @@ def _query_fragments(q_row, c, ok):
 
 
 @triton.jit
-def _value_group(acc, va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1,
-                 GRP: tl.constexpr, ASM: tl.constexpr):
-    args = acc + (va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1)
-    return tl.inline_asm_elementwise(ASM, _VALUES_CONSTRAINTS, args, dtype=(tl.float32,) * 16, is_pure=False, pack=1)
+def _value_group(acc, off, codes, b0, b1, alpha0, alpha1, ASMS: tl.constexpr, INDEX: tl.constexpr):
+    r = tl.inline_asm_elementwise(ASMS[INDEX], _VALUES_CONSTRAINTS, acc + off + (codes, b0, b1, alpha0, alpha1),
+                                  dtype=(tl.float32,) * 20, is_pure=False, pack=1)
+    acc = ()
+    for i in tl.static_range(16):
+        acc = acc + (r[i],)
+    return acc, (r[16], r[17], r[18], r[19])
 
 
 @triton.jit
@@ -196,33 +236,36 @@ def _address(ptr):
 
 
 @triton.jit
-def _store_group(part_o_ptr, acc, part0, ok0, ok1, g, GRP: tl.constexpr):
-    """Group GRP's dims from its 4 m-tiles: m-tile j's row g is dim 64 GRP + 8g + 2j, row g + 8 the next dim (x 16)."""
+def _store_group(part_o_ptr, acc, off, part0, ok0, ok1, g, GRP: tl.constexpr):
+    """Group GRP's dims from its 4 m-tiles: m-tile j's row g is dim 64 GRP + 8g + 2j (low nibbles), row g + 8 the
+    next dim (high nibbles, 16x); each less its offset sums, back from units of 2^-24."""
     for j in tl.static_range(4):
         d = 64 * GRP + 8 * g + 2 * j
-        tl.store(part_o_ptr + part0 * 256 + d, acc[4 * j], mask=ok0)
-        tl.store(part_o_ptr + (part0 + 1) * 256 + d, acc[4 * j + 1], mask=ok1)
-        tl.store(part_o_ptr + part0 * 256 + d + 1, acc[4 * j + 2] * 0.0625, mask=ok0)
-        tl.store(part_o_ptr + (part0 + 1) * 256 + d + 1, acc[4 * j + 3] * 0.0625, mask=ok1)
+        tl.store(part_o_ptr + part0 * 256 + d, (acc[4 * j] - off[0]) * UNIT, mask=ok0)
+        tl.store(part_o_ptr + (part0 + 1) * 256 + d, (acc[4 * j + 1] - off[1]) * UNIT, mask=ok1)
+        tl.store(part_o_ptr + part0 * 256 + d + 1, (acc[4 * j + 2] - off[2]) * (UNIT / 16), mask=ok0)
+        tl.store(part_o_ptr + (part0 + 1) * 256 + d + 1, (acc[4 * j + 3] - off[3]) * (UNIT / 16), mask=ok1)
 
 
 @triton.jit
 def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block_table_ptr, ctx_len_ptr,
                            T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, score_scale,
                            KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                           W: tl.constexpr, KEYS_ASM: tl.constexpr, VALUES_ASM: tl.constexpr):
-    """One (lane, kv head) and W splits of its keys, a warp each (see the module's docstring)."""
+                           W: tl.constexpr, KEYS_ASM: tl.constexpr, OFFSETS_ASM: tl.constexpr,
+                           PROBABILITIES_ASM: tl.constexpr, VALUES_ASM: tl.constexpr):
+    """W warps of one lane, each one (split, kv head) of its keys, heads fastest (see the module's docstring)."""
     pdl_wait()  # the queries and this step's keys and values are written by the kernels before
-    lane_kvh = tl.program_id(0)
-    lane = lane_kvh // HKV
-    kvh = lane_kvh % HKV
+    lane = tl.program_id(0)
     group = HQ // HKV
     rows_total = T * group
     zero = tl.zeros([32 * W], tl.int32)
     tid = _thread_ids(zero)
     g = (tid % 32) // 4
     c = tid % 4
-    split = tl.program_id(1) * W + tid // 32
+    warp = tl.program_id(1) * W + tid // 32
+    kvh = warp % HKV
+    split = warp // HKV
+    lane_kvh = lane * HKV + kvh
     ctx = tl.load(ctx_len_ptr + lane)
     split_len = _split_len(ctx, SPLITS, SPLIT_MIN, 64)
     begin = split * split_len
@@ -231,8 +274,17 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     head = kvh * group + g % group
     q_row = q_ptr + ((lane * T + tl.minimum(g // group, T - 1)) * HQ + tl.where(row_ok, head, 0)) * 256
     qf = _query_fragments(q_row, c, row_ok)
-    pos0 = ctx - T + (2 * c) // group  # the positions of this thread's query columns 2c, 2c + 1
-    pos1 = ctx - T + (2 * c + 1) // group
+    o = tl.inline_asm_elementwise(OFFSETS_ASM, _OFFSETS_CONSTRAINTS, qf, dtype=(tl.float32,) * 8, is_pure=True,
+                                  pack=1)
+    koff = (o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7])
+    sscale = zero.to(tl.float32) + score_scale
+    last0 = ctx - T + (2 * c) // group  # the last key each of this thread's query columns 2c, 2c + 1 sees
+    last1 = ctx - T + (2 * c + 1) // group
+    # this thread's byte offsets inside a page (rows of HKV heads): keys g / values 2c, code bytes 8c / 4g
+    k_thread = g.to(tl.int64) * HKV * KW0 + 8 * c
+    ks_thread = g.to(tl.int64) * HKV * KW1
+    v_thread = (2 * c).to(tl.int64) * HKV * VW0 + 4 * g
+    vs_thread = (2 * c).to(tl.int64) * HKV * VW1
     m0 = tl.full([32 * W], float("-inf"), tl.float32)
     m1 = m0
     l0 = tl.zeros([32 * W], tl.float32)
@@ -241,24 +293,27 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
+    off0 = (l0, l0, l0, l0)
+    off1 = off0
+    off2 = off0
+    off3 = off0
     for ti in range(0, split_len // 64):
         n0 = begin + ti * 64
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n0 // 64, mask=n0 < end, other=0)
-        base = page.to(tl.int64) * 64
+        row0 = page.to(tl.int64) * 64 * HKV + kvh
+        kc = _address(k0 + row0 * KW0 + k_thread)
+        ks = _address(k1 + row0 * KW1 + ks_thread)
+        vc = _address(v0 + row0 * VW0 + v_thread)
+        vs = _address(v1 + row0 * VW1 + vs_thread)
+        lim0 = tl.minimum(last0, end - 1) - n0 - g  # key g + i of the page is visible to column 2c when i <= lim0
+        lim1 = tl.minimum(last1, end - 1) - n0 - g
         s = ()
         for u in tl.static_range(4):
-            kg = n0 + 16 * u + g
-            rg = (base + 16 * u + g) * HKV + kvh
-            rh = rg + 8 * HKV
-            args = (_address(k0 + rg * KW0 + 8 * c), _address(k0 + rh * KW0 + 8 * c), _address(k1 + rg * KW1),
-                    _address(k1 + rh * KW1), (kg < end).to(tl.int32), (kg + 8 < end).to(tl.int32),
-                    zero.to(tl.float32) + score_scale) + qf
-            r = tl.inline_asm_elementwise(KEYS_ASM, _KEYS_CONSTRAINTS, args, dtype=(tl.float32,) * 4, is_pure=False,
-                                          pack=1)
-            s = s + (tl.where((kg < end) & (kg <= pos0), r[0], float("-inf")),
-                     tl.where((kg < end) & (kg <= pos1), r[1], float("-inf")),
-                     tl.where((kg + 8 < end) & (kg + 8 <= pos0), r[2], float("-inf")),
-                     tl.where((kg + 8 < end) & (kg + 8 <= pos1), r[3], float("-inf")))
+            r = tl.inline_asm_elementwise(KEYS_ASM[u], _KEYS_CONSTRAINTS, (kc, ks, end - n0 - g, sscale) + koff + qf,
+                                          dtype=(tl.float32,) * 4, is_pure=False, pack=1)
+            s = s + (tl.where(16 * u <= lim0, r[0], float("-inf")), tl.where(16 * u <= lim1, r[1], float("-inf")),
+                     tl.where(16 * u + 8 <= lim0, r[2], float("-inf")),
+                     tl.where(16 * u + 8 <= lim1, r[3], float("-inf")))
         mx0 = tl.maximum(tl.maximum(tl.maximum(s[0], s[2]), tl.maximum(s[4], s[6])),
                          tl.maximum(tl.maximum(s[8], s[10]), tl.maximum(s[12], s[14])))
         mx1 = tl.maximum(tl.maximum(tl.maximum(s[1], s[3]), tl.maximum(s[5], s[7])),
@@ -277,27 +332,16 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
         m0 = new0
         m1 = new1
         for u in tl.static_range(4):
-            pb0 = _p_fragment(p[4 * u], p[4 * u + 1])
-            pb1 = _p_fragment(p[4 * u + 2], p[4 * u + 3])
-            ka = n0 + 16 * u + 2 * c
-            ra = (base + 16 * u + 2 * c) * HKV + kvh
-            rb = ra + HKV
-            rc = ra + 8 * HKV
-            rd = rc + HKV
-            va, vb = _address(v0 + ra * VW0 + 4 * g), _address(v0 + rb * VW0 + 4 * g)
-            vc, vd = _address(v0 + rc * VW0 + 4 * g), _address(v0 + rd * VW0 + 4 * g)
-            sa, sb, sc, sd = _address(v1 + ra * VW1), _address(v1 + rb * VW1), _address(v1 + rc * VW1), \
-                _address(v1 + rd * VW1)
-            oka, okb = (ka < end).to(tl.int32), (ka + 1 < end).to(tl.int32)
-            okc, okd = (ka + 8 < end).to(tl.int32), (ka + 9 < end).to(tl.int32)
-            acc0 = _value_group(acc0, va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1,
-                                0, VALUES_ASM[8 * (u == 0)])
-            acc1 = _value_group(acc1, va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1,
-                                1, VALUES_ASM[1 + 8 * (u == 0)])
-            acc2 = _value_group(acc2, va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1,
-                                2, VALUES_ASM[2 + 8 * (u == 0)])
-            acc3 = _value_group(acc3, va, vb, vc, vd, sa, sb, sc, sd, oka, okb, okc, okd, pb0, pb1, alpha0, alpha1,
-                                3, VALUES_ASM[3 + 8 * (u == 0)])
+            b = tl.inline_asm_elementwise(PROBABILITIES_ASM[u], _PROBABILITIES_CONSTRAINTS,
+                                          (p[4 * u], p[4 * u + 1], p[4 * u + 2], p[4 * u + 3], vs, end - n0 - 2 * c),
+                                          dtype=(tl.int32,) * 8, is_pure=False, pack=1)
+            acc0, off0 = _value_group(acc0, off0, vc, b[0], b[1], alpha0, alpha1, VALUES_ASM, 8 * u + 4 * (u == 0))
+            acc1, off1 = _value_group(acc1, off1, vc, b[2], b[3], alpha0, alpha1,
+                                      VALUES_ASM, 8 * u + 1 + 4 * (u == 0))
+            acc2, off2 = _value_group(acc2, off2, vc, b[4], b[5], alpha0, alpha1,
+                                      VALUES_ASM, 8 * u + 2 + 4 * (u == 0))
+            acc3, off3 = _value_group(acc3, off3, vc, b[6], b[7], alpha0, alpha1,
+                                      VALUES_ASM, 8 * u + 3 + 4 * (u == 0))
     l0 = _lanes(l0, WARP_SUM_ASM)
     l1 = _lanes(l1, WARP_SUM_ASM)
     part0 = (lane_kvh * SPLITS + split) * rows_total + 2 * c  # partials [lane, kvh, split, row, D] and (m, l)
@@ -307,15 +351,25 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     tl.store(part_ml_ptr + part0 * 2 + 1, l0, mask=ok0 & (g == 0))
     tl.store(part_ml_ptr + part0 * 2 + 2, m1 * LN2, mask=ok1 & (g == 0))
     tl.store(part_ml_ptr + part0 * 2 + 3, l1, mask=ok1 & (g == 0))
-    _store_group(part_o_ptr, acc0, part0, ok0, ok1, g, 0)
-    _store_group(part_o_ptr, acc1, part0, ok0, ok1, g, 1)
-    _store_group(part_o_ptr, acc2, part0, ok0, ok1, g, 2)
-    _store_group(part_o_ptr, acc3, part0, ok0, ok1, g, 3)
+    _store_group(part_o_ptr, acc0, off0, part0, ok0, ok1, g, 0)
+    _store_group(part_o_ptr, acc1, off1, part0, ok0, ok1, g, 1)
+    _store_group(part_o_ptr, acc2, off2, part0, ok0, ok1, g, 2)
+    _store_group(part_o_ptr, acc3, off3, part0, ok0, ok1, g, 3)
 
 
-# values_asm per group, then the same with the tile's rescale first (index 8 + group; 4..7 unused)
-VALUES_ASMS = tuple(values_asm(grp % 4, False) for grp in range(8)) + tuple(values_asm(grp % 4, True)
-                                                                             for grp in range(8))
+@functools.lru_cache(maxsize=16)
+def kernel_asm(hkv: int, key_width: int, key_scales: int, value_width: int, value_scales: int, hint: str = "") -> dict:
+    """The PTX strings for a pool of `hkv` heads (token rows of hkv x width bytes): keys per 16-key step, values per
+    (step, group) with a page's first step rescaling (index 8 step + 4 + group), probabilities per step."""
+    code_k, scale_k, code_v, scale_v = hkv * key_width, 2 * hkv * key_scales, hkv * value_width, 2 * hkv * value_scales
+    values = []
+    for step in range(4):
+        values += [values_asm(step, grp, False, code_v, hint) for grp in range(4)]
+        values += [values_asm(step, grp, True, code_v, hint) for grp in range(4)]
+    return {"KEYS_ASM": tuple(keys_asm(step, code_k, scale_k, hint) for step in range(4)),
+            "OFFSETS_ASM": key_offsets_asm(),
+            "PROBABILITIES_ASM": tuple(probabilities_asm(step, scale_v) for step in range(4)),
+            "VALUES_ASM": tuple(values)}
 
 
 def frag_attention_supported(codec: Codec, head_dim: int, rows: int) -> bool:
@@ -323,14 +377,9 @@ def frag_attention_supported(codec: Codec, head_dim: int, rows: int) -> bool:
     return codec.key in KEY_KINDS and codec.value in VALUE_KINDS and head_dim == HEAD_DIM and 1 <= rows <= MAX_ROWS
 
 
-def frag_attention_enabled(codec: Codec, head_dim: int, rows: int, device: torch.device) -> bool:
-    """NINFER_ATTENTION_FRAG=on and a shape the kernel takes (a GPU, or the interpreter the tests run)."""
-    return FRAG_ATTENTION["mode"] == "on" and frag_attention_supported(codec, head_dim, rows)
-
-
 def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
                          ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                         warps: int | None = None, target_splits: int | None = None,
+                         warps: int | None = None, target_splits: int | None = None, hint: int | None = None,
                          split_tokens: int = 0) -> torch.Tensor:
     """paged_attention for frag_attention_supported shapes: q [lanes, T, HQ, 256] rotated as the codec says,
     returns [lanes, T, HQ, 256] in the value storage basis. split_tokens > 0 pins the keys per split (tests)."""
@@ -347,17 +396,19 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
         size = max(TILE, -(-min(split_tokens, capacity) // TILE) * TILE)
         split_min = size
     else:
-        size = split_size(capacity, lanes * hkv, TILE, target)
+        size = split_size(capacity, lanes * hkv, TILE, target)  # ~target warps in all
         split_min = -(-MIN_SPLIT // TILE) * TILE
     splits = triton.cdiv(capacity, size)
     o = out if out is not None else torch.empty_like(q)
     part_o = torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
     k0, k1, v0, v1 = pool["k_codes"], pool["k_scales"], pool["v_codes"], pool["v_scales"]
-    _attention_frag_kernel[(lanes * hkv, triton.cdiv(splits, warps))](
+    asm = kernel_asm(hkv, k0.shape[-1], k1.shape[-1], v0.shape[-1], v1.shape[-1],
+                     HINTS[FRAG_ATTENTION["hint"] if hint is None else hint])
+    _attention_frag_kernel[(lanes, triton.cdiv(splits * hkv, warps))](
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len, t, hq, hkv, block_table.shape[1],
-        splits, split_min, scale * LOG2E, KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        W=warps, KEYS_ASM=keys_asm(), VALUES_ASM=VALUES_ASMS, num_warps=warps, **LAUNCH)
+        splits, split_min, scale * LOG2E * UNIT.value, KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
+        VW1=v1.shape[-1], W=warps, num_warps=warps, **asm, **LAUNCH)
     _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, D=d,
                                                   BLOCK_S=64, BLOCK_D=64, BLOCK_N=TILE, num_warps=4, **LAUNCH)
     return o
