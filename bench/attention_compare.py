@@ -154,8 +154,8 @@ FRAG_SWEEP = [(4, 1024, 2), (4, 1024, 0), (4, 1024, 1), (2, 1024, 2), (8, 1024, 
               (4, 4096, 2)]
 
 
-def frag_main(out_path: str, codecs=("rk4v4-e8",), depths=DEPTHS) -> None:
-    """int4 KV decode attention (T = 1 and T = 1 x 4 lanes at 27B shapes): the tl.dot kernel against the fragment
+def frag_main(out_path: str, codecs=("rk4v4-e8", "int8"), depths=DEPTHS) -> None:
+    """int4 / int8 KV decode attention (T = 1 and T = 1 x 4 lanes at 27B shapes): the tl.dot kernel against the fragment
     kernel (paged_attention_frag) over its (warps, splits, hint) sweep, CUDA-graph replays, L2 flushed by the pool's
     size; max difference against the tl.dot kernel's output and fraction of copy."""
     from runtime.kernels import paged_attention_frag as fa

@@ -3,7 +3,7 @@
 #   run (carry .carry):  bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
 #                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
 #                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
-#                        bash bench/device_frag.sh attention # int4 KV decode attention: tl.dot vs fragment kernel
+#                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), and layout-k1 (fragment order with K split across programs only, no warps sharing K).
@@ -55,7 +55,7 @@ moe)  # 35B-A3B: one lane with the MoE decode launches fused vs separate, then l
   timeout 120 $M --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
   ;;
-attention)  # rk4v4-e8 decode attention: GPU tests, per-layer sweep, then the 27B decode at depth, off vs on
+attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 27B decode at depth, off vs on
   timeout 150 python -m pytest -q --tb=short tests/test_attention_frag.py tests/test_kernels.py -k "attention" \
     > "$OUT/attn-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/attn-tests.log" | head -20
@@ -66,6 +66,8 @@ attention)  # rk4v4-e8 decode attention: GPU tests, per-layer sweep, then the 27
   for mode in off on; do
     NINFER_ATTENTION_FRAG=$mode timeout 130 $B --depths 8k,32k,128k,200k --kv-dtype rk4v4-e8 --decode-tokens 64 \
       --json-out "$OUT/depth-attn-$mode.json" 2>&1 | grep "│ rk4v4"
+    NINFER_ATTENTION_FRAG=$mode timeout 60 $B --depths 200k --kv-dtype int8 --decode-tokens 64 \
+      --json-out "$OUT/depth-attn-int8-$mode.json" 2>&1 | grep "│ int8"
     echo "attention $mode t=$(el)"
   done
   ;;

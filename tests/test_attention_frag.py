@@ -29,6 +29,8 @@ def _case(codec, lanes, t, hq, hkv, ctx, per_lane, seed, device):
     ("rk4v4-e8", 1, 24, 4, 64, 2),  # the 27B's 4 kv heads: a program's warps are two heads of one split
     ("rk4v4", 1, 16, 2, 128, 4),  # the 35B-A3B's 8-head groups (every column), two tiles per split, empty warps
     ("rk4v4-e8", 2, 8, 2, 0, 2),  # two query rows per head: causal masks inside the last tile; splits by capacity
+    ("int8", 1, 12, 2, 64, 2),  # int8 keys and values
+    ("rk8v4", 2, 8, 2, 128, 4),  # int8 keys, int4 values
 ])
 def test_fragment_attention_matches_the_reference(kernel_device, codec, t, hq, hkv, split_tokens, warps):
     c, q, pool, block_table, ctx, want = _case(codec, 2, t, hq, hkv, [70, 150], 3, 7 + t + hq, kernel_device)
@@ -44,7 +46,9 @@ def test_fragment_attention_takes_int4_decode_shapes_only():
         assert fa.frag_attention_supported(CODECS[name], 256, 6) and fa.frag_attention_supported(CODECS[name], 256, 8)
         assert not fa.frag_attention_supported(CODECS[name], 256, 9)  # two column tiles: not built
         assert not fa.frag_attention_supported(CODECS[name], 128, 6)
-    for name in ("bf16", "rk2v4-e8", "rk8v4"):
+    for name in ("int8", "rk8v4"):
+        assert fa.frag_attention_supported(CODECS[name], 256, 8)
+    for name in ("bf16", "rk2v4-e8", "fp8", "nvfp4", "k8v4"):
         assert not fa.frag_attention_supported(CODECS[name], 256, 6)
     c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 3, 18, 2, [70], 2, 1, "cpu")
     with pytest.raises(ValueError, match="at most 8 rows"):

@@ -45,8 +45,8 @@ from .launch import LAUNCH, pdl_wait
 from .paged_attention import MIN_SPLIT, PAGE, _combine_kernel, _split_len, split_size
 from .qgemm_rows_frag import _thread_ids
 
-KEY_KINDS = ("int4g64", "int4g64e8")  # the same codes and scales (e8 changes only how they were chosen)
-VALUE_KINDS = ("int4g64",)
+KEY_KINDS = ("int4g64", "int4g64e8", "int8g64")  # int4g64e8: int4g64's codes, chosen otherwise
+VALUE_KINDS = ("int4g64", "int8g64")
 HEAD_DIM = 256
 MAX_ROWS = 8  # query rows per (lane, kv head): the mma's 8 B columns
 TILE = 64  # keys per softmax step: one page, 4 mma k-steps of 16
@@ -66,9 +66,12 @@ if FRAG_ATTENTION["mode"] not in MODES:
 
 _LOW = "0x000F000F, 0x00080008, 0x6a"  # (w & mask) ^ 8: low nibble n as the fp16 subnormal (n + 8) 2^-24
 _HIGH = "0x00F000F0, 0x00800080, 0x6a"  # high nibble as 16 (n + 8) 2^-24
+_BYTE = "0x00FF00FF, 0x00800080, 0x6a"  # (w & mask) ^ 0x80: bytes 0 and 2, b as (b + 128) 2^-24
 _ZERO_LOW, _ZERO_HIGH = "0x00080008", "0x00800080"  # the same of a zero code (n = 0): the offsets taken off
+_ZERO_BYTE = "0x00800080"
 UNIT = tl.constexpr(2.0 ** 24)  # codes reach the mma in units of 2^-24
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+HINTS = ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")  # on the code loads (a page's rows: all heads)
 
 
 def _nibbles(out: list[str], word: str) -> str:
@@ -78,36 +81,54 @@ def _nibbles(out: list[str], word: str) -> str:
             f"lop3.b32 {out[2]}, t, {_LOW}; lop3.b32 {out[3]}, t, {_HIGH}; ")
 
 
-HINTS = ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")  # on the code loads (a page's rows: all heads)
+def _bytes(out: list[str], word: str) -> str:
+    """A code word's 4 int8 codes as 2 exact fp16 pairs: bytes (0, 2), then (1, 3)."""
+    return f"shr.b32 t, {word}, 8; lop3.b32 {out[0]}, {word}, {_BYTE}; lop3.b32 {out[1]}, t, {_BYTE}; "
 
 
-def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "") -> str:
+def _key_group(prefix: str, words: list[str], bits: int) -> tuple[str, list[tuple[str, str]]]:
+    """One key's group (32 code bytes of int4: 2 words; 64 of int8: 4 words, this thread's share) as the A registers
+    of its 4 k-steps: (k slots 2c.., k slots 2c + 8..) per step."""
+    regs = [f"{prefix}{i}" for i in range(8)]
+    if bits == 4:  # word 0: steps 0 (low nibbles j, high nibbles j) and 1 (same, bytes 1, 3); word 1: steps 2, 3
+        return _nibbles(regs[:4], words[0]) + _nibbles(regs[4:], words[1]), [(regs[2 * j], regs[2 * j + 1])
+                                                                              for j in range(4)]
+    return "".join(_bytes(regs[2 * j : 2 * j + 2], words[j]) for j in range(4)), [(regs[2 * j], regs[2 * j + 1])
+                                                                                    for j in range(4)]
+
+
+def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "", bits: int = 4) -> str:
     """Scores of keys 16 step + (g, g + 8) of a page x query columns (2c, 2c + 1), in the log2 domain. Operands:
     $0-$3 out (key g: columns 2c, 2c + 1; key g + 8: same); $4 the page's code address for key 0 of this thread
-    (+ g rows + 8c bytes), $5 its scale address (+ g rows), $6 keys left in the page from key g, $7 the softmax
-    scale x log2(e) x 2^24, $8-$15 each group's offset sums (key_offsets_asm), $16-$47 Q's B fragments (group G,
-    k-step j: $(16 + 8G + 2j), $(17 + 8G + 2j)). Code words are loaded whole pages at a time (in bounds even past
-    the context; their scores are masked), scales only for keys in the context (zero otherwise)."""
+    (+ g rows + this thread's bytes: 8c of int4 groups, 16c of int8), $5 its scale address (+ g rows), $6 keys left
+    in the page from key g, $7 the softmax scale x log2(e) x 2^24, $8-$15 each group's offset sums
+    (key_offsets_asm), $16-$47 Q's B fragments (group G, k-step j: $(16 + 8G + 2j), $(17 + 8G + 2j)). Code words
+    are loaded whole pages at a time (in bounds even past the context; their scores are masked), scales only for
+    keys in the context (zero otherwise)."""
     first, second = 16 * step, 16 * step + 8
-    lines = ["{ .reg .pred pg, ph; .reg .b32 w<16>, sc<4>, a<8>, e<8>, t; .reg .b16 s<8>; .reg .f32 p<4>, z, f, h, d<4>;",
+    per_group = bits // 2  # words of one key's group for this thread
+    lines = [f"{{ .reg .pred pg, ph; .reg .b32 w<{8 * per_group}>, sc<4>, a<8>, e<8>, t; .reg .b16 s<8>; "
+             ".reg .f32 p<4>, z, f, h, d<4>;",
              f"setp.gt.s32 pg, $6, {first}; setp.gt.s32 ph, $6, {second}; mov.f32 z, 0f00000000;",
              "mov.b32 sc0, 0; mov.b32 sc1, 0; mov.b32 sc2, 0; mov.b32 sc3, 0;"]
+    width = "v2" if bits == 4 else "v4"
     for key, row in enumerate((first, second)):
-        lines += [f"ld.global.nc{hint}.v2.b32 {{w{8 * key + 2 * grp}, w{8 * key + 2 * grp + 1}}}, "
-                  f"[$4+{row * code_stride + 32 * grp}];" for grp in range(4)]
+        for grp in range(4):
+            regs = ", ".join(f"w{(4 * key + grp) * per_group + i}" for i in range(per_group))
+            lines.append(f"ld.global.nc{hint}.{width}.b32 {{{regs}}}, [$4+{row * code_stride + 8 * bits * grp}];")
     lines += [f"@pg ld.global.nc.v2.b32 {{sc0, sc1}}, [$5+{first * scale_stride}];",
               f"@ph ld.global.nc.v2.b32 {{sc2, sc3}}, [$5+{second * scale_stride}];",
               "mov.b32 {s0, s1}, sc0; mov.b32 {s2, s3}, sc1; mov.b32 {s4, s5}, sc2; mov.b32 {s6, s7}, sc3;"]
     lines += [f"mov.f32 ${i}, z;" for i in range(4)]
-    a, e = [f"a{i}" for i in range(8)], [f"e{i}" for i in range(8)]
     for grp in range(4):
-        lines.append(_nibbles(a[:4], f"w{2 * grp}") + _nibbles(a[4:], f"w{2 * grp + 1}"))
-        lines.append(_nibbles(e[:4], f"w{8 + 2 * grp}") + _nibbles(e[4:], f"w{9 + 2 * grp}"))
+        text_g, rows_g = _key_group("a", [f"w{grp * per_group + i}" for i in range(per_group)], bits)
+        text_h, rows_h = _key_group("e", [f"w{(4 + grp) * per_group + i}" for i in range(per_group)], bits)
+        lines += [text_g, text_h]
         for j in range(4):
             qb = 16 + 8 * grp + 2 * j
             acc = "z, z, z, z" if j == 0 else "p0, p1, p2, p3"
-            lines.append(f"{_MMA} {{p0, p1, p2, p3}}, {{a{2 * j}, e{2 * j}, a{2 * j + 1}, e{2 * j + 1}}}, "
-                         f"{{${qb}, ${qb + 1}}}, {{{acc}}};")
+            lines.append(f"{_MMA} {{p0, p1, p2, p3}}, {{{rows_g[j][0]}, {rows_h[j][0]}, {rows_g[j][1]}, "
+                         f"{rows_h[j][1]}}}, {{${qb}, ${qb + 1}}}, {{{acc}}};")
         o0, o1 = f"${8 + 2 * grp}", f"${9 + 2 * grp}"
         lines.append(f"cvt.f32.f16 f, s{grp}; cvt.f32.f16 h, s{4 + grp}; mul.f32 f, f, $7; mul.f32 h, h, $7; "
                      f"sub.f32 d0, p0, {o0}; sub.f32 d1, p1, {o1}; sub.f32 d2, p2, {o0}; sub.f32 d3, p3, {o1}; "
@@ -116,11 +137,12 @@ def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "") -> 
     return " ".join(lines) + " }"
 
 
-def key_offsets_asm() -> str:
+def key_offsets_asm(bits: int = 4) -> str:
     """What a zero code contributes to each group's product with Q (columns 2c, 2c + 1): the same mma over the
-    offset every nibble carries. Operands: $0-$7 out (group G at 2G, 2G + 1), $8-$39 Q's B fragments."""
+    offset every code carries. Operands: $0-$7 out (group G at 2G, 2G + 1), $8-$39 Q's B fragments."""
+    low, high = (_ZERO_LOW, _ZERO_HIGH) if bits == 4 else (_ZERO_BYTE, _ZERO_BYTE)
     lines = ["{ .reg .b32 lo, hi; .reg .f32 p<4>, z; mov.f32 z, 0f00000000; "
-             f"mov.b32 lo, {_ZERO_LOW}; mov.b32 hi, {_ZERO_HIGH};"]
+             f"mov.b32 lo, {low}; mov.b32 hi, {high};"]
     for grp in range(4):
         for j in range(4):
             qb = 8 + 8 * grp + 2 * j
@@ -149,28 +171,53 @@ def probabilities_asm(step: int, scale_stride: int) -> str:
     return " ".join(lines) + " }"
 
 
-def values_asm(step: int, group: int, rescale: bool, code_stride: int, hint: str = "") -> str:
+def values_asm(step: int, group: int, rescale: bool, code_stride: int, hint: str = "", bits: int = 4) -> str:
     """acc (group `group`'s 4 m-tiles of O^T: 16 dims x 8 query columns each) and its offset sums += V^T P^T over
     keys 16 step + 0..15 of a page (acc x alpha first when `rescale`: a page's first step). Operands: $0-$15 acc
     out (m-tile j at 4j: dim rows g / g + 8, columns 2c, 2c + 1), $16-$19 offset sums out (rows g / g + 8 likewise),
-    $20-$35 acc in, $36-$39 offset sums in, $40 the page's value-code address (+ 2c rows + 4g bytes), $41/$42 the
-    group's scaled P fragments (probabilities_asm), $43/$44 alpha of columns 2c / 2c + 1."""
+    $20-$35 acc in, $36-$39 offset sums in, $40 the page's value-code address (+ 2c rows + this thread's bytes:
+    4g of int4 groups, 8g of int8), $41/$42 the group's scaled P fragments (probabilities_asm), $43/$44 alpha of
+    columns 2c / 2c + 1. Rows: int4 m-tile j row g is byte j's low nibble, row g + 8 its high nibble; int8 row g is
+    byte j, row g + 8 byte j + 4."""
     rows = [16 * step + k for k in (0, 1, 8, 9)]
-    lines = ["{ .reg .b32 wa, wb, wc, wd, x, y, xu, xv, xs, ys, m0, m1, m2, m3, lo, hi; .reg .f32 c<20>;"]
-    lines += [f"ld.global.nc{hint}.b32 {name}, [$40+{row * code_stride + 32 * group}];"
-              for name, row in zip(("wa", "wb", "wc", "wd"), rows)]
-    # bytes 0, 1 of keys 2c and 2c + 1 (x) / 2c + 8 and 2c + 9 (y); bytes 2, 3 likewise (xu, xv)
-    lines.append("prmt.b32 x, wa, wb, 0x5410; prmt.b32 y, wc, wd, 0x5410; "
-                 "prmt.b32 xu, wa, wb, 0x7632; prmt.b32 xv, wc, wd, 0x7632;")
-    for j, (lo, hi) in enumerate((("x", "y"), ("xs", "ys"), ("xu", "xv"), ("xs", "ys"))):
-        if j in (1, 3):  # the odd byte of each pair
-            first, second = ("x", "y") if j == 1 else ("xu", "xv")
-            lines.append(f"shr.b32 xs, {first}, 8; shr.b32 ys, {second}, 8;")
-        lines.append(f"lop3.b32 m0, {lo}, {_LOW}; lop3.b32 m1, {lo}, {_HIGH}; "
-                     f"lop3.b32 m2, {hi}, {_LOW}; lop3.b32 m3, {hi}, {_HIGH};")
-        lines.append(_value_mma([f"${4 * j + i}" for i in range(4)], [f"${20 + 4 * j + i}" for i in range(4)],
-                                [f"c{4 * j + i}" for i in range(4)], "m0, m1, m2, m3", rescale))
-    lines.append(f"mov.b32 lo, {_ZERO_LOW}; mov.b32 hi, {_ZERO_HIGH};")
+    keys = ("a", "b", "c", "d")
+    if bits == 4:
+        lines = ["{ .reg .b32 wa0, wb0, wc0, wd0, x, y, xu, xv, xs, ys, m0, m1, m2, m3, lo, hi; .reg .f32 c<20>;"]
+        lines += [f"ld.global.nc{hint}.b32 w{key}0, [$40+{row * code_stride + 32 * group}];"
+                  for key, row in zip(keys, rows)]
+        # bytes 0, 1 of keys 2c and 2c + 1 (x) / 2c + 8 and 2c + 9 (y); bytes 2, 3 likewise (xu, xv)
+        lines.append("prmt.b32 x, wa0, wb0, 0x5410; prmt.b32 y, wc0, wd0, 0x5410; "
+                     "prmt.b32 xu, wa0, wb0, 0x7632; prmt.b32 xv, wc0, wd0, 0x7632;")
+        for j, (lo, hi) in enumerate((("x", "y"), ("xs", "ys"), ("xu", "xv"), ("xs", "ys"))):
+            if j in (1, 3):  # the odd byte of each pair
+                first, second = ("x", "y") if j == 1 else ("xu", "xv")
+                lines.append(f"shr.b32 xs, {first}, 8; shr.b32 ys, {second}, 8;")
+            lines.append(f"lop3.b32 m0, {lo}, {_LOW}; lop3.b32 m1, {lo}, {_HIGH}; "
+                         f"lop3.b32 m2, {hi}, {_LOW}; lop3.b32 m3, {hi}, {_HIGH};")
+            lines.append(_value_mma([f"${4 * j + i}" for i in range(4)], [f"${20 + 4 * j + i}" for i in range(4)],
+                                    [f"c{4 * j + i}" for i in range(4)], "m0, m1, m2, m3", rescale))
+        zero = f"mov.b32 lo, {_ZERO_LOW}; mov.b32 hi, {_ZERO_HIGH};"
+    else:
+        lines = ["{ .reg .b32 wa<2>, wb<2>, wc<2>, wd<2>, x<4>, y<4>, xs, ys, m0, m1, m2, m3, lo, hi; "
+                 ".reg .f32 c<20>;"]
+        lines += [f"ld.global.nc{hint}.v2.b32 {{w{key}0, w{key}1}}, [$40+{row * code_stride + 64 * group}];"
+                  for key, row in zip(keys, rows)]
+        # x0: bytes 0, 1 of keys 2c and 2c + 1, x1: bytes 2, 3, x2 / x3: bytes 4, 5 / 6, 7; y: keys 2c + 8, 2c + 9
+        for i, (word, sel) in enumerate(((0, "0x5410"), (0, "0x7632"), (1, "0x5410"), (1, "0x7632"))):
+            lines.append(f"prmt.b32 x{i}, wa{word}, wb{word}, {sel}; prmt.b32 y{i}, wc{word}, wd{word}, {sel};")
+        for j in range(4):
+            low, high = (f"x{j // 2}", f"y{j // 2}"), (f"x{2 + j // 2}", f"y{2 + j // 2}")  # rows g / g + 8
+            if j % 2:
+                lines.append(f"shr.b32 xs, {low[0]}, 8; shr.b32 ys, {low[1]}, 8; lop3.b32 m0, xs, {_BYTE}; "
+                             f"lop3.b32 m2, ys, {_BYTE}; shr.b32 xs, {high[0]}, 8; shr.b32 ys, {high[1]}, 8; "
+                             f"lop3.b32 m1, xs, {_BYTE}; lop3.b32 m3, ys, {_BYTE};")
+            else:
+                lines.append(f"lop3.b32 m0, {low[0]}, {_BYTE}; lop3.b32 m2, {low[1]}, {_BYTE}; "
+                             f"lop3.b32 m1, {high[0]}, {_BYTE}; lop3.b32 m3, {high[1]}, {_BYTE};")
+            lines.append(_value_mma([f"${4 * j + i}" for i in range(4)], [f"${20 + 4 * j + i}" for i in range(4)],
+                                    [f"c{4 * j + i}" for i in range(4)], "m0, m1, m2, m3", rescale))
+        zero = f"mov.b32 lo, {_ZERO_BYTE}; mov.b32 hi, {_ZERO_BYTE};"
+    lines.append(zero)
     lines.append(_value_mma([f"${16 + i}" for i in range(4)], [f"${36 + i}" for i in range(4)],
                             [f"c{16 + i}" for i in range(4)], "lo, hi, lo, hi", rescale))
     return " ".join(lines) + " }"
@@ -201,22 +248,27 @@ def _lanes(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _half_pair(q_row, d, ok, SCALE: tl.constexpr):
-    """q[d], q[d + 4] (times SCALE, exact: a power of two) as one packed fp16 pair."""
+def _half_pair(q_row, d, ok, SCALE: tl.constexpr, STEP: tl.constexpr):
+    """q[d], q[d + STEP] (times SCALE, exact: a power of two) as one packed fp16 pair."""
     lo = (tl.load(q_row + d, mask=ok, other=0.0).to(tl.float32) * SCALE).to(tl.float16)
-    hi = (tl.load(q_row + d + 4, mask=ok, other=0.0).to(tl.float32) * SCALE).to(tl.float16)
+    hi = (tl.load(q_row + d + STEP, mask=ok, other=0.0).to(tl.float32) * SCALE).to(tl.float16)
     return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
-def _query_fragments(q_row, c, ok):
-    """Q's B fragments for the 16 k-steps: group G, k-step j holds dims 64G + 16c + 8(j // 2) + 2(j % 2) + (0, 4)
-    (the keys' low nibbles) then + 1 (their high nibbles, queries / 16)."""
+def _query_fragments(q_row, c, ok, KB: tl.constexpr):
+    """Q's B fragments for the 16 k-steps, in the keys' order (_key_group): group G, k-step j holds, of int4 keys,
+    dims 64G + 16c + 8(j // 2) + 2(j % 2) + (0, 4) (low nibbles) then + 1 (high nibbles, queries / 16); of int8
+    keys dims 64G + 16c + 4j + (0, 2) then + 1."""
     out = ()
     for grp in tl.static_range(4):
         for j in tl.static_range(4):
-            d = 64 * grp + 16 * c + 8 * (j // 2) + 2 * (j % 2)
-            out = out + (_half_pair(q_row, d, ok, 1.0), _half_pair(q_row, d + 1, ok, 0.0625))
+            if KB == 4:
+                d = 64 * grp + 16 * c + 8 * (j // 2) + 2 * (j % 2)
+                out = out + (_half_pair(q_row, d, ok, 1.0, 4), _half_pair(q_row, d + 1, ok, 0.0625, 4))
+            else:
+                d = 64 * grp + 16 * c + 4 * j
+                out = out + (_half_pair(q_row, d, ok, 1.0, 2), _half_pair(q_row, d + 1, ok, 1.0, 2))
     return out
 
 
@@ -236,15 +288,18 @@ def _address(ptr):
 
 
 @triton.jit
-def _store_group(part_o_ptr, acc, off, part0, ok0, ok1, g, GRP: tl.constexpr):
-    """Group GRP's dims from its 4 m-tiles: m-tile j's row g is dim 64 GRP + 8g + 2j (low nibbles), row g + 8 the
-    next dim (high nibbles, 16x); each less its offset sums, back from units of 2^-24."""
+def _store_group(part_o_ptr, acc, off, part0, ok0, ok1, g, GRP: tl.constexpr, VB: tl.constexpr):
+    """Group GRP's dims from its 4 m-tiles, each less its offset sums, back from units of 2^-24. int4: m-tile j's
+    row g is dim 64 GRP + 8g + 2j (low nibbles), row g + 8 the next dim (high nibbles, 16x); int8: row g is dim
+    64 GRP + 8g + j, row g + 8 dim + 4."""
+    HIGH: tl.constexpr = 1 if VB == 4 else 4  # the dim of row g + 8 after row g's
+    HIGH_UNIT: tl.constexpr = UNIT / 16 if VB == 4 else UNIT
     for j in tl.static_range(4):
-        d = 64 * GRP + 8 * g + 2 * j
+        d = 64 * GRP + 8 * g + (2 * j if VB == 4 else j)
         tl.store(part_o_ptr + part0 * 256 + d, (acc[4 * j] - off[0]) * UNIT, mask=ok0)
         tl.store(part_o_ptr + (part0 + 1) * 256 + d, (acc[4 * j + 1] - off[1]) * UNIT, mask=ok1)
-        tl.store(part_o_ptr + part0 * 256 + d + 1, (acc[4 * j + 2] - off[2]) * (UNIT / 16), mask=ok0)
-        tl.store(part_o_ptr + (part0 + 1) * 256 + d + 1, (acc[4 * j + 3] - off[3]) * (UNIT / 16), mask=ok1)
+        tl.store(part_o_ptr + part0 * 256 + d + HIGH, (acc[4 * j + 2] - off[2]) * HIGH_UNIT, mask=ok0)
+        tl.store(part_o_ptr + (part0 + 1) * 256 + d + HIGH, (acc[4 * j + 3] - off[3]) * HIGH_UNIT, mask=ok1)
 
 
 @triton.jit
@@ -252,7 +307,8 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
                            T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, score_scale,
                            KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                            W: tl.constexpr, KEYS_ASM: tl.constexpr, OFFSETS_ASM: tl.constexpr,
-                           PROBABILITIES_ASM: tl.constexpr, VALUES_ASM: tl.constexpr):
+                           PROBABILITIES_ASM: tl.constexpr, VALUES_ASM: tl.constexpr, KB: tl.constexpr,
+                           VB: tl.constexpr):
     """W warps of one lane, each one (split, kv head) of its keys, heads fastest (see the module's docstring)."""
     pdl_wait()  # the queries and this step's keys and values are written by the kernels before
     lane = tl.program_id(0)
@@ -273,17 +329,18 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     row_ok = g < rows_total  # B column g is query row g
     head = kvh * group + g % group
     q_row = q_ptr + ((lane * T + tl.minimum(g // group, T - 1)) * HQ + tl.where(row_ok, head, 0)) * 256
-    qf = _query_fragments(q_row, c, row_ok)
+    qf = _query_fragments(q_row, c, row_ok, KB)
     o = tl.inline_asm_elementwise(OFFSETS_ASM, _OFFSETS_CONSTRAINTS, qf, dtype=(tl.float32,) * 8, is_pure=True,
                                   pack=1)
     koff = (o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7])
     sscale = zero.to(tl.float32) + score_scale
     last0 = ctx - T + (2 * c) // group  # the last key each of this thread's query columns 2c, 2c + 1 sees
     last1 = ctx - T + (2 * c + 1) // group
-    # this thread's byte offsets inside a page (rows of HKV heads): keys g / values 2c, code bytes 8c / 4g
-    k_thread = g.to(tl.int64) * HKV * KW0 + 8 * c
+    # this thread's byte offsets inside a page (rows of HKV heads): keys g / values 2c, code bytes 8c / 4g of int4
+    # groups (16c / 8g of int8)
+    k_thread = g.to(tl.int64) * HKV * KW0 + 2 * KB * c
     ks_thread = g.to(tl.int64) * HKV * KW1
-    v_thread = (2 * c).to(tl.int64) * HKV * VW0 + 4 * g
+    v_thread = (2 * c).to(tl.int64) * HKV * VW0 + VB * g
     vs_thread = (2 * c).to(tl.int64) * HKV * VW1
     m0 = tl.full([32 * W], float("-inf"), tl.float32)
     m1 = m0
@@ -351,29 +408,32 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     tl.store(part_ml_ptr + part0 * 2 + 1, l0, mask=ok0 & (g == 0))
     tl.store(part_ml_ptr + part0 * 2 + 2, m1 * LN2, mask=ok1 & (g == 0))
     tl.store(part_ml_ptr + part0 * 2 + 3, l1, mask=ok1 & (g == 0))
-    _store_group(part_o_ptr, acc0, off0, part0, ok0, ok1, g, 0)
-    _store_group(part_o_ptr, acc1, off1, part0, ok0, ok1, g, 1)
-    _store_group(part_o_ptr, acc2, off2, part0, ok0, ok1, g, 2)
-    _store_group(part_o_ptr, acc3, off3, part0, ok0, ok1, g, 3)
+    _store_group(part_o_ptr, acc0, off0, part0, ok0, ok1, g, 0, VB)
+    _store_group(part_o_ptr, acc1, off1, part0, ok0, ok1, g, 1, VB)
+    _store_group(part_o_ptr, acc2, off2, part0, ok0, ok1, g, 2, VB)
+    _store_group(part_o_ptr, acc3, off3, part0, ok0, ok1, g, 3, VB)
 
 
 @functools.lru_cache(maxsize=16)
 def kernel_asm(hkv: int, key_width: int, key_scales: int, value_width: int, value_scales: int, hint: str = "") -> dict:
-    """The PTX strings for a pool of `hkv` heads (token rows of hkv x width bytes): keys per 16-key step, values per
-    (step, group) with a page's first step rescaling (index 8 step + 4 + group), probabilities per step."""
+    """The PTX strings for a pool of `hkv` heads (token rows of hkv x width bytes; code bits from the widths): keys
+    per 16-key step, values per (step, group) with a page's first step rescaling (index 8 step + 4 + group),
+    probabilities per step."""
     code_k, scale_k, code_v, scale_v = hkv * key_width, 2 * hkv * key_scales, hkv * value_width, 2 * hkv * value_scales
+    key_bits, value_bits = 8 * key_width // HEAD_DIM, 8 * value_width // HEAD_DIM
     values = []
     for step in range(4):
-        values += [values_asm(step, grp, False, code_v, hint) for grp in range(4)]
-        values += [values_asm(step, grp, True, code_v, hint) for grp in range(4)]
-    return {"KEYS_ASM": tuple(keys_asm(step, code_k, scale_k, hint) for step in range(4)),
-            "OFFSETS_ASM": key_offsets_asm(),
+        values += [values_asm(step, grp, False, code_v, hint, value_bits) for grp in range(4)]
+        values += [values_asm(step, grp, True, code_v, hint, value_bits) for grp in range(4)]
+    return {"KEYS_ASM": tuple(keys_asm(step, code_k, scale_k, hint, key_bits) for step in range(4)),
+            "OFFSETS_ASM": key_offsets_asm(key_bits), "KB": key_bits, "VB": value_bits,
             "PROBABILITIES_ASM": tuple(probabilities_asm(step, scale_v) for step in range(4)),
             "VALUES_ASM": tuple(values)}
 
 
 def frag_attention_supported(codec: Codec, head_dim: int, rows: int) -> bool:
-    """int4g64 keys (plain or E8-chosen) and values, head dim 256, at most 8 query rows per kv head."""
+    """int4 or int8 group-64 keys and values (rk4v4, rk4v4-e8, rk8v4, int8), head dim 256, at most 8 query rows
+    per kv head."""
     return codec.key in KEY_KINDS and codec.value in VALUE_KINDS and head_dim == HEAD_DIM and 1 <= rows <= MAX_ROWS
 
 
@@ -387,7 +447,7 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
     hkv = pool["k_codes"].shape[2]
     if not frag_attention_supported(codec, d, t * (hq // hkv)):
         raise ValueError(f"paged_attention_frag: {codec.name} with head dim {d} and {t * (hq // hkv)} query rows per "
-                         f"kv head (int4 keys and values, head dim {HEAD_DIM}, at most {MAX_ROWS} rows)")
+                         f"kv head (int4/int8 keys and values, head dim {HEAD_DIM}, at most {MAX_ROWS} rows)")
     warps = warps or FRAG_ATTENTION["warps"]
     target = target_splits or FRAG_ATTENTION["splits"]
     rows = t * (hq // hkv)
