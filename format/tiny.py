@@ -98,17 +98,18 @@ def write_tokenizer(out: Path, vocab_size: int) -> dict:
 
 
 def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_layers: int = 1, hidden: int = 64,
-                     intermediate: int = 128, shared_intermediate: int = 48) -> dict:
+                     intermediate: int = 128, shared_intermediate: int = 48, head_dim: int = 64) -> dict:
     text = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                            "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                            "mrope_section": [2 * head_dim // 64, head_dim // 64, head_dim // 64],
+                            "mrope_interleaved": True},
         "mtp_num_hidden_layers": mtp_layers,
     }
     if moe:
@@ -166,17 +167,17 @@ def _layer_tensors(g, cfg: dict, prefix: str, full: bool, moe: bool) -> dict:
 
 def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 384,
                           layers: int = 4, mtp_layers: int = 1, hidden: int = 64, intermediate: int = 128,
-                          shared_intermediate: int = 48) -> Path:
+                          shared_intermediate: int = 48, head_dim: int = 64) -> Path:
     """Write config.json, model.safetensors (bf16), tokenizer files and generation_config.json (`hidden` and
     `intermediate` widen the model, e.g. so its products reach the GPU kernels' shape rules; a MoE's shared
-    expert is `shared_intermediate` wide, its routed experts 32)."""
+    expert is `shared_intermediate` wide, its routed experts 32; `head_dim` 256 is the real models')."""
     import torch
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, vocab_size)
-    text = tiny_text_config(moe, vocab_size, layers, mtp_layers, hidden, intermediate, shared_intermediate)
+    text = tiny_text_config(moe, vocab_size, layers, mtp_layers, hidden, intermediate, shared_intermediate, head_dim)
     text["eos_token_id"] = ids["<|im_end|>"]
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "tie_word_embeddings": False}

@@ -82,3 +82,29 @@ def test_fragment_attention_at_depth_on_the_gpu():
     dot = pa.paged_attention(q, pool, c, block_table, ctx, 256 ** -0.5).float().cpu()
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
     assert ((got - dot).abs().max() / dot.abs().max()).item() < 1e-2
+
+
+@pytest.mark.triton_kernels
+def test_engine_decodes_through_the_fragment_kernel_as_the_reference(kernel_device, tmp_path, monkeypatch):
+    """A tiny model with the real head dim (256) and rk4v4-e8 KV, every op a Triton kernel (on a CPU interpreted,
+    the fragment kernel's PTX emulated): greedy tokens equal the reference model's, each decode step's attention on
+    the fragment kernel."""
+    from format.container import Artifact
+    from format.convert import ConvertOptions, convert_checkpoint
+    from format.tiny import write_tiny_checkpoint
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+    from runtime.model import ReferenceModel
+
+    src = write_tiny_checkpoint(tmp_path / "hf", seed=3, mtp_layers=0, head_dim=256)
+    path = convert_checkpoint(src, tmp_path / "tiny.nfer", ConvertOptions(recipe="q4")).output
+    monkeypatch.setitem(fa.FRAG_ATTENTION, "mode", "on")
+    calls, real = [], fa.paged_attention_frag
+    monkeypatch.setattr(fa, "paged_attention_frag", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt, new = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128] * 6, 4  # 72 tokens: two pages
+    engine = Engine(path, PlanOptions(max_context=256, kv_dtype="rk4v4-e8", prefill_chunk=128), device=kernel_device)
+    if kernel_device == "cpu":
+        assert engine.generate(prompt, new) == ReferenceModel(Artifact(path)).generate(prompt, new)
+    else:
+        engine.generate(prompt, new)
+    assert len(calls) == new - 1  # every decode step's (one) attention layer; the prefill's rows take tl.dot
