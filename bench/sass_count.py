@@ -1,0 +1,94 @@
+"""Instructions the decode-attention kernels spend per 64 keys, from their sm_90 SASS, compiled on this machine (no
+GPU needed: Triton's own ptxas and cuobjdump): the loop of the tl.dot kernel (paged_attention.py) and of the fragment
+kernel (paged_attention_frag.py), their registers and stack, for int4 (rk4v4-e8) or int8 KV at 27B shapes.
+
+    python bench/sass_count.py [int4|int8] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime.kernels import paged_attention as pa  # noqa: E402
+from runtime.kernels import paged_attention_frag as fa  # noqa: E402
+
+POINTERS = {"q_ptr": "*bf16", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "k0": "*u8", "k1": "*fp16", "v0": "*u8",
+            "v1": "*fp16", "block_table_ptr": "*i32", "ctx_len_ptr": "*i32"}
+SCALARS = {"T": "i32", "HQ": "i32", "HKV": "i32", "PAGES_PER_LANE": "i32", "SPLITS": "i32", "SPLIT_MIN": "i32"}
+
+
+def _sass(fn, signature: dict, constants: dict, warps: int) -> tuple[str, str]:
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": 1})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return sass, usage
+
+
+def _loop(sass: str) -> Counter:
+    """Opcodes of the longest backward branch's body (the key loop)."""
+    ins = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+           if (m := re.match(r"\s+/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line))]
+    loop = (0, -1)
+    for addr, _, line in ins:
+        target = re.search(r"BRA (?:`\(\.L_x_\d+\) )?\(?(0x[0-9a-f]+)", line)
+        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(target.group(1), 16), addr)
+    return Counter(op for addr, op, _ in ins if loop[0] <= addr <= loop[1])
+
+
+def main(codec: str = "int4") -> dict:
+    width, kind = (128, 2) if codec == "int4" else (256, 1)
+    dot_warps = pa.ATTENTION_TILES["int4g64e8" if codec == "int4" else "int8g64"][1]
+    dot_sig = {**POINTERS, **SCALARS, "scale": "fp32", **{k: "constexpr" for k in (
+        "D", "KK", "VK", "KW0", "KW1", "VW0", "VW1", "BLOCK_M", "BLOCK_N", "DIRECT", "LDMATRIX")}}
+    dot_const = {"D": 256, "KK": kind, "VK": kind, "KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "BLOCK_M": 16,
+                 "BLOCK_N": 64, "DIRECT": False, "LDMATRIX": False}
+    asm = fa.kernel_asm(4, width, 4, width, 4, fa.HINTS[fa.FRAG_ATTENTION["hint"]])
+    frag_sig = {**POINTERS, **SCALARS, "score_scale": "fp32", **{k: "constexpr" for k in (
+        "KW0", "KW1", "VW0", "VW1", "W", *asm)}}
+    frag_const = {"KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "W": 4, **asm}
+    out = {"codec": codec, "triton": triton.__version__}
+    for name, fn, sig, const, warps, per_tile in (
+            ("dot", pa._paged_attention_kernel, dot_sig, dot_const, dot_warps, dot_warps),
+            ("fragment", fa._attention_frag_kernel, frag_sig, frag_const, 4, 1)):
+        sass, usage = _sass(fn, sig, const, warps)
+        ops = _loop(sass)
+        out[name] = {"warps_per_64_keys": per_tile, "loop_instructions_per_warp": sum(ops.values()),
+                     "instructions_per_64_keys": sum(ops.values()) * per_tile,
+                     "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+                     "stack_bytes": int(m.group(1)) if (m := re.search(r"STACK:(\d+)", usage)) else 0,
+                     "top": dict(ops.most_common(8))}
+    out["ratio"] = out["dot"]["instructions_per_64_keys"] / out["fragment"]["instructions_per_64_keys"]
+    return out
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    result = main(*(args[:1]))
+    if "--json" in sys.argv:
+        print(json.dumps(result))
+    else:
+        for name in ("dot", "fragment"):
+            r = result[name]
+            print(f"{name:9} {r['warps_per_64_keys']} x {r['loop_instructions_per_warp']:,} = "
+                  f"{r['instructions_per_64_keys']:,} instructions per 64 keys, {r['registers']} registers, "
+                  f"stack {r['stack_bytes']} B; {r['top']}")
+        print(f"ratio {result['ratio']:.2f} ({result['codec']}, triton {result['triton']})")
