@@ -3,7 +3,8 @@ this tree's kernel over a small tile sweep, and (when `.carry/old_paged_attentio
 version of the module) the earlier kernel; also the KV append (encode + write) per layer, kernel vs torch.
 
     PYTHONPATH=. python bench/attention_compare.py OUT.json [CODEC,...] [DEPTH,...]
-    PYTHONPATH=. python bench/attention_compare.py OUT.json frag   # int4 KV: tl.dot kernel vs fragment kernel
+    PYTHONPATH=. python bench/attention_compare.py OUT.json frag      # int4/int8 KV: tl.dot kernel vs fragment kernel
+    PYTHONPATH=. python bench/attention_compare.py OUT.json prefill   # a prefill chunk's attention at depth: tiles
 """
 
 from __future__ import annotations
@@ -201,10 +202,66 @@ def frag_main(out_path: str, codecs=("rk4v4-e8", "int8"), depths=DEPTHS) -> None
     Path(out_path).write_text(json.dumps({"peak_GBps": peak / 1e9, "rows": rows}, indent=1))
 
 
+PREFILL_SWEEP = [  # (block_m, block_n, warps, stages); (64, 32, 4, None) is bf16's default tile
+    (64, 32, 4, None), (64, 32, 4, 1), (64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3),
+    (128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2)]
+
+
+def matmul_tflops() -> float:
+    """bf16 tensor-core rate measured now (8192^3 GEMM), the ceiling a prefill chunk's attention is held to."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b, reps=10)
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def prefill_main(out_path: str, codecs=("bf16", "rk4v4-e8"), depths=(8192, 131072, 204800), chunk=2048) -> None:
+    """A prefill chunk's attention (chunk rows ending at each depth, 27B heads) over the tile sweep: µs, TFLOP/s
+    (2 x 2 x visible keys x D per query head) and the fraction of the bf16 GEMM rate measured in the same run."""
+    peak = matmul_tflops()
+    rows = []
+    for name in codecs:
+        codec = CODECS[name]
+        pool = _pool(codec, max(depths) // 64)
+        for depth in depths:
+            bt = torch.arange(depth // 64, dtype=torch.int32, device="cuda")[None]
+            ctx = torch.tensor([depth], dtype=torch.int32, device="cuda")
+            q = torch.randn(1, chunk, HQ, D, device="cuda", dtype=torch.bfloat16)
+            visible = sum(depth - chunk + j + 1 for j in range(chunk))
+            flop = 4 * visible * D * HQ
+            row = {"codec": name, "depth": depth, "chunk": chunk, "gflop": flop / 1e9, "peak_tflops": peak}
+            ref = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+            for bm, bn, nw, stages in PREFILL_SWEEP:
+                key = f"m{bm}_n{bn}_w{nw}_s{stages or 'default'}"
+                pa.ATTENTION_TUNING.clear()
+                pa.ATTENTION_TUNING.update(block_m=bm, block_n=bn, num_warps=nw)
+                if stages:
+                    pa.ATTENTION_TUNING["num_stages"] = stages
+                try:
+                    out = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
+                    us = bench_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5), reps=5) * 1e3
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is reported
+                    row[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    continue
+                row[key + "_us"] = us
+                row[key + "_tflops"] = flop / (us * 1e-6) / 1e12
+                row[key + "_maxdiff"] = (out - ref).abs().max().item()
+            pa.ATTENTION_TUNING.clear()
+            times = {k: v for k, v in row.items() if k.endswith("_us")}
+            if times:
+                best = min(times, key=times.get)
+                row["best"], row["best_of_peak"] = best, flop / (times[best] * 1e-6) / 1e12 / peak
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del pool
+        torch.cuda.empty_cache()
+    Path(out_path).write_text(json.dumps({"rows": rows}, indent=1))
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if len(args) > 1 and args[1] == "frag":
-        frag_main(args[0])
+    if len(args) > 1 and args[1] in ("frag", "prefill"):
+        (frag_main if args[1] == "frag" else prefill_main)(args[0])
         sys.exit()
     main(args[0], *([args[1].split(",")] if len(args) > 1 else []),
          *([[int(x) for x in args[2].split(",")]] if len(args) > 2 else []))

@@ -4,6 +4,7 @@
 #                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
 #                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 #                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
+#                        bash bench/device_frag.sh prefill   # a prefill chunk's attention at depth over a tile sweep
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), and layout-k1 (fragment order with K split across programs only, no warps sharing K).
@@ -70,5 +71,10 @@ attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 2
       --json-out "$OUT/depth-attn-int8-$mode.json" 2>&1 | grep "│ int8"
     echo "attention $mode t=$(el)"
   done
+  ;;
+prefill)  # issue 21 item 4: a 2,048-row chunk's attention at 8K / 128K / 200K, bf16 and rk4v4-e8, tiles x stages
+  PYTHONPATH=. timeout 400 python bench/attention_compare.py "$OUT/prefill-attn.json" prefill 2>&1 | grep "{" | \
+    python -c "import json,sys; [print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.loads(l).items() if not k.endswith('maxdiff') or v > 5e-2}) for l in sys.stdin]"
+  echo "t=$(el)"
   ;;
 esac

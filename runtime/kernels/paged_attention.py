@@ -44,7 +44,7 @@ VERIFY_TILES = {"int4g64": (32, 2, 512), "int4g64e8": (32, 2, 512)}
 # Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                  "nvfp4": (16, 4), "e8cube": (16, 4)}
-ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs overrides for sweeps
+ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs / num_stages overrides for sweeps
 
 
 def _tile_overrides(text: str) -> dict[str, tuple[int, int, int]]:
@@ -394,7 +394,8 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         t, hq, hkv, block_table.shape[1], splits, split_min, scale,
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, LDMATRIX=ldmatrix, num_warps=num_warps, **LAUNCH)
+        BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, LDMATRIX=ldmatrix, num_warps=num_warps,
+        **{key: ATTENTION_TUNING[key] for key in ("num_stages",) if key in ATTENTION_TUNING}, **LAUNCH)
     if direct:
         return o
     block_d = 64 if d % 64 == 0 else d
