@@ -156,7 +156,7 @@ FRAG_SWEEP = [(4, 1024, 2), (4, 1024, 0), (4, 1024, 1), (2, 1024, 2), (8, 1024, 
 
 
 def frag_main(out_path: str, codecs=("rk4v4-e8", "int8"), depths=DEPTHS) -> None:
-    """int4 / int8 KV decode attention (T = 1 and T = 1 x 4 lanes at 27B shapes): the tl.dot kernel against the fragment
+    """int4 / int8 KV decode attention (T = 1, T = 1 x 4 lanes and a 4-row verify block at 27B shapes): the tl.dot kernel against the fragment
     kernel (paged_attention_frag) over its (warps, splits, hint) sweep, CUDA-graph replays, L2 flushed by the pool's
     size; max difference against the tl.dot kernel's output and fraction of copy."""
     from runtime.kernels import paged_attention_frag as fa
@@ -166,15 +166,15 @@ def frag_main(out_path: str, codecs=("rk4v4-e8", "int8"), depths=DEPTHS) -> None
     for name in codecs:
         codec = CODECS[name]
         pool = _pool(codec, max(depths) // 64)
-        for depth, lanes in itertools.product(depths, (1, 4)):
+        for depth, (lanes, t) in itertools.product(depths, ((1, 1), (4, 1), (1, 4))):  # T = 4: MTP3's verify block
             pages = depth // 64
             if lanes * pages > max(depths) // 64:
                 pages = max(depths) // 64 // lanes
             bt = torch.arange(lanes * pages, dtype=torch.int32, device="cuda").view(lanes, pages)
             ctx = torch.full((lanes,), pages * 64, dtype=torch.int32, device="cuda")
-            q = torch.randn(lanes, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(lanes, t, HQ, D, device="cuda", dtype=torch.bfloat16)
             kv_bytes = codec.bytes_per_token_head(D) * HKV * pages * 64 * lanes
-            row = {"codec": name, "depth": pages * 64, "lanes": lanes, "kv_bytes": kv_bytes}
+            row = {"codec": name, "depth": pages * 64, "lanes": lanes, "t": t, "kv_bytes": kv_bytes}
             ref = pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5).float()
             row["dot_graph_us"] = graph_ms(lambda: pa.paged_attention(q, pool, codec, bt, ctx, D ** -0.5)) * 1e3
             for warps, splits, hint in FRAG_SWEEP:

@@ -62,7 +62,7 @@ def main(codec: str = "int4") -> dict:
     dot_const = {"D": 256, "KK": kind, "VK": kind, "KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "BLOCK_M": 16,
                  "BLOCK_N": 64, "DIRECT": False, "LDMATRIX": False}
     asm = fa.kernel_asm(4, width, 4, width, 4, fa.HINTS[fa.FRAG_ATTENTION["hint"]])
-    frag_sig = {**POINTERS, **SCALARS, "score_scale": "fp32", **{k: "constexpr" for k in (
+    frag_sig = {**POINTERS, **SCALARS, "TILES": "i32", "score_scale": "fp32", **{k: "constexpr" for k in (
         "KW0", "KW1", "VW0", "VW1", "W", *asm)}}
     frag_const = {"KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "W": 4, **asm}
     out = {"codec": codec, "triton": triton.__version__}

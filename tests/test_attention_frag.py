@@ -31,6 +31,7 @@ def _case(codec, lanes, t, hq, hkv, ctx, per_lane, seed, device):
     ("rk4v4-e8", 2, 8, 2, 0, 2),  # two query rows per head: causal masks inside the last tile; splits by capacity
     ("int8", 1, 12, 2, 64, 2),  # int8 keys and values
     ("rk8v4", 2, 8, 2, 128, 4),  # int8 keys, int4 values
+    ("rk4v4-e8", 4, 12, 2, 64, 4),  # a 24-row verify block (MTP3 on a 6-head group): 3 column tiles of 8 rows
 ])
 def test_fragment_attention_matches_the_reference(kernel_device, codec, t, hq, hkv, split_tokens, warps):
     c, q, pool, block_table, ctx, want = _case(codec, 2, t, hq, hkv, [70, 150], 3, 7 + t + hq, kernel_device)
@@ -44,31 +45,32 @@ def test_fragment_attention_matches_the_reference(kernel_device, codec, t, hq, h
 def test_fragment_attention_takes_int4_decode_shapes_only():
     for name in ("rk4v4", "rk4v4-e8"):
         assert fa.frag_attention_supported(CODECS[name], 256, 6) and fa.frag_attention_supported(CODECS[name], 256, 8)
-        assert not fa.frag_attention_supported(CODECS[name], 256, 9)  # two column tiles: not built
+        assert fa.frag_attention_supported(CODECS[name], 256, 24) and fa.frag_attention_supported(CODECS[name], 256, 64)
+        assert not fa.frag_attention_supported(CODECS[name], 256, 65)
         assert not fa.frag_attention_supported(CODECS[name], 128, 6)
     for name in ("int8", "rk8v4"):
         assert fa.frag_attention_supported(CODECS[name], 256, 8)
     for name in ("bf16", "rk2v4-e8", "fp8", "nvfp4", "k8v4"):
         assert not fa.frag_attention_supported(CODECS[name], 256, 6)
-    c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 3, 18, 2, [70], 2, 1, "cpu")
-    with pytest.raises(ValueError, match="at most 8 rows"):
+    c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 5, 28, 2, [70], 2, 1, "cpu")
+    with pytest.raises(ValueError, match="at most 64 rows"):
         fa.paged_attention_frag(q, pool, c, block_table, ctx, 0.1)
 
 
 @pytest.mark.triton_kernels
 def test_paged_attention_takes_the_fragment_kernel_when_on(kernel_device, monkeypatch):
-    """NINFER_ATTENTION_FRAG=on routes int4 decode rows (<= 8 per kv head) to the fragment kernel and anything
-    else (a 12-row block) to the tl.dot kernel; both match the reference."""
+    """NINFER_ATTENTION_FRAG=on routes int4 decode and verify rows (<= 64 per kv head) to the fragment kernel, and
+    a prefill chunk (96 rows) to the tl.dot kernel; both match the reference."""
     from runtime.kernels import paged_attention as pa
 
     monkeypatch.setitem(fa.FRAG_ATTENTION, "mode", "on")
     calls, real = [], fa.paged_attention_frag
     monkeypatch.setattr(fa, "paged_attention_frag", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for t in (1, 2):
+    for t in (2, 16):
         c, q, pool, block_table, ctx, want = _case("rk4v4-e8", 1, t, 12, 2, [130], 3, 3 + t, kernel_device)
         got = pa.paged_attention(q.float() if kernel_device == "cpu" else q, pool, c, block_table, ctx, 256 ** -0.5)
         assert ((got.float().cpu() - want).abs().max() / want.abs().max()).item() < 1e-2
-    assert len(calls) == 1  # T = 2 is 12 rows of a 6-head group: the tl.dot kernel
+    assert len(calls) == 1  # T = 16 is 96 rows of a 6-head group: the tl.dot kernel
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a 27B-shaped context of thousands of keys: GPU only")
@@ -107,4 +109,4 @@ def test_engine_decodes_through_the_fragment_kernel_as_the_reference(kernel_devi
         assert engine.generate(prompt, new) == ReferenceModel(Artifact(path)).generate(prompt, new)
     else:
         engine.generate(prompt, new)
-    assert len(calls) == new - 1  # every decode step's (one) attention layer; the prefill's rows take tl.dot
+    assert len(calls) == new - 1  # every decode step's (one) attention layer; the prefill's 288 rows take tl.dot

@@ -7,10 +7,10 @@ copy bandwidth (ALU-bound: ~12 thread instructions per code; bench/RESULTS.md §
 fewer bytes than bf16 decoded slower. Here the fragments are built where the codes land (the technique of
 qgemm_rows_frag.py), about 1.3 thread instructions per code.
 
-One warp owns one split of a (lane, kv head)'s keys and walks it 64 keys (one page) at a time:
+One warp owns one split of a (lane, kv head)'s keys (and 8 of its query rows) and walks it 64 keys (a page) at a time:
 
-- Scores S^T = K Q^T: 16 keys are mma.sync m16n8k16's A rows and the kv head's query rows (<= 8: a 6- or 8-head
-  GQA group at T = 1) its B columns. Thread (g, c) = (lane / 4, lane % 4) reads keys g and g + 8, 8 code bytes
+- Scores S^T = K Q^T: 16 keys are mma.sync m16n8k16's A rows and 8 of the kv head's query rows its B columns
+  (a 6- or 8-head GQA group at T = 1; a verify block's rows take a warp per 8, each reading the same keys). Thread (g, c) = (lane / 4, lane % 4) reads keys g and g + 8, 8 code bytes
   of each 64-element group (bytes 8c .. 8c + 7): a dot product does not care in which order the dims are summed
   as long as A and B agree, so the 16 nibbles of those bytes fill the thread's A slots of the group's 4 k-steps
   in the order one logic op places them (nibbles j and j + 4 of a word: low nibbles as 1032 + n in fp16, high
@@ -48,7 +48,8 @@ from .qgemm_rows_frag import _thread_ids
 KEY_KINDS = ("int4g64", "int4g64e8", "int8g64")  # int4g64e8: int4g64's codes, chosen otherwise
 VALUE_KINDS = ("int4g64", "int8g64")
 HEAD_DIM = 256
-MAX_ROWS = 8  # query rows per (lane, kv head): the mma's 8 B columns
+COLUMNS = tl.constexpr(8)  # query rows per warp: the mma's 8 B columns (more rows: a warp per 8, each reading the same keys)
+MAX_ROWS = 64  # query rows per (lane, kv head): 8 column tiles (DFlash2's 8-row verify block of an 8-head group)
 TILE = 64  # keys per softmax step: one page, 4 mma k-steps of 16
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -304,12 +305,13 @@ def _store_group(part_o_ptr, acc, off, part0, ok0, ok1, g, GRP: tl.constexpr, VB
 
 @triton.jit
 def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block_table_ptr, ctx_len_ptr,
-                           T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, score_scale,
+                           T, HQ, HKV, PAGES_PER_LANE, SPLITS, SPLIT_MIN, TILES, score_scale,
                            KW0: tl.constexpr, KW1: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
                            W: tl.constexpr, KEYS_ASM: tl.constexpr, OFFSETS_ASM: tl.constexpr,
                            PROBABILITIES_ASM: tl.constexpr, VALUES_ASM: tl.constexpr, KB: tl.constexpr,
                            VB: tl.constexpr):
-    """W warps of one lane, each one (split, kv head) of its keys, heads fastest (see the module's docstring)."""
+    """W warps of one lane, each one (split, kv head, 8-row column tile), tiles then heads fastest: the warps of a
+    program read the same token rows (see the module's docstring)."""
     pdl_wait()  # the queries and this step's keys and values are written by the kernels before
     lane = tl.program_id(0)
     group = HQ // HKV
@@ -319,23 +321,26 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     g = (tid % 32) // 4
     c = tid % 4
     warp = tl.program_id(1) * W + tid // 32
-    kvh = warp % HKV
-    split = warp // HKV
+    tile = warp % TILES
+    kvh = (warp // TILES) % HKV
+    split = warp // TILES // HKV
     lane_kvh = lane * HKV + kvh
     ctx = tl.load(ctx_len_ptr + lane)
     split_len = _split_len(ctx, SPLITS, SPLIT_MIN, 64)
     begin = split * split_len
     end = tl.minimum(begin + split_len, ctx)
-    row_ok = g < rows_total  # B column g is query row g
-    head = kvh * group + g % group
-    q_row = q_ptr + ((lane * T + tl.minimum(g // group, T - 1)) * HQ + tl.where(row_ok, head, 0)) * 256
+    query = COLUMNS * tile + g  # B column g is query row 8 tile + g
+    row_ok = query < rows_total
+    head = kvh * group + query % group
+    q_row = q_ptr + ((lane * T + tl.minimum(query // group, T - 1)) * HQ + tl.where(row_ok, head, 0)) * 256
     qf = _query_fragments(q_row, c, row_ok, KB)
     o = tl.inline_asm_elementwise(OFFSETS_ASM, _OFFSETS_CONSTRAINTS, qf, dtype=(tl.float32,) * 8, is_pure=True,
                                   pack=1)
     koff = (o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7])
     sscale = zero.to(tl.float32) + score_scale
-    last0 = ctx - T + (2 * c) // group  # the last key each of this thread's query columns 2c, 2c + 1 sees
-    last1 = ctx - T + (2 * c + 1) // group
+    r0 = COLUMNS * tile + 2 * c  # the query rows of this thread's columns 2c, 2c + 1
+    last0 = ctx - T + r0 // group  # the last key each of them sees
+    last1 = ctx - T + (r0 + 1) // group
     # this thread's byte offsets inside a page (rows of HKV heads): keys g / values 2c, code bytes 8c / 4g of int4
     # groups (16c / 8g of int8)
     k_thread = g.to(tl.int64) * HKV * KW0 + 2 * KB * c
@@ -401,9 +406,9 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
                                       VALUES_ASM, 8 * u + 3 + 4 * (u == 0))
     l0 = _lanes(l0, WARP_SUM_ASM)
     l1 = _lanes(l1, WARP_SUM_ASM)
-    part0 = (lane_kvh * SPLITS + split) * rows_total + 2 * c  # partials [lane, kvh, split, row, D] and (m, l)
-    ok0 = (2 * c < rows_total) & (split < SPLITS)
-    ok1 = (2 * c + 1 < rows_total) & (split < SPLITS)
+    part0 = (lane_kvh * SPLITS + split) * rows_total + r0  # partials [lane, kvh, split, row, D] and (m, l)
+    ok0 = (r0 < rows_total) & (split < SPLITS)
+    ok1 = (r0 + 1 < rows_total) & (split < SPLITS)
     tl.store(part_ml_ptr + part0 * 2, m0 * LN2, mask=ok0 & (g == 0))  # natural-log units, as the combine reads
     tl.store(part_ml_ptr + part0 * 2 + 1, l0, mask=ok0 & (g == 0))
     tl.store(part_ml_ptr + part0 * 2 + 2, m1 * LN2, mask=ok1 & (g == 0))
@@ -456,7 +461,7 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
         size = max(TILE, -(-min(split_tokens, capacity) // TILE) * TILE)
         split_min = size
     else:
-        size = split_size(capacity, lanes * hkv, TILE, target)  # ~target warps in all
+        size = split_size(capacity, lanes * hkv * triton.cdiv(rows, COLUMNS.value), TILE, target)  # ~target warps
         split_min = -(-MIN_SPLIT // TILE) * TILE
     splits = triton.cdiv(capacity, size)
     o = out if out is not None else torch.empty_like(q)
@@ -465,9 +470,10 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
     k0, k1, v0, v1 = pool["k_codes"], pool["k_scales"], pool["v_codes"], pool["v_scales"]
     asm = kernel_asm(hkv, k0.shape[-1], k1.shape[-1], v0.shape[-1], v1.shape[-1],
                      HINTS[FRAG_ATTENTION["hint"] if hint is None else hint])
-    _attention_frag_kernel[(lanes, triton.cdiv(splits * hkv, warps))](
+    tiles = triton.cdiv(rows, COLUMNS.value)
+    _attention_frag_kernel[(lanes, triton.cdiv(splits * hkv * tiles, warps))](
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len, t, hq, hkv, block_table.shape[1],
-        splits, split_min, scale * LOG2E * UNIT.value, KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
+        splits, split_min, tiles, scale * LOG2E * UNIT.value, KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
         VW1=v1.shape[-1], W=warps, num_warps=warps, **asm, **LAUNCH)
     _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, D=d,
                                                   BLOCK_S=64, BLOCK_D=64, BLOCK_N=TILE, num_warps=4, **LAUNCH)
