@@ -29,7 +29,7 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import kv_append
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import combine_experts, expert_gemv, expert_prefill, route, shared_fusable
+from .kernels.moe import ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
@@ -449,7 +449,8 @@ class Engine:
 
     def _ffn(self, p, h, xq=None):
         """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's
-        dp4a words (dense MLP). The result may be SplitPartials: pass it to rmsnorm, which sums them."""
+        dp4a words (dense MLP). The result may be SplitPartials or ExpertPartials: pass it to rmsnorm, which
+        sums or combines them."""
         c = self.cfg
         if not c.is_moe:
             down_xq = self._quantized_input(p + "mlp/down", h.shape[0])
@@ -478,7 +479,8 @@ class Engine:
             gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed)
             y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
                             swiglu=True)  # SwiGLU inside the down launch
-            return combine_experts(y[: n * k], weights, y[n * k :], shared_gate=shared_gate)
+            # combined by the RMSNorm after the block (weights, gate, sum): no combine launch
+            return ExpertPartials(y[: n * k], weights, y[n * k :], shared_gate)
         shared = shared_down(swiglu(shared_up(h)))
         if quantized and (n <= GEMV_MAX_T or self.moe_prefill != "loop"):
             ids, weights = route(router_logits, k)

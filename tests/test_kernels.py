@@ -818,6 +818,32 @@ def test_rmsnorm_sums_deferred_split_partials():
     assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)
 
 
+@pytest.mark.parametrize("t,gated", [(1, True), (3, False), (2, True)])
+def test_rmsnorm_combines_a_moe_blocks_expert_outputs(t, gated):
+    """A MoE decode block hands its routed outputs, weights and (gated) shared output to the next rmsnorm, which
+    combines them itself: the norm, the residual and the next product's words equal combine_experts, then the
+    norm (one decode row spread over programs; several rows one program each; the gate a strided column)."""
+    from runtime.kernels.moe import ExpertPartials, combine_experts
+    from runtime.kernels.qgemv_int8 import QuantizedX
+    from runtime.kernels.rmsnorm import rmsnorm
+
+    k, hid = 4, 2048
+    g = torch.Generator().manual_seed(9 + t)
+    y = torch.randn(t * k + t, hid, generator=g).to(DTYPE).to(DEVICE)  # routed pairs, then the shared rows
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    logits = torch.randn(t, 9, generator=g).to(DTYPE).to(DEVICE)
+    gate = logits[:, -1:] if gated else None
+    residual, norm_w = torch.randn(t, hid, device=DEVICE).to(DTYPE), (torch.randn(hid, device=DEVICE) * 0.1).to(DTYPE)
+    nxt = _packed(16, hid, FORMATS["Q4G64_F16S"], 4)
+    xq_a, xq_b = QuantizedX.empty(t, nxt, DEVICE), QuantizedX.empty(t, nxt, DEVICE)
+    parts = ExpertPartials(y[: t * k], weights, y[t * k :], gate)
+    assert parts.fits_one_stride()
+    want, want_res = rmsnorm(combine_experts(y[: t * k], weights, y[t * k :], shared_gate=gate), norm_w, 1e-6,
+                             residual=residual.clone(), xq=xq_a)
+    got, got_res = rmsnorm(parts, norm_w, 1e-6, residual=residual.clone(), xq=xq_b)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)
+
+
 @pytest.mark.parametrize("t,deferred", [(1, True), (3, False)])
 def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, deferred):
     """Decode rows spread over several programs (each summing the whole row's squares, normalizing and

@@ -16,6 +16,8 @@ on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -312,6 +314,30 @@ def combine_experts(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor
                                                     hid, gate.stride(0), TOPK=k, SLOTS=slot is not None,
                                                     GATED=shared_gate is not None, BLOCK_H=block_h, **LAUNCH)
     return out
+
+
+@dataclass
+class ExpertPartials:
+    """A MoE block's decode output not yet combined: routed [T * k, H] (pair (t, j) at row t * k + j), weights
+    [T, k] float32, shared [T, H] (contiguous rows, the routed rows' width) and the shared expert's gate logits
+    (a [T, 1] column of any row stride, or None). The RMSNorm after the block combines them itself
+    (combine_experts' arithmetic), a launch less per MoE layer; `combined()` for any other consumer."""
+
+    routed: torch.Tensor
+    weights: torch.Tensor
+    shared: torch.Tensor
+    gate: torch.Tensor | None = None
+
+    def gate_rows(self) -> torch.Tensor:
+        return self.gate.reshape(self.weights.shape[0], -1)
+
+    def fits_one_stride(self) -> bool:
+        """Routed and shared rows read with one row stride, lanes contiguous (what the RMSNorm kernel takes)."""
+        return (self.routed.stride(1) == 1 and self.shared.stride(1) == 1 and self.weights.is_contiguous()
+                and self.routed.stride(0) == self.shared.stride(0))
+
+    def combined(self) -> torch.Tensor:
+        return combine_experts(self.routed, self.weights, self.shared, shared_gate=self.gate)
 
 
 def combine_experts_reference(y, weights, shared, slot=None, shared_gate=None):

@@ -1,6 +1,7 @@
 """Zero-centred RMSNorm, optionally fused with the residual add: h = x + r; y = norm(h) * (1 + w).
-x may be a product's unsummed K-split partials (SplitPartials), and y may also be written in the dp4a
-words of the next quantized product (QuantizedX): the launches before and after it fold in here.
+x may be a product's unsummed K-split partials (SplitPartials) or a MoE block's uncombined expert outputs
+(ExpertPartials), and y may also be written in the dp4a words of the next quantized product (QuantizedX): the
+launches before and after it fold in here.
 
 A single decode row is spread over several programs: each reads the whole
 row for its sum of squares (from L2) and normalizes, stores and quantizes only its own chunk. One
@@ -16,6 +17,7 @@ import triton.language as tl
 
 from . import torch_path
 from .launch import LAUNCH, pdl_wait
+from .moe import ExpertPartials
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
 
 # Spread only single decode rows: spreading MTP3's 4-row verify forwards too (products split 8 ways along K,
@@ -31,10 +33,22 @@ SUM_BLOCK = 1024  # lanes per step of a spread program's sum-of-squares pass
 
 @triton.jit
 def _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL: tl.constexpr,
-                SPLITS: tl.constexpr):
+                SPLITS: tl.constexpr, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK: tl.constexpr,
+                GATED: tl.constexpr):
     """h = x + residual at lanes `cols` of `row`, float32; with SPLITS, x is the float32 partials summed in
-    split order and rounded to y's dtype as finish_splits would."""
-    if SPLITS == 0:
+    split order and rounded to y's dtype as finish_splits would; with TOPK, x is a MoE block's routed outputs
+    (row t's pairs at rows t * TOPK + j) combined with its weights and the (gated) shared expert's row and
+    rounded to y's dtype as moe.combine_experts would."""
+    if TOPK > 0:
+        acc = tl.zeros(cols.shape, tl.float32)
+        for j in tl.static_range(TOPK):
+            w = tl.load(moe_w_ptr + row * TOPK + j).to(tl.float32)
+            acc += w * tl.load(x_ptr + (row * TOPK + j) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        shared = tl.load(moe_shared_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            shared = shared * tl.sigmoid(tl.load(moe_gate_ptr + row * gate_stride).to(tl.float32))
+        h = (acc + shared).to(y_ptr.dtype.element_ty).to(tl.float32)
+    elif SPLITS == 0:
         h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     else:
         h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -48,7 +62,9 @@ def _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, stride_x, stride_r, stride_y,
-                    stride_ro, split_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                    stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TOPK: tl.constexpr,
+                    GATED: tl.constexpr,
                     SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
                     QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                     GROUP: tl.constexpr):
@@ -60,13 +76,14 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
     k0 = tl.program_id(1) * BLOCK
     cols = k0 + tl.arange(0, BLOCK)
     ok = cols < H
-    h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS)
+    h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                    moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
     if SPREAD:
         squares = tl.zeros((SUM_LANES,), tl.float32)
         for i in tl.static_range(SUM_STEPS):
             all_cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
             hs = _summed_row(x_ptr, res_ptr, y_ptr, row, all_cols, all_cols < H, stride_x, stride_r, split_stride,
-                             HAS_RESIDUAL, SPLITS)
+                             HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
             squares += hs * hs
         var = tl.sum(squares, axis=0) / H
     else:
@@ -80,14 +97,18 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
         write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
 
 
-def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, xq: QuantizedX | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [T, H] (or a product's SplitPartials, summed here). With `residual`, returns
+def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            xq: QuantizedX | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, H] (or a product's SplitPartials, summed here, or a MoE block's ExpertPartials, combined here).
+    With `residual`, returns
     (norm(x + residual), x + residual); the sum is written in place of `residual` when each row is one
     program, else into a new tensor (use the returned one). Without, returns (norm(x), None). With `xq`
     (made by QuantizedX.empty for the next product's weight), the normed rows are also written there as
     dp4a words."""
-    if torch_path(x.y if isinstance(x, SplitPartials) else x):
+    if isinstance(x, ExpertPartials) and (torch_path(x.shared) or not x.fits_one_stride()):
+        x = x.combined()  # combine_experts' own path (the torch reference on a CPU)
+    if torch_path(x.y if isinstance(x, SplitPartials) else x.shared if isinstance(x, ExpertPartials) else x):
         if isinstance(x, SplitPartials):
             x = x.parts.sum(0).to(x.y.dtype)
         y, res_out = rmsnorm_reference(x, weight, eps, residual)
@@ -97,9 +118,12 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
             xq.fill(y)
         return y, res_out
     splits, split_stride = 0, 0
+    moe = None
     if isinstance(x, SplitPartials):
         parts, x = x.parts, x.y  # x: the unwritten product output, for shape and dtype
         splits, split_stride = parts.shape[0], parts.stride(0)
+    elif isinstance(x, ExpertPartials):
+        moe, x = x, x.shared  # the shared expert's rows: the combined block's shape and dtype
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
@@ -114,11 +138,15 @@ def rmsnorm(x: torch.Tensor | SplitPartials, weight: torch.Tensor, eps: float, r
         res_out = res
         num_warps = min(16, max(4, block // 512))  # a one-program row: latency-bound
     fused, words, quant = producer_words(xq, y, t, h, block, block * chunks)
-    source = parts if splits else x
+    source = parts if splits else moe.routed if moe is not None else x
+    gate = moe.gate_rows() if moe is not None and moe.gate is not None else source
     _rmsnorm_kernel[(t, chunks)](source, res, weight, y, res_out, words, h, eps,
-                                 source.stride(1) if splits else x.stride(0), res.stride(0), y.stride(0),
+                                 source.stride(1) if splits else source.stride(0), res.stride(0), y.stride(0),
                                  res_out.stride(0), split_stride,
-                                 HAS_RESIDUAL=residual is not None, BLOCK=block, SPLITS=splits, SPREAD=spread,
+                                 moe.weights if moe is not None else source, moe.shared if moe is not None else source,
+                                 gate, gate.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, SPLITS=splits,
+                                 TOPK=moe.weights.shape[1] if moe is not None else 0,
+                                 GATED=moe is not None and moe.gate is not None, SPREAD=spread,
                                  SUM_STEPS=triton.cdiv(h, sum_lanes), SUM_LANES=sum_lanes, **quant,
                                  num_warps=num_warps, **LAUNCH)
     if xq is not None and not fused:
