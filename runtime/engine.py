@@ -473,10 +473,12 @@ class Engine:
                 for e, s, rows in ((gate_up, shared_up, 2 * inter), (down, shared_down, hid))):
             # decode / verify: every (token, expert) pair and the shared expert's rows (after the pairs') in
             # one launch per matrix (pair p reads x row p // k, then its own row; the down launch applies
-            # SwiGLU as it reads), no host sync, and one launch weighs, gates and sums
-            ids, weights = route(router_logits, k)
-            pairs = ids.reshape(-1)
-            gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed)
+            # SwiGLU as it reads), no host sync; the next RMSNorm weighs, gates and sums
+            # the gate/up launch routes too (each program its token's top-k): no route launch
+            pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
+            weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
+            gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed,
+                                       route_into=(router_logits, weights))
             y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
                             swiglu=True)  # SwiGLU inside the down launch
             # combined by the RMSNorm after the block (weights, gate, sum): no combine launch

@@ -463,6 +463,18 @@ def test_expert_gemv(fmt):
     gu = torch.randn(6 + 3, 2 * k, device=DEVICE).to(DTYPE)
     fused = expert_gemv(gu, 1, ex, w, rows_per_expert, shared=shared, shared_x0=6, swiglu=True)
     assert torch.equal(fused, expert_gemv(swiglu(gu), 1, ex, w, rows_per_expert, shared=shared, shared_x0=6))
+    # routing inside the launch (decode): each program routes its token from the router's logits (a strided view:
+    # the router's columns of a wider product) and the launch writes the ids and weights route() would
+    from runtime.kernels.moe import route
+
+    logits = torch.cat([torch.randn(3, experts, device=DEVICE), torch.full((3, 1), 1e9, device=DEVICE)], dim=1)
+    ids_want, weights_want = route(logits[:, :experts], 2)
+    ids = torch.full((6,), -1, dtype=torch.int32, device=DEVICE)
+    weights = torch.full((3, 2), float("nan"), device=DEVICE)
+    got = expert_gemv(x, 2, ids, w, rows_per_expert, shared=shared, shared_x0=1, route_into=(logits[:, :experts],
+                                                                                               weights))
+    assert torch.equal(ids.view(3, 2), ids_want) and torch.equal(weights, weights_want)
+    assert torch.equal(got, expert_gemv(x, 2, ids_want.reshape(-1), w, rows_per_expert, shared=shared, shared_x0=1))
     from runtime.kernels.moe import shared_fusable
 
     assert shared_fusable(w, shared, rows_per_expert) and not shared_fusable(w, shared, rows_per_expert + 1)

@@ -32,9 +32,8 @@ from .swiglu import swiglu as swiglu_rows
 
 
 @triton.jit
-def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-    pdl_wait()
-    t = tl.program_id(0)
+def _top_k(logits_ptr, t, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Token t's routing: (expert ids [TOPK] int32, weights [TOPK] float32 summing to 1)."""
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     logit = tl.load(logits_ptr + t * stride_t + e, mask=ok, other=float("-inf")).to(tl.float32)
@@ -49,8 +48,17 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_t, TOPK: tl.conste
         picked_ids = tl.where(k == j, idx, picked_ids)
         picked = tl.where(k == j, best, picked)
         p = tl.where(e == idx, -1.0, p)
-    tl.store(ids_ptr + t * TOPK + k, picked_ids)
-    tl.store(weights_ptr + t * TOPK + k, picked / tl.sum(picked, axis=0))
+    return picked_ids, picked / tl.sum(picked, axis=0)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    pdl_wait()
+    t = tl.program_id(0)
+    ids, weights = _top_k(logits_ptr, t, E, stride_t, TOPK, BLOCK_E)
+    k = tl.arange(0, TOPK)
+    tl.store(ids_ptr + t * TOPK + k, ids)
+    tl.store(weights_ptr + t * TOPK + k, weights)
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,12 +103,17 @@ def _expert_rows(x_ptr, base_ptr, high_ptr, scale_ptr, rows, ok, K, GPR: tl.cons
 @triton.jit
 def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, s_base_ptr, s_high_ptr,
                         s_scale_ptr, y_ptr, ROWS_PER_EXPERT, K, stride_x, SHARED_FROM, SHARED_X0,
+                        logits_ptr, weights_ptr, E, stride_logits,
                         GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, INT8: tl.constexpr, S_GPR: tl.constexpr, S_K_PAD: tl.constexpr,
                         S_BITS: tl.constexpr, S_GROUP: tl.constexpr, S_HIGH_BYTES: tl.constexpr,
                         S_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-                        PAIRS_PER_X_ROW: tl.constexpr, SWIGLU: tl.constexpr):
-    """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread). Pairs from SHARED_FROM
+                        PAIRS_PER_X_ROW: tl.constexpr, SWIGLU: tl.constexpr, ROUTE: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
+    """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread). ROUTE (decode: the
+    pairs of token t are t * PAIRS_PER_X_ROW + j): each program routes its token itself from the router's logits
+    (the route kernel's top-k, recomputed per program: no launch of its own), and the first program of each
+    pair writes its expert id to experts_ptr, of each token's pair 0 the token's weights to weights_ptr. Pairs from SHARED_FROM
     on are the shared expert's (its own matrix s_*, in its own format S_*): pair p reads x row
     p - SHARED_FROM + SHARED_X0. SWIGLU: x's rows are gate/up projections (2K wide) and the product is taken
     with silu(gate) * up, as the SwiGLU kernel would have written it."""
@@ -113,7 +126,17 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
                          local, ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, BLOCK_N, BLOCK_K, S_INT8,
                          USE_ASM, SWIGLU)
     else:
-        expert = tl.load(experts_ptr + pair)
+        if ROUTE:
+            token = pair // PAIRS_PER_X_ROW
+            ids, weights = _top_k(logits_ptr, token, E, stride_logits, PAIRS_PER_X_ROW, BLOCK_E)
+            kk = tl.arange(0, PAIRS_PER_X_ROW)
+            expert = tl.sum(tl.where(kk == pair % PAIRS_PER_X_ROW, ids, 0), axis=0)
+            if tl.program_id(1) == 0:
+                tl.store(experts_ptr + pair, expert)
+                if pair % PAIRS_PER_X_ROW == 0:
+                    tl.store(weights_ptr + token * PAIRS_PER_X_ROW + kk, weights)
+        else:
+            expert = tl.load(experts_ptr + pair)
         if PAIRS_PER_X_ROW > 0:
             x_row = pair // PAIRS_PER_X_ROW
         else:
@@ -132,20 +155,28 @@ def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
 
 def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tensor, w: PackedLinear,
                 rows_per_expert: int, shared: PackedLinear | None = None, shared_x0: int = 0,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, route_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
     ([E * rows_per_expert, K] packed); `x_rows` an int n: x row p // n (a decode step's k pairs per token
     are n = k; the down product's own rows n = 1), without an index tensor to build per step. With `shared`
     (the shared expert's matrix, any grouped format: shared_fusable), the same launch also multiplies it with
     x rows shared_x0, shared_x0 + 1, ... to the end of x, after the routed pairs. With `swiglu`, x's rows are
     gate/up projections [*, 2K] and each product takes silu(gate) * up (in the launch itself on the dp4a path:
-    no SwiGLU launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per
+    no SwiGLU launch). With `route_into` = (router logits [T, E], weights [T, k] float32) and x_rows = k, the
+    launch routes too: `experts` ([T * k] int32, written) and the weights are filled as route() would (no route
+    launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per
     group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
+    if route_into is not None and (torch_path(x) or not isinstance(x_rows, int)):  # route first, then multiply
+        ids, weights = route(route_into[0], x_rows)
+        experts.copy_(ids.reshape(-1))
+        route_into[1].copy_(weights)
+        return expert_gemv(x, x_rows, experts, w, rows_per_expert, shared, shared_x0, swiglu)
     routed = experts.numel()
     s = shared if shared is not None else w
     int8, s_int8 = (GEMV_PATH == "int8" and m.fmt.bits in INT8_BITS for m in (w, s))
     if swiglu and (torch_path(x) or not (int8 and s_int8)):  # SwiGLU first (the torch path, float GEMVs)
-        return expert_gemv(swiglu_rows(x), x_rows, experts, w, rows_per_expert, shared, shared_x0)
+        return expert_gemv(swiglu_rows(x), x_rows, experts, w, rows_per_expert, shared, shared_x0,
+                           route_into=route_into)
     if shared is not None and not shared_fusable(w, shared, rows_per_expert):
         raise ValueError("expert_gemv: the shared expert's matrix differs from one routed expert's")
     extra = x.shape[0] - shared_x0 if shared is not None else 0
@@ -173,13 +204,23 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
             planes += [m.base, m.high if m.high is not None else m.base, m.scale]
     per_row = x_rows if isinstance(x_rows, int) else 0
     x_rows = experts if per_row else x_rows.contiguous()  # unread when per_row
+    if route_into is None:
+        experts = experts.contiguous()
+    elif not experts.is_contiguous():
+        raise ValueError("expert_gemv: the expert ids the launch writes must be contiguous")
+    logits, weights = route_into if route_into is not None else (experts, experts)  # unread without routing
+    if route_into is not None and (logits.stride(1) != 1 or not weights.is_contiguous()):
+        raise ValueError("expert_gemv: routing needs logits rows with unit column stride and contiguous weights")
     _expert_gemv_kernel[(routed + extra, triton.cdiv(rows_per_expert, block_n))](
-        x, x_rows, experts.contiguous(), *planes, y, rows_per_expert, w.cols, x.stride(0), routed, shared_x0,
+        x, x_rows, experts, *planes, y, rows_per_expert, w.cols, x.stride(0), routed, shared_x0,
+        logits, weights, logits.shape[1] if route_into is not None else 0,
+        logits.stride(0) if route_into is not None else 0,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, INT8=int8, S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits,
         S_GROUP=s.fmt.group_size, S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_INT8=s_int8, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, SWIGLU=swiglu, num_warps=tuning["num_warps"],
-        **LAUNCH)
+        BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, SWIGLU=swiglu, ROUTE=route_into is not None,
+        BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
+        num_warps=tuning["num_warps"], **LAUNCH)
     return y
 
 
