@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device calls (< 600 s each) for the fragment kernels (bench/RESULTS.md §2).
-#   run (carry .carry):  bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
+#   run (carry .carry):  bash bench/device_frag.sh first     # everything built since the last device call: GPU tests,
+#                                                            # then each new default or option against the old path
+#                        bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
 #                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
 #                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 #                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
@@ -21,6 +23,27 @@ lanes() {  # mode kv
   echo "$1 $2 t=$(el)"
 }
 case "${1:-kernels}" in
+first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routing and combine folded in: default),
+  # session 24's (warps sharing K, MoE fusions: default): correctness first, then each against the path it replaces
+  timeout 200 python -m pytest -q -n 4 --tb=short tests/test_attention_frag.py tests/test_frag_kernel.py \
+    tests/test_kernels.py tests/test_engine.py \
+    -k "frag or fragment or attention or wide or moe or expert or route or combine or rmsnorm or rides or router" \
+    > "$OUT/first-tests.log" 2>&1
+  grep -E "^E |passed|failed|FAILED" "$OUT/first-tests.log" | head -30
+  echo "t=$(el)"
+  for mode in off on; do  # 27B rk4v4-e8 decode at 8K and 200K: tl.dot vs fragment attention
+    NINFER_ATTENTION_FRAG=$mode timeout 80 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
+      --decode-tokens 64 --json-out "$OUT/first-attn-$mode.json" 2>&1 | grep "│ rk4v4"
+    echo "attention $mode t=$(el)"
+  done
+  M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
+  for mode in fused separate; do  # 35B-A3B one lane: 3 MoE launches per layer vs 10
+    NINFER_MOE_DECODE=$mode timeout 80 $M --depths 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/first-moe-$mode.json" 2>&1 | grep "│ bf16"
+    echo "moe $mode t=$(el)"
+  done
+  for mode in rows auto; do lanes $mode bf16; done
+  ;;
 kernels)
   timeout 180 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_engine.py tests/test_kernels.py \
     -k "frag or fragment or wide or moe or rides or router or expert or routing or combine" > "$OUT/tests.log" 2>&1
@@ -65,9 +88,10 @@ attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 2
     python -c "import json,sys; [print({k: v for k, v in json.loads(l).items() if not k.endswith('maxdiff') or v > 1e-2 or 'frag_4w_1024s_h2' in k}) for l in sys.stdin]"
   echo "t=$(el)"
   for mode in off on; do
-    NINFER_ATTENTION_FRAG=$mode timeout 130 $B --depths 8k,32k,128k,200k --kv-dtype rk4v4-e8 --decode-tokens 64 \
+    NINFER_ATTENTION_FRAG=$mode timeout 130 $B --depths 8k,32k,128k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
+      --decode-tokens 64 \
       --json-out "$OUT/depth-attn-$mode.json" 2>&1 | grep "│ rk4v4"
-    NINFER_ATTENTION_FRAG=$mode timeout 60 $B --depths 200k --kv-dtype int8 --decode-tokens 64 \
+    NINFER_ATTENTION_FRAG=$mode timeout 60 $B --depths 200k --prefill-limit 8k --kv-dtype int8 --decode-tokens 64 \
       --json-out "$OUT/depth-attn-int8-$mode.json" 2>&1 | grep "│ int8"
     echo "attention $mode t=$(el)"
   done
