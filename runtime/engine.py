@@ -34,7 +34,7 @@ from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_la
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
 from .kernels.rmsnorm import rmsnorm
-from .kernels.qk_norm_rope import qk_norm_rope
+from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
@@ -343,6 +343,14 @@ class Engine:
         qgkv = self.lin[p + "query_gate_key_value"](h, xq)
         qg, k, v = qgkv.split([c.q_gate_rows, c.kv_rows, c.kv_rows], dim=-1)
         rope = positions if rope_positions is None else rope_positions
+        page, slot, lane_tables, lane_ctx, *ride = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
+        if rope.dim() == 1 and self.codec.key in KV_APPEND_KINDS and self.codec.value in KV_APPEND_KINDS \
+                and c.head_dim % 64 == 0:
+            # norms, RoPE, the KV append and the rotations in one launch
+            qr = attention_inputs(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
+                                  self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta,
+                                  self.codec, self._planes(pool, "k"), self._planes(pool, "v"), page, slot)
+            return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride)
         if rope.dim() == 1:  # norms and RoPE of the query and key heads in one launch
             q, k = qk_norm_rope(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
                                 self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta)
@@ -355,9 +363,17 @@ class Engine:
             k = apply_partial_rope(k.view(n, c.num_kv_heads, c.head_dim).float(), cos, sin).to(self.act_dtype)
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         # append K/V into the lanes' pages at their positions
-        page, slot, lane_tables, lane_ctx, *ride = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
         self._append_kv(pool, k.view(n, c.num_kv_heads, c.head_dim), v, page, slot)
         qr = rotate64(q, self.act_dtype) if self.codec.rotate_keys else q  # keys are stored rotated
+        return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride)
+
+    def _planes(self, pool, side: str) -> list[torch.Tensor]:
+        """The pool planes of keys ("k") or values ("v"), in the codec's plane order."""
+        return [pool[pl.name] for pl in self.codec.planes(self.cfg.head_dim) if pl.name.startswith(side + "_")]
+
+    def _attend(self, p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride):
+        """Paged attention of the (rotated) queries, the output gate and the output product."""
+        c = self.cfg
         main = len(lanes_idx) * t
         out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
                               lane_tables, lane_ctx, c.head_dim ** -0.5)
@@ -378,8 +394,7 @@ class Engine:
         if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
             for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
                 x = rotate64(x, torch.float32) if rotate else x
-                planes = [pool[pl.name] for pl in codec.planes(x.shape[-1]) if pl.name.startswith(side + "_")]
-                kv_append(x, kind, planes, page, slot)
+                kv_append(x, kind, self._planes(pool, side), page, slot)
             return
         page, slot = page.long(), slot.long()
         for name, val in codec.encode(k.float(), v.float()).items():

@@ -904,6 +904,42 @@ def test_qk_norm_rope(n, heads, kv_heads, d, rot):
     _check(k.cpu(), want_k)
 
 
+@pytest.mark.parametrize("codec", ["bf16", "int8", "rk4v4-e8", "rk8v4", "rk2v4-e8"])
+def test_attention_inputs_append_the_kv_and_rotate_the_queries_in_one_launch(codec):
+    """attention_inputs == qk_norm_rope, then (rotated when the codec says) kv_append of K and V and the queries'
+    rotation: the same queries and the same cache bytes (e8cube's scale may move one f16 step: close)."""
+    from runtime.kernels.hadamard import rotate64
+    from runtime.kernels.kv_append import kv_append
+    from runtime.kernels.qk_norm_rope import attention_inputs, qk_norm_rope
+    from runtime.kv.codecs import CODECS
+
+    c = CODECS[codec]
+    n, heads, kv_heads, d, rot = 3, 4, 2, 128, 32
+    row = heads * 2 * d + 2 * kv_heads * d
+    qgkv = torch.randn(n, row + 24, device=DEVICE).to(DTYPE)[:, :row]
+    qw, kw = torch.randn(d, device=DEVICE).to(DTYPE), torch.randn(d, device=DEVICE).to(DTYPE)
+    pos = torch.tensor([5, 1000, 77], device=DEVICE, dtype=torch.int32)
+    page = torch.tensor([2, 0, 2], device=DEVICE, dtype=torch.int32)
+    slot = torch.tensor([7, 63, 8], device=DEVICE, dtype=torch.int32)
+    planes = {p.name: torch.zeros(3, 64, kv_heads, p.width, dtype=p.dtype, device=DEVICE) for p in c.planes(d)}
+    want_planes = {name: t.clone() for name, t in planes.items()}
+    side = lambda pl, s: [pl[p.name] for p in c.planes(d) if p.name.startswith(s + "_")]  # noqa: E731
+    q, k = qk_norm_rope(qgkv, heads, kv_heads, d, qw, kw, 1e-6, pos, rot, 1e6)
+    v = qgkv[:, heads * 2 * d + kv_heads * d :].reshape(n, kv_heads, d)
+    for x, kind, rotate, s in ((k, c.key, c.rotate_keys, "k"), (v, c.value, c.rotate_values, "v")):
+        kv_append(rotate64(x, torch.float32) if rotate else x, kind, side(want_planes, s), page, slot)
+    want_q = rotate64(q) if c.rotate_keys else q
+    got_q = attention_inputs(qgkv, heads, kv_heads, d, qw, kw, 1e-6, pos, rot, 1e6, c, side(planes, "k"),
+                             side(planes, "v"), page, slot)
+    assert torch.equal(got_q, want_q)
+    for name in planes:
+        if c.key == "e8cube" and name.startswith("k_"):
+            decoded = c.decode_keys({n: t.cpu() for n, t in planes.items()})
+            _check(decoded, c.decode_keys({n: t.cpu() for n, t in want_planes.items()}), torch.bfloat16)
+        else:
+            assert torch.equal(planes[name], want_planes[name]), name
+
+
 def test_attention_tile_overrides():
     from runtime.kernels.paged_attention import _tile_overrides, split_size
 

@@ -116,8 +116,13 @@ def _kv_append_kernel(x_ptr, page_ptr, slot_ptr, p0, p1, HKV, D: tl.constexpr, K
     head = vec % HKV
     page = tl.load(page_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    row = (page * 64 + slot) * HKV + head
-    x_row = x_ptr + vec.to(tl.int64) * D
+    append_vector(x_ptr + vec.to(tl.int64) * D, (page * 64 + slot) * HKV + head, p0, p1, D, KIND, W0, W1)
+
+
+@triton.jit
+def append_vector(x_row, row, p0, p1, D: tl.constexpr, KIND: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Encode the vector at x_row (D elements, any float dtype) into pool row `row` of planes p0 (codes or
+    data) and p1 (scales)."""
     G: tl.constexpr = D // 64
     g = tl.arange(0, G)
     if KIND == 0:
