@@ -35,7 +35,8 @@ def count(moe: bool, kv: str) -> dict:
     from runtime.memory_plan import PlanOptions
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = write_tiny_checkpoint(Path(tmp) / "hf", moe=moe, seed=1, mtp_layers=0, shared_intermediate=32)
+        src = write_tiny_checkpoint(Path(tmp) / "hf", moe=moe, seed=1, mtp_layers=0, hidden=512, intermediate=1024,
+                                    shared_intermediate=32)  # wide enough for the full-size kernel choices
         path = convert_checkpoint(src, Path(tmp) / "m.nfer", ConvertOptions(recipe="q4")).output
         engine = Engine(path, PlanOptions(max_context=256, kv_dtype=kv, prefill_chunk=128), device="cpu")
         engine.prefill(0, [3, 17, 99, 150, 42])
