@@ -1,8 +1,9 @@
 """Instructions the decode-attention kernels spend per 64 keys, from their sm_90 SASS, compiled on this machine (no
 GPU needed: Triton's own ptxas and cuobjdump): the loop of the tl.dot kernel (paged_attention.py) and of the fragment
-kernel (paged_attention_frag.py), their registers and stack, for int4 (rk4v4-e8) or int8 KV at 27B shapes.
+kernel (paged_attention_frag.py), their registers and stack, for int4 (rk4v4-e8), int8 or e8cube keys with int4
+values (rk2v4-e8) at 27B shapes.
 
-    python bench/sass_count.py [int4|int8] [--json]
+    python bench/sass_count.py [int4|int8|e8] [--json]
 """
 
 from __future__ import annotations
@@ -54,24 +55,28 @@ def _loop(sass: str) -> Counter:
     return Counter(op for addr, op, _ in ins if loop[0] <= addr <= loop[1])
 
 
+CODECS = {"int4": ("int4g64e8", 128, 128), "int8": ("int8g64", 256, 256), "e8": ("e8cube", 64, 128)}  # rk2v4-e8
+
+
 def main(codec: str = "int4") -> dict:
-    width, kind = (128, 2) if codec == "int4" else (256, 1)
-    dot_warps = pa.ATTENTION_TILES["int4g64e8" if codec == "int4" else "int8g64"][1]
+    key_kind, width, value_width = CODECS[codec]
+    kind, value_kind = pa.KIND_IDS[key_kind], pa.KIND_IDS["int8g64" if codec == "int8" else "int4g64"]
+    block_n, dot_warps, _ = pa.ATTENTION_TILES[key_kind]
     dot_sig = {**POINTERS, **SCALARS, "scale": "fp32", **{k: "constexpr" for k in (
         "D", "KK", "VK", "KW0", "KW1", "VW0", "VW1", "BLOCK_M", "BLOCK_N", "DIRECT", "LDMATRIX")}}
-    dot_const = {"D": 256, "KK": kind, "VK": kind, "KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "BLOCK_M": 16,
-                 "BLOCK_N": 64, "DIRECT": False, "LDMATRIX": False}
-    asm = fa.kernel_asm(4, width, 4, width, 4, fa.HINTS[fa.FRAG_ATTENTION["hint"]])
+    dot_const = {"D": 256, "KK": kind, "VK": value_kind, "KW0": width, "KW1": 4, "VW0": value_width, "VW1": 4,
+                 "BLOCK_M": 16, "BLOCK_N": block_n, "DIRECT": False, "LDMATRIX": False}
+    asm = fa.kernel_asm(4, width, 4, value_width, 4, fa.HINTS[fa.FRAG_ATTENTION["hint"]])
     frag_sig = {**POINTERS, **SCALARS, "TILES": "i32", "score_scale": "fp32", **{k: "constexpr" for k in (
         "KW0", "KW1", "VW0", "VW1", "W", *asm)}}
-    frag_const = {"KW0": width, "KW1": 4, "VW0": width, "VW1": 4, "W": 4, **asm}
+    frag_const = {"KW0": width, "KW1": 4, "VW0": value_width, "VW1": 4, "W": 4, **asm}
     out = {"codec": codec, "triton": triton.__version__}
     for name, fn, sig, const, warps, per_tile in (
-            ("dot", pa._paged_attention_kernel, dot_sig, dot_const, dot_warps, dot_warps),
+            ("dot", pa._paged_attention_kernel, dot_sig, dot_const, dot_warps, dot_warps * 64 // block_n),
             ("fragment", fa._attention_frag_kernel, frag_sig, frag_const, 4, 1)):
         sass, usage = _sass(fn, sig, const, warps)
         ops = _loop(sass)
-        out[name] = {"warps_per_64_keys": per_tile, "loop_instructions_per_warp": sum(ops.values()),
+        out[name] = {"loops_per_64_keys": per_tile, "loop_instructions_per_warp": sum(ops.values()),
                      "instructions_per_64_keys": sum(ops.values()) * per_tile,
                      "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
                      "stack_bytes": int(m.group(1)) if (m := re.search(r"STACK:(\d+)", usage)) else 0,
@@ -88,7 +93,7 @@ if __name__ == "__main__":
     else:
         for name in ("dot", "fragment"):
             r = result[name]
-            print(f"{name:9} {r['warps_per_64_keys']} x {r['loop_instructions_per_warp']:,} = "
+            print(f"{name:9} {r['loops_per_64_keys']} x {r['loop_instructions_per_warp']:,} = "
                   f"{r['instructions_per_64_keys']:,} instructions per 64 keys, {r['registers']} registers, "
                   f"stack {r['stack_bytes']} B; {r['top']}")
         print(f"ratio {result['ratio']:.2f} ({result['codec']}, triton {result['triton']})")

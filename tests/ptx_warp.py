@@ -190,6 +190,20 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
                 regs[args[0]] = f32_bits(_f16(get(lane, args[1])))
             elif op == "shl.b32":
                 regs[args[0]] = (get(lane, args[1]) << get(lane, args[2])) & MASK32
+            elif op == "bfe.u32":  # unsigned bit-field extract: len bits from pos
+                value, pos, length = (get(lane, x) for x in args[1:])
+                regs[args[0]] = (value >> pos) & ((1 << length) - 1)
+            elif op == "bfi.b32":  # insert len low bits of a into b at pos
+                a, b, pos, length = (get(lane, x) for x in args[1:])
+                field = ((1 << length) - 1) << pos
+                regs[args[0]] = (b & ~field & MASK32) | ((a << pos) & field)
+            elif op == "popc.b32":
+                regs[args[0]] = bin(get(lane, args[1]) & MASK32).count("1")
+            elif op in ("and.b32", "xor.b32"):
+                a, b = get(lane, args[1]), get(lane, args[2])
+                regs[args[0]] = (a & b) if op == "and.b32" else (a ^ b)
+            elif op == "mul.lo.u32":
+                regs[args[0]] = (get(lane, args[1]) * get(lane, args[2])) & MASK32
             elif op in ("shr.u32", "shr.b32"):
                 regs[args[0]] = get(lane, args[1]) >> get(lane, args[2])
             elif op == "or.b32":

@@ -32,6 +32,8 @@ def _case(codec, lanes, t, hq, hkv, ctx, per_lane, seed, device):
     ("int8", 1, 12, 2, 64, 2),  # int8 keys and values
     ("rk8v4", 2, 8, 2, 128, 4),  # int8 keys, int4 values
     ("rk4v4-e8", 4, 12, 2, 64, 4),  # a 24-row verify block (MTP3 on a 6-head group): 3 column tiles of 8 rows
+    ("rk2v4-e8", 1, 12, 2, 64, 2),  # e8cube keys: 8-vectors decoded bit by bit into int4's nibble order
+    ("rk2v4-e8", 2, 8, 2, 128, 4),
 ])
 def test_fragment_attention_matches_the_reference(kernel_device, codec, t, hq, hkv, split_tokens, warps):
     c, q, pool, block_table, ctx, want = _case(codec, 2, t, hq, hkv, [70, 150], 3, 7 + t + hq, kernel_device)
@@ -48,9 +50,9 @@ def test_fragment_attention_takes_int4_decode_shapes_only():
         assert fa.frag_attention_supported(CODECS[name], 256, 24) and fa.frag_attention_supported(CODECS[name], 256, 64)
         assert not fa.frag_attention_supported(CODECS[name], 256, 65)
         assert not fa.frag_attention_supported(CODECS[name], 128, 6)
-    for name in ("int8", "rk8v4"):
+    for name in ("int8", "rk8v4", "rk2v4-e8"):
         assert fa.frag_attention_supported(CODECS[name], 256, 8)
-    for name in ("bf16", "rk2v4-e8", "fp8", "nvfp4", "k8v4"):
+    for name in ("bf16", "fp8", "nvfp4", "k8v4"):
         assert not fa.frag_attention_supported(CODECS[name], 256, 6)
     c, q, pool, block_table, ctx, _ = _case("rk4v4", 1, 5, 28, 2, [70], 2, 1, "cpu")
     with pytest.raises(ValueError, match="at most 64 rows"):

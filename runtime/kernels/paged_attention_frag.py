@@ -45,7 +45,7 @@ from .launch import LAUNCH, pdl_wait
 from .paged_attention import MIN_SPLIT, PAGE, _combine_kernel, _split_len, split_size
 from .qgemm_rows_frag import _thread_ids
 
-KEY_KINDS = ("int4g64", "int4g64e8", "int8g64")  # int4g64e8: int4g64's codes, chosen otherwise
+KEY_KINDS = ("int4g64", "int4g64e8", "int8g64", "e8cube")  # int4g64e8: int4g64's codes, chosen otherwise
 VALUE_KINDS = ("int4g64", "int8g64")
 HEAD_DIM = 256
 COLUMNS = tl.constexpr(8)  # query rows per warp: the mma's 8 B columns (more rows: a warp per 8, each reading the same keys)
@@ -87,10 +87,32 @@ def _bytes(out: list[str], word: str) -> str:
     return f"shr.b32 t, {word}, 8; lop3.b32 {out[0]}, {word}, {_BYTE}; lop3.b32 {out[1]}, t, {_BYTE}; "
 
 
+def _spread(reg: str) -> str:
+    """Bit i of an 8-bit value to bit 4i (three shift-and-merge steps)."""
+    return (f"shl.b32 zt, {reg}, 12; lop3.b32 {reg}, {reg}, zt, 0x000F000F, 0xA8; "
+            f"shl.b32 zt, {reg}, 6; lop3.b32 {reg}, {reg}, zt, 0x03030303, 0xA8; "
+            f"shl.b32 zt, {reg}, 3; lop3.b32 {reg}, {reg}, zt, 0x11111111, 0xA8; ")
+
+
+def _e8_vector(out: str, word: str, half: int) -> str:
+    """The e8cube 8-vector in bytes 2 half (magnitudes) and 2 half + 1 (signs, bit 7 the shift) of `word` as an
+    int4-like word (nibble i = element i, two's complement of q, 4 v = q odd in [-7, 7]; specs/kv-codecs.md §4.2):
+    q + 8 = 8 (not negative) + 4 (magnitude xor negative) + 2 (not shifted down) + 1, element 7's sign the parity
+    that puts the point on E8; stored with bit 3 flipped, as the nibble extraction flips it back."""
+    return (f"bfe.u32 zm, {word}, {16 * half}, 8; bfe.u32 zs, {word}, {16 * half + 8}, 8; and.b32 z7, zs, 0x7F; "
+            "xor.b32 zt, z7, zm; popc.b32 zt, zt; bfi.b32 zn, zt, z7, 7, 1; xor.b32 zx, zm, zn; "
+            + _spread("zn") + _spread("zx") +
+            "shr.u32 zb, zs, 7; mul.lo.u32 zb, zb, 0x22222222; xor.b32 zb, zb, 0x33333333; "
+            f"shl.b32 zn, zn, 3; shl.b32 zx, zx, 2; lop3.b32 {out}, zn, zx, zb, 0xFE; ")
+
+
 def _key_group(prefix: str, words: list[str], bits: int) -> tuple[str, list[tuple[str, str]]]:
     """One key's group (32 code bytes of int4: 2 words; 64 of int8: 4 words, this thread's share) as the A registers
     of its 4 k-steps: (k slots 2c.., k slots 2c + 8..) per step."""
     regs = [f"{prefix}{i}" for i in range(8)]
+    if bits == 2:  # e8cube: the word's two 8-vectors as int4-like words, then as int4
+        text, pairs = _key_group(prefix, [f"{prefix}v0", f"{prefix}v1"], 4)
+        return _e8_vector(f"{prefix}v0", words[0], 0) + _e8_vector(f"{prefix}v1", words[0], 1) + text, pairs
     if bits == 4:  # word 0: steps 0 (low nibbles j, high nibbles j) and 1 (same, bytes 1, 3); word 1: steps 2, 3
         return _nibbles(regs[:4], words[0]) + _nibbles(regs[4:], words[1]), [(regs[2 * j], regs[2 * j + 1])
                                                                               for j in range(4)]
@@ -107,16 +129,17 @@ def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "", bit
     are loaded whole pages at a time (in bounds even past the context; their scores are masked), scales only for
     keys in the context (zero otherwise)."""
     first, second = 16 * step, 16 * step + 8
-    per_group = bits // 2  # words of one key's group for this thread
-    lines = [f"{{ .reg .pred pg, ph; .reg .b32 w<{8 * per_group}>, sc<4>, a<8>, e<8>, t; .reg .b16 s<8>; "
-             ".reg .f32 p<4>, z, f, h, d<4>;",
+    per_group = bits // 2  # words of one key's group for this thread (e8cube: one word, two 8-vectors)
+    lines = [f"{{ .reg .pred pg, ph; .reg .b32 w<{8 * per_group}>, sc<4>, a<8>, e<8>, t, av<2>, ev<2>, zm, zs, z7, "
+             "zt, zn, zx, zb; .reg .b16 s<8>; .reg .f32 p<4>, z, f, h, d<4>;",
              f"setp.gt.s32 pg, $6, {first}; setp.gt.s32 ph, $6, {second}; mov.f32 z, 0f00000000;",
              "mov.b32 sc0, 0; mov.b32 sc1, 0; mov.b32 sc2, 0; mov.b32 sc3, 0;"]
-    width = "v2" if bits == 4 else "v4"
+    width = {2: "", 4: ".v2", 8: ".v4"}[bits]
     for key, row in enumerate((first, second)):
         for grp in range(4):
             regs = ", ".join(f"w{(4 * key + grp) * per_group + i}" for i in range(per_group))
-            lines.append(f"ld.global.nc{hint}.{width}.b32 {{{regs}}}, [$4+{row * code_stride + 8 * bits * grp}];")
+            regs = regs if bits == 2 else f"{{{regs}}}"
+            lines.append(f"ld.global.nc{hint}{width}.b32 {regs}, [$4+{row * code_stride + 8 * bits * grp}];")
     lines += [f"@pg ld.global.nc.v2.b32 {{sc0, sc1}}, [$5+{first * scale_stride}];",
               f"@ph ld.global.nc.v2.b32 {{sc2, sc3}}, [$5+{second * scale_stride}];",
               "mov.b32 {s0, s1}, sc0; mov.b32 {s2, s3}, sc1; mov.b32 {s4, s5}, sc2; mov.b32 {s6, s7}, sc3;"]
@@ -264,7 +287,7 @@ def _query_fragments(q_row, c, ok, KB: tl.constexpr):
     out = ()
     for grp in tl.static_range(4):
         for j in tl.static_range(4):
-            if KB == 4:
+            if KB <= 4:  # int4 and e8cube (whose 8-vectors are decoded into int4's nibble order)
                 d = 64 * grp + 16 * c + 8 * (j // 2) + 2 * (j % 2)
                 out = out + (_half_pair(q_row, d, ok, 1.0, 4), _half_pair(q_row, d + 1, ok, 0.0625, 4))
             else:
@@ -431,14 +454,14 @@ def kernel_asm(hkv: int, key_width: int, key_scales: int, value_width: int, valu
         values += [values_asm(step, grp, False, code_v, hint, value_bits) for grp in range(4)]
         values += [values_asm(step, grp, True, code_v, hint, value_bits) for grp in range(4)]
     return {"KEYS_ASM": tuple(keys_asm(step, code_k, scale_k, hint, key_bits) for step in range(4)),
-            "OFFSETS_ASM": key_offsets_asm(key_bits), "KB": key_bits, "VB": value_bits,
+            "OFFSETS_ASM": key_offsets_asm(8 if key_bits == 8 else 4), "KB": key_bits, "VB": value_bits,
             "PROBABILITIES_ASM": tuple(probabilities_asm(step, scale_v) for step in range(4)),
             "VALUES_ASM": tuple(values)}
 
 
 def frag_attention_supported(codec: Codec, head_dim: int, rows: int) -> bool:
-    """int4 or int8 group-64 keys and values (rk4v4, rk4v4-e8, rk8v4, int8), head dim 256, at most 8 query rows
-    per kv head."""
+    """int4 or int8 group-64 keys and values, or e8cube keys (rk4v4, rk4v4-e8, rk8v4, int8, rk2v4-e8), head dim
+    256, at most 64 query rows per kv head."""
     return codec.key in KEY_KINDS and codec.value in VALUE_KINDS and head_dim == HEAD_DIM and 1 <= rows <= MAX_ROWS
 
 
@@ -452,7 +475,7 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
     hkv = pool["k_codes"].shape[2]
     if not frag_attention_supported(codec, d, t * (hq // hkv)):
         raise ValueError(f"paged_attention_frag: {codec.name} with head dim {d} and {t * (hq // hkv)} query rows per "
-                         f"kv head (int4/int8 keys and values, head dim {HEAD_DIM}, at most {MAX_ROWS} rows)")
+                         f"kv head (int4/int8/e8cube keys, int4/int8 values, head dim {HEAD_DIM}, at most {MAX_ROWS} rows)")
     warps = warps or FRAG_ATTENTION["warps"]
     target = target_splits or FRAG_ATTENTION["splits"]
     rows = t * (hq // hkv)
@@ -473,7 +496,7 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
     tiles = triton.cdiv(rows, COLUMNS.value)
     _attention_frag_kernel[(lanes, triton.cdiv(splits * hkv * tiles, warps))](
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len, t, hq, hkv, block_table.shape[1],
-        splits, split_min, tiles, scale * LOG2E * UNIT.value, KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
+        splits, split_min, tiles, scale * LOG2E * UNIT.value * (0.25 if codec.key == "e8cube" else 1.0), KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
         VW1=v1.shape[-1], W=warps, num_warps=warps, **asm, **LAUNCH)
     _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, D=d,
                                                   BLOCK_S=64, BLOCK_D=64, BLOCK_N=TILE, num_warps=4, **LAUNCH)
