@@ -940,6 +940,22 @@ def test_attention_inputs_append_the_kv_and_rotate_the_queries_in_one_launch(cod
             assert torch.equal(planes[name], want_planes[name]), name
 
 
+def test_kernel_tunings_from_the_environment(monkeypatch):
+    """NINFER_*_TILE side-by-side settings: a prefix of the keys updates the defaults; anything but integers
+    stops with one line naming the variable and the form."""
+    from runtime.kernels import tuning_from_env
+
+    monkeypatch.setenv("NINFER_TEST_TILE", "4, 2048")
+    assert tuning_from_env("NINFER_TEST_TILE", ("warps", "splits", "hint"), {"warps": 1, "hint": 2}) == \
+        {"warps": 4, "splits": 2048, "hint": 2}
+    for bad in ("4,x", "1,2,3,4", "4;2"):
+        monkeypatch.setenv("NINFER_TEST_TILE", bad)
+        with pytest.raises(SystemExit, match="NINFER_TEST_TILE=.* is not up to 3 comma-separated integers"):
+            tuning_from_env("NINFER_TEST_TILE", ("warps", "splits", "hint"), {})
+    monkeypatch.delenv("NINFER_TEST_TILE")
+    assert tuning_from_env("NINFER_TEST_TILE", ("warps",), {"warps": 1}) == {"warps": 1}
+
+
 def test_attention_tile_overrides():
     from runtime.kernels.paged_attention import _tile_overrides, split_size
 

@@ -60,3 +60,19 @@ def _match_gpu_bf16_in_interpreter() -> None:
 
 if interpreted():
     _match_gpu_bf16_in_interpreter()
+
+
+def tuning_from_env(name: str, keys: tuple[str, ...], into: dict) -> dict:
+    """Side-by-side runs set kernel tunings as comma-separated integers in environment variable `name`, in the
+    order of `keys` (a prefix of them may be given); they update `into`. A malformed value stops with a one-line
+    error naming the variable and the expected form, not a traceback."""
+    text = os.environ.get(name, "")
+    if not text:
+        return into
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > len(keys) or not all(p.lstrip("-").isdigit() for p in parts):
+        raise SystemExit(f"ninfer: {name}={text!r} is not up to {len(keys)} comma-separated integers "
+                         f"({','.join(keys)}); unset it for the defaults")
+    into.update(zip(keys, map(int, parts)))
+    return into
+

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from runtime.kv.codecs import Codec
 
+from . import tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .paged_attention import MIN_SPLIT, PAGE, _combine_kernel, _split_len, split_size
 from .qgemm_rows_frag import _thread_ids
@@ -58,10 +59,9 @@ MODES = ("off", "on")
 # Warps per program (consecutive warps: the kv heads of one split, so a program reads whole token rows), the
 # splits aimed at over the grid (x kv heads = warps; ~8 warps per SM are resident at ~250 registers) and the cache
 # hint of the code loads (HINTS)
-FRAG_ATTENTION = {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1024, "hint": 2}
-if os.environ.get("NINFER_ATTENTION_FRAG_TILE"):  # side-by-side runs: warps,splits[,hint]
-    FRAG_ATTENTION.update(zip(("warps", "splits", "hint"),
-                              map(int, os.environ["NINFER_ATTENTION_FRAG_TILE"].split(","))))
+FRAG_ATTENTION = tuning_from_env("NINFER_ATTENTION_FRAG_TILE", ("warps", "splits", "hint"),  # side-by-side runs
+                                 {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1024,
+                                  "hint": 2})
 if FRAG_ATTENTION["mode"] not in MODES:
     raise SystemExit(f"ninfer: NINFER_ATTENTION_FRAG={FRAG_ATTENTION['mode']!r} is not one of {', '.join(MODES)}")
 

@@ -18,7 +18,6 @@ zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
+from . import tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _store_rows,
                               _thread_ids, aligned_rows, finish_splits, split_partials)
@@ -84,9 +84,10 @@ def fragment_planes(w) -> FragmentPlanes:
 
 
 # Objects the engine may re-lay out (qlinear.fragment_layout_enabled says when): products that only ever go through
-# qlinear whole (no row views, gathers or expert kernels read them)
+# qlinear whole (no row views, gathers or expert kernels read them). A MoE's shared expert is not one: its rows ride
+# in the routed experts' decode launches (moe.shared_fusable), which read the artifact's planes.
 FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/query_key_value_z", "gdn/output",
-                    "mlp/gate_up", "mlp/down", "moe/shared_gate_up", "moe/shared_down", "mtp/input_projection")
+                    "mlp/gate_up", "mlp/down", "mtp/input_projection")
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 
 
@@ -266,10 +267,9 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xorder 1 puts
 # x of 2+ rows in fragment order first (fragment_order_x: one launch more, a warp's x loads 512-byte runs where
 # they touch 8 rows' lines; not yet measured, so off)
-FRAGMENT_TUNING = {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0}
-if os.environ.get("NINFER_FRAGMENT_TILE"):  # side-by-side runs: hint,warps,programs[,ksplit[,xorder]]
-    FRAGMENT_TUNING.update(zip(("hint", "warps", "programs", "ksplit", "xorder"),
-                               map(int, os.environ["NINFER_FRAGMENT_TILE"].split(","))))
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xorder]]
+FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xorder"),
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0})
 
 
 def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:

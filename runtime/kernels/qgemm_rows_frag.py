@@ -24,12 +24,11 @@ same group sums in plain torch); GPU tests hold the kernel to it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .qgemv_int8 import SplitPartials, finish_splits, split_partials
 
@@ -253,9 +252,8 @@ def frag_splits(rows: int, groups: int, warps: int, programs: int) -> int:
 
 # best total over the 27B's Q4/Q5 products at T = 8 in the H200 sweep (bench/RESULTS.md §2): L2 fetching 256 bytes
 # per weight access, 4 warps, ~528 programs
-FRAG_TUNING = {"warps": 4, "programs": 528, "hint": 2}
-if os.environ.get("NINFER_FRAG_TILE"):  # side-by-side runs: hint,warps,programs
-    FRAG_TUNING = dict(zip(("hint", "warps", "programs"), map(int, os.environ["NINFER_FRAG_TILE"].split(","))))
+# side-by-side runs: NINFER_FRAG_TILE=hint,warps,programs
+FRAG_TUNING = tuning_from_env("NINFER_FRAG_TILE", ("hint", "warps", "programs"), {"warps": 4, "programs": 528, "hint": 2})
 
 
 def qgemm_rows_frag(x: torch.Tensor, w, y: torch.Tensor, warps: int | None = None, programs: int | None = None,
