@@ -382,7 +382,10 @@ def _attention_frag_kernel(q_ptr, part_o_ptr, part_ml_ptr, k0, k1, v0, v1, block
     off1 = off0
     off2 = off0
     off3 = off0
-    for ti in range(0, split_len // 64):
+    # a program whose splits all lie past the lane's context (a short context under a long capacity) runs no tile
+    first_split = tl.program_id(1) * W // (TILES * HKV)
+    pages = tl.where(first_split * split_len < ctx, split_len // 64, 0)
+    for ti in range(0, pages):
         n0 = begin + ti * 64
         page = tl.load(block_table_ptr + lane * PAGES_PER_LANE + n0 // 64, mask=n0 < end, other=0)
         row0 = page.to(tl.int64) * 64 * HKV + kvh
