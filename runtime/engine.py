@@ -19,7 +19,7 @@ from format.layouts import RowSplitGeometry
 from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
 from .allocator import DeviceMemory
-from .kernels.attention_gate import attention_gate
+from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.gated_norm import gated_norm
@@ -375,17 +375,17 @@ class Engine:
         """Paged attention of the (rotated) queries, the output gate and the output product."""
         c = self.cfg
         main = len(lanes_idx) * t
-        out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
-                              lane_tables, lane_ctx, c.head_dim ** -0.5)
+        # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates: in the
+        # attention's combine launch (decode, verify, riders), after it for a prefill chunk's rows
+        out_xq = self._quantized_input(p + "output", n)
+        gate = AttentionGate(qg, self.codec.rotate_values, c.num_heads, c.head_dim, self.act_dtype, out_xq)
+        paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec, lane_tables,
+                        lane_ctx, c.head_dim ** -0.5, gate=gate.part(0))
         if ride:  # riders: one decode row per lane after the chunk's rows
             rider_lanes, rider_tables, rider_ctx = ride[0]
-            rider_out = paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
-                                        rider_tables, rider_ctx, c.head_dim ** -0.5)
-            out = torch.cat([out.view(main, c.num_heads, c.head_dim), rider_out.view(-1, c.num_heads, c.head_dim)])
-        # times sigmoid(gate), rotated back from the value storage basis first when the codec rotates
-        out_xq = self._quantized_input(p + "output", n)
-        out = attention_gate(out.view(n, c.num_heads, c.head_dim), qg, self.codec.rotate_values, out_xq)
-        return self.lin[p + "output"](out, out_xq, defer_sum=True)  # summed by the next rmsnorm
+            paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
+                            rider_tables, rider_ctx, c.head_dim ** -0.5, gate=gate.part(main))
+        return self.lin[p + "output"](gate.finish(), out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _append_kv(self, pool, k, v, page, slot):
         """Encode K/V [n, HKV, D] into the pool: one kernel per side for the sub-codecs kv_append encodes

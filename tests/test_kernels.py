@@ -374,6 +374,44 @@ def test_paged_attention(codec, t, split_tokens, monkeypatch):
     _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
 
 
+@pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8"])
+def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
+    """paged_attention with an AttentionGate part: the combine launch gates its rows (rotated back when the codec
+    rotates values) into the block's output rows from the part's first row on, and writes their dp4a words; the
+    same bytes as paged_attention then attention_gate. A one-split call (no combine) gates its rows apart."""
+    from runtime.kernels import paged_attention as module
+    from runtime.kernels.attention_gate import AttentionGate, attention_gate
+    from runtime.kernels.paged_attention import PAGE, paged_attention
+    from runtime.kernels.qgemv_int8 import QuantizedX
+
+    monkeypatch.setattr(module, "SPLIT_TOKENS", 64)
+    c = CODECS[codec]
+    lanes, t, hq, hkv, d, per_lane = 2, 1, 4, 2, 64, 3
+    g = torch.Generator().manual_seed(21)
+    total = lanes * per_lane
+    pool = {k: v.to(DEVICE) for k, v in c.encode(torch.randn(total, PAGE, hkv, d, generator=g),
+                                                  torch.randn(total, PAGE, hkv, d, generator=g)).items()}
+    table = torch.randperm(total, generator=g).view(lanes, per_lane).int().to(DEVICE)
+    ctx = torch.tensor([70, 150], dtype=torch.int32, device=DEVICE)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g)).to(DTYPE).to(DEVICE)
+    n = 3 + lanes * t  # the gated block: 3 rows before these (another call's), then these rows
+    qg = torch.randn(n, hq * 2 * d, generator=g).to(DTYPE).to(DEVICE)
+    nxt = _packed(8, hq * d, FORMATS["Q4G64_F16S"], 2)
+    want_xq, xq = QuantizedX.empty(lanes * t, nxt, DEVICE), QuantizedX.empty(n, nxt, DEVICE)
+    o = paged_attention(q, pool, c, table, ctx, d ** -0.5)
+    want = attention_gate(o.view(lanes * t, hq, d), qg[3:], c.rotate_values, want_xq)
+    gate = AttentionGate(qg, c.rotate_values, hq, d, DTYPE, xq)
+    got = paged_attention(q, pool, c, table, ctx, d ** -0.5, gate=gate.part(3))
+    assert torch.equal(got, want) and torch.equal(gate.finish()[3:], want)
+    assert torch.equal(xq.words[3:], want_xq.words)
+    monkeypatch.setattr(module, "SPLIT_TOKENS", 256)  # one split: the rows are final, gated after
+    o = paged_attention(q, pool, c, table, ctx, d ** -0.5)
+    want = attention_gate(o.view(lanes * t, hq, d), qg[:2], c.rotate_values)
+    gate = AttentionGate(qg[:2], c.rotate_values, hq, d, DTYPE, QuantizedX.empty(2, nxt, DEVICE))
+    assert torch.equal(paged_attention(q, pool, c, table, ctx, d ** -0.5, gate=gate.part(0)), want)
+    assert torch.equal(gate.finish(), want) and gate.words_missing
+
+
 def test_attention_tiles_by_query_rows():
     """int4 keys take the ldmatrix verify tiles only for 17..32-row blocks (MTP3's 24 rows on the 27B):
     decode rows (16-row blocks) keep the pure decode and their tiles, prefill blocks the prefill tiles;

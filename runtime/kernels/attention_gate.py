@@ -48,20 +48,64 @@ def _gate_kernel(o_ptr, qg_ptr, h_ptr, y_ptr, xq_ptr, HEADS, GROUPS, qg_stride, 
                           ((one // G) % HEADS * G + one % G) * 64, K_PAD, QBITS, GROUP, 64)
 
 
-def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: QuantizedX | None = None) -> torch.Tensor:
+class AttentionGate:
+    """The output gate of an attention block's n rows, to be applied where their attention is combined: the
+    paged-attention combine launch takes it (`part(row0)` for rows from row0 on: a prefill chunk's and its
+    riders' rows come from two attention calls) and writes the gated rows, and their dp4a words when it can;
+    an attention call that does not combine splits (a prefill chunk) gates its rows with attention_gate.
+    `finish()` returns the gated rows [n, heads * D] (filling the words if some part could not)."""
+
+    def __init__(self, qg: torch.Tensor, rotate: bool, heads: int, head_dim: int, dtype: torch.dtype,
+                 xq: QuantizedX | None = None):
+        n = qg.shape[0]
+        if head_dim % 64 or qg.stride(-1) != 1 or qg.shape[-1] != heads * 2 * head_dim:
+            raise ValueError(f"attention gate: head size {head_dim} / projection layout {tuple(qg.shape)} not "
+                             "supported")
+        self.qg, self.rotate, self.xq, self.row0 = qg, rotate, xq, 0
+        self.y = torch.empty(n, heads * head_dim, dtype=dtype, device=qg.device)
+        self.fused, self.words, self.quant = producer_words(xq, self.y, n, heads * head_dim, 64, heads * head_dim)
+        self.hadamard = hadamard_on_device(64, str(qg.device)) if not torch_path(qg) else self.y
+        self.words_missing = xq is not None and not self.fused
+
+    def part(self, row0: int) -> "AttentionGate":
+        other = object.__new__(AttentionGate)
+        other.__dict__.update(self.__dict__)
+        other.row0, other.parent = row0, self
+        return other
+
+    def apply(self, o: torch.Tensor) -> torch.Tensor:
+        """Gate attention rows o [rows, heads, D] (this part's) with attention_gate; their words are left to
+        finish()."""
+        rows = o.shape[0] * o.shape[1] if o.dim() == 4 else o.shape[0]
+        heads, d = o.shape[-2], o.shape[-1]
+        attention_gate(o.reshape(rows, heads, d), self.qg[self.row0 : self.row0 + rows], self.rotate,
+                       out=self.y[self.row0 : self.row0 + rows])
+        getattr(self, "parent", self).words_missing = self.xq is not None
+        return self.y[self.row0 : self.row0 + rows]
+
+    def finish(self) -> torch.Tensor:
+        if self.words_missing:
+            self.xq.fill(self.y)
+        return self.y
+
+
+def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: QuantizedX | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """o [n, heads, D] attention output (in the value storage basis when `rotate`); qg [n, heads * 2D]
-    projection rows (unit stride inside a row). Returns [n, heads * D] in o's dtype; with `xq`, also
-    those rows as dp4a words for the output projection."""
+    projection rows (unit stride inside a row). Returns [n, heads * D] in o's dtype (in `out` when given); with
+    `xq`, also those rows as dp4a words for the output projection."""
     n, heads, d = o.shape
     if d % 64 or qg.stride(-1) != 1 or qg.shape[-1] != heads * 2 * d:
         raise ValueError(f"attention_gate: head size {d} / projection layout {tuple(qg.shape)} not supported")
     if torch_path(o):
         y = attention_gate_reference(o, qg, rotate)
+        if out is not None:
+            y = out.copy_(y)
         if xq is not None:
             xq.fill(y)
         return y
     o = o.contiguous()
-    y = torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
+    y = out if out is not None and out.is_contiguous() else torch.empty(n, heads * d, dtype=o.dtype, device=o.device)
     fused, words, quant = producer_words(xq, y, n, heads * d, 64, heads * d)
     groups = n * heads * (d // 64)
     block_g = 1 if rotate or quant["QUANT"] or groups < 1024 else 16
@@ -71,6 +115,8 @@ def attention_gate(o: torch.Tensor, qg: torch.Tensor, rotate: bool, xq: Quantize
                                                       num_warps=2, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
+    if out is not None and y is not out:
+        y = out.copy_(y)
     return y
 
 

@@ -25,7 +25,9 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 from . import interpreted, torch_path
+from .hadamard import rotate_group64
 from .launch import LAUNCH, pdl_wait
+from .qgemv_int8 import write_quantized_x
 
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
@@ -320,12 +322,18 @@ def _split_len(ctx, SPLITS, SPLIT_MIN, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN,
+                    qg_ptr, qg_stride, h_ptr, xq_ptr, ROW0, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, GATE: tl.constexpr = False,
+                    ROTATE: tl.constexpr = False, QUANT: tl.constexpr = False, ROW_INTS: tl.constexpr = 0,
+                    K_PAD: tl.constexpr = 0, QBITS: tl.constexpr = 4, GROUP: tl.constexpr = 64):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read). Each
     program takes BLOCK_D of the D lanes, so a long context's many splits are read by several
-    programs in few steps rather than by one in a long dependent chain."""
+    programs in few steps rather than by one in a long dependent chain. With GATE (BLOCK_D = 64), the
+    attention block's output gate follows as attention_gate computes it: o rounded to its dtype, H64-rotated
+    back with ROTATE, times sigmoid(gate), written to o_ptr as rows [tokens, HQ * D] from row ROW0 on, and with
+    QUANT also as the output product's dp4a words (a launch less per attention layer)."""
     pdl_wait()
     lane_kvh = tl.program_id(0)
     r = tl.program_id(1)
@@ -357,23 +365,37 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
     t = r // group
     head = kvh * group + r % group
     out = acc / tl.where(l_all > 0, l_all, 1.0)
-    tl.store(o_ptr + ((lane * T + t) * HQ + head) * D + d, out.to(o_ptr.dtype.element_ty))
+    if GATE:
+        token = ROW0 + lane * T + t
+        o = out.to(o_ptr.dtype.element_ty).to(tl.float32)  # the attention output as the gate kernel reads it
+        if ROTATE:
+            o = rotate_group64(o, h_ptr)
+        g = tl.load(qg_ptr + token * qg_stride + head * (2 * D) + D + d).to(tl.float32)
+        y = (o * tl.sigmoid(g)).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + token * (HQ * D) + head * D + d, y)
+        if QUANT:
+            write_quantized_x(xq_ptr + token * ROW_INTS, y.to(tl.float32), head * D + tl.program_id(2) * BLOCK_D,
+                              K_PAD, QBITS, GROUP, BLOCK_D)
+    else:
+        tl.store(o_ptr + ((lane * T + t) * HQ + head) * D + d, out.to(o_ptr.dtype.element_ty))
 
 
 def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
-                    ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, gate=None) -> torch.Tensor:
     """q [lanes, T, HQ, D] (rotated when the codec rotates keys); pool planes of one layer; block_table
     [lanes, pages_per_lane] int32; ctx_len [lanes] int32 = tokens in the cache including the T new ones.
-    Returns [lanes, T, HQ, D] in the value storage basis."""
+    Returns [lanes, T, HQ, D] in the value storage basis; with `gate` (attention_gate.AttentionGate, a part
+    for these rows), the gated rows [lanes * T, HQ * D] instead (gated in the combine launch when there is one)."""
     if torch_path(q):
         o = paged_attention_reference(q, pool, codec, block_table, ctx_len, scale)
-        return out.copy_(o) if out is not None else o
+        o = out.copy_(o) if out is not None else o
+        return gate.apply(o) if gate is not None else o
     lanes, t, hq, d = q.shape
     hkv = next(iter(pool.values())).shape[2]
     from .paged_attention_frag import FRAG_ATTENTION, frag_attention_supported, paged_attention_frag
 
     if FRAG_ATTENTION["mode"] == "on" and frag_attention_supported(codec, d, t * (hq // hkv)):
-        return paged_attention_frag(q, pool, codec, block_table, ctx_len, scale, out)
+        return paged_attention_frag(q, pool, codec, block_table, ctx_len, scale, out, gate=gate)
     k0, k1 = pool["k_" + _plane_names(codec.key)[0]], pool["k_" + _plane_names(codec.key)[-1]]
     v0, v1 = pool["v_" + _plane_names(codec.value)[0]], pool["v_" + _plane_names(codec.value)[-1]]
     o = out if out is not None else torch.empty_like(q)
@@ -396,13 +418,27 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, LDMATRIX=ldmatrix, num_warps=num_warps,
         **{key: ATTENTION_TUNING[key] for key in ("num_stages",) if key in ATTENTION_TUNING}, **LAUNCH)
-    if direct:
-        return o
+    if direct:  # one split: the rows are final, gated apart
+        return gate.apply(o) if gate is not None else o
+    return combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate)
+
+
+def combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate=None):
+    """The combine launch over the kernels' split partials; with `gate` (an AttentionGate part) the output gate
+    too, into the part's rows of gate.y (and their dp4a words), which are returned in place of o."""
+    lanes, d = o.shape[0], o.shape[-1]
+    rows = t * (hq // hkv)
     block_d = 64 if d % 64 == 0 else d
-    _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min,
-                                                       D=d, BLOCK_S=64, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
-                                                       **LAUNCH)
-    return o
+    if gate is None:
+        _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min,
+                                                           o, 0, o, o, 0, D=d, BLOCK_S=64, BLOCK_D=block_d,
+                                                           BLOCK_N=block_n, num_warps=4, **LAUNCH)
+        return o
+    _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, gate.y, ctx_len, t, hq, hkv, splits, split_min,
+                                                  gate.qg, gate.qg.stride(0), gate.hadamard, gate.words, gate.row0,
+                                                  D=d, BLOCK_S=64, BLOCK_D=64, BLOCK_N=block_n, GATE=True,
+                                                  ROTATE=gate.rotate, **gate.quant, num_warps=4, **LAUNCH)
+    return gate.y[gate.row0 : gate.row0 + lanes * t]
 
 
 def attention_tile(codec: Codec, block_m: int) -> tuple[int, int, int, bool]:

@@ -43,7 +43,7 @@ from runtime.kv.codecs import Codec
 
 from . import tuning_from_env
 from .launch import LAUNCH, pdl_wait
-from .paged_attention import MIN_SPLIT, PAGE, _combine_kernel, _split_len, split_size
+from .paged_attention import MIN_SPLIT, PAGE, _split_len, combine_splits, split_size
 from .qgemm_rows_frag import _thread_ids
 
 KEY_KINDS = ("int4g64", "int4g64e8", "int8g64", "e8cube")  # int4g64e8: int4g64's codes, chosen otherwise
@@ -471,9 +471,10 @@ def frag_attention_supported(codec: Codec, head_dim: int, rows: int) -> bool:
 def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
                          ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                          warps: int | None = None, target_splits: int | None = None, hint: int | None = None,
-                         split_tokens: int = 0) -> torch.Tensor:
+                         split_tokens: int = 0, gate=None) -> torch.Tensor:
     """paged_attention for frag_attention_supported shapes: q [lanes, T, HQ, 256] rotated as the codec says,
-    returns [lanes, T, HQ, 256] in the value storage basis. split_tokens > 0 pins the keys per split (tests)."""
+    returns [lanes, T, HQ, 256] in the value storage basis (or, with `gate`, the gated rows: see paged_attention).
+    split_tokens > 0 pins the keys per split (tests)."""
     lanes, t, hq, d = q.shape
     hkv = pool["k_codes"].shape[2]
     if not frag_attention_supported(codec, d, t * (hq // hkv)):
@@ -501,6 +502,4 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
         q.contiguous(), part_o, part_ml, k0, k1, v0, v1, block_table, ctx_len, t, hq, hkv, block_table.shape[1],
         splits, split_min, tiles, scale * LOG2E * UNIT.value * (0.25 if codec.key == "e8cube" else 1.0), KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1],
         VW1=v1.shape[-1], W=warps, num_warps=warps, **asm, **LAUNCH)
-    _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, D=d,
-                                                  BLOCK_S=64, BLOCK_D=64, BLOCK_N=TILE, num_warps=4, **LAUNCH)
-    return o
+    return combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, TILE, gate)
