@@ -27,7 +27,8 @@ first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routin
   # session 24's (warps sharing K, MoE fusions: default): correctness first, then each against the path it replaces
   timeout 200 python -m pytest -q -n 4 --tb=short tests/test_attention_frag.py tests/test_frag_kernel.py \
     tests/test_kernels.py tests/test_engine.py \
-    -k "frag or fragment or attention or wide or moe or expert or route or combine or rmsnorm or rides or router" \
+    -k "frag or fragment or attention or wide or moe or expert or route or combine or rmsnorm or rides or router \
+        or inputs or gate or launches" \
     > "$OUT/first-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/first-tests.log" | head -30
   echo "t=$(el)"
@@ -35,6 +36,11 @@ first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routin
     NINFER_ATTENTION_FRAG=$mode timeout 80 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
       --decode-tokens 64 --json-out "$OUT/first-attn-$mode.json" 2>&1 | grep "│ rk4v4"
     echo "attention $mode t=$(el)"
+  done
+  for mode in fused separate; do  # 27B one lane, rk4v4-e8: the attention block's launches fused (5 fewer) or not
+    NINFER_ATTENTION_LAUNCHES=$mode timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype rk4v4-e8 \
+      --decode-tokens 64 --json-out "$OUT/first-attn-launches-$mode.json" 2>&1 | grep "│ rk4v4"
+    echo "attention launches $mode t=$(el)"
   done
   M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
   for mode in fused separate; do  # 35B-A3B one lane: 3 MoE launches per layer vs 10

@@ -46,6 +46,9 @@ from .reference_ops import apply_partial_rope, rope_cos_sin
 # launch and the shared gate in the router's product when the shapes allow; separate: a launch each (the path
 # before, for side-by-side runs)
 MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
+# the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
+# in the combine) or "separate" (a launch each, for side-by-side runs)
+ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 
 
 class DenseLinear:
@@ -177,6 +180,9 @@ class Engine:
         # MoE prefill experts (kernels/moe.py): NINFER_MOE_PREFILL=fused or dense forces one of expert_prefill's
         # paths (auto: by chunk length), loop: one GEMM per active expert (the path before them, for side-by-side runs)
         self.moe_prefill = os.environ.get("NINFER_MOE_PREFILL", "auto")
+        if ATTENTION_LAUNCHES not in ("fused", "separate"):
+            raise MemoryPlanError(f"NINFER_ATTENTION_LAUNCHES={ATTENTION_LAUNCHES!r} is not an attention path; use "
+                                  "fused or separate (or unset it)")
         if MOE_DECODE not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_MOE_DECODE={MOE_DECODE!r} is not a MoE decode path; use fused or separate "
                                   "(or unset it)")
@@ -345,7 +351,7 @@ class Engine:
         rope = positions if rope_positions is None else rope_positions
         page, slot, lane_tables, lane_ctx, *ride = slots or self.kv_slots(block_table, ctx_len, lanes_idx, t, positions)
         if rope.dim() == 1 and self.codec.key in KV_APPEND_KINDS and self.codec.value in KV_APPEND_KINDS \
-                and c.head_dim % 64 == 0:
+                and c.head_dim % 64 == 0 and ATTENTION_LAUNCHES == "fused":
             # norms, RoPE, the KV append and the rotations in one launch
             qr = attention_inputs(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
                                   self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta,
@@ -379,12 +385,17 @@ class Engine:
         # attention's combine launch (decode, verify, riders), after it for a prefill chunk's rows
         out_xq = self._quantized_input(p + "output", n)
         gate = AttentionGate(qg, self.codec.rotate_values, c.num_heads, c.head_dim, self.act_dtype, out_xq)
-        paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec, lane_tables,
-                        lane_ctx, c.head_dim ** -0.5, gate=gate.part(0))
+        fused = ATTENTION_LAUNCHES == "fused"
+        out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
+                              lane_tables, lane_ctx, c.head_dim ** -0.5, gate=gate.part(0) if fused else None)
+        if not fused:
+            gate.part(0).apply(out)
         if ride:  # riders: one decode row per lane after the chunk's rows
             rider_lanes, rider_tables, rider_ctx = ride[0]
-            paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
-                            rider_tables, rider_ctx, c.head_dim ** -0.5, gate=gate.part(main))
+            out = paged_attention(qr[main:].view(len(rider_lanes), 1, c.num_heads, c.head_dim), pool, self.codec,
+                                  rider_tables, rider_ctx, c.head_dim ** -0.5, gate=gate.part(main) if fused else None)
+            if not fused:
+                gate.part(main).apply(out)
         return self.lin[p + "output"](gate.finish(), out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _append_kv(self, pool, k, v, page, slot):

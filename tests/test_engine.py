@@ -103,6 +103,28 @@ def test_unknown_moe_prefill_path_is_refused_in_one_line(artifacts, monkeypatch)
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
+def test_attention_launches_fused_or_separate_give_the_same_logits(artifacts, monkeypatch):
+    """NINFER_ATTENTION_LAUNCHES=separate (norms and RoPE, K/V rotations and appends, the query rotation and the
+    output gate a launch each) and the fused default compute the same prefill and decode logits (bit for bit on
+    the CPU) with a rotating codec; an unknown value is refused in one line."""
+    import runtime.engine as engine_module
+    from runtime.memory_plan import MemoryPlanError
+
+    logits = {}
+    for mode in ("fused", "separate"):
+        monkeypatch.setattr(engine_module, "ATTENTION_LAUNCHES", mode)
+        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, kv_dtype="rk4v4-e8", prefill_chunk=128),
+                        device=DEVICE)
+        first = engine.prefill(0, PROMPT)
+        logits[mode] = (first, engine.decode_step([0], [int(first.argmax())])[0])
+    for a, b in zip(logits["fused"], logits["separate"]):  # on a GPU the rotations' sums may differ in order
+        assert torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(engine_module, "ATTENTION_LAUNCHES", "merged")
+    with pytest.raises(MemoryPlanError, match="NINFER_ATTENTION_LAUNCHES='merged' is not an attention path"):
+        Engine(artifacts["dense-q4"], PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
+
+
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
