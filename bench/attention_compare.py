@@ -155,9 +155,10 @@ FRAG_SWEEP = [(4, 1024, 2), (4, 1024, 0), (2, 1024, 2), (8, 1024, 2), (4, 2048, 
 
 
 def frag_main(out_path: str, codecs=("rk4v4-e8", "int8", "rk2v4-e8"), depths=(8192, 131072, 204800)) -> None:
-    """int4 / int8 KV decode attention (T = 1, T = 1 x 4 lanes and a 4-row verify block at 27B shapes): the tl.dot kernel against the fragment
-    kernel (paged_attention_frag) over its (warps, splits, hint) sweep, CUDA-graph replays, L2 flushed by the pool's
-    size; max difference against the tl.dot kernel's output and fraction of copy."""
+    """int4 / int8 / e8cube-key KV decode attention (T = 1, T = 1 x 4 lanes and a 4-row verify block at 27B shapes):
+    the tl.dot kernel against the fragment kernel (paged_attention_frag) over its (warps, splits, hint) sweep,
+    CUDA-graph replays, L2 flushed by the pool's size; max difference against the tl.dot kernel's output and
+    fraction of copy."""
     from runtime.kernels import paged_attention_frag as fa
 
     peak = copy_bandwidth()

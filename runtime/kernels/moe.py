@@ -113,8 +113,8 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     """PAIRS_PER_X_ROW > 0: pair p reads x row p // PAIRS_PER_X_ROW (x_rows_ptr unread). ROUTE (decode: the
     pairs of token t are t * PAIRS_PER_X_ROW + j): each program routes its token itself from the router's logits
     (the route kernel's top-k, recomputed per program: no launch of its own), and the first program of each
-    pair writes its expert id to experts_ptr, of each token's pair 0 the token's weights to weights_ptr. Pairs from SHARED_FROM
-    on are the shared expert's (its own matrix s_*, in its own format S_*): pair p reads x row
+    pair writes its expert id to experts_ptr, of each token's pair 0 the token's weights to weights_ptr. Pairs from
+    SHARED_FROM on are the shared expert's (its own matrix s_*, in its own format S_*): pair p reads x row
     p - SHARED_FROM + SHARED_X0. SWIGLU: x's rows are gate/up projections (2K wide) and the product is taken
     with silu(gate) * up, as the SwiGLU kernel would have written it."""
     pdl_wait()

@@ -1,33 +1,35 @@
-"""Decode attention over int4 keys and values (rk4v4, rk4v4-e8: int4g64 K and V, head dim 256) with every code
-word loaded by the thread whose tensor-core fragment it fills.
+"""Decode attention over compressed KV (int4 and int8 group-64 codes, e8cube keys: rk4v4, rk4v4-e8, rk8v4, int8,
+rk2v4-e8; head dim 256) with every code word loaded by the thread whose tensor-core fragment it fills.
 
 Why: paged_attention.py decodes K and V tiles to fp16 tensors and hands them to tl.dot, whose operand layouts
 Triton reaches through shared memory or register shuffles; at 200K context its rk4v4-e8 attention ran at ~0.3 of
-copy bandwidth (ALU-bound: ~12 thread instructions per code; bench/RESULTS.md §1), so the codec that reads 3.7x
-fewer bytes than bf16 decoded slower. Here the fragments are built where the codes land (the technique of
-qgemm_rows_frag.py), about 1.3 thread instructions per code.
+copy bandwidth, ALU-bound (bench/RESULTS.md §1), so the codec that reads 3.7x fewer bytes than bf16 decoded slower.
+Here the fragments are built where the codes land (the technique of qgemm_rows_frag.py): 3.1-4.2x fewer
+instructions per key by their sm_90 SASS (bench/sass_count.py).
 
-One warp owns one split of a (lane, kv head)'s keys (and 8 of its query rows) and walks it 64 keys (a page) at a time:
+One warp owns one split of a (lane, kv head)'s keys and 8 of its query rows, and walks the split a page (64 keys)
+at a time:
 
-- Scores S^T = K Q^T: 16 keys are mma.sync m16n8k16's A rows and 8 of the kv head's query rows its B columns
-  (a 6- or 8-head GQA group at T = 1; a verify block's rows take a warp per 8, each reading the same keys). Thread (g, c) = (lane / 4, lane % 4) reads keys g and g + 8, 8 code bytes
-  of each 64-element group (bytes 8c .. 8c + 7): a dot product does not care in which order the dims are summed
-  as long as A and B agree, so the 16 nibbles of those bytes fill the thread's A slots of the group's 4 k-steps
-  in the order one logic op places them (nibbles j and j + 4 of a word: low nibbles as 1032 + n in fp16, high
-  nibbles as 1152 + 16 n, both exact; one subtraction each), and Q's B fragments hold the matching dims (high-
-  nibble dims' queries divided by 16, exact). Each group's four mma sum into fresh registers that its keys'
-  scales multiply once (float32).
-- Softmax over the 64 keys in the log2 domain: per query column a thread holds 2 x 4 scores; max and sum cross
-  the 8 threads of a column with 3 butterfly shuffles.
+- Scores S^T = K Q^T: 16 keys are mma.sync m16n8k16's A rows and 8 query rows its B columns (a 6- or 8-head GQA
+  group at T = 1; more rows take a warp per 8, each reading the same keys). Thread (g, c) = (lane / 4, lane % 4)
+  reads keys g and g + 8, its share of each 64-element group (int4: bytes 8c .. 8c + 7; int8: 16c ..; e8cube: the
+  two 8-vectors 2c, 2c + 1, decoded into int4's nibble order). A dot product does not care in which order the
+  dims are summed as long as A and B agree, so the codes fill the thread's A slots in the order one logic op per
+  register places them, and Q's B fragments hold the matching dims. Codes become fp16 subnormals, (n + 8) 2^-24
+  (int4; high nibbles 16x, their queries / 16) or (b + 128) 2^-24 (int8), exact; what the offsets contribute is
+  the same mma over a zero code's pattern, taken off once per group before its keys' scales multiply (float32).
+- Softmax over the page in the log2 domain: per query column a thread holds 2 x 4 scores; max and sum cross the
+  8 threads of a column with butterfly shuffles.
 - Values O^T = V^T P^T: 16 output dims are A's rows and the 16 keys of a step its k. Thread (g, c) needs keys
-  2c, 2c + 1, 2c + 8, 2c + 9 of dims it chooses: the 4 code bytes 4g .. 4g + 3 of each group (dims 64 G + 8 g ..
-  + 7); one byte permute pairs two keys' bytes and one logic op per A register places a nibble of each. P's B
-  fragment is the scores' C fragment transposed in registers (movmatrix), times each key's group scale (fp16).
-  The dims of a group's 4 m-tiles are stored back in order (high nibbles' rows divided by 16).
+  2c, 2c + 1, 2c + 8, 2c + 9 of dims it chooses (int4: the 4 bytes 4g .. of each group; int8: the 8 bytes 8g ..);
+  one byte permute pairs two keys' bytes and one logic op per A register places a code of each. P's B fragment
+  is the scores' C fragment transposed in registers (movmatrix), times each key's group scale (fp16); the
+  offsets' share is a second mma over a constant A, taken off at the end.
 
-Each warp writes its split's (m, l) and un-normalized output as paged_attention's partials, in natural-log units,
-and paged_attention's combine kernel merges the splits. The PTX strings are constexpr arguments built here;
-on a CPU, Triton's interpreter runs the kernel with the PTX emulated warp by warp (tests/ptx_warp.py).
+Each warp writes its split's (m, l) and un-normalized output as paged_attention's partials (natural-log units),
+and paged_attention's combine launch merges the splits (and applies the output gate when given one). The PTX
+strings are constexpr arguments built here per pool geometry; on a CPU, Triton's interpreter runs the kernel with
+the PTX emulated warp by warp (tests/ptx_warp.py).
 """
 
 from __future__ import annotations
@@ -49,16 +51,14 @@ from .qgemm_rows_frag import _thread_ids
 KEY_KINDS = ("int4g64", "int4g64e8", "int8g64", "e8cube")  # int4g64e8: int4g64's codes, chosen otherwise
 VALUE_KINDS = ("int4g64", "int8g64")
 HEAD_DIM = 256
-COLUMNS = tl.constexpr(8)  # query rows per warp: the mma's 8 B columns (more rows: a warp per 8, each reading the same keys)
+COLUMNS = tl.constexpr(8)  # query rows per warp: the mma's 8 B columns (more rows: a warp per 8 on the same keys)
 MAX_ROWS = 64  # query rows per (lane, kv head): 8 column tiles (DFlash2's 8-row verify block of an 8-head group)
 TILE = 64  # keys per softmax step: one page, 4 mma k-steps of 16
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 MODES = ("off", "on")
-# warps per program (each its own split) and the splits aimed at over the whole grid (~12 warps per SM resident)
-# Warps per program (consecutive warps: the kv heads of one split, so a program reads whole token rows), the
-# splits aimed at over the grid (x kv heads = warps; ~8 warps per SM are resident at ~250 registers) and the cache
-# hint of the code loads (HINTS)
+# Warps per program (consecutive warps: the column tiles and kv heads of one split, so a program reads whole token
+# rows), the warps aimed at over the grid (~8 per SM are resident at ~250 registers) and the code loads' cache hint
 FRAG_ATTENTION = tuning_from_env("NINFER_ATTENTION_FRAG_TILE", ("warps", "splits", "hint"),  # side-by-side runs
                                  {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1024,
                                   "hint": 2})
@@ -479,7 +479,8 @@ def paged_attention_frag(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: 
     hkv = pool["k_codes"].shape[2]
     if not frag_attention_supported(codec, d, t * (hq // hkv)):
         raise ValueError(f"paged_attention_frag: {codec.name} with head dim {d} and {t * (hq // hkv)} query rows per "
-                         f"kv head (int4/int8/e8cube keys, int4/int8 values, head dim {HEAD_DIM}, at most {MAX_ROWS} rows)")
+                         f"kv head (int4/int8/e8cube keys, int4/int8 values, head dim {HEAD_DIM}, "
+                         f"at most {MAX_ROWS} rows)")
     warps = warps or FRAG_ATTENTION["warps"]
     target = target_splits or FRAG_ATTENTION["splits"]
     rows = t * (hq // hkv)
