@@ -73,6 +73,8 @@ _ZERO_BYTE = "0x00800080"
 UNIT = tl.constexpr(2.0 ** 24)  # codes reach the mma in units of 2^-24
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 HINTS = ("", ".L2::128B", ".L2::256B", ".L1::no_allocate.L2::256B")  # on the code loads (a page's rows: all heads)
+# The pool is written every step (the KV append before this launch), so its loads are plain ld.global, as the
+# tl.dot kernel's are, not the read-only path the weight kernels use.
 
 
 def _nibbles(out: list[str], word: str) -> str:
@@ -139,9 +141,9 @@ def keys_asm(step: int, code_stride: int, scale_stride: int, hint: str = "", bit
         for grp in range(4):
             regs = ", ".join(f"w{(4 * key + grp) * per_group + i}" for i in range(per_group))
             regs = regs if bits == 2 else f"{{{regs}}}"
-            lines.append(f"ld.global.nc{hint}{width}.b32 {regs}, [$4+{row * code_stride + 8 * bits * grp}];")
-    lines += [f"@pg ld.global.nc.v2.b32 {{sc0, sc1}}, [$5+{first * scale_stride}];",
-              f"@ph ld.global.nc.v2.b32 {{sc2, sc3}}, [$5+{second * scale_stride}];",
+            lines.append(f"ld.global{hint}{width}.b32 {regs}, [$4+{row * code_stride + 8 * bits * grp}];")
+    lines += [f"@pg ld.global.v2.b32 {{sc0, sc1}}, [$5+{first * scale_stride}];",
+              f"@ph ld.global.v2.b32 {{sc2, sc3}}, [$5+{second * scale_stride}];",
               "mov.b32 {s0, s1}, sc0; mov.b32 {s2, s3}, sc1; mov.b32 {s4, s5}, sc2; mov.b32 {s6, s7}, sc3;"]
     lines += [f"mov.f32 ${i}, z;" for i in range(4)]
     for grp in range(4):
@@ -187,7 +189,7 @@ def probabilities_asm(step: int, scale_stride: int) -> str:
              "cvt.rn.f16x2.f32 t1, $11, $10; movmatrix.sync.aligned.m8n8.trans.b16 b1, t1;"]
     for name, key in (("a", 0), ("b", 1), ("c", 8), ("d", 9)):
         lines.append(f"setp.gt.s32 q{name}, $13, {base + key}; mov.b32 x{name}0, 0; mov.b32 x{name}1, 0; "
-                     f"@q{name} ld.global.nc.v2.b32 {{x{name}0, x{name}1}}, [$12+{(base + key) * scale_stride}];")
+                     f"@q{name} ld.global.v2.b32 {{x{name}0, x{name}1}}, [$12+{(base + key) * scale_stride}];")
     for grp in range(4):
         word, sel = grp // 2, "0x5410" if grp % 2 == 0 else "0x7632"
         lines.append(f"prmt.b32 sp, xa{word}, xb{word}, {sel}; mul.rn.f16x2 ${2 * grp}, b0, sp; "
@@ -207,7 +209,7 @@ def values_asm(step: int, group: int, rescale: bool, code_stride: int, hint: str
     keys = ("a", "b", "c", "d")
     if bits == 4:
         lines = ["{ .reg .b32 wa0, wb0, wc0, wd0, x, y, xu, xv, xs, ys, m0, m1, m2, m3, lo, hi; .reg .f32 c<20>;"]
-        lines += [f"ld.global.nc{hint}.b32 w{key}0, [$40+{row * code_stride + 32 * group}];"
+        lines += [f"ld.global{hint}.b32 w{key}0, [$40+{row * code_stride + 32 * group}];"
                   for key, row in zip(keys, rows)]
         # bytes 0, 1 of keys 2c and 2c + 1 (x) / 2c + 8 and 2c + 9 (y); bytes 2, 3 likewise (xu, xv)
         lines.append("prmt.b32 x, wa0, wb0, 0x5410; prmt.b32 y, wc0, wd0, 0x5410; "
@@ -224,7 +226,7 @@ def values_asm(step: int, group: int, rescale: bool, code_stride: int, hint: str
     else:
         lines = ["{ .reg .b32 wa<2>, wb<2>, wc<2>, wd<2>, x<4>, y<4>, xs, ys, m0, m1, m2, m3, lo, hi; "
                  ".reg .f32 c<20>;"]
-        lines += [f"ld.global.nc{hint}.v2.b32 {{w{key}0, w{key}1}}, [$40+{row * code_stride + 64 * group}];"
+        lines += [f"ld.global{hint}.v2.b32 {{w{key}0, w{key}1}}, [$40+{row * code_stride + 64 * group}];"
                   for key, row in zip(keys, rows)]
         # x0: bytes 0, 1 of keys 2c and 2c + 1, x1: bytes 2, 3, x2 / x3: bytes 4, 5 / 6, 7; y: keys 2c + 8, 2c + 9
         for i, (word, sel) in enumerate(((0, "0x5410"), (0, "0x7632"), (1, "0x5410"), (1, "0x7632"))):
