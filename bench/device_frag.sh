@@ -23,8 +23,9 @@ lanes() {  # mode kv
   echo "$1 $2 t=$(el)"
 }
 case "${1:-kernels}" in
-first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routing and combine folded in: default),
-  # session 24's (warps sharing K, MoE fusions: default): correctness first, then each against the path it replaces
+first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routing and combine folded in, attention
+  # launches fused: default), session 24's (warps sharing K, MoE fusions: default): correctness first, then each
+  # against the path it replaces (~450 s)
   timeout 200 python -m pytest -q -n 4 --tb=short tests/test_attention_frag.py tests/test_frag_kernel.py \
     tests/test_kernels.py tests/test_engine.py \
     -k "frag or fragment or attention or wide or moe or expert or route or combine or rmsnorm or rides or router \
@@ -33,7 +34,7 @@ first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routin
   grep -E "^E |passed|failed|FAILED" "$OUT/first-tests.log" | head -30
   echo "t=$(el)"
   for mode in off on; do  # 27B rk4v4-e8 decode at 8K and 200K: tl.dot vs fragment attention
-    NINFER_ATTENTION_FRAG=$mode timeout 80 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
+    NINFER_ATTENTION_FRAG=$mode timeout 70 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
       --decode-tokens 64 --json-out "$OUT/first-attn-$mode.json" 2>&1 | grep "│ rk4v4"
     echo "attention $mode t=$(el)"
   done
@@ -44,11 +45,10 @@ first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routin
   done
   M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
   for mode in fused separate; do  # 35B-A3B one lane: 3 MoE launches per layer vs 10
-    NINFER_MOE_DECODE=$mode timeout 80 $M --depths 8k --kv-dtype bf16 --decode-tokens 64 \
+    NINFER_MOE_DECODE=$mode timeout 70 $M --depths 8k --kv-dtype bf16 --decode-tokens 64 \
       --json-out "$OUT/first-moe-$mode.json" 2>&1 | grep "│ bf16"
     echo "moe $mode t=$(el)"
-  done
-  for mode in rows auto; do lanes $mode bf16; done
+  done  # (lanes rows vs auto: `kernels`)
   ;;
 kernels)
   timeout 180 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_engine.py tests/test_kernels.py \
