@@ -111,4 +111,6 @@ def test_engine_decodes_through_the_fragment_kernel_as_the_reference(kernel_devi
         assert engine.generate(prompt, new) == ReferenceModel(Artifact(path)).generate(prompt, new)
     else:
         engine.generate(prompt, new)
-    assert len(calls) == new - 1  # every decode step's (one) attention layer; the prefill's 288 rows take tl.dot
+    # every decode step's (one) attention layer (on a GPU, CUDA graphs replay the later steps without Python); the
+    # prefill's 288 rows take tl.dot
+    assert len(calls) == new - 1 if kernel_device == "cpu" else calls
