@@ -37,9 +37,14 @@ def rel(g, w):
 
 import runtime.kernels.moe as moe_mod  # noqa: E402
 real_gemv = moe_mod.expert_gemv
-for label, moe_mode, graphs, route_in in [("fused", "fused", True, True), ("fused-nographs", "fused", False, True),
-                                         ("fused-route-separate", "fused", True, False), ("separate", "separate", True, True)]:
+real_partials = em.ExpertPartials
+for label, moe_mode, graphs, route_in, combine_in_norm in [
+        ("fused", "fused", True, True, True), ("fused-nographs", "fused", False, True, True),
+        ("fused-route-first", "fused", True, False, True), ("fused-combine-launch", "fused", True, True, False),
+        ("separate", "separate", True, True, True)]:
     em.MOE_DECODE = moe_mode
+    em.ExpertPartials = real_partials if combine_in_norm else (
+        lambda routed, weights, shared, gate=None: moe_mod.combine_experts(routed, weights, shared, shared_gate=gate))
     if not route_in:
         def gemv(x, x_rows, experts, w, rows, shared=None, shared_x0=0, swiglu=False, route_into=None):
             if route_into is not None:
@@ -49,7 +54,8 @@ for label, moe_mode, graphs, route_in in [("fused", "fused", True, True), ("fuse
         em.expert_gemv = gemv
     else:
         em.expert_gemv = real_gemv
-    e = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, cuda_graphs=graphs), device="cuda")
+    e = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, cuda_graphs=graphs),
+               device="cuda" if torch.cuda.is_available() else "cpu")
     got = [e.prefill(0, PROMPT).cpu()]
     for t in toks[:-1]:
         got.append(e.decode_step([0], [t])[0].cpu())
