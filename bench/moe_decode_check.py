@@ -38,7 +38,7 @@ def rel(g, w):
 import runtime.kernels.moe as moe_mod  # noqa: E402
 real_gemv = moe_mod.expert_gemv
 real_partials = em.ExpertPartials
-for label, moe_mode, graphs, route_in, combine_in_norm in [
+for label, moe_mode, graphs, route_in, combine_in_norm in [] if "--ties" in sys.argv else [
         ("fused", "fused", True, True, True), ("fused-nographs", "fused", False, True, True),
         ("fused-route-first", "fused", True, False, True), ("fused-combine-launch", "fused", True, True, False),
         ("separate", "separate", True, True, True)]:
@@ -61,3 +61,33 @@ for label, moe_mode, graphs, route_in, combine_in_norm in [
         got.append(e.decode_step([0], [t])[0].cpu())
     print(label, [round(rel(g, w), 4) for g, w in zip(got, want)], flush=True)
     e.close()
+
+# Near ties: the fused path's router logits come from one product with the shared gate (bf16 rounding of another
+# GEMM); where the k-th and (k+1)-th logits lie within a bf16 step, the two products may pick different experts.
+em.MOE_DECODE = "fused"
+em.ExpertPartials = real_partials
+em.expert_gemv = real_gemv
+e = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, cuda_graphs=False),
+           device="cuda" if torch.cuda.is_available() else "cpu")
+real_ffn = em.Engine._ffn
+step = {"i": 0}
+
+
+def ffn(self, p, h, xq=None):
+    m = p + "moe/"
+    both = self.router_and_gate.get(m)
+    if both is not None and not torch.cuda.is_current_stream_capturing():
+        fused_logits = both(h)[:, :-1].float()
+        alone = self.lin[m + "router"](h).float() if m + "router" in self.lin else fused_logits
+        top = alone.topk(3, dim=-1).values
+        picks = (fused_logits.topk(2, dim=-1).indices.sort(-1).values != alone.topk(2, dim=-1).indices.sort(-1).values)
+        print(f"step {step['i']} {p}: max |fused - alone| {(fused_logits - alone).abs().max().item():.4f}, "
+              f"gap k/k+1 {(top[:, 1] - top[:, 2]).min().item():.4f}, experts differ: {bool(picks.any())}")
+    return real_ffn(self, p, h, xq)
+
+
+em.Engine._ffn = ffn
+e.prefill(0, PROMPT)
+for t in toks[:-1]:
+    step["i"] += 1
+    e.decode_step([0], [t])
