@@ -76,7 +76,7 @@ step = {"i": 0}
 def ffn(self, p, h, xq=None):
     m = p + "moe/"
     both = self.router_and_gate.get(m)
-    if both is not None and not torch.cuda.is_current_stream_capturing():
+    if both is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         fused_logits = both(h)[:, :-1].float()
         alone = self.lin[m + "router"](h).float() if m + "router" in self.lin else fused_logits
         top = alone.topk(3, dim=-1).values
@@ -91,3 +91,28 @@ e.prefill(0, PROMPT)
 for t in toks[:-1]:
     step["i"] += 1
     e.decode_step([0], [t])
+if "--ties" in sys.argv:  # the experts each path picks, step by step (graphs off: every step through Python)
+    picks = {}
+    for mode in ("fused", "separate"):
+        em.MOE_DECODE = mode
+        e = Engine(path, PlanOptions(max_context=256, prefill_chunk=128, cuda_graphs=False),
+                   device="cuda" if torch.cuda.is_available() else "cpu")
+        seen = []
+
+        def ffn_picks(self, p, h, xq=None, _seen=seen):
+            m = p + "moe/"
+            both = self.router_and_gate.get(m)
+            logits = (both(h)[:, :-1] if both is not None else self.lin[m + "router"](h)).float()
+            top = logits.topk(3, dim=-1)
+            _seen.append((p, top.indices[-1, :2].sort().values.tolist(), round((top.values[-1, 1] - top.values[-1, 2]).item(), 4)))
+            return real_ffn(self, p, h, xq)
+
+        em.Engine._ffn = ffn_picks
+        e.prefill(0, PROMPT)
+        for t in toks[:-1]:
+            e.decode_step([0], [t])
+        picks[mode] = seen
+    for (p, a, gap), (_, b, _) in zip(picks["fused"], picks["separate"]):
+        if a != b:
+            print(f"{p}: fused picks {a}, separate {b} (gap k/k+1 {gap})")
+    print("routing compared over", len(picks["fused"]), "layer steps")
