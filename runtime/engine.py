@@ -42,10 +42,7 @@ from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit, 
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
-# MoE decode (kernels/moe.py): fused puts the shared expert in the routed experts' launches, SwiGLU in the down
-# launch and the shared gate in the router's product when the shapes allow; separate: a launch each (the path
-# before, for side-by-side runs)
-# MoE decode: "separate" (ten launches per layer, the path measured correct on the H200) or "fused" (three: the
+# MoE decode (kernels/moe.py): "separate" (ten launches per layer, the path measured correct on the H200) or "fused" (three: the
 # router and shared gate in one product, routing in the gate/up launch, the shared expert riding in the routed
 # experts' launches, SwiGLU in the down launch, the combine in the next norm). Fused is 1.26x faster on the H200
 # (35B-A3B at 8K: 449.8 against 355.6 tok/s, session 25) but its engine test missed the reference's logits there
