@@ -9,16 +9,19 @@
 #                        bash bench/device_frag.sh prefill   # a prefill chunk's attention at depth over a tile sweep
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
-# fragment order), and layout-k1 (fragment order with K split across programs only, no warps sharing K).
+# fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
+# (NINFER_FRAGMENT_PAIRS=0: code words in the artifact's lane order, x paired by byte permutes, as before session 26).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 . bench/device_env.sh
 B="python -m ninfer_cli.main bench --random-weights qwen3.6-27b"
-lanes() {  # mode kv
-  local tile=""
+lanes() {  # mode kv (mode: rows, auto, layout-k1, or auto-lanes: fragment order without pair order)
+  local tile="" pairs=1
   [ "$1" = layout-k1 ] && tile="2,4,528,1"
-  NINFER_GEMV_FRAG=${1%-k1} NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype "$2" \
+  [ "$1" = auto-lanes ] && pairs=0
+  NINFER_GEMV_FRAG=$(echo "$1" | sed 's/-k1$//; s/-lanes$//') NINFER_FRAGMENT_TILE=$tile NINFER_FRAGMENT_PAIRS=$pairs \
+    timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype "$2" \
     --json-out "$OUT/lanes-$1-$2.json" 2>&1 | grep "│ $2"
   echo "$1 $2 t=$(el)"
 }
@@ -57,7 +60,7 @@ kernels)
   echo "t=$(el)"
   timeout 200 python bench/gemv_compare.py "$OUT/frag.json" frag 2>&1 | grep "{" | cut -c1-900
   echo "t=$(el)"
-  for mode in rows auto layout-k1; do lanes $mode bf16; done
+  for mode in rows auto auto-lanes layout-k1; do lanes $mode bf16; done  # auto-lanes: before pair order
   ;;
 serve)
   for mode in rows auto; do  # one plain lane: auto puts only its Q5 products in fragment order

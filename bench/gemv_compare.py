@@ -243,7 +243,8 @@ def frag_main(out: str) -> None:
     """The fragment kernels (Q4/Q5 code words straight into tensor-core fragments) at T = 1, 2, 4, 8, 16: over
     the artifact's planes (`frag`, qgemm_rows_frag) and over planes permuted into fragment order (`layout`,
     qgemm_fragment_layout); T = 1 and 8 over a sweep of (cache hint, warps, programs), the best of those at
-    the other T. Side by side with the products the runtime takes with the fragment kernels off (T = 1: the
+    the other T; `lanes`: fragment order with the artifact's lane order inside code words (the kernel before pair
+    order, at layout's best tile). Side by side with the products the runtime takes with the fragment kernels off (T = 1: the
     dp4a decode GEMV; T >= 2: the lanes / int8 tensor-core row path); CUDA-graph replays over weight copies
     that never hit L2; each kernel's error against the plain-torch group sums (frag_reference)."""
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
@@ -257,14 +258,16 @@ def frag_main(out: str) -> None:
         t1 = _one_row(rotating, row, peak)
         planes = {}
 
-        def layout_of(w):
-            if id(w) not in planes:
-                planes[id(w)] = fragment_planes(w)
-            return planes[id(w)]
+        def layout_of(w, pairs=True):
+            if (id(w), pairs) not in planes:
+                planes[id(w), pairs] = fragment_planes(w, pairs)
+            return planes[id(w), pairs]
 
         kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
                    "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0],
-                                                                         ksplit=tile[3], xorder=tile[4])}
+                                                                         ksplit=tile[3], xorder=tile[4]),
+                   "lanes": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w, False), y, tile[1], tile[2],
+                                                                        tile[0], ksplit=tile[3], xorder=tile[4])}
         # layout: warps per block chosen per product (k0), K split across programs only (k1), x in fragment order (x1)
         sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0, 0) for tile in FRAG_TILES]
                   + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (0, 4, 528, 0, 1), (0, 4, 1056, 0, 1)]}
@@ -279,7 +282,10 @@ def frag_main(out: str) -> None:
                 us = rotating(lambda w: ql.qlinear(x, w, out=y))
                 row[f"t{t}_off_us"], row[f"t{t}_off_vs_t1"] = us, us / t1
             for name, kernel in kernels.items():
-                tiles = sweeps[name] if t in (1, 8) else [best_of[name, 1 if t < 8 else 8]]
+                if name == "lanes":
+                    tiles = [best_of["layout", t]]
+                else:
+                    tiles = sweeps[name] if t in (1, 8) else [best_of[name, 1 if t < 8 else 8]]
                 best = None
                 for tile in tiles:
                     us = rotating(lambda w: kernel(x, w, y, tile))

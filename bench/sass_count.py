@@ -4,7 +4,8 @@ kernel (paged_attention_frag.py), their registers and stack, for int4 (rk4v4-e8)
 values (rk2v4-e8) at 27B shapes.
 
     python bench/sass_count.py [int4|int8|e8] [--json]
-    python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group
+    python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group,
+                                            # lane / pair order, 8 and 16 columns
 """
 
 from __future__ import annotations
@@ -86,26 +87,31 @@ def main(codec: str = "int4") -> dict:
     return out
 
 
-def fragment_gemv(bits: int) -> dict:
-    """The fragment-order product's key loop (qgemm_fragment_layout, T = 1, one K share per warp, 4 warps): SASS
-    instructions per 64-lane group and warp (two 4-group chunks per loop step)."""
+def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1) -> dict:
+    """The fragment-order product's key loop (qgemm_fragment_layout, T <= 8 (nt 1) or <= 16 (nt 2), one K share
+    per warp, 4 warps): SASS instructions per 64-lane group and warp (two 4-group chunks per loop step); `pairs`:
+    code words in pair order (_compute_asm)."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_rows_frag import HINTS, _compute_asm
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "high_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*fp32",
            "N": "i32", "T": "i32", "K": "i32", "BLOCKS": "i32", "CHUNKS_PER_SPLIT": "i32",
            **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "X_FRAGMENT", "LOAD_ASM", "COMPUTE_ASM")}}
-    const = {"G": 80, "NT": 1, "BW": 4, "KS": 1, "BITS": bits, "X_FRAGMENT": False,
-             "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]), "COMPUTE_ASM": _compute_asm(bits, 1, words=True)}
+    const = {"G": 80, "NT": nt, "BW": 4, "KS": 1, "BITS": bits, "X_FRAGMENT": False,
+             "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
+             "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs)}
     sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4)
     ops = _loop(sass)
-    return {"bits": bits, "instructions_per_group": sum(ops.values()) / 8, "top": dict(ops.most_common(8)),
+    return {"bits": bits, "nt": nt, "pairs": pairs,
+            "instructions_per_group": sum(ops.values()) / 8, "top": dict(ops.most_common(8)),
             "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("q4", "q5"):
-        print(json.dumps(fragment_gemv(int(sys.argv[1][1]))))
+    if len(sys.argv) > 1 and sys.argv[1] in ("q4", "q5"):  # every variant of the group product, T <= 8 and <= 16
+        for nt in (1, 2):
+            for pairs in (False, True):
+                print(json.dumps(fragment_gemv(int(sys.argv[1][1]), pairs, nt)))
         sys.exit()
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     result = main(*(args[:1]))

@@ -89,7 +89,7 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
                     xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
                     high_bits = chunk[lane][20 + j] if fp.fmt.bits == 5 else 0
                     args.append(acc[lane] + chunk[lane][4 * j : 4 * j + 4] + [chunk[lane][16 + j], high_bits] + xa)
-                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True), args, 8, mem)
+                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs), args, 8, mem)
         for lane in range(32):
             g, c = lane // 4, lane % 4
             for i in range(4 * nt):
@@ -99,13 +99,14 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n", [16, 21])
-def test_fragment_layout_round_trips(fmt, n):
+def test_fragment_layout_round_trips(fmt, n, pairs):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, row_planes
 
     w = _packed(n, 1024, fmt, seed=n)
-    fp = fragment_planes(w)
+    fp = fragment_planes(w, pairs)
     assert fp.codes.numel() == fp.blocks * 16 * 512 and fp.scales.numel() == fp.blocks * 16 * 16
     base, high, scale = row_planes(fp)
     assert torch.equal(base, w.base.view(n, -1)) and torch.equal(scale, w.scale.view(n, -1))
@@ -117,14 +118,15 @@ def test_fragment_layout_round_trips(fmt, n):
         assert high is None or torch.equal(high, w.high.view(n, -1)[sl])
 
 
+@pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,n", [(1, 16), (6, 21), (12, 16)])
-def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n):
+def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, pairs):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes
 
     w = _packed(n, 512, fmt, seed=t + n)
     x = torch.randn(t, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    got = _emulate_fragment_layout(x, fragment_planes(w))
+    got = _emulate_fragment_layout(x, fragment_planes(w, pairs))
     want = frag.frag_reference(x, w)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
 

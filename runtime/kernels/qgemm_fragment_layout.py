@@ -7,7 +7,10 @@ thread needs for a 16-row block is contiguous: per (16-row block, 64-lane group)
 L = 4g + c holding its 8 bytes of row g then its 8 of row g + 8; per (block, 4 groups) 128 bytes of scales,
 lane g's 16 bytes being the 4 groups' (row g, row g + 8) scale pairs; Q5's high bits per (block, 4 groups) 512
 bytes, lane L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's load is then one 512-byte run
-(four whole lines) and the scales of 4 groups one line. The loads write their registers straight from memory (nothing
+(four whole lines) and the scales of 4 groups one line. Within each 32-bit code word the nibbles hold lanes
+(0, 2, 4, 6, 1, 3, 5, 7) and each Q5 high byte its bits in that order ("pair order"): the bf16 pair a thread
+builds from nibbles j and j + 4 is then lanes 2j and 2j + 1, which is how x's lanes lie in one loaded
+register, so the kernel builds B without byte permutes. The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
 
@@ -18,6 +21,7 @@ zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +42,8 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 @dataclass
 class FragmentPlanes:
     """A Q4/Q5 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
-    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words."""
+    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words; `pairs`: code words and
+    high bytes in pair order (the module's docstring)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -46,6 +51,7 @@ class FragmentPlanes:
     rows: int
     cols: int
     fmt: GroupedFormat
+    pairs: bool = True
 
     @property
     def blocks(self) -> int:
@@ -60,8 +66,55 @@ def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
     return fmt.bits in FRAG_BITS and fmt.group_size == GROUP and cols % (2 * CHUNK * GROUP) == 0
 
 
-def fragment_planes(w) -> FragmentPlanes:
-    """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original)."""
+# side-by-side runs: NINFER_FRAGMENT_PAIRS=0 keeps the artifact's lane order inside code words (the kernel then
+# pairs x's lanes with byte permutes, as before pair order)
+PAIR_ORDER = os.environ.get("NINFER_FRAGMENT_PAIRS", "1") != "0"
+
+
+def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return b & 0xF, b >> 4
+
+
+def codes_to_pair_order(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 code bytes, 4 per 32-bit word (lanes 0-7 in nibbles 0-7) -> nibbles holding lanes
+    (0, 2, 4, 6, 1, 3, 5, 7): bytes (l0 | l2, l4 | l6, l1 | l3, l5 | l7)."""
+    (lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3) = (_nibbles(codes[..., i::4]) for i in range(4))
+    out = torch.empty_like(codes)
+    out[..., 0::4], out[..., 1::4] = lo0 | lo1 << 4, lo2 | lo3 << 4
+    out[..., 2::4], out[..., 3::4] = hi0 | hi1 << 4, hi2 | hi3 << 4
+    return out
+
+
+def codes_from_pair_order(codes: torch.Tensor) -> torch.Tensor:
+    (lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3) = (_nibbles(codes[..., i::4]) for i in range(4))
+    out = torch.empty_like(codes)
+    out[..., 0::4], out[..., 1::4] = lo0 | lo2 << 4, hi0 | hi2 << 4
+    out[..., 2::4], out[..., 3::4] = lo1 | lo3 << 4, hi1 | hi3 << 4
+    return out
+
+
+_PAIR_BITS = (0, 2, 4, 6, 1, 3, 5, 7)  # bit i of a pair-order high byte is lane _PAIR_BITS[i]'s
+
+
+def _bit_table(inverse: bool) -> torch.Tensor:
+    table = torch.zeros(256, dtype=torch.uint8)
+    for byte in range(256):
+        for i, lane in enumerate(_PAIR_BITS):
+            src, dst = (i, lane) if inverse else (lane, i)
+            table[byte] |= ((byte >> src) & 1) << dst
+    return table
+
+
+def high_to_pair_order(high: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """uint8 Q5 high bytes (lane l of 8 at bit l) -> pair order (bits 0-3 lanes 0, 2, 4, 6; 4-7 lanes 1, 3, 5, 7),
+    or back."""
+    return _bit_table(inverse).to(high.device)[high.long()]
+
+
+def fragment_planes(w, pairs: bool | None = None) -> FragmentPlanes:
+    """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original); `pairs`
+    (default PAIR_ORDER): code words and high bytes in pair order."""
+    pairs = PAIR_ORDER if pairs is None else pairs
     if not fragment_supported(w.fmt, w.cols):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5 with K a multiple of 512")
     n, groups = w.rows, w.cols // GROUP
@@ -73,14 +126,19 @@ def fragment_planes(w) -> FragmentPlanes:
         return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
     base = rows_of(w.base.view(torch.uint8), groups * 32)  # [rows, groups * 32 bytes]
+    if pairs:
+        base = codes_to_pair_order(base)
     codes = base.reshape(blocks, 2, 8, groups, 4, 8).permute(0, 3, 2, 4, 1, 5).contiguous()
     scale = rows_of(w.scale.view(torch.float16), groups)
     scales = scale.reshape(blocks, 2, 8, groups // CHUNK, CHUNK).permute(0, 3, 2, 4, 1).contiguous()
     high = None
     if w.fmt.bits == 5:
         h = rows_of(w.high.view(torch.uint8), groups * 8)  # 8 bytes per group: thread c's 2 bytes at 2c
+        if pairs:
+            h = high_to_pair_order(h)
         high = h.reshape(blocks, 2, 8, groups // CHUNK, CHUNK, 4, 2).permute(0, 3, 2, 5, 4, 1, 6).contiguous()
-    return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt)
+    return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt,
+                          pairs)
 
 
 # Objects the engine may re-lay out (qlinear.fragment_layout_enabled says when): products that only ever go through
@@ -103,10 +161,11 @@ def takes_fragment_layout(name: str, w) -> bool:
             and in_place_supported(w))
 
 
-def to_fragment_layout(w):
+def to_fragment_layout(w, pairs: bool | None = None):
     """Permute a PackedLinear's planes into fragment order in place (CONVERT_ROWS rows at a time, so the
     temporary stays small; a 16-row block's bytes stay inside the block's own byte ranges) and attach the
-    FragmentPlanes views; returns w."""
+    FragmentPlanes views; returns w. `pairs`: as fragment_planes."""
+    pairs = PAIR_ORDER if pairs is None else pairs
     if not in_place_supported(w):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
                          "rows a multiple of 16")
@@ -118,13 +177,13 @@ def to_fragment_layout(w):
         r1 = min(w.rows, r0 + CONVERT_ROWS)
         part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
                             scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
-        fp = fragment_planes(part)
+        fp = fragment_planes(part, pairs)
         base[r0:r1].reshape(-1).copy_(fp.codes)
         scale[r0:r1].reshape(-1).copy_(fp.scales)
         if high is not None:
             high[r0:r1].reshape(-1).copy_(fp.high)
     w.fragment = FragmentPlanes(base.view(-1), scale.view(-1), None if high is None else high.view(-1), w.rows,
-                                w.cols, w.fmt)
+                                w.cols, w.fmt, pairs)
     return w
 
 
@@ -142,7 +201,10 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     if fp.high is not None:
         high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1].permute(0, 5, 2, 1, 4, 3, 6)
         high = high.reshape(rows, groups * 8)[first : first + n]
-    return base[first : first + n], high, scale[first : first + n]
+        if fp.pairs:
+            high = high_to_pair_order(high, inverse=True)
+    base = base[first : first + n]
+    return codes_from_pair_order(base) if fp.pairs else base, high, scale[first : first + n]
 
 
 def _chunk_load_asm(bits: int, hint: str) -> str:
@@ -328,6 +390,6 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_FRAGMENT=x_fragment,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True,
-                                                                 x_half=512 if x_fragment else 16),
+                                                                 x_half=512 if x_fragment else 16, pairs=fp.pairs),
                                         num_warps=bw * ks, **LAUNCH)
     return finish_splits(target, y, defer_sum)

@@ -48,14 +48,19 @@ def _nibble_pair(dst: str, word: str, j: int, bits: int, high: str | None) -> st
             f"lop3.b32 {dst}, {src}, 0x000F000F, hx, 0x6A; ")
 
 
-def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16) -> str:
+def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16, pairs: bool = False) -> str:
     """One 64-lane group of 16 rows (per warp) times NT x 8 columns of x: d = A.B per 16-lane step, then
     acc += scale(row) * d. Operands: $0-$7 acc out, $8-$15 acc in, then either (packed) $16/$17 code words
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
     (words: each operand one loaded register, so no instruction waits on a load before the group's turn)
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
     halves (unused for Q4), $22/$23 x addresses. `x_half`: bytes from a thread's first 8 x lanes to its next 8
-    (16 in row order; 512 when x is in fragment order, each load then one 512-byte run per warp)."""
+    (16 in row order; 512 when x is in fragment order, each load then one 512-byte run per warp).
+
+    `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
+    in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
+    pair they make lines up with one register of x as loaded, and B needs no byte permutes (8 fewer instructions
+    per group and column tile)."""
     offset = "0xC308C308" if bits == 4 else "0xC310C310"  # -(128 + 2^(b-1)) in bf16
     xg, xg8 = ("$22", "$23") if words else ("$19", "$20")
     lines = ["{ .reg .b32 w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
@@ -73,7 +78,8 @@ def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16) -> s
     lines += [f"mov.b32 one, 0x3F803F80; mov.b32 off, {offset};"]
     lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)]
     if bits == 5:  # high bits of the thread's 16 lanes per row: lanes 0-7 for word 0, 8-15 for word 1, laid
-        # out so that lane j sits at bit j and lane j + 4 at bit j + 16 (see _nibble_pair)
+        # out so that lane j sits at bit j and lane j + 4 at bit j + 16 (see _nibble_pair; in pair order the
+        # same code takes lanes 2j and 2j + 1)
         lines += ["cvt.u32.u16 h0, s2; cvt.u32.u16 h1, s3;",
                   "shl.b32 t, h0, 12; or.b32 ha0, h0, t; shr.u32 hb0, h0, 8; shl.b32 t, hb0, 12; or.b32 hb0, hb0, t;",
                   "shl.b32 t, h1, 12; or.b32 ha1, h1, t; shr.u32 hb1, h1, 8; shl.b32 t, hb1, 12; or.b32 hb1, hb1, t;"]
@@ -86,10 +92,15 @@ def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16) -> s
             lines.append(_nibble_pair(dst, word, jj, bits, high) + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
         i0, i1 = (step, step + 2) if step < 2 else (step + 2, step + 4)
         for tile in range(nt):
-            xa, xb = f"x{i0 + 8 * tile}", f"x{i1 + 8 * tile}"
             d = ", ".join(f"d{4 * tile + i}" for i in range(4))
-            lines.append(f"prmt.b32 b0, {xa}, {xb}, 0x5410; prmt.b32 b1, {xa}, {xb}, 0x7632; "
-                         f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{a0, a1, a2, a3}}, {{b0, b1}}, {{{d}}};")
+            if pairs:  # lanes 2j, 2j + 1 of step s's code pairs are x's register 2s (+ 1) as loaded
+                b = f"x{2 * step + 8 * tile}, x{2 * step + 1 + 8 * tile}"
+            else:
+                xa, xb = f"x{i0 + 8 * tile}", f"x{i1 + 8 * tile}"
+                lines.append(f"prmt.b32 b0, {xa}, {xb}, 0x5410; prmt.b32 b1, {xa}, {xb}, 0x7632;")
+                b = "b0, b1"
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{a0, a1, a2, a3}}, {{{b}}}, "
+                         f"{{{d}}};")
     lines.append("cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1;")
     for i in range(8):
         if i < 4 * nt:

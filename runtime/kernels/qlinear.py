@@ -173,26 +173,41 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
                   HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   FRAGMENT: tl.constexpr = False):
     """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
-    ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats; FRAGMENT: planes in fragment order
-    (Q4/Q5)."""
+    ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats; FRAGMENT (Q4/Q5): 1 planes in
+    fragment order, 2 in fragment order with code words and high bytes in pair order (qgemm_fragment_layout)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
-    if FRAGMENT:
-        code_at = _fragment_offsets(rows, half, 8, 32, GPR)
+    if FRAGMENT == 2:  # lane 2i of a word in nibble i, lane 2i + 1 in nibble i + 4
+        half_word = half % 4
+        src = half - half_word + half_word // 2
+        shift = 4 * (half % 2)
+        lo = (tl.load(base_ptr + _fragment_offsets(rows, src, 8, 32, GPR), mask=row_ok[:, None], other=0)
+              .to(tl.int32) >> shift[None, :]) & 0xF
+        hi = (tl.load(base_ptr + _fragment_offsets(rows, src + 2, 8, 32, GPR), mask=row_ok[:, None], other=0)
+              .to(tl.int32) >> shift[None, :]) & 0xF
     else:
-        code_at = rows[:, None] * (K_PAD // 2) + half[None, :]
-    packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
-    lo = packed & 0xF
-    hi = (packed >> 4) & 0xF
-    if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
+        if FRAGMENT:
+            code_at = _fragment_offsets(rows, half, 8, 32, GPR)
+        else:
+            code_at = rows[:, None] * (K_PAD // 2) + half[None, :]
+        packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+    if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7 (pair order:
+        # even lanes bits 0-3, odd lanes 4-7)
         hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if FRAGMENT:
             high_at = _fragment_offsets(rows, hidx, 2, 8, GPR)
         else:
             high_at = rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :]
         hb = tl.load(high_ptr + high_at, mask=row_ok[:, None], other=0).to(tl.int32)
-        sh = 2 * tl.arange(0, 4)
-        lo = lo | tl.reshape(((hb[:, :, None] >> sh[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-        hi = hi | tl.reshape(((hb[:, :, None] >> (sh[None, None, :] + 1)) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+        if FRAGMENT == 2:
+            sh_even = tl.arange(0, 4)
+            sh_odd = 4 + tl.arange(0, 4)
+        else:
+            sh_even = 2 * tl.arange(0, 4)
+            sh_odd = sh_even + 1
+        lo = lo | tl.reshape(((hb[:, :, None] >> sh_even[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+        hi = hi | tl.reshape(((hb[:, :, None] >> sh_odd[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
     if BITS == 6:  # one high byte per 4 lanes: even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
         hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
         hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
@@ -257,8 +272,8 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
 def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
-    """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT: Q4/Q5 planes in fragment
-    order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+    """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT 1 / 2: Q4/Q5 planes in fragment
+    order, lane or pair order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
     pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
@@ -299,7 +314,7 @@ def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) ->
     _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
         base, high if high is not None else base, scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad,
         BITS=w.fmt.bits, GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n,
-        BLOCK_K=block_k, FRAGMENT=w.fragment is not None, **LAUNCH)
+        BLOCK_K=block_k, FRAGMENT=0 if w.fragment is None else 1 + w.fragment.pairs, **LAUNCH)
     return dense
 
 
