@@ -7,6 +7,7 @@
 #                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 #                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
 #                        bash bench/device_frag.sh prefill   # a prefill chunk's attention at depth over a tile sweep
+#                        bash bench/device_frag.sh pairs     # session 26: pair order and SwiGLU in the gate/up launch
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -101,6 +102,24 @@ attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 2
       --decode-tokens 64 --json-out "$OUT/depth-attn-int8-e8-$mode.json" 2>&1 | grep -E "│ (int8|rk2v4)"
     echo "attention $mode t=$(el)"
   done
+  ;;
+pairs)  # session 26's CPU-built changes: GPU tests, then each against the path it replaces (~400 s)
+  timeout 150 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_kernels.py tests/test_engine.py \
+    -k "frag or fragment or swiglu or qgemv or every_launch" > "$OUT/pairs-tests.log" 2>&1
+  grep -E "^E |passed|failed|FAILED" "$OUT/pairs-tests.log" | head -30
+  echo "t=$(el)"
+  for mode in 1 0; do  # 27B one lane, bf16, 8K: SwiGLU in the gate/up launch (64 launches fewer) or its own launch
+    NINFER_SWIGLU_EPILOGUE=$mode timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/swiglu-epilogue-$mode.json" 2>&1 | grep "│ bf16"
+    echo "swiglu epilogue $mode t=$(el)"
+  done
+  for pairs in 1 0; do  # 27B one lane with every layer product in fragment order: pair order or lane order
+    NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=$pairs timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 \
+      --decode-tokens 64 --json-out "$OUT/one-lane-layout-pairs-$pairs.json" 2>&1 | grep "│ bf16"
+    echo "one lane layout pairs $pairs t=$(el)"
+  done
+  timeout 200 python bench/gemv_compare.py "$OUT/frag-pairs.json" frag 2>&1 | grep "{" | cut -c1-900
+  echo "t=$(el)"
   ;;
 prefill)  # issue 21 item 4: a 2,048-row chunk's attention at 8K / 128K / 200K, bf16 and rk4v4-e8, tiles x stages
   PYTHONPATH=. timeout 400 python bench/attention_compare.py "$OUT/prefill-attn.json" prefill 2>&1 | grep "{" | \

@@ -32,7 +32,8 @@ from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
-from .kernels.qlinear import GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, takes_quantized_x
+from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, qlinear_swiglu,
+                             takes_quantized_x)
 from .kernels.rmsnorm import rmsnorm
 from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
@@ -483,8 +484,13 @@ class Engine:
         c = self.cfg
         if not c.is_moe:
             down_xq = self._quantized_input(p + "mlp/down", h.shape[0])
-            gate_up = self.lin[p + "mlp/gate_up"](h, xq)
-            return self.lin[p + "mlp/down"](swiglu(gate_up, xq=down_xq), down_xq, defer_sum=True)
+            gate_up = self.lin[p + "mlp/gate_up"]
+            act = None
+            if down_xq is None and isinstance(gate_up, QuantLinear):  # one row: SwiGLU in the product's launch
+                act = qlinear_swiglu(h, gate_up.packed, xq)
+            if act is None:
+                act = swiglu(gate_up(h, xq), xq=down_xq)
+            return self.lin[p + "mlp/down"](act, down_xq, defer_sum=True)
         m = p + "moe/"
         n, k = h.shape[0], c.experts_per_token
         inter, hid = c.moe_intermediate_size, c.hidden_size

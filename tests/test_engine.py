@@ -103,6 +103,34 @@ def test_unknown_moe_prefill_path_is_refused_in_one_line(artifacts, monkeypatch)
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
+def test_mlp_swiglu_in_the_gate_up_launch_gives_the_same_logits(artifacts, monkeypatch):
+    """A one-row decode step's dense MLP with SwiGLU in the gate/up product's launch (where the down product reads
+    x in bf16: its Q5 planes in fragment order on a GPU; here its dp4a words are left to the product itself) and
+    with the swiglu launch after it (NINFER_SWIGLU_EPILOGUE=0) compute the same logits, bit for bit on the CPU."""
+    import runtime.engine as engine_module
+    import runtime.kernels.qlinear as ql
+
+    fused_calls = []
+    original = engine_module.qlinear_swiglu
+    monkeypatch.setattr(engine_module, "qlinear_swiglu",
+                        lambda *a: (lambda y: fused_calls.append(y is not None) or y)(original(*a)))
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(ql, "SWIGLU_EPILOGUE", on)
+        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128),
+                        device=DEVICE)
+        quantized_input = engine._quantized_input
+        monkeypatch.setattr(engine, "_quantized_input",
+                            lambda name, rows: None if name.endswith("mlp/down") else quantized_input(name, rows))
+        first = engine.prefill(0, PROMPT)
+        fused_calls.clear()
+        logits[on] = engine.decode_step([0], [int(first.argmax())])[0]
+        assert fused_calls and all(fused_calls) == on, (on, fused_calls)  # every layer's MLP took it, or none
+    assert torch.equal(logits[True], logits[False]) if DEVICE == "cpu" else \
+        torch.allclose(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_attention_launches_fused_or_separate_give_the_same_logits(artifacts, monkeypatch):
     """NINFER_ATTENTION_LAUNCHES=separate (norms and RoPE, K/V rotations and appends, the query rotation and the
     output gate a launch each) and the fused default compute the same prefill and decode logits (bit for bit on

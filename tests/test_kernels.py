@@ -77,6 +77,28 @@ def test_qgemv_int8(bits, n, k, prequant):
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("inter,k", [(100, 256), (35, 512)])
+def test_gate_up_product_applies_swiglu_in_its_launch(bits, inter, k):
+    """One row times a gate/up pair with SwiGLU in the dp4a GEMV's epilogue (a program's even rows gate rows, odd
+    rows the matching up rows; the last program's rows past I masked): the numbers of the product and then the
+    swiglu kernel (bit for bit on the CPU), in one launch; row blocks are left to the caller's two launches."""
+    from runtime.kernels.qlinear import qlinear, qlinear_swiglu
+    from runtime.kernels.swiglu import swiglu
+
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(2 * inter, k, fmt, seed=inter + k + bits)
+    x = torch.randn(1, k, device=DEVICE).to(DTYPE)
+    got = qlinear_swiglu(x, w)
+    assert got is not None and got.shape == (1, inter)
+    want = swiglu(qlinear(x, w))
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # the same roundings; the sigmoid's instructions may differ between the two kernels
+        _check(got, want)
+    assert qlinear_swiglu(torch.cat([x, x]), w) is None
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("t,n,k", [(3, 70, 200), (5, 33, 1024)])
 def test_qgemm_rows_int8(bits, t, n, k):
     """The dp4a kernel for a few rows of x: each row == the one-row integer reference; rows past T

@@ -380,10 +380,19 @@ def quantize_x(x: torch.Tensor, w, xq: QuantizedX | None = None) -> torch.Tensor
 def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_ASM: tl.constexpr, PREQUANT: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                       USE_ASM: tl.constexpr, PREQUANT: tl.constexpr, SWIGLU_OUT: tl.constexpr = False):
+    """SWIGLU_OUT (one split): W is a gate/up pair [2I, K] (N = 2I) and y gets silu(gate) * up [I]: a program's
+    even rows are gate rows, each odd one the matching up row, rounded to y's dtype before the SwiGLU (the
+    numbers the swiglu kernel would have read)."""
     split = tl.program_id(1)
-    row_ok = rows < N
+    if SWIGLU_OUT:
+        local = tl.arange(0, BLOCK_N)
+        act_rows = tl.program_id(0) * (BLOCK_N // 2) + local // 2
+        rows = act_rows + (local % 2) * (N // 2)
+        row_ok = act_rows < N // 2
+    else:
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
     # the first weight tile streams in while the kernel before this one finishes
     words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, row_ok[:, None], split * K_PER_SPLIT,
                                         GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
@@ -391,7 +400,12 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
     y = _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, split * K_PER_SPLIT,
                        (split + 1) * K_PER_SPLIT, words, high, w_scale, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N,
                        BLOCK_K, USE_ASM, PREQUANT)
-    tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+    if SWIGLU_OUT:
+        gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        out_rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + out_rows, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=out_rows < N // 2)
+    else:
+        tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -693,12 +707,17 @@ def high_plane(w) -> torch.Tensor:
 
 
 def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int,
-               prequant: bool = True, xq: QuantizedX | None = None, defer_sum: bool = False):
+               prequant: bool = True, xq: QuantizedX | None = None, defer_sum: bool = False,
+               swiglu_out: bool = False):
     """y[0] = W @ x[0] for a Q4/Q5/Q6/W8 PackedLinear; `split` K-splits write float32 partials first.
     `prequant`: quantize x once in its own launch (else every program quantizes its slice); an `xq`
-    already holding x's words is read instead. `defer_sum`: see finish_splits."""
+    already holding x's words is read instead. `defer_sum`: see finish_splits. `swiglu_out` (one split, W a
+    gate/up pair [2I, K]): y [1, I] gets silu(gate) * up, the SwiGLU in the product's own launch."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
+    if swiglu_out and (split != 1 or w.rows % 2 or block_n % 2 or y.shape[-1] != w.rows // 2):
+        raise ValueError(f"qgemv_int8: SwiGLU of [{w.rows}, {w.cols}] into {tuple(y.shape)} needs one split, an even "
+                         "gate/up pair and half its rows out")
     target = split_partials(y, split)
     prequant = prequant or xq is not None
     xin = quantize_x(x, w, xq) if prequant else x
@@ -706,7 +725,7 @@ def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, 
         xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
-        PREQUANT=prequant, num_warps=num_warps, **LAUNCH)
+        PREQUANT=prequant, SWIGLU_OUT=swiglu_out, num_warps=num_warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 

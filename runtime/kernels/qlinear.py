@@ -550,6 +550,27 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     return finish_splits(target, y)
 
 
+# side-by-side runs: NINFER_SWIGLU_EPILOGUE=0 multiplies the gate/up pair and runs the swiglu kernel after it
+SWIGLU_EPILOGUE = os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") != "0"
+
+
+def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of one row of x times a gate/up pair w [2I, K], in the product's own launch (the dp4a
+    GEMV's epilogue; a launch less per MLP in a decode step): [1, I] in x's dtype, the numbers qlinear then
+    swiglu give. None where that kernel does not take the product (several rows, the fragment kernels, a K
+    split): the caller multiplies and runs swiglu."""
+    t = x.shape[0]
+    if not SWIGLU_EPILOGUE or t != 1 or torch_path(x) or w.rows % 2 or x.shape[1] != w.cols \
+            or GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or w.fragment is not None \
+            or (x.dtype == torch.bfloat16 and uses_frag(w, t)):
+        return None
+    block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
+    if split != 1 or block_n % 2:
+        return None
+    y = torch.empty(1, w.rows // 2, dtype=x.dtype, device=x.device)
+    return qgemv_int8(x.contiguous(), w, y, block_n, block_k, 1, num_warps, prequant, xq, swiglu_out=True)
+
+
 def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
     """Dequantize with the torch unpacker (checked bit-exact against numpy) and multiply in fp32."""
     return (x.float() @ w.dense().t()).to(x.dtype)
