@@ -7,7 +7,9 @@
 #                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 #                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
 #                        bash bench/device_frag.sh prefill   # a prefill chunk's attention at depth over a tile sweep
-#                        bash bench/device_frag.sh pairs     # session 26: pair order and SwiGLU in the gate/up launch
+#                        bash bench/device_frag.sh s26       # session 26: SwiGLU in the gate/up launch, int8 fragment
+#                                                            # kernel, pair order (one lane, side by side)
+#                        bash bench/device_frag.sh s26-kernels  # per product incl. the int8 kernel; lanes int8 on/off
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -103,23 +105,34 @@ attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 2
     echo "attention $mode t=$(el)"
   done
   ;;
-pairs)  # session 26's CPU-built changes: GPU tests, then each against the path it replaces (~400 s)
+s26)  # session 26's CPU-built changes, GPU tests then one lane against the path each replaces (~450 s): SwiGLU in
+  # the gate/up launch (64 launches fewer), the int8 fragment kernel for the Q5 products / every layer product,
+  # pair order (one lane with every product in fragment order, pairs vs lane order)
   timeout 150 python -m pytest -q -n 4 --tb=short tests/test_frag_kernel.py tests/test_kernels.py tests/test_engine.py \
-    -k "frag or fragment or swiglu or qgemv or every_launch" > "$OUT/pairs-tests.log" 2>&1
-  grep -E "^E |passed|failed|FAILED" "$OUT/pairs-tests.log" | head -30
+    -k "frag or fragment or swiglu or qgemv or every_launch or int8" > "$OUT/s26-tests.log" 2>&1
+  grep -E "^E |passed|failed|FAILED" "$OUT/s26-tests.log" | head -30
   echo "t=$(el)"
-  for mode in 1 0; do  # 27B one lane, bf16, 8K: SwiGLU in the gate/up launch (64 launches fewer) or its own launch
-    NINFER_SWIGLU_EPILOGUE=$mode timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/swiglu-epilogue-$mode.json" 2>&1 | grep "│ bf16"
-    echo "swiglu epilogue $mode t=$(el)"
-  done
-  for pairs in 1 0; do  # 27B one lane with every layer product in fragment order: pair order or lane order
-    NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=$pairs timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 \
-      --decode-tokens 64 --json-out "$OUT/one-lane-layout-pairs-$pairs.json" 2>&1 | grep "│ bf16"
-    echo "one lane layout pairs $pairs t=$(el)"
-  done
-  timeout 200 python bench/gemv_compare.py "$OUT/frag-pairs.json" frag 2>&1 | grep "{" | cut -c1-900
+  one() {  # label, env...: 27B one lane, bf16 KV, 8K
+    local label=$1; shift
+    env "$@" timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/s26-$label.json" 2>&1 | grep "│ bf16"
+    echo "$label t=$(el)"
+  }
+  one swiglu-epilogue NINFER_SWIGLU_EPILOGUE=1
+  one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
+  one int8-q5 NINFER_FRAGMENT_INT8=q5
+  one int8-on NINFER_FRAGMENT_INT8=on
+  one layout-pairs NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=1
+  one layout-lanes NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=0
+  ;;
+s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
+  timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
   echo "t=$(el)"
+  for int8 in off on; do
+    NINFER_FRAGMENT_INT8=$int8 timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/lanes-int8-$int8.json" 2>&1 | grep "│ bf16"
+    echo "lanes int8 $int8 t=$(el)"
+  done
   ;;
 prefill)  # issue 21 item 4: a 2,048-row chunk's attention at 8K / 128K / 200K, bf16 and rk4v4-e8, tiles x stages
   PYTHONPATH=. timeout 400 python bench/attention_compare.py "$OUT/prefill-attn.json" prefill 2>&1 | grep "{" | \

@@ -75,6 +75,7 @@ def _rotating(label: str, n: int, k: int, fmt: str):
         cycle = itertools.cycle(ws)
         return graph_ms(lambda: fn(next(cycle))) * 1e3
 
+    rotating.weights = ws  # for layouts made before a graph is captured
     return w, nbytes, {"op": label, "N": n, "K": k, "bytes": nbytes, "copies": len(ws)}, rotating
 
 
@@ -244,11 +245,16 @@ def frag_main(out: str) -> None:
     the artifact's planes (`frag`, qgemm_rows_frag) and over planes permuted into fragment order (`layout`,
     qgemm_fragment_layout); T = 1 and 8 over a sweep of (cache hint, warps, programs), the best of those at
     the other T; `lanes`: fragment order with the artifact's lane order inside code words (the kernel before pair
-    order, at layout's best tile). Side by side with the products the runtime takes with the fragment kernels off (T = 1: the
+    order, at layout's best tile); `int8`: the int8 fragment kernel (qgemm_fragment_int8: planes in byte order, x
+    as dp4a words written beforehand, as its producer would). Side by side with the products the runtime takes with the fragment kernels off (T = 1: the
     dp4a decode GEMV; T >= 2: the lanes / int8 tensor-core row path); CUDA-graph replays over weight copies
     that never hit L2; each kernel's error against the plain-torch group sums (frag_reference)."""
+    import copy
+
+    from runtime.kernels.qgemm_fragment_int8 import qgemm_fragment_int8
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
     from runtime.kernels.qgemm_rows_frag import HINTS, frag_reference, qgemm_rows_frag
+    from runtime.kernels.qgemv_int8 import QuantizedX
 
     peak = copy_bandwidth()
     rows = []
@@ -258,19 +264,38 @@ def frag_main(out: str) -> None:
         t1 = _one_row(rotating, row, peak)
         planes = {}
 
-        def layout_of(w, pairs=True):
-            if (id(w), pairs) not in planes:
-                planes[id(w), pairs] = fragment_planes(w, pairs)
-            return planes[id(w), pairs]
+        def layout_of(w, order="pairs"):
+            if (id(w), order) not in planes:
+                planes[id(w), order] = fragment_planes(w, order)
+            return planes[id(w), order]
+
+        def bytes_of(w):  # a PackedLinear whose planes are in byte order (the int8 kernel's)
+            if (id(w), "int8") not in planes:
+                laid = copy.copy(w)
+                laid.fragment = layout_of(w, "bytes")
+                planes[id(w), "int8"] = laid
+            return planes[id(w), "int8"]
+
+        for copy_ in rotating.weights:  # every copy's layouts before any capture (a capture would replay them)
+            layout_of(copy_), layout_of(copy_, "lanes"), bytes_of(copy_)
+        words = {}
+
+        def words_of(x, w):  # x's dp4a words, as the kernel producing x writes them (outside the timing)
+            if id(x) not in words:
+                words[id(x)] = (x, QuantizedX.empty(x.shape[0], w, x.device).fill(x))
+            return words[id(x)][1]
 
         kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
                    "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0],
                                                                          ksplit=tile[3], xorder=tile[4]),
-                   "lanes": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w, False), y, tile[1], tile[2],
-                                                                        tile[0], ksplit=tile[3], xorder=tile[4])}
+                   "lanes": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w, "lanes"), y, tile[1], tile[2],
+                                                                        tile[0], ksplit=tile[3], xorder=tile[4]),
+                   "int8": lambda x, w, y, tile: qgemm_fragment_int8(x, bytes_of(w), y, words_of(x, w), tile[1], tile[2],
+                                                                     tile[0], ksplit=tile[3])}
         # layout: warps per block chosen per product (k0), K split across programs only (k1), x in fragment order (x1)
         sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0, 0) for tile in FRAG_TILES]
-                  + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (0, 4, 528, 0, 1), (0, 4, 1056, 0, 1)]}
+                  + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (0, 4, 528, 0, 1), (0, 4, 1056, 0, 1)],
+                  "int8": [(*tile, 0, 0) for tile in FRAG_TILES] + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0)]}
 
         def label(tile):
             return "h{}w{}p{}".format(*tile) + ("k{}x{}".format(*tile[3:]) if len(tile) > 3 else "")
@@ -278,6 +303,7 @@ def frag_main(out: str) -> None:
         best_of = {}
         for t in (1, 8, 2, 4, 16):
             x, y = _xy(t, k, n)
+            words_of(x, w)
             if t > 1:
                 us = rotating(lambda w: ql.qlinear(x, w, out=y))
                 row[f"t{t}_off_us"], row[f"t{t}_off_vs_t1"] = us, us / t1
@@ -300,6 +326,7 @@ def frag_main(out: str) -> None:
                 row[f"t{t}_{name}_err_vs_reference"] = ((got - want).abs().max() / want.abs().max()).item()
         ql.FRAG_MODE = "auto"
         planes.clear()
+        words.clear()
         rows.append(row)
         print(json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in row.items()
                           if not re.search(r"_h\d+w\d+p\d+(k\d+x\d+)?_us", k2)}), flush=True)

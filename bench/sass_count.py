@@ -5,7 +5,7 @@ values (rk2v4-e8) at 27B shapes.
 
     python bench/sass_count.py [int4|int8|e8] [--json]
     python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group,
-                                            # lane / pair order, 8 and 16 columns
+                                            # lane / pair order, the int8 kernel, 8 and 16 columns
 """
 
 from __future__ import annotations
@@ -107,11 +107,32 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1) -> dict:
             "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 
 
+def fragment_int8_gemv(bits: int, nt: int = 1) -> dict:
+    """The int8 fragment kernel's loop (qgemm_fragment_int8, same program shape as fragment_gemv): SASS
+    instructions per 64-lane group and warp."""
+    from runtime.kernels import qgemm_fragment_int8 as fi
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels.qgemm_rows_frag import HINTS
+
+    sig = {"xq_ptr": "*i32", "codes_ptr": "*u8", "high_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*fp32",
+           "N": "i32", "T": "i32", "BLOCKS": "i32", "CHUNKS_PER_SPLIT": "i32",
+           **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "ROW_BYTES", "SCALES_AT", "LOAD_ASM",
+                                       "COMPUTE_ASM")}}
+    const = {"G": 80, "NT": nt, "BW": 4, "KS": 1, "BITS": bits, "ROW_BYTES": 4 * (4 * 640 + 160),
+             "SCALES_AT": 4 * 4 * 640, "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
+             "COMPUTE_ASM": fi._int8_chunk_asm(bits, nt, 4 * 640, 4 * 80)}
+    sass, usage = _sass(fi._qgemm_fragment_int8_kernel, sig, const, 4)
+    ops = _loop(sass)
+    return {"bits": bits, "nt": nt, "kernel": "int8", "instructions_per_group": sum(ops.values()) / 8,
+            "top": dict(ops.most_common(8)), "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("q4", "q5"):  # every variant of the group product, T <= 8 and <= 16
         for nt in (1, 2):
             for pairs in (False, True):
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), pairs, nt)))
+            print(json.dumps(fragment_int8_gemv(int(sys.argv[1][1]), nt)))
         sys.exit()
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     result = main(*(args[:1]))

@@ -138,6 +138,10 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
         if op.startswith("mma.sync.aligned.m16n8k16.row.col.f32."):
             _mma(lanes, args, half=_f16 if ".f16.f16." in op else _bf16)
             continue
+        if op.startswith("mma.sync.aligned.m16n8k32.row.col.s32."):
+            atype, btype = op.split(".")[-3:-1]  # ... .s32.<atype>.<btype>.s32
+            _mma_int8(lanes, args, a_signed=atype == "s8", b_signed=btype == "s8")
+            continue
         if op == "shfl.sync.bfly.b32":  # d = a of lane ^ b (whole warp, clamp 0x1f)
             source = [get(lane, args[1]) for lane in range(32)]
             for lane in range(32):
@@ -202,8 +206,13 @@ def run_warp(asm: str, inputs: list[list[int]], n_outputs: int, memory, tid_base
             elif op in ("and.b32", "xor.b32"):
                 a, b = get(lane, args[1]), get(lane, args[2])
                 regs[args[0]] = (a & b) if op == "and.b32" else (a ^ b)
-            elif op == "mul.lo.u32":
+            elif op in ("mul.lo.u32", "mul.lo.s32"):  # the low 32 bits are the same for either signedness
                 regs[args[0]] = (get(lane, args[1]) * get(lane, args[2])) & MASK32
+            elif op == "mad.lo.s32":
+                regs[args[0]] = (get(lane, args[1]) * get(lane, args[2]) + get(lane, args[3])) & MASK32
+            elif op == "cvt.rn.f32.s32":
+                v = get(lane, args[1]) & MASK32
+                regs[args[0]] = f32_bits(np.float32(v - (1 << 32) if v >= 1 << 31 else v))
             elif op in ("shr.u32", "shr.b32"):
                 regs[args[0]] = get(lane, args[1]) >> get(lane, args[2])
             elif op == "or.b32":
@@ -256,6 +265,34 @@ def _mma(lanes: list[dict], args: list[str], half=_bf16) -> None:
         g, t = lane // 4, lane % 4
         for r, name in enumerate(d):
             regs[name] = f32_bits(np.float32(D[g + 8 * (r // 2), 2 * t + r % 2]))
+
+
+def _byte(word: int, i: int, signed: bool) -> int:
+    v = (word >> (8 * i)) & 0xFF
+    return v - 256 if signed and v >= 128 else v
+
+
+def _mma_int8(lanes: list[dict], args: list[str], a_signed: bool, b_signed: bool) -> None:
+    """D = A (16x32 bytes) . B (32x8 bytes) + C (16x8 s32), m16n8k32 (PTX ISA layouts), int32 wrap-around."""
+    d, a, b, c = ([n.strip() for n in x.strip("{}").split(",")] for x in args)
+    A, B, C = np.zeros((16, 32), np.int64), np.zeros((32, 8), np.int64), np.zeros((16, 8), np.int64)
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, name in enumerate(a):  # a0: (g, 4t..), a1: (g + 8, 4t..), a2: (g, 4t + 16..), a3: (g + 8, 4t + 16..)
+            row, col = g + 8 * (r % 2), 4 * t + 16 * (r // 2)
+            for i in range(4):
+                A[row, col + i] = _byte(regs[name], i, a_signed)
+        for r, name in enumerate(b):  # b0: k = 4t..4t + 3, b1: k = 4t + 16..; column g
+            for i in range(4):
+                B[4 * t + 16 * r + i, g] = _byte(regs[name], i, b_signed)
+        for r, name in enumerate(c):  # c0, c1: row g, columns 2t, 2t + 1; c2, c3: row g + 8
+            v = regs[name] & MASK32
+            C[g + 8 * (r // 2), 2 * t + r % 2] = v - (1 << 32) if v >= 1 << 31 else v
+    D = A @ B + C
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, name in enumerate(d):
+            regs[name] = int(D[g + 8 * (r // 2), 2 * t + r % 2]) & MASK32
 
 
 _BITS = {"fp32": (np.uint32, np.float32), "int32": (np.uint32, np.int32), "int64": (np.uint64, np.int64)}

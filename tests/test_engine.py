@@ -402,15 +402,43 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
                                                                           for n in layout)
 
 
+@pytest.mark.parametrize("int8", ["q5", "on"])
+def test_int8_fragment_order_lays_out_and_generates(wide_q4, int8, monkeypatch):
+    """NINFER_FRAGMENT_INT8: one plain lane lays out its Q5 products (q5) or every layer product (on) in byte order
+    (the int8 kernel's), the rest keep their layout, and the engine generates the reference's tokens (on a CPU the
+    products multiply through the planes read back, and the prefill dequantizes byte order in place); a bad value
+    is refused in one line."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout
+
+    monkeypatch.setattr(fl, "FRAGMENT_INT8", int8)
+    engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    quant = {n: lin.packed for n, lin in engine.lin.items() if hasattr(lin, "packed")}
+    layout = [n for n, w in quant.items() if takes_fragment_layout(n, w)]
+    for n in layout:
+        w = quant[n]
+        want = "bytes" if int8 == "on" or w.fmt.bits == 5 else None
+        assert (w.fragment.order if w.fragment is not None else None) == want, (n, w.fmt.name)
+    assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
+    monkeypatch.setattr(fl, "FRAGMENT_INT8", "yes")
+    with pytest.raises(ValueError, match="NINFER_FRAGMENT_INT8='yes' is not one of off, q5, on"):
+        Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
                     "emulated on the CPU in tests/test_frag_kernel.py")
-@pytest.mark.parametrize("mode", ["auto", "rows", "layout"])
+@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8"])
 def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
-    layout: every 1..16-row product in fragment order) matches the reference runtime, and 4 lanes decoding at
-    once give the logits of the kernels turned off."""
+    layout: every 1..16-row product in fragment order; int8: NINFER_FRAGMENT_INT8=on, those products on the int8
+    kernel, their inputs as dp4a words) matches the reference runtime, and 4 lanes decoding at once give the logits
+    of the kernels turned off."""
+    from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
+    if mode == "int8":
+        monkeypatch.setattr(fl, "FRAGMENT_INT8", "on")
+        mode = "auto"
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
     if mode != "rows":

@@ -99,14 +99,14 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("order", ["pairs", "lanes", "bytes"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n", [16, 21])
-def test_fragment_layout_round_trips(fmt, n, pairs):
+def test_fragment_layout_round_trips(fmt, n, order):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, row_planes
 
     w = _packed(n, 1024, fmt, seed=n)
-    fp = fragment_planes(w, pairs)
+    fp = fragment_planes(w, order)
     assert fp.codes.numel() == fp.blocks * 16 * 512 and fp.scales.numel() == fp.blocks * 16 * 16
     base, high, scale = row_planes(fp)
     assert torch.equal(base, w.base.view(n, -1)) and torch.equal(scale, w.scale.view(n, -1))
@@ -118,15 +118,15 @@ def test_fragment_layout_round_trips(fmt, n, pairs):
         assert high is None or torch.equal(high, w.high.view(n, -1)[sl])
 
 
-@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("order", ["pairs", "lanes"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,n", [(1, 16), (6, 21), (12, 16)])
-def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, pairs):
+def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, order):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes
 
     w = _packed(n, 512, fmt, seed=t + n)
     x = torch.randn(t, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    got = _emulate_fragment_layout(x, fragment_planes(w, pairs))
+    got = _emulate_fragment_layout(x, fragment_planes(w, order))
     want = frag.frag_reference(x, w)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
 
@@ -273,11 +273,13 @@ def test_artifact_planes_kernel_runs_whole(kernel_device):
     assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("order", ["pairs", "bytes"])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
-    """to_fragment_layout permutes the planes in place (in row steps) and the weight still multiplies, dequantizes
-    rows for the prefill GEMM and refuses gathers: on a CPU through the torch references and then the GPU's
-    routes interpreted, on a GPU through the kernels themselves."""
+def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
+    """to_fragment_layout permutes the planes in place (in row steps; pair order for the bf16 kernel, byte order
+    for the int8 one) and the weight still multiplies, dequantizes rows for the prefill GEMM and refuses gathers:
+    on a CPU through the torch references and then the GPU's routes interpreted, on a GPU through the kernels
+    themselves; only byte order takes its input as dp4a words."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
@@ -287,15 +289,16 @@ def test_in_place_fragment_layout_keeps_every_product(fmt, monkeypatch):
     dense = w.dense().clone().float()
     before = w.base.clone()
     w._dense = None
-    fl.to_fragment_layout(w)
-    assert w.fragment is not None and not torch.equal(w.base, before)
+    fl.to_fragment_layout(w, order)
+    assert w.fragment is not None and w.fragment.order == order and not torch.equal(w.base, before)
     assert w.fragment.codes.data_ptr() == w.base.data_ptr()  # in place
     assert torch.equal(w.dense().float(), dense)
-    assert not ql.takes_quantized_x(w, 1)
     routes = ["torch", "triton"] if device == "cpu" else ["gpu"]
     for route in routes:
         if route == "triton":
             monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")  # the GPU's routes, interpreted
+        if route != "torch":
+            assert ql.takes_quantized_x(w, 1) == (order == "bytes")
         rows = ql.dequantize_rows(w, 16, 40, torch.float32)
         assert torch.equal(rows, dense[16:56])
         for t in (1, 3, 16, 24):  # one lane, row blocks, the prefill (rows put back, dequantized)
@@ -352,3 +355,47 @@ def test_fragment_order_shapes_cover_every_chunk_once():
     assert fragment_shape(2176, 20, 4, 528) == (4, 1, 1, 20)  # MLP gate_up: enough blocks, K whole
     assert fragment_shape(1024, 20, 4, 528) == (2, 2, 1, 20)  # GDN input: 2 warps per block, no partials
     assert fragment_shape(320, 68, 4, 528)[:2] == (1, 4)  # MLP down: 4 warps per block
+
+
+@pytest.mark.parametrize("fmt,t,n,k,shape", [("Q4G64_F16S", 1, 40, 1024, (4, 528, 0)), ("Q5G64_F16S", 1, 32, 2048, (4, 3, 2)),
+                                             ("Q5G64_F16S", 6, 21, 1024, (4, 528, 0)), ("Q4G64_F16S", 11, 16, 512, (2, 4, 1)),
+                                             ("Q5G64_F16S", 16, 48, 1536, (4, 6, 4))])
+def test_int8_fragment_kernel_computes_the_dp4a_group_sums(kernel_device, fmt, t, n, k, shape):
+    """The int8 fragment kernel (qgemm_fragment_int8; on a CPU interpreted, its PTX emulated) over planes in byte
+    order, x quantized in its own launch or given as a producer's dp4a words: the dp4a GEMV's integer group sums
+    times both scales (one and two column tiles, rows past N, K shared by warps and split across programs)."""
+    from runtime.kernels.qgemm_fragment_int8 import fragment_int8_reference, qgemm_fragment_int8
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+    from runtime.kernels.qgemv_int8 import QuantizedX
+
+    w = _packed(n, k, fmt, seed=n + k, device=kernel_device)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(kernel_device)
+    x[0, 64:128] *= 1e-3  # a quiet group: its own scale
+    x = x.to(torch.bfloat16) if kernel_device == "cuda" else x
+    want = fragment_int8_reference(x, w)
+    laid = _packed(n, k, fmt, seed=n + k, device=kernel_device)
+    laid.fragment = fragment_planes(laid, "bytes")  # a copy: rows padded to whole 16-row blocks
+    warps, programs, ksplit = shape
+    for xq in (None, QuantizedX.empty(t, laid, kernel_device).fill(x)):
+        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
+        qgemm_fragment_int8(x, laid, y, xq, warps=warps, programs=programs, ksplit=ksplit)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (xq is None, (y - want).abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size shapes of the int8 fragment kernel (inline PTX for "
+                    "NVIDIA GPUs); its PTX runs emulated on the CPU in the test above")
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("t,n,k", [(1, 5120, 17408), (8, 16384, 5120), (16, 1000, 2048), (1, 34816, 5120)])
+def test_int8_fragment_kernel_on_the_gpu(fmt, t, n, k):
+    from runtime.kernels.qgemm_fragment_int8 import fragment_int8_reference, qgemm_fragment_int8
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+
+    w = _packed(n, k, fmt, seed=n + k, device="cuda")
+    x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    want = fragment_int8_reference(x, w)
+    w.fragment = fragment_planes(w, "bytes")
+    for defer in (False, True):  # partials summed here, or left to the next rmsnorm
+        y = torch.full((t, n), float("nan"), device="cuda", dtype=torch.float32)
+        got = qgemm_fragment_int8(x, w, y, defer_sum=defer)
+        got = got.parts.sum(0) if hasattr(got, "parts") else got
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, defer

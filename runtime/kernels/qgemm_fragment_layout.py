@@ -10,7 +10,9 @@ bytes, lane L's 16 bytes the 4 groups' (row g, row g + 8) half-words. A warp's l
 (four whole lines) and the scales of 4 groups one line. Within each 32-bit code word the nibbles hold lanes
 (0, 2, 4, 6, 1, 3, 5, 7) and each Q5 high byte its bits in that order ("pair order"): the bf16 pair a thread
 builds from nibbles j and j + 4 is then lanes 2j and 2j + 1, which is how x's lanes lie in one loaded
-register, so the kernel builds B without byte permutes. The loads write their registers straight from memory (nothing
+register, so the kernel builds B without byte permutes. The int8 kernel (qgemm_fragment_int8) reads the code
+words in the artifact's lane order and a Q5 group's 32 high bits of a thread permuted so that each code byte's
+bit sits under it ("byte order": FragmentPlanes.order). The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
 
@@ -42,8 +44,9 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 @dataclass
 class FragmentPlanes:
     """A Q4/Q5 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
-    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words; `pairs`: code words and
-    high bytes in pair order (the module's docstring)."""
+    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words; `order`: "pairs" (code
+    words and high bytes in pair order, for the bf16 kernel), "lanes" (the artifact's order inside words and
+    bytes) or "bytes" (lane-order codes, high bits in byte order: the int8 kernel's; see high_to_byte_order)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -51,7 +54,11 @@ class FragmentPlanes:
     rows: int
     cols: int
     fmt: GroupedFormat
-    pairs: bool = True
+    order: str = "pairs"
+
+    @property
+    def pairs(self) -> bool:
+        return self.order == "pairs"
 
     @property
     def blocks(self) -> int:
@@ -69,6 +76,21 @@ def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
 # side-by-side runs: NINFER_FRAGMENT_PAIRS=0 keeps the artifact's lane order inside code words (the kernel then
 # pairs x's lanes with byte permutes, as before pair order)
 PAIR_ORDER = os.environ.get("NINFER_FRAGMENT_PAIRS", "1") != "0"
+# which products in fragment order run the int8 kernel (qgemm_fragment_int8, planes in byte order): off, q5 (the
+# Q5 products) or on (all); built on a CPU and not yet measured on a GPU, so off by default
+FRAGMENT_INT8_MODES = ("off", "q5", "on")
+FRAGMENT_INT8 = os.environ.get("NINFER_FRAGMENT_INT8", "off")
+ORDERS = ("pairs", "lanes", "bytes")
+
+
+def fragment_order(bits: int) -> str:
+    """The order a `bits`-bit product's planes take in fragment order (see FragmentPlanes)."""
+    if FRAGMENT_INT8 not in FRAGMENT_INT8_MODES:
+        raise ValueError(f"NINFER_FRAGMENT_INT8={FRAGMENT_INT8!r} is not one of {', '.join(FRAGMENT_INT8_MODES)}; "
+                         "unset it for off")
+    if FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5):
+        return "bytes"
+    return "pairs" if PAIR_ORDER else "lanes"
 
 
 def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +133,33 @@ def high_to_pair_order(high: torch.Tensor, inverse: bool = False) -> torch.Tenso
     return _bit_table(inverse).to(high.device)[high.long()]
 
 
-def fragment_planes(w, pairs: bool | None = None) -> FragmentPlanes:
-    """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original); `pairs`
-    (default PAIR_ORDER): code words and high bytes in pair order."""
-    pairs = PAIR_ORDER if pairs is None else pairs
+def _byte_order_bits() -> list[tuple[int, int]]:
+    """(source bit, destination bit) of a thread's 32 high bits of one group: lane order has byte 2 * row + word
+    (row g or g + 8, the thread's code word 0 or 1) with lane l at bit l; byte order puts lane 2i + p's bit of
+    (row, word) at bit 8i + 4 row + 2 word + p, i.e. under byte i of that word's even (p = 0) or odd (p = 1)
+    code bytes, so one shift and one mask place four of them at bit 4 of each byte."""
+    return [(8 * (2 * row + word) + 2 * i + p, 8 * i + 4 * row + 2 * word + p)
+            for row in range(2) for word in range(2) for i in range(4) for p in range(2)]
+
+
+def high_to_byte_order(high: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """uint8 Q5 high planes in fragment order (lane order), 4 bytes per (thread, group) -> byte order, or back."""
+    words = high.contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for src, dst in _byte_order_bits():
+        if inverse:
+            src, dst = dst, src
+        out |= ((words >> src) & 1) << dst
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).view(torch.uint8).view(high.shape)
+
+
+def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
+    """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original); `order`
+    (default fragment_order(bits)): see FragmentPlanes."""
+    order = fragment_order(w.fmt.bits) if order is None else order
+    if order not in ORDERS:
+        raise ValueError(f"fragment layout: order {order!r} is not one of {', '.join(ORDERS)}")
+    pairs = order == "pairs"
     if not fragment_supported(w.fmt, w.cols):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5 with K a multiple of 512")
     n, groups = w.rows, w.cols // GROUP
@@ -137,8 +182,10 @@ def fragment_planes(w, pairs: bool | None = None) -> FragmentPlanes:
         if pairs:
             h = high_to_pair_order(h)
         high = h.reshape(blocks, 2, 8, groups // CHUNK, CHUNK, 4, 2).permute(0, 3, 2, 5, 4, 1, 6).contiguous()
+        if order == "bytes":
+            high = high_to_byte_order(high)
     return FragmentPlanes(codes.view(-1), scales.view(-1), None if high is None else high.view(-1), n, w.cols, w.fmt,
-                          pairs)
+                          order)
 
 
 # Objects the engine may re-lay out (qlinear.fragment_layout_enabled says when): products that only ever go through
@@ -161,11 +208,11 @@ def takes_fragment_layout(name: str, w) -> bool:
             and in_place_supported(w))
 
 
-def to_fragment_layout(w, pairs: bool | None = None):
+def to_fragment_layout(w, order: str | None = None):
     """Permute a PackedLinear's planes into fragment order in place (CONVERT_ROWS rows at a time, so the
     temporary stays small; a 16-row block's bytes stay inside the block's own byte ranges) and attach the
-    FragmentPlanes views; returns w. `pairs`: as fragment_planes."""
-    pairs = PAIR_ORDER if pairs is None else pairs
+    FragmentPlanes views; returns w. `order`: as fragment_planes."""
+    order = fragment_order(w.fmt.bits) if order is None else order
     if not in_place_supported(w):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
                          "rows a multiple of 16")
@@ -177,13 +224,13 @@ def to_fragment_layout(w, pairs: bool | None = None):
         r1 = min(w.rows, r0 + CONVERT_ROWS)
         part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
                             scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
-        fp = fragment_planes(part, pairs)
+        fp = fragment_planes(part, order)
         base[r0:r1].reshape(-1).copy_(fp.codes)
         scale[r0:r1].reshape(-1).copy_(fp.scales)
         if high is not None:
             high[r0:r1].reshape(-1).copy_(fp.high)
     w.fragment = FragmentPlanes(base.view(-1), scale.view(-1), None if high is None else high.view(-1), w.rows,
-                                w.cols, w.fmt, pairs)
+                                w.cols, w.fmt, order)
     return w
 
 
@@ -199,7 +246,10 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     scale = fp.scales.view(fp.blocks, chunks, 8, CHUNK, 2)[b0:b1].permute(0, 4, 2, 1, 3).reshape(rows, groups)
     high = None
     if fp.high is not None:
-        high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1].permute(0, 5, 2, 1, 4, 3, 6)
+        high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1]
+        if fp.order == "bytes":
+            high = high_to_byte_order(high, inverse=True)
+        high = high.permute(0, 5, 2, 1, 4, 3, 6)
         high = high.reshape(rows, groups * 8)[first : first + n]
         if fp.pairs:
             high = high_to_pair_order(high, inverse=True)

@@ -22,7 +22,8 @@ from format.numeric import GroupedFormat
 
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
-from .qgemm_fragment_layout import qgemm_fragment_layout, row_planes
+from .qgemm_fragment_int8 import qgemm_fragment_int8
+from .qgemm_fragment_layout import fragment_order, qgemm_fragment_layout, row_planes
 from .qgemm_rows_frag import frag_supported, qgemm_rows_frag
 from .qgemv_lanes import qgemv_lanes
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
@@ -101,10 +102,12 @@ def fragment_layout_enabled(rows_per_step: int, bits: int) -> bool:
     """Whether an engine that multiplies up to `rows_per_step` rows of x per decode step (lanes x verify
     block) re-lays out its `bits`-bit layer products (Q4/Q5) in fragment order: under auto, for several rows,
     and for Q5 even at one row (its one-row product beats the dp4a GEMV there: MLP down 23.7 against 24.6 µs,
-    GDN out 11.0 against 11.4; Q4's does not: gate_up 30.3 against 28.2)."""
+    GDN out 11.0 against 11.4; Q4's does not: gate_up 30.3 against 28.2); with NINFER_FRAGMENT_INT8=on, Q4 too
+    (the int8 fragment kernel is meant for one row as well)."""
     if FRAG_MODE not in FRAG_MODES:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
-    return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and (rows_per_step > 1 or bits == 5))
+    return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and (rows_per_step > 1 or bits == 5
+                                                              or fragment_order(bits) == "bytes"))
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
@@ -174,7 +177,8 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
                   FRAGMENT: tl.constexpr = False):
     """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
     ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats; FRAGMENT (Q4/Q5): 1 planes in
-    fragment order, 2 in fragment order with code words and high bytes in pair order (qgemm_fragment_layout)."""
+    fragment order, 2 in fragment order with code words and high bytes in pair order, 3 in byte order (lane-order
+    codes, Q5 high bits as the int8 kernel reads them) (qgemm_fragment_layout)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
     if FRAGMENT == 2:  # lane 2i of a word in nibble i, lane 2i + 1 in nibble i + 4
         half_word = half % 4
@@ -199,15 +203,28 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
             high_at = _fragment_offsets(rows, hidx, 2, 8, GPR)
         else:
             high_at = rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :]
-        hb = tl.load(high_ptr + high_at, mask=row_ok[:, None], other=0).to(tl.int32)
-        if FRAGMENT == 2:
-            sh_even = tl.arange(0, 4)
-            sh_odd = 4 + tl.arange(0, 4)
+        if FRAGMENT == 3:  # the (thread, group) word holding the bits; lane 2i + p of (row half, word) at bit
+            # 8i + 4 half + 2 word + p (qgemm_fragment_layout.high_to_byte_order)
+            half_row = ((rows % 16) // 8)[:, None]
+            word = (hidx % 2)[None, :]
+            hw = tl.load((high_ptr + high_at - 2 * half_row - word).to(tl.pointer_type(tl.int32)),
+                         mask=row_ok[:, None], other=0)
+            at = 4 * half_row + 2 * word
+            sh = 8 * tl.arange(0, 4)
+            lo = lo | tl.reshape(((hw[:, :, None] >> (sh[None, None, :] + at[:, :, None])) & 1) << 4,
+                                 (BLOCK_N, BLOCK_K // 2))
+            hi = hi | tl.reshape(((hw[:, :, None] >> (sh[None, None, :] + at[:, :, None] + 1)) & 1) << 4,
+                                 (BLOCK_N, BLOCK_K // 2))
         else:
-            sh_even = 2 * tl.arange(0, 4)
-            sh_odd = sh_even + 1
-        lo = lo | tl.reshape(((hb[:, :, None] >> sh_even[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
-        hi = hi | tl.reshape(((hb[:, :, None] >> sh_odd[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+            hb = tl.load(high_ptr + high_at, mask=row_ok[:, None], other=0).to(tl.int32)
+            if FRAGMENT == 2:
+                sh_even = tl.arange(0, 4)
+                sh_odd = 4 + tl.arange(0, 4)
+            else:
+                sh_even = 2 * tl.arange(0, 4)
+                sh_odd = sh_even + 1
+            lo = lo | tl.reshape(((hb[:, :, None] >> sh_even[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
+            hi = hi | tl.reshape(((hb[:, :, None] >> sh_odd[None, None, :]) & 1) << 4, (BLOCK_N, BLOCK_K // 2))
     if BITS == 6:  # one high byte per 4 lanes: even lanes bits 0-1, 4-5; odd lanes 2-3, 6-7
         hidx = k0 // 4 + tl.arange(0, BLOCK_K // 4)
         hb = tl.load(high_ptr + rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :], mask=row_ok[:, None], other=0).to(tl.int32)
@@ -273,7 +290,7 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
     """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT 1 / 2: Q4/Q5 planes in fragment
-    order, lane or pair order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+    order: 1 lane order, 2 pair order, 3 byte order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
     pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
@@ -305,6 +322,9 @@ if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scr
 GEMV_MAX_T = 16
 
 
+FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAGMENT for each fragment order
+
+
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows [row0, row0 + n) dense (the prefill GEMM's scratch); planes in fragment order are read in place."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
@@ -314,7 +334,7 @@ def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) ->
     _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
         base, high if high is not None else base, scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad,
         BITS=w.fmt.bits, GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n,
-        BLOCK_K=block_k, FRAGMENT=0 if w.fragment is None else 1 + w.fragment.pairs, **LAUNCH)
+        BLOCK_K=block_k, FRAGMENT=0 if w.fragment is None else FRAGMENT_ORDERS[w.fragment.order], **LAUNCH)
     return dense
 
 
@@ -498,7 +518,9 @@ def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     write them: QuantizedX)."""
     if GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or t > GEMV_MAX_T or torch_path(w.base):
         return False
-    if w.fragment is not None or uses_frag(w, t):  # the fragment kernels read x itself, in bf16
+    if w.fragment is not None:  # the int8 fragment kernel reads dp4a words; the bf16 one x itself
+        return w.fragment.order == "bytes"
+    if uses_frag(w, t):
         return False
     return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
 
@@ -521,9 +543,11 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         return _gemm(x, w, y)
     if xq is not None and not takes_quantized_x(w, t):
         xq = None  # this path multiplies x itself
-    if w.fragment is not None:  # planes in fragment order: only the fragment-order kernel reads them (PTX: no
-        if interpreted():  # interpreter path; its PTX is emulated in tests/test_frag_kernel.py)
+    if w.fragment is not None:  # planes in fragment order: only the fragment-order kernels read them (PTX: no
+        if interpreted():  # interpreter path; their PTX is emulated in tests/test_frag_kernel.py)
             return y.copy_((x.float() @ w.dense().t()).to(y.dtype))
+        if w.fragment.order == "bytes":
+            return qgemm_fragment_int8(x, w, y, xq, defer_sum=defer_sum)
         return qgemm_fragment_layout(x, w.fragment, y, defer_sum=defer_sum)
     if x.dtype == torch.bfloat16 and uses_frag(w, t):
         return qgemm_rows_frag(x, w, y, defer_sum=defer_sum)
