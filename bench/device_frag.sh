@@ -114,16 +114,14 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
   echo "t=$(el)"
   one() {  # label, env...: 27B one lane, bf16 KV, 8K
     local label=$1; shift
-    env "$@" timeout 60 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
       --json-out "$OUT/s26-$label.json" 2>&1 | grep "│ bf16"
     echo "$label t=$(el)"
   }
   one swiglu-epilogue NINFER_SWIGLU_EPILOGUE=1
   one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
   one int8-q5 NINFER_FRAGMENT_INT8=q5
-  one int8-on NINFER_FRAGMENT_INT8=on
-  one layout-pairs NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=1
-  one layout-lanes NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_PAIRS=0
+  one int8-on NINFER_FRAGMENT_INT8=on  # (pair vs lane order per product: s26-kernels)
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
