@@ -123,6 +123,22 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
   one int8-q5 NINFER_FRAGMENT_INT8=q5
   one int8-on NINFER_FRAGMENT_INT8=on  # (pair vs lane order per product: s26-kernels)
   ;;
+s26-ab)  # the two new defaults side by side in one warm call: one lane default / lane order / SwiGLU launch; the
+  # int8 kernel's GPU tests; per product (~500 s)
+  timeout 90 python -m pytest -q -n 4 --tb=line tests/test_frag_kernel.py -k int8 2>&1 | tail -3
+  one() {
+    local label=$1; shift
+    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/ab-$label.json" 2>&1 | grep "│ bf16"
+    echo "$label t=$(el)"
+  }
+  one default NINFER_SWIGLU_EPILOGUE=1
+  one lane-order NINFER_FRAGMENT_PAIRS=0
+  one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
+  one default-again NINFER_SWIGLU_EPILOGUE=1
+  timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1500
+  echo "t=$(el)"
+  ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
   echo "t=$(el)"

@@ -206,4 +206,4 @@ def fragment_int8_reference(x: torch.Tensor, w) -> torch.Tensor:
     group) times both scales, summed over groups in float64. [T, N] float32."""
     from .qgemv_int8 import qgemv_int8_reference
 
-    return qgemv_int8_reference(x, w).float()
+    return qgemv_int8_reference(x.float(), w).float()  # (in x's dtype it would come back rounded to bf16)
