@@ -139,6 +139,25 @@ s26-ab)  # the two new defaults side by side in one warm call: one lane default 
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1500
   echo "t=$(el)"
   ;;
+s26-engine)  # one warm call: the fragment attention off vs on at 200K (rk4v4-e8), then one lane at 8K (bf16) with
+  # Q4 on the dp4a GEMV (auto) or in fragment order (layout), Q5 on the bf16 or the int8 fragment kernel (~450 s)
+  for mode in off on; do
+    NINFER_ATTENTION_FRAG=$mode timeout 120 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
+      --decode-tokens 64 --json-out "$OUT/attn-$mode.json" 2>&1 | grep "│ rk4v4"
+    echo "attention $mode t=$(el)"
+  done
+  one() {
+    local label=$1; shift
+    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/eng-$label.json" 2>&1 | grep "│ bf16"
+    echo "$label t=$(el)"
+  }
+  one auto NINFER_GEMV_FRAG=auto
+  one layout NINFER_GEMV_FRAG=layout
+  one auto-int8q5 NINFER_GEMV_FRAG=auto NINFER_FRAGMENT_INT8=q5
+  one layout-int8q5 NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_INT8=q5
+  one auto-again NINFER_GEMV_FRAG=auto
+  ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
   echo "t=$(el)"
