@@ -394,7 +394,8 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     hkv = next(iter(pool.values())).shape[2]
     from .paged_attention_frag import FRAG_ATTENTION, frag_attention_supported, paged_attention_frag
 
-    if FRAG_ATTENTION["mode"] == "on" and frag_attention_supported(codec, d, t * (hq // hkv)):
+    fragment = FRAG_ATTENTION["mode"] == "on" or (FRAG_ATTENTION["mode"] == "auto" and not interpreted())
+    if fragment and frag_attention_supported(codec, d, t * (hq // hkv)):
         return paged_attention_frag(q, pool, codec, block_table, ctx_len, scale, out, gate=gate)
     k0, k1 = pool["k_" + _plane_names(codec.key)[0]], pool["k_" + _plane_names(codec.key)[-1]]
     v0, v1 = pool["v_" + _plane_names(codec.value)[0]], pool["v_" + _plane_names(codec.value)[-1]]

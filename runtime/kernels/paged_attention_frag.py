@@ -56,11 +56,14 @@ MAX_ROWS = 64  # query rows per (lane, kv head): 8 column tiles (DFlash2's 8-row
 TILE = 64  # keys per softmax step: one page, 4 mma k-steps of 16
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
-MODES = ("off", "on")
+# auto: on a GPU for the codecs and shapes it takes (H100, 27B at 200K: rk4v4-e8 92.8 -> 112.0 tok/s, int8 81.7 ->
+# 112.6, rk2v4-e8 69.6 -> 103.3, side by side; bench/RESULTS.md §1); on: also under the interpreter (tests, with
+# its PTX emulated); off: the tl.dot kernel
+MODES = ("auto", "on", "off")
 # Warps per program (consecutive warps: the column tiles and kv heads of one split, so a program reads whole token
 # rows), the warps aimed at over the grid (~8 per SM are resident at ~250 registers) and the code loads' cache hint
 FRAG_ATTENTION = tuning_from_env("NINFER_ATTENTION_FRAG_TILE", ("warps", "splits", "hint"),  # side-by-side runs
-                                 {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "off"), "warps": 4, "splits": 1024,
+                                 {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "auto"), "warps": 4, "splits": 1024,
                                   "hint": 2})
 if FRAG_ATTENTION["mode"] not in MODES:
     raise SystemExit(f"ninfer: NINFER_ATTENTION_FRAG={FRAG_ATTENTION['mode']!r} is not one of {', '.join(MODES)}")
