@@ -916,12 +916,13 @@ def test_rmsnorm_combines_a_moe_blocks_expert_outputs(t, gated):
     assert torch.equal(got, want) and torch.equal(got_res, want_res) and torch.equal(xq_a.words, xq_b.words)
 
 
-@pytest.mark.parametrize("t,deferred", [(1, True), (3, False)])
+@pytest.mark.parametrize("t,deferred", [(1, 4), (1, 6), (3, 0)])
 def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, deferred):
     """Decode rows spread over several programs (each summing the whole row's squares, normalizing and
     quantizing its own chunk, writing a new residual) == one program per row: the residual sum and the
     next product's words exactly (against the words of its own stored output), the normed rows within
-    a rounding step (the sum of squares is taken in another order); the input residual is not written."""
+    a rounding step (the sum of squares is taken in another order); the input residual is not written. A row
+    of 6 K-split partials (what the Q5 products in fragment order hand over) is spread too."""
     import runtime.kernels.rmsnorm as rn
     from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials, quantize_x
 
@@ -930,7 +931,7 @@ def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, d
     assert nxt.k_pad > h
     norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
     if deferred:  # a K-split product's float32 partials
-        y_in = SplitPartials(torch.randn(4, t, h, device=DEVICE), torch.empty(t, h, device=DEVICE, dtype=DTYPE))
+        y_in = SplitPartials(torch.randn(deferred, t, h, device=DEVICE), torch.empty(t, h, device=DEVICE, dtype=DTYPE))
     else:
         y_in = torch.randn(t, h, device=DEVICE).to(DTYPE)
     residual = torch.randn(t, h, device=DEVICE).to(DTYPE)

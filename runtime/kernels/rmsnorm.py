@@ -11,6 +11,8 @@ the residual in place (another program may still be reading it), so they write a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +26,10 @@ from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantiz
 # each spread program re-reading all 8 partials of its whole row) cost ~2.7 ms per round on the H200 (run 26,
 # call 4: 218 vs 264 tok/s with spreading only for one row; 4 rows x 4 partials timed alone were faster)
 SPREAD_MAX_ROWS = 1
-SPREAD_MAX_SPLITS = 4  # the T = 1 products hand over at most 4 K-split partials (the measured case)
+# the T = 1 products hand over up to 6 K-split partials (the dp4a GEMV 4, the Q5 products in fragment order 6: with 4
+# as the limit, every norm after those ran as one program per row, 4.9 us each on the H100, session 26's profile)
+# side-by-side runs: NINFER_RMSNORM_SPREAD_SPLITS=4 (the limit before)
+SPREAD_MAX_SPLITS = int(os.environ.get("NINFER_RMSNORM_SPREAD_SPLITS", "8"))
 # lanes each spread program normalizes, stores and quantizes; H200 at 5,120 lanes with 4 partials (run 26):
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
