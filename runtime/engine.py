@@ -27,7 +27,7 @@ from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_availabl
 from .kernels.gdn_fused import PROJECT_MAX_ROWS, gdn_fused
 from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
-from .kernels.kv_append import kv_append
+from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
@@ -407,9 +407,7 @@ class Engine:
         (the integer ones and e8cube), the torch encoder for the others."""
         codec = self.codec
         if codec.key in KV_APPEND_KINDS and codec.value in KV_APPEND_KINDS:
-            for side, kind, x, rotate in (("k", codec.key, k, codec.rotate_keys), ("v", codec.value, v, codec.rotate_values)):
-                x = rotate64(x, torch.float32) if rotate else x
-                kv_append(x, kind, self._planes(pool, side), page, slot)
+            append_keys_values(k, v, codec, self._planes(pool, "k"), self._planes(pool, "v"), page, slot)
             return
         page, slot = page.long(), slot.long()
         for name, val in codec.encode(k.float(), v.float()).items():

@@ -8,6 +8,8 @@ where the projection left it.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import triton
 import triton.language as tl
@@ -68,8 +70,8 @@ class AttentionGate:
         self.words_missing = xq is not None and not self.fused
 
     def part(self, row0: int) -> "AttentionGate":
-        other = object.__new__(AttentionGate)
-        other.__dict__.update(self.__dict__)
+        """The gate of the rows from row0 on (the decode rows riding after a prefill chunk's): the same buffers."""
+        other = copy.copy(self)
         other.row0, other.parent = row0, self
         return other
 

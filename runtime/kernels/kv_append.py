@@ -185,3 +185,14 @@ def kv_append_reference(x: torch.Tensor, kind: str, planes: list[torch.Tensor], 
 
     for plane, value in zip(planes, encode_sub_codec(kind, x.float()).values()):
         plane[page.long(), slot.long()] = value.view(plane.dtype) if value.dtype != plane.dtype else value
+
+
+def append_keys_values(k: torch.Tensor, v: torch.Tensor, codec, k_planes: list[torch.Tensor],
+                       v_planes: list[torch.Tensor], page: torch.Tensor, slot: torch.Tensor) -> None:
+    """K and V [n, HKV, D] into their planes at (page, slot), each side H64-rotated first (float32) where the codec
+    stores it rotated: a launch per rotation and side (attention_inputs folds them into its own)."""
+    from .hadamard import rotate64
+
+    for x, kind, rotate, planes in ((k, codec.key, codec.rotate_keys, k_planes),
+                                    (v, codec.value, codec.rotate_values, v_planes)):
+        kv_append(rotate64(x, torch.float32) if rotate else x, kind, planes, page, slot)

@@ -20,7 +20,7 @@ from runtime.kv.hadamard import hadamard_on_device
 
 from . import torch_path
 from .hadamard import rotate64, rotate_group64
-from .kv_append import KIND_IDS, append_vector, kv_append
+from .kv_append import KIND_IDS, append_keys_values, append_vector
 from .launch import LAUNCH, pdl_wait
 
 
@@ -165,9 +165,7 @@ def attention_inputs(qgkv: torch.Tensor, heads: int, kv_heads: int, head_dim: in
         q, k = qk_norm_rope(qgkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, rotary_dim, theta)
         start = heads * 2 * head_dim + kv_heads * head_dim
         v = qgkv[:, start : start + kv_heads * head_dim].reshape(n, kv_heads, head_dim)
-        for x, kind, rotate, planes in ((k, codec.key, codec.rotate_keys, k_planes),
-                                        (v, codec.value, codec.rotate_values, v_planes)):
-            kv_append(rotate64(x, torch.float32) if rotate else x, kind, planes, page, slot)
+        append_keys_values(k, v, codec, k_planes, v_planes, page, slot)
         return rotate64(q) if codec.rotate_keys else q
     if qgkv.stride(-1) != 1 or head_dim & (head_dim - 1) or rotary_dim % 2 or rotary_dim > head_dim or head_dim % 64:
         raise ValueError(f"attention_inputs: head size {head_dim} / rotary {rotary_dim} / layout not supported")
