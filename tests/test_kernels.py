@@ -777,7 +777,8 @@ def test_attention_gate(rotate, n):
 # (the fragment kernels' _thread_ids reads %tid.x, _weight_addresses / _chunk_addresses are arithmetic,
 # _load_group / _load_chunk load weights)
 _BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "tl.zeros", "tl.minimum", "_weight_tile", "_thread_ids",
-                "_weight_addresses", "_load_group", "_chunk_addresses", "_load_chunk"}
+                "_weight_addresses", "_load_group", "_chunk_addresses", "_load_chunk",
+                "_program_start"}  # (ids, addresses and weight chunks only)
 
 
 def _call_name(node) -> str:

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_wait
-from .qgemm_fragment_layout import (CHUNK, FRAGMENT_TUNING, _chunk_addresses, _chunk_load_asm, _load_chunk,
-                                    fragment_shape)
-from .qgemm_rows_frag import HINTS, SplitPartials, _store_rows, _thread_ids, finish_splits, split_partials
+from .qgemm_fragment_layout import (CHUNK, FRAGMENT_TUNING, _chunk_load_asm, _load_chunk, _program_start,
+                                    _store_program, fragment_shape)
+from .qgemm_rows_frag import HINTS, SplitPartials, finish_splits, split_partials
 from .qgemv_int8 import QuantizedX, quantize_x
 
 _MMA = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"
@@ -134,18 +134,10 @@ def _qgemm_fragment_int8_kernel(xq_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr
                                 LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     """qgemm_fragment_layout's program shape (BW 16-row blocks, a K-split shared by KS warps per block, summed in
     the program) over x's dp4a words (xq_ptr: bytes, ROW_BYTES per row of x; group scales at SCALES_AT)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    zero = tl.zeros([32 * BW * KS], tl.int32)
-    tid = _thread_ids(zero)
-    ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
-                                                CHUNKS_PER_SPLIT, G, BW, KS)
-    c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)  # weights: fetched before x's writer is done
-    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
+    pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
+        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM)
     pdl_wait()
-    lane = tid % 32
-    g = lane // 4
-    c = lane % 4
+    g, c = lane // 4, lane % 4
     xq = xq_ptr.to(tl.pointer_type(tl.int8))
     xw0 = (_x_row(xq, g, T, ROW_BYTES) + c * 8).to(tl.int64, bitcast=True)
     xw1 = (_x_row(xq, g + 8, T, ROW_BYTES) + c * 8).to(tl.int64, bitcast=True)
@@ -160,15 +152,7 @@ def _qgemm_fragment_int8_kernel(xq_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
         acc = _int8_chunk(acc, c1, xw0, xw1, xs0, xs1, xs2, xs3, tl.minimum(first + ci + 1, G // 4 - 1), COMPUTE_ASM)
         c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
-    if KS > 1:  # the K shares of a block, summed in the program (Triton reduces across warps)
-        a0, a1, a2, a3, a4, a5, a6, a7 = acc
-        acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
-    first_warps = tl.arange(0, 32 * BW)
-    row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
-    _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
+    _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
 
 
 def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | None = None, warps: int | None = None,

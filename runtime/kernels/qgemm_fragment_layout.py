@@ -329,6 +329,38 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 
 @triton.jit
+def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr, BW: tl.constexpr,
+                   KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
+    """A fragment-order program's ids, zeros of its shape, each thread's lane, its chunk addresses
+    (_chunk_addresses) and first two chunks: weights are never written during inference, so they are fetched
+    before waiting on x's writer."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    zero = tl.zeros([32 * BW * KS], tl.int32)
+    tid = _thread_ids(zero)
+    ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
+                                                CHUNKS_PER_SPLIT, G, BW, KS)
+    c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
+    return pid, split, zero, tid % 32, ca, sa, ha, first, count, c0, c1
+
+
+@triton.jit
+def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr):
+    """A program's accumulators stored (_store_rows): the KS warps sharing each block's K summed first (Triton
+    reduces across warps), then the block's rows from the first warp of each."""
+    if KS > 1:
+        a0, a1, a2, a3, a4, a5, a6, a7 = acc
+        acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
+               tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
+    first_warps = tl.arange(0, 32 * BW)
+    row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
+    _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
+
+
+@triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
                                   G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
                                   BITS: tl.constexpr, X_FRAGMENT: tl.constexpr, LOAD_ASM: tl.constexpr,
@@ -337,19 +369,10 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
     split's float32 partials."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    zero = tl.zeros([32 * BW * KS], tl.int32)
-    tid = _thread_ids(zero)
-    ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
-                                                CHUNKS_PER_SPLIT, G, BW, KS)
-    # weights are never written during inference: the first chunks are fetched before waiting on x's writer
-    c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
-    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
+    pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
+        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM)
     pdl_wait()
-    lane = tid % 32
-    g = lane // 4
-    c = lane % 4
+    g, c = lane // 4, lane % 4
     if X_FRAGMENT:  # x in fragment order (fragment_order_x): per group and column tile, 2 x 32 lanes x 16 bytes
         x_group: tl.constexpr = NT * 1024
         xa0 = (x_ptr + lane * 8).to(tl.int64, bitcast=True)
@@ -365,15 +388,7 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
         c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
         acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), x_group, COMPUTE_ASM)
         c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
-    if KS > 1:  # the K shares of a block, summed in the program (Triton reduces across warps)
-        a0, a1, a2, a3, a4, a5, a6, a7 = acc
-        acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
-    first_warps = tl.arange(0, 32 * BW)
-    row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
-    _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
+    _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
 
 
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xorder 1 puts
