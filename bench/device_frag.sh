@@ -10,6 +10,7 @@
 #                        bash bench/device_frag.sh s26       # session 26: SwiGLU in the gate/up launch, int8 fragment
 #                                                            # kernel, pair order (one lane, side by side)
 #                        bash bench/device_frag.sh s26-kernels  # per product incl. the int8 kernel; lanes int8 on/off
+#                        bash bench/device_frag.sh next      # session 27 first: RMSNorm spread, profile, MoE ties
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -157,6 +158,28 @@ s26-engine)  # one warm call: the fragment attention off vs on at 200K (rk4v4-e8
   one auto-int8q5 NINFER_GEMV_FRAG=auto NINFER_FRAGMENT_INT8=q5
   one layout-int8q5 NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_INT8=q5
   one auto-again NINFER_GEMV_FRAG=auto
+  ;;
+next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side and the step's profile, the MoE
+  # fused path's routing against the separate one (near tie or bug), 35B-A3B fused vs separate
+  one() {
+    local label=$1; shift
+    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
+      --json-out "$OUT/next-$label.json" 2>&1 | grep "│ bf16"
+    echo "$label t=$(el)"
+  }
+  one spread8-warmup NINFER_RMSNORM_SPREAD_SPLITS=8
+  one spread4 NINFER_RMSNORM_SPREAD_SPLITS=4
+  one spread8 NINFER_RMSNORM_SPREAD_SPLITS=8
+  timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/next-profile.json" decode bf16 2>&1 | grep -A8 "kernel time"
+  echo "t=$(el)"
+  timeout 120 python bench/moe_decode_check.py --ties 2>&1 | tail -12
+  echo "t=$(el)"
+  M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
+  for mode in fused separate; do
+    NINFER_MOE_DECODE=$mode timeout 80 $M --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/next-moe-$mode.json" 2>&1 | grep "│ bf16"
+    echo "moe $mode t=$(el)"
+  done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
