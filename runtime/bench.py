@@ -135,6 +135,7 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
         log(f"[{kv}] engine ready in {load_s:.1f} s; plan {engine.plan.total_bytes / 2**30:.2f} GiB; "
             f"prefill chunk {engine.opts.prefill_chunk}; {engine.fragment_order_products} products in fragment order")
         results["fragment_order_products"] = engine.fragment_order_products  # which product layout ran
+        results["kernel_switches"] = kernel_switches()
         # compile the prefill kernels (a full chunk and a short tail) outside the timing
         warm = torch.randint(0, engine.cfg.vocab_size, (min(engine.opts.prefill_chunk + 7, max_context - 1),),
                              generator=gen).tolist()
@@ -223,6 +224,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
                         random_weights_seed=random_weights_seed)
         engine.mem.buffers["kv_pool"].zero_()
         results["fragment_order_products"] = engine.fragment_order_products  # which product layout ran
+        results["kernel_switches"] = kernel_switches()
         shared, per_lane = _weight_and_lane_bytes(engine, depth)
         base_step = None
         for n in sorted(lanes):
@@ -379,6 +381,21 @@ def plot_lanes(results: dict, out_png) -> bool:
     return _plot(results, out_png, "lanes", "aggregate_tok_s", "ideal_aggregate_tok_s",
                  ("aggregate", "one weight read per step"), "lanes decoding at once", "tokens / s (all lanes)",
                  f", {results['depth']} tokens per lane", False)
+
+
+def kernel_switches() -> dict:
+    """The side-by-side kernel switches in effect (NINFER_*), recorded with every bench result so a JSON file says
+    which paths produced its numbers."""
+    from . import engine as engine_module
+    from .kernels import qgemm_fragment_layout as fl
+    from .kernels import qlinear as ql
+    from .kernels import rmsnorm as rn
+    from .kernels.paged_attention_frag import FRAG_ATTENTION
+
+    return {"gemv_frag": ql.FRAG_MODE, "fragment_pairs": fl.PAIR_ORDER, "fragment_int8": fl.FRAGMENT_INT8,
+            "swiglu_epilogue": ql.SWIGLU_EPILOGUE, "attention_frag": FRAG_ATTENTION["mode"],
+            "rmsnorm_spread_splits": rn.SPREAD_MAX_SPLITS, "moe_decode": engine_module.MOE_DECODE,
+            "attention_launches": engine_module.ATTENTION_LAUNCHES}
 
 
 def graph_us(fn, reps: int = 20) -> float:

@@ -186,3 +186,22 @@ def test_kernel_bench_lists_each_product_geometry_once(tmp_path, capsys):
     if not torch.cuda.is_available():
         r = runner.invoke(app, ["bench", "--random-weights", "qwen3.6-27b", "--kernels", "1,2"])
         assert r.exit_code == 1 and "needs a CUDA GPU" in r.output
+
+
+def test_bench_results_record_the_kernel_switches_in_effect(monkeypatch):
+    """Every bench JSON says which kernel paths produced it (the NINFER_* side-by-side switches as the runtime read
+    them), so numbers from two runs can be told apart."""
+    from runtime import bench
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels import qlinear as ql
+    from runtime.kernels.paged_attention_frag import FRAG_ATTENTION
+
+    monkeypatch.setattr(ql, "SWIGLU_EPILOGUE", True)
+    monkeypatch.setattr(fl, "FRAGMENT_INT8", "off")
+    monkeypatch.setitem(FRAG_ATTENTION, "mode", "auto")
+    default = bench.kernel_switches()
+    monkeypatch.setattr(ql, "SWIGLU_EPILOGUE", False)
+    monkeypatch.setattr(fl, "FRAGMENT_INT8", "q5")
+    monkeypatch.setitem(FRAG_ATTENTION, "mode", "off")
+    changed = bench.kernel_switches()
+    assert {k for k in default if default[k] != changed[k]} == {"swiglu_epilogue", "fragment_int8", "attention_frag"}
