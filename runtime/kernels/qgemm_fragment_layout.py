@@ -23,6 +23,7 @@ zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -118,19 +119,22 @@ def codes_from_pair_order(codes: torch.Tensor) -> torch.Tensor:
 _PAIR_BITS = (0, 2, 4, 6, 1, 3, 5, 7)  # bit i of a pair-order high byte is lane _PAIR_BITS[i]'s
 
 
-def _bit_table(inverse: bool) -> torch.Tensor:
-    table = torch.zeros(256, dtype=torch.uint8)
-    for byte in range(256):
-        for i, lane in enumerate(_PAIR_BITS):
-            src, dst = (i, lane) if inverse else (lane, i)
-            table[byte] |= ((byte >> src) & 1) << dst
-    return table
+@functools.lru_cache(maxsize=None)
+def _bit_table(inverse: bool, device: str) -> torch.Tensor:
+    """The 256-byte table of the pair-order bit permutation (or its inverse), once per device: the load-time
+    re-layout asks for it per 1,024-row step of every Q5 product."""
+    byte = torch.arange(256)
+    table = torch.zeros(256, dtype=torch.long)
+    for i, lane in enumerate(_PAIR_BITS):
+        src, dst = (i, lane) if inverse else (lane, i)
+        table |= ((byte >> src) & 1) << dst
+    return table.to(torch.uint8).to(device)
 
 
 def high_to_pair_order(high: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """uint8 Q5 high bytes (lane l of 8 at bit l) -> pair order (bits 0-3 lanes 0, 2, 4, 6; 4-7 lanes 1, 3, 5, 7),
     or back."""
-    return _bit_table(inverse).to(high.device)[high.long()]
+    return _bit_table(inverse, str(high.device))[high.long()]
 
 
 def _byte_order_bits() -> list[tuple[int, int]]:

@@ -11,13 +11,11 @@ the residual in place (another program may still be reading it), so they write a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from . import torch_path
+from . import torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import ExpertPartials
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
@@ -29,7 +27,7 @@ SPREAD_MAX_ROWS = 1
 # the T = 1 products hand over up to 6 K-split partials (the dp4a GEMV 4, the Q5 products in fragment order 6: with 4
 # as the limit, every norm after those ran as one program per row, 4.9 us each on the H100, session 26's profile)
 # side-by-side runs: NINFER_RMSNORM_SPREAD_SPLITS=4 (the limit before)
-SPREAD_MAX_SPLITS = int(os.environ.get("NINFER_RMSNORM_SPREAD_SPLITS", "8"))
+SPREAD_MAX_SPLITS = tuning_from_env("NINFER_RMSNORM_SPREAD_SPLITS", ("splits",), {"splits": 8})["splits"]
 # lanes each spread program normalizes, stores and quantizes; H200 at 5,120 lanes with 4 partials (run 26):
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
