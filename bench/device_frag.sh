@@ -29,6 +29,13 @@ lanes() {  # mode kv (mode: rows, auto, layout-k1, or auto-lanes: fragment order
     --json-out "$OUT/lanes-$1-$2.json" 2>&1 | grep "│ $2"
   echo "$1 $2 t=$(el)"
 }
+one() {  # label, env...: 27B one lane, bf16 KV, 8K, DECODE tokens (64), results in $OUT/$SECTION-label.json
+  local label=$1; shift
+  env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens "${DECODE:-64}" \
+    --json-out "$OUT/$SECTION-$label.json" 2>&1 | grep "│ bf16"
+  echo "$label t=$(el)"
+}
+SECTION=${1:-kernels}
 case "${1:-kernels}" in
 first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routing and combine folded in, attention
   # launches fused: default), session 24's (warps sharing K, MoE fusions: default): correctness first, then each
@@ -113,12 +120,6 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
     -k "frag or fragment or swiglu or qgemv or every_launch or int8" > "$OUT/s26-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/s26-tests.log" | head -30
   echo "t=$(el)"
-  one() {  # label, env...: 27B one lane, bf16 KV, 8K
-    local label=$1; shift
-    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/s26-$label.json" 2>&1 | grep "│ bf16"
-    echo "$label t=$(el)"
-  }
   one swiglu-epilogue NINFER_SWIGLU_EPILOGUE=1
   one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
   one int8-q5 NINFER_FRAGMENT_INT8=q5
@@ -127,12 +128,6 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
 s26-ab)  # the two new defaults side by side in one warm call: one lane default / lane order / SwiGLU launch; the
   # int8 kernel's GPU tests; per product (~500 s)
   timeout 90 python -m pytest -q -n 4 --tb=line tests/test_frag_kernel.py -k int8 2>&1 | tail -3
-  one() {
-    local label=$1; shift
-    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/ab-$label.json" 2>&1 | grep "│ bf16"
-    echo "$label t=$(el)"
-  }
   one default NINFER_SWIGLU_EPILOGUE=1
   one lane-order NINFER_FRAGMENT_PAIRS=0
   one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
@@ -147,12 +142,6 @@ s26-engine)  # one warm call: the fragment attention off vs on at 200K (rk4v4-e8
       --decode-tokens 64 --json-out "$OUT/attn-$mode.json" 2>&1 | grep "│ rk4v4"
     echo "attention $mode t=$(el)"
   done
-  one() {
-    local label=$1; shift
-    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/eng-$label.json" 2>&1 | grep "│ bf16"
-    echo "$label t=$(el)"
-  }
   one auto NINFER_GEMV_FRAG=auto
   one layout NINFER_GEMV_FRAG=layout
   one auto-int8q5 NINFER_GEMV_FRAG=auto NINFER_FRAGMENT_INT8=q5
@@ -161,12 +150,7 @@ s26-engine)  # one warm call: the fragment attention off vs on at 200K (rk4v4-e8
   ;;
 next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side and the step's profile, the MoE
   # fused path's routing against the separate one (near tie or bug), 35B-A3B fused vs separate
-  one() {
-    local label=$1; shift
-    env "$@" timeout 90 $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
-      --json-out "$OUT/next-$label.json" 2>&1 | grep "│ bf16"
-    echo "$label t=$(el)"
-  }
+  DECODE=128
   one spread8-warmup NINFER_RMSNORM_SPREAD_SPLITS=8
   one spread4 NINFER_RMSNORM_SPREAD_SPLITS=4
   one spread8 NINFER_RMSNORM_SPREAD_SPLITS=8
