@@ -16,7 +16,13 @@ from ._common import err, friendly, human_bytes, out, prepare_device, printable
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run one Qwen3.5-family model on one GPU at its physical limit.")
 
+class WeightCache(str, Enum):
+    auto = "auto"
+    off = "off"
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of a table.")]
+WeightCacheOpt = Annotated[WeightCache, typer.Option(help="auto: keep dense copies of the layer weights in GPU memory the plan leaves spare (prefill, and decoding lanes riding a prefill chunk, skip dequantizing them; the context asked for always comes first); off: leave that memory free.")]
 VerifyWeightsOpt = Annotated[bool, typer.Option("--verify-weights", help="Recompute every object's sha256 before loading (v3; a progress bar on stderr).")]
 PrefillChunkOpt = Annotated[str, typer.Option(
     help="Prefill chunk in tokens (a multiple of 128), or auto: the largest of 8192/4096/2048/1024 whose "
@@ -316,6 +322,7 @@ def generate(
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec (triton runtime).")] = KvDtype.bf16,
     max_context: Annotated[int, typer.Option(help="Context the triton runtime plans memory for.")] = 4096,
     prefill_chunk: PrefillChunkOpt = "auto",
+    weight_cache: WeightCacheOpt = WeightCache.auto,
     temperature: Annotated[float, typer.Option(help="0 = greedy (triton runtime samples on the device).")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus mass to keep.")] = 1.0,
@@ -343,7 +350,8 @@ def generate(
         from runtime.memory_plan import PlanOptions, parse_prefill_chunk
 
         options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk),
-                              spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision)
+                              spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision,
+                              weight_cache=weight_cache.value)
         if temperature > 0:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     elif temperature > 0 or spec != Spec.none:
@@ -608,11 +616,17 @@ def _print_bench(r: dict) -> None:
         t.add_row(row["kv_dtype"], str(row["depth"]), row["context"], str(row.get("prefill_chunk", "-")),
                   f"{row['prefill_tok_s']:.0f}" if row["prefill_tok_s"] else "-", f"{row['decode_tok_s']:.1f}",
                   f"{row.get('roofline_tok_s', 0):.1f}", f"{row.get('of_roofline', 0):.2f}",
-                  f"{st['tokens_per_round']:.2f}" if st else "-", f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f}")
+                  f"{st['tokens_per_round']:.2f}" if st else "-",
+                  f"{(row.get('peak_allocated_bytes', 0) - row.get('weight_cache_bytes', 0)) / 2**30:.2f}")
+    cache = max((row.get("weight_cache_bytes", 0) for row in r["rows"]), default=0)
+    if cache:
+        t.caption = (f"peak without the {cache / 2**30:.1f} GiB of dense layer weights kept in memory the plan leaves "
+                     "spare (prefill skips their dequantization; --weight-cache off)")
     forced = r.get("options", {}).get("accepted_drafts")
     if forced is not None:  # random weights: the acceptance is set, not measured
-        t.caption = (f"drafts forced: {forced} accepted per round (--accepted-drafts); tok/s is the speed of "
-                     "the drafting and verification, not of a measured acceptance rate")
+        t.caption = (t.caption + "; " if t.caption else "") + (
+            f"drafts forced: {forced} accepted per round (--accepted-drafts); tok/s is the speed of the drafting "
+            "and verification, not of a measured acceptance rate")
     out.print(t)
 
 
@@ -630,6 +644,7 @@ def serve(
     pending_timeout_ms: Annotated[int, typer.Option(min=0, help="Queue wait before 503 (0 = forever).")] = 0,
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
     prefill_chunk: PrefillChunkOpt = "auto",
+    weight_cache: WeightCacheOpt = WeightCache.auto,
     prefill_chunk_shared: Annotated[int, typer.Option(min=0, help="Prefill chunk while other lanes decode: their next token waits for it, and their rows ride inside it (0 = the full chunk). Smaller: shorter waits, slower prefill (bench --lanes 1,4 --concurrent-prefill 32k compares).")] = 1024,
     kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
@@ -667,7 +682,7 @@ def serve(
     options = PlanOptions(max_context=8192 if auto else _tokens(max_context), max_concurrency=max_concurrency,
                           kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value,
                           draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision,
-                          shared_prefill_chunk=prefill_chunk_shared)
+                          shared_prefill_chunk=prefill_chunk_shared, weight_cache=weight_cache.value)
     if kv_capacity is None and auto and device.startswith("cuda"):
         kv_capacity = "auto"  # the longest context that fits, as `ninfer fit` computes it
     if kv_capacity is not None:

@@ -179,6 +179,7 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
                 row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - resident_before
                 row["resident_before_bytes"] = resident_before
             row["planned_bytes"] = engine.plan.total_bytes
+            row["weight_cache_bytes"] = engine.weight_cache_bytes  # part of the peak: dense copies in spare memory
             results["rows"].append(row)
             log(f"[{kv}] depth {depth}: " + (f"prefill {row['prefill_tok_s']:.0f} tok/s, " if row["prefill_tok_s"] else
                                            "synthetic context, ") + f"decode {row['decode_tok_s']:.1f} tok/s")
@@ -261,7 +262,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     return results
 
 
-SHARED_CHUNKS = (512, 1024, 2048)  # --prefill-chunk-shared values the concurrent-prefill mode compares
+SHARED_CHUNKS = (256, 512, 1024, 2048)  # --prefill-chunk-shared values the concurrent-prefill mode compares
 
 
 def _concurrent_prefill(engine, lanes: int, depth: int, prompt_len: int, gen, kv: str, log) -> list[dict]:
@@ -395,7 +396,7 @@ def kernel_switches() -> dict:
     return {"gemv_frag": ql.FRAG_MODE, "fragment_pairs": fl.PAIR_ORDER, "fragment_int8": fl.FRAGMENT_INT8,
             "swiglu_epilogue": ql.SWIGLU_EPILOGUE, "attention_frag": FRAG_ATTENTION["mode"],
             "rmsnorm_spread_splits": rn.SPREAD_MAX_SPLITS, "moe_decode": engine_module.MOE_DECODE,
-            "attention_launches": engine_module.ATTENTION_LAUNCHES}
+            "attention_launches": engine_module.ATTENTION_LAUNCHES, "weight_cache": engine_module.WEIGHT_CACHE}
 
 
 def graph_us(fn, reps: int = 20) -> float:

@@ -32,8 +32,8 @@ from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
-from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, qlinear, qlinear_swiglu,
-                             takes_quantized_x)
+from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
+                             qlinear_swiglu, takes_quantized_x)
 from .kernels.rmsnorm import rmsnorm
 from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
@@ -49,6 +49,15 @@ from .reference_ops import apply_partial_rope, rope_cos_sin
 # tok/s (session 27). Its engine test's 0.18 on the H200 (session 25) was a routing near tie of the tiny model (top-k
 # gap 0.008 at that step), which the test now leaves out (tests/test_engine.py ROUTING_NEAR_TIE)
 MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
+# dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
+# NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
+WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
+
+
+def weight_cache_reserve(card_bytes: int) -> int:
+    """Memory the dense weight copies leave free beyond the plan: the allocator's fragmentation, kernels'
+    modules and the odd temporary (2 GiB or 5 % of the card)."""
+    return max(2 << 30, card_bytes // 20)
 # the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
 # in the combine) or "separate" (a launch each, for side-by-side runs)
 ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
@@ -187,6 +196,9 @@ class Engine:
         if ATTENTION_LAUNCHES not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_ATTENTION_LAUNCHES={ATTENTION_LAUNCHES!r} is not an attention path; use "
                                   "fused or separate (or unset it)")
+        if WEIGHT_CACHE not in ("auto", "off"):
+            raise MemoryPlanError(f"NINFER_WEIGHT_CACHE={WEIGHT_CACHE!r} is not a weight-cache mode; use auto or off "
+                                  "(or unset it)")
         if MOE_DECODE not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_MOE_DECODE={MOE_DECODE!r} is not a MoE decode path; use fused or separate "
                                   "(or unset it)")
@@ -204,6 +216,22 @@ class Engine:
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
         self._ride_pool = None  # memory pool of the prefill-with-riders graphs
+        self.weight_cache_bytes = 0
+        if on_gpu and opts.weight_cache == "auto" and WEIGHT_CACHE != "off":
+            self._keep_dense_weights(available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes))
+
+    def _keep_dense_weights(self, spare_bytes: int) -> None:
+        """Memory the plan leaves unused (the context asked for is shorter than the card allows) holds dense
+        copies of the layer products, so prefill chunks skip dequantizing them (kernels/qlinear.py
+        keep_dense_copies). The longest context always wins: a plan that fills the card keeps none."""
+        layer = [lin.packed for name, lin in self.lin.items() if isinstance(lin, QuantLinear)
+                 and name.startswith("text/layers/") and "/experts_" not in name]
+        kept = keep_dense_copies(layer, spare_bytes, self.act_dtype) if layer and spare_bytes > 0 else []
+        self.weight_cache_bytes = sum(w.resident_dense.numel() * w.resident_dense.element_size() for w in kept)
+        if kept:
+            print(f"ninfer: dense copies of {len(kept)} of {len(layer)} layer products in spare memory "
+                  f"({self.weight_cache_bytes / 2**30:.1f} GiB): prefill skips their dequantization "
+                  "(--weight-cache off keeps the memory free)", file=sys.stderr)
 
     # --- binding ------------------------------------------------------------------------
 

@@ -73,6 +73,8 @@ class PlanOptions:
     lm_head_draft: bool = False
     vision: bool = False
     cuda_graphs: bool = True
+    # "auto": dense copies of the layer products in memory the plan leaves spare (faster prefill); "off"
+    weight_cache: str = "auto"
 
     @property
     def shared_chunk(self) -> int:
@@ -104,6 +106,8 @@ class PlanOptions:
             raise MemoryPlanError("--lm-head-draft needs an artifact with the lm_head_draft component")
         if self.vision and "vision" not in components:
             raise MemoryPlanError("--vision needs an artifact that carries the vision tower")
+        if self.weight_cache not in ("auto", "off"):
+            raise MemoryPlanError(f"--weight-cache {self.weight_cache!r}: use auto or off")
         get_codec(self.kv_dtype)
         if cfg.head_dim % 64 and self.kv_dtype != "bf16":
             raise MemoryPlanError(f"head_dim {cfg.head_dim} is not a multiple of 64, which every KV codec needs")

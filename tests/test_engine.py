@@ -548,3 +548,29 @@ def test_moe_router_and_shared_gate_are_one_product(artifacts, monkeypatch):
     assert torch.equal(both[:-1].float(), engine.lin[m + "router"].weight.float())
     assert torch.equal(both[-1:].float(), engine.lin[m + "shared_gate"].weight.float())
     _assert_matches_reference(engine, artifacts["moe-q5"], PROMPT, NEW)
+
+
+@pytest.mark.triton_kernels
+def test_weight_cache_keeps_layer_products_in_spare_memory(artifacts):
+    """Memory the plan leaves spare holds dense copies of the layer products (not the MoE experts, which
+    have their own prefill path): on a GPU an engine with room keeps them and its prefill gives the logits of
+    one with --weight-cache off; on a CPU the selection alone (its torch path never reads them)."""
+    path = artifacts["moe-q5"]
+    opts = PlanOptions(max_context=256, prefill_chunk=128)
+    engine = Engine(path, opts, device=DEVICE)
+    if DEVICE == "cpu":
+        assert engine.weight_cache_bytes == 0
+        engine._keep_dense_weights(1 << 30)
+    kept = {n for n, lin in engine.lin.items() if getattr(getattr(lin, "packed", None), "resident_dense", None) is not None}
+    assert kept and engine.weight_cache_bytes > 0
+    assert all(n.startswith("text/layers/") and "/experts_" not in n for n in kept)
+    assert any(n.endswith("shared_gate_up") for n in kept) and not any("experts_" in n for n in kept)
+    if DEVICE == "cpu":
+        return
+    from dataclasses import replace
+
+    off = Engine(path, replace(opts, weight_cache="off"), device=DEVICE)
+    assert off.weight_cache_bytes == 0
+    prompt = (PROMPT * 3)[:33]
+    got, want = engine.prefill(0, prompt).float().cpu(), off.prefill(0, prompt).float().cpu()
+    assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 1e-2

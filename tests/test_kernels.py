@@ -52,6 +52,28 @@ def test_qlinear(fmt, t, n, k):
     _check(qlinear(x, w, out=_poison((t, n))), (qgemv_int8_reference if int8 else qlinear_reference)(x, w))
 
 
+def test_prefill_gemm_takes_resident_dense_copies(monkeypatch):
+    """keep_dense_copies keeps matrices in order while the budget lasts (one too large is passed over, a later
+    one that fits is kept); a kept matrix's prefill GEMM multiplies its copy, not a fresh dequantization, and
+    gives the same rows; decode rows (T <= GEMV_MAX_T) never read it."""
+    import runtime.kernels.qlinear as ql
+
+    fmt = FORMATS["Q4G64_F16S"]
+    small, large, last = _packed(40, 256, fmt, 1), _packed(96, 512, fmt, 2), _packed(24, 256, fmt, 3)
+    item = torch.empty((), dtype=DTYPE).element_size()
+    budget = (40 * 256 + 24 * 256) * item + 100  # not the large one
+    x = torch.randn(ql.GEMV_MAX_T + 9, 256, device=DEVICE).to(DTYPE)
+    before = ql.qlinear(x, small, out=_poison((x.shape[0], 40)))
+    kept = ql.keep_dense_copies([small, large, last], budget, DTYPE)
+    assert kept == [small, last] and large.resident_dense is None
+    assert small.resident_dense.shape == (40, 256) and small.resident_dense.dtype == DTYPE
+    monkeypatch.setattr(ql, "dequantize_rows", lambda *a: pytest.fail("a kept matrix was dequantized again"))
+    got = ql.qlinear(x, small, out=_poison((x.shape[0], 40)))
+    assert torch.equal(got, before)
+    _check(got, ql.qlinear_reference(x, small))
+    assert ql.keep_dense_copies([_packed(8, 128, fmt, 4)], 0, DTYPE) == []
+
+
 @pytest.mark.parametrize("prequant", [True, False])
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("n,k", [(70, 200), (33, 1024), (5, 128)])

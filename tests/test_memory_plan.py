@@ -90,7 +90,7 @@ def test_features_change_resident_weights(artifact):
     (dict(max_concurrency=9), "1..8"), (dict(prefill_chunk=100), "multiple of 128"),
     (dict(spec="dflash2"), "dflash2 component"), (dict(lm_head_draft=True), "needs --spec"),
     (dict(vision=True), "vision tower"), (dict(kv_dtype="int3"), "unknown --kv-dtype"),
-    (dict(max_context=300_000), "native context"),
+    (dict(max_context=300_000), "native context"), (dict(weight_cache="all"), "--weight-cache"),
 ])
 def test_bad_options(artifact, opts, message):
     with pytest.raises((MemoryPlanError, ValueError), match=message):

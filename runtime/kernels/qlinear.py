@@ -339,7 +339,10 @@ def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) ->
 
 
 def _gemm(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torch.Tensor:
-    """Prefill: dequantize row chunks to dense once and let the vendor GEMM do the math."""
+    """Prefill: dequantize row chunks to dense once and let the vendor GEMM do the math (or take the matrix's
+    resident dense copy, keep_dense_copies)."""
+    if w.resident_dense is not None and w.resident_dense.dtype == x.dtype:
+        return torch.matmul(x, w.resident_dense.t(), out=y)
     step = max(32, GEMM_DEQUANT_BYTES // (w.cols * x.element_size()) // 32 * 32)
     for r in range(0, w.rows, step):
         n = min(step, w.rows - r)
@@ -478,6 +481,7 @@ class PackedLinear:
         self.groups_per_row = self.k_pad // fmt.group_size
         self._dense: torch.Tensor | None = None
         self.fragment = None  # FragmentPlanes when the planes were re-laid out in fragment order
+        self.resident_dense: torch.Tensor | None = None  # the prefill GEMM's operand kept (keep_dense_copies)
 
     def dense(self) -> torch.Tensor:
         """The dequantized matrix in float32 (the torch path on a CPU, and the references); on a CPU kept
@@ -523,6 +527,22 @@ def takes_quantized_x(w: PackedLinear, t: int) -> bool:
     if uses_frag(w, t):
         return False
     return t == 1 or rows_path(w.fmt.bits, t) in ("int8", "mma", "lanes")
+
+
+def keep_dense_copies(weights: list[PackedLinear], budget_bytes: int, dtype: torch.dtype) -> list[PackedLinear]:
+    """Dequantize matrices, in the order given, into resident dense copies while they fit `budget_bytes`:
+    their prefill GEMMs (T > GEMV_MAX_T rows) then skip the per-call dequantization (27B on the H200: ~35 ms per
+    forward, the floor under a prefill chunk that decoding lanes ride). Decode never reads them. Returns the
+    matrices kept."""
+    kept, left = [], budget_bytes
+    for w in weights:
+        size = w.rows * w.cols * torch.empty((), dtype=dtype).element_size()
+        if size > left:
+            continue
+        w.resident_dense = dequantize_rows(w, 0, w.rows, dtype)
+        kept.append(w)
+        left -= size
+    return kept
 
 
 def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, xq: QuantizedX | None = None,
