@@ -125,23 +125,7 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
   one swiglu-epilogue NINFER_SWIGLU_EPILOGUE=1
   one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
   one int8-q5 NINFER_FRAGMENT_INT8=q5
-  one int8-on NINFER_FRAGMENT_INT8=on  # (pair vs lane order per product: s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default and the weight cache; a 32K prefill beside
-  # 3 decoding lanes with the weight cache on and off; the 4-client server; 35B-A3B lanes
-  timeout 70 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -5
-  echo "tests t=$(el)"
-  for cache in auto off; do
-    NINFER_WEIGHT_CACHE=$cache timeout 110 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --concurrent-prefill 32k \
-      --json-out "$OUT/s27-ride-$cache.json" 2>&1 | grep -E "│ bf16"
-    echo "ride cache $cache t=$(el)"
-  done
-  timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --json "$OUT/s27-serve4.json" 2>&1 | tail -3
-  echo "serve t=$(el)"
-  timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
-    --json-out "$OUT/s27-moe-lanes.json" 2>&1 | grep "│ bf16"
-  echo "moe lanes t=$(el)"
-  ;;
-s26-kernels)
+  one int8-on NINFER_FRAGMENT_INT8=on  # (pair vs lane order per product: s26-kernels)
   ;;
 s26-ab)  # the two new defaults side by side in one warm call: one lane default / lane order / SwiGLU launch; the
   # int8 kernel's GPU tests; per product (~500 s)
@@ -182,6 +166,22 @@ next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side
       --json-out "$OUT/next-moe-$mode.json" 2>&1 | grep "│ bf16"
     echo "moe $mode t=$(el)"
   done
+  ;;
+s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default and the weight cache; a 32K prefill beside
+  # 3 decoding lanes with the weight cache on and off; the 4-client server; 35B-A3B lanes
+  timeout 70 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -5
+  echo "tests t=$(el)"
+  for cache in auto off; do
+    NINFER_WEIGHT_CACHE=$cache timeout 110 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --concurrent-prefill 32k \
+      --json-out "$OUT/s27-ride-$cache.json" 2>&1 | grep -E "│ bf16"
+    echo "ride cache $cache t=$(el)"
+  done
+  timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --json "$OUT/s27-serve4.json" 2>&1 | tail -3
+  echo "serve t=$(el)"
+  timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+    --json-out "$OUT/s27-moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "moe lanes t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
