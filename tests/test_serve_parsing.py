@@ -217,3 +217,35 @@ def test_arguments_stream_while_the_call_arrives():
         assert "".join(e.text for e in events if e.kind == "tool_call_delta") == final.arguments_json
         assert final.arguments == {"city": long_text, "days": 3}
         assert before_close >= 3  # the value arrived in pieces, not in one block at the end
+
+
+def test_streamed_text_decodes_a_window_not_the_whole_answer():
+    """Generation._new_text: token by token the streamed text is the whole answer's decode (multi-byte
+    characters split over tokens wait for their last byte, special tokens are kept), while each call decodes
+    only the last shown tokens and the new one."""
+    from types import SimpleNamespace
+
+    from format.tiny import build_tokenizer
+    from runtime.serve.app import Generation
+
+    tok = build_tokenizer(400)
+    ids = tok.encode("Grüße — 日本語 ok 🙂🙂 <think>x</think> done. " * 3).ids
+    lengths = []
+
+    class Counting:
+        def decode(self, part, skip_special_tokens=False):
+            lengths.append(len(part))
+            return tok.decode(part, skip_special_tokens=skip_special_tokens)
+
+    gen = SimpleNamespace(server=SimpleNamespace(tokenizer=Counting()), ids=[], text="", window_start=0, shown=0)
+    waited = 0
+    for i in ids:
+        gen.ids.append(i)
+        delta = Generation._new_text(gen)
+        if delta is None:
+            waited += 1
+            continue
+        assert gen.text == tok.decode(gen.ids, skip_special_tokens=False)
+    assert waited  # the emoji and CJK bytes span tokens in this small vocabulary
+    assert gen.text == tok.decode(ids, skip_special_tokens=False)
+    assert max(lengths) < 12 < len(ids)  # windows, never the whole answer
