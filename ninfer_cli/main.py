@@ -230,7 +230,8 @@ def fit(
 
     from format.container import open_artifact
     from runtime.memory_plan import (GPU_VRAM_MIB, NATIVE_CONTEXT, MemoryPlanError, PlanOptions, build_plan, fit as solve,
-                                     parse_bytes, parse_prefill_chunk, resolve_prefill_chunk)
+                                     parse_bytes, parse_prefill_chunk, resolve_prefill_chunk, weight_cache_fit,
+                                     weight_cache_reserve)
 
     if (vram is None) == (gpu is None):
         raise MemoryPlanError("give exactly one of --vram SIZE or --gpu NAME")
@@ -263,7 +264,9 @@ def fit(
         else:
             best = solve(art, opts, total, reserve)
             plan, fits = best.plan, best.max_context > 0
-    budget = total - reserve
+        budget = total - reserve
+        # what the engine's weight cache would keep in the memory this plan leaves spare
+        cache = weight_cache_fit(art, budget - plan.total_bytes - weight_cache_reserve(total)) if plan and fits else (0, 0, 0)
     result = {
         "vram_bytes": total, "reserve_bytes": reserve, "budget_bytes": budget,
         "max_context": best.max_context, "requested_context": max_context, "fits": fits,
@@ -272,6 +275,7 @@ def fit(
         "total_bytes": plan.total_bytes if plan else best.fixed_bytes,
         "breakdown": plan.breakdown() if plan else {}, "bytes_per_64_tokens": best.bytes_per_page_group,
         "capped_by_model": best.max_context == NATIVE_CONTEXT,
+        "weight_cache": {"products": cache[0], "of_products": cache[1], "bytes": cache[2]},
     }
     if as_json:
         print(json.dumps(result))
@@ -302,6 +306,10 @@ def _print_fit(r: dict) -> None:
     else:
         out.print(f"[red]nothing fits[/red]: even 64 tokens need {human_bytes(r['total_bytes'])} of a "
                   f"{human_bytes(r['budget_bytes'])} budget")
+    cache = r["weight_cache"]
+    if cache["products"]:
+        out.print(f"weight cache: dense copies of {cache['products']} of {cache['of_products']} layer products "
+                  f"({human_bytes(cache['bytes'])}) in the memory left spare: faster prefill (--weight-cache off frees it)")
 
 
 class Runtime(str, Enum):

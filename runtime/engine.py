@@ -39,7 +39,8 @@ from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
-from .memory_plan import MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk
+from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
+                          weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
@@ -53,11 +54,6 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
 
-
-def weight_cache_reserve(card_bytes: int) -> int:
-    """Memory the dense weight copies leave free beyond the plan: the allocator's fragmentation, kernels'
-    modules and the odd temporary (2 GiB or 5 % of the card)."""
-    return max(2 << 30, card_bytes // 20)
 # the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
 # in the combine) or "separate" (a launch each, for side-by-side runs)
 ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
@@ -224,8 +220,8 @@ class Engine:
         """Memory the plan leaves unused (the context asked for is shorter than the card allows) holds dense
         copies of the layer products, so prefill chunks skip dequantizing them (kernels/qlinear.py
         keep_dense_copies). The longest context always wins: a plan that fills the card keeps none."""
-        layer = [lin.packed for name, lin in self.lin.items() if isinstance(lin, QuantLinear)
-                 and name.startswith("text/layers/") and "/experts_" not in name]
+        layer = [self.lin[name].packed for name, _ in weight_cache_candidates(self.art)
+                 if isinstance(self.lin.get(name), QuantLinear)]
         kept = keep_dense_copies(layer, spare_bytes, self.act_dtype) if layer and spare_bytes > 0 else []
         self.weight_cache_bytes = sum(w.resident_dense.numel() * w.resident_dense.element_size() for w in kept)
         if kept:

@@ -176,6 +176,37 @@ class MemoryPlan:
         return out
 
 
+def weight_cache_candidates(art: Artifact) -> list[tuple[str, int]]:
+    """The layer products the weight cache may keep as dense bf16 copies (Engine._keep_dense_weights), in plan
+    order, with their bytes: grouped-format matrices of the text layers, not the MoE experts (their prefill has
+    its own path)."""
+    from format.numeric import GroupedFormat, get_format
+
+    out = []
+    for name, e in art.objects.items():
+        if e.kind == "tensor" and name.startswith("text/layers/") and "/experts_" not in name and len(e.shape) == 2 \
+                and isinstance(get_format(e.format), GroupedFormat):
+            out.append((name, e.shape[0] * e.shape[1] * 2))
+    return out
+
+
+def weight_cache_reserve(card_bytes: int) -> int:
+    """Memory the weight cache leaves free beyond the plan: the allocator's fragmentation, kernels' modules and
+    the odd temporary (2 GiB or 5 % of the card)."""
+    return max(2 << 30, card_bytes // 20)
+
+
+def weight_cache_fit(art: Artifact, spare_bytes: int) -> tuple[int, int, int]:
+    """(products kept, products in all, bytes kept) by the weight cache in `spare_bytes`, as the engine keeps
+    them (in order, passing over one that no longer fits)."""
+    kept = size = 0
+    candidates = weight_cache_candidates(art)
+    for _, nbytes in candidates:
+        if size + nbytes <= spare_bytes:
+            kept, size = kept + 1, size + nbytes
+    return kept, len(candidates), size
+
+
 def _resident_weight_names(art: Artifact, opts: PlanOptions) -> list[str]:
     names = []
     for name, e in art.objects.items():

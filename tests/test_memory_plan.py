@@ -126,6 +126,21 @@ def test_fit_cli(artifact):
     assert r.exit_code == 1 and "leaves nothing of a 0.00 GiB card" in r.output and "1395864371" not in r.output
 
 
+
+def test_fit_tells_what_the_weight_cache_keeps():
+    """fit --max-context shorter than the card allows: the layer products the engine keeps as dense copies in the
+    spare memory (all of the 27B's on an H200 at 32K, some on a 24 GB card, none when solving for the largest)."""
+    runner = CliRunner()
+    res = lambda *a: json.loads(runner.invoke(app, ["fit", "--shape", "qwen3.6-27b", *a, "--json"]).stdout)["weight_cache"]  # noqa: E731
+    roomy = res("--gpu", "h200", "--max-context", "32768")
+    assert roomy["products"] == roomy["of_products"] == 256 and roomy["bytes"] > 40 << 30
+    tight = res("--vram", "24G", "--max-context", "32768")
+    assert 0 < tight["products"] < 256 and tight["bytes"] < 4 << 30
+    assert res("--vram", "24G")["products"] == 0  # the longest context takes the memory
+    r = runner.invoke(app, ["fit", "--shape", "qwen3.6-27b", "--gpu", "h200", "--max-context", "32768"])
+    assert "dense copies of 256 of 256 layer products" in r.stdout
+
+
 def test_prefill_chunk_auto_follows_the_card(artifact):
     from dataclasses import replace
 
