@@ -196,15 +196,22 @@ def weight_cache_reserve(card_bytes: int) -> int:
     return max(2 << 30, card_bytes // 20)
 
 
+def weight_cache_picks(sizes: list[int], spare_bytes: int) -> list[bool]:
+    """Which of matrices of these byte sizes the weight cache keeps in `spare_bytes`: in order, passing over
+    one that no longer fits (a later, smaller one may)."""
+    picks, left = [], spare_bytes
+    for nbytes in sizes:
+        picks.append(nbytes <= left)
+        left -= nbytes if picks[-1] else 0
+    return picks
+
+
 def weight_cache_fit(art: Artifact, spare_bytes: int) -> tuple[int, int, int]:
     """(products kept, products in all, bytes kept) by the weight cache in `spare_bytes`, as the engine keeps
-    them (in order, passing over one that no longer fits)."""
-    kept = size = 0
-    candidates = weight_cache_candidates(art)
-    for _, nbytes in candidates:
-        if size + nbytes <= spare_bytes:
-            kept, size = kept + 1, size + nbytes
-    return kept, len(candidates), size
+    them."""
+    sizes = [nbytes for _, nbytes in weight_cache_candidates(art)]
+    picks = weight_cache_picks(sizes, spare_bytes)
+    return sum(picks), len(sizes), sum(n for n, kept in zip(sizes, picks) if kept)
 
 
 def _resident_weight_names(art: Artifact, opts: PlanOptions) -> list[str]:

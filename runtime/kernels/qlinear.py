@@ -20,6 +20,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
+from ..memory_plan import weight_cache_picks  # the weight cache's choice, as `ninfer fit` reports it
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemm_fragment_int8 import qgemm_fragment_int8
@@ -534,14 +535,10 @@ def keep_dense_copies(weights: list[PackedLinear], budget_bytes: int, dtype: tor
     their prefill GEMMs (T > GEMV_MAX_T rows) then skip the per-call dequantization (27B on the H200: ~35 ms per
     forward, the floor under a prefill chunk that decoding lanes ride). Decode never reads them. Returns the
     matrices kept."""
-    kept, left = [], budget_bytes
-    for w in weights:
-        size = w.rows * w.cols * torch.empty((), dtype=dtype).element_size()
-        if size > left:
-            continue
+    picks = weight_cache_picks([w.rows * w.cols * dtype.itemsize for w in weights], budget_bytes)
+    kept = [w for w, keep in zip(weights, picks) if keep]
+    for w in kept:
         w.resident_dense = dequantize_rows(w, 0, w.rows, dtype)
-        kept.append(w)
-        left -= size
     return kept
 
 
