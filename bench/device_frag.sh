@@ -13,6 +13,8 @@
 #                        bash bench/device_frag.sh next      # session 27 first: RMSNorm spread, profile, MoE ties
 #                        bash bench/device_frag.sh s27       # MoE fused + weight cache GPU tests, ride with the cache
 #                                                            # on/off, 4-client server, 35B-A3B lanes
+#                        bash bench/device_frag.sh s28       # MoE + weight cache GPU tests; the 4-client server with
+#                                                            # its engine/wall split; 1 vs 4 lanes kernel by kernel
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -156,7 +158,7 @@ next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side
   one spread8-warmup NINFER_RMSNORM_SPREAD_SPLITS=8
   one spread4 NINFER_RMSNORM_SPREAD_SPLITS=4
   one spread8 NINFER_RMSNORM_SPREAD_SPLITS=8
-  timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/next-profile.json" decode bf16 2>&1 | grep -A8 "kernel time"
+  timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/next-profile.json" decode bf16 2>&1 | grep -A9 "kernel time"
   echo "t=$(el)"
   timeout 120 python bench/moe_decode_check.py --ties 2>&1 | tail -12
   echo "t=$(el)"
@@ -182,6 +184,16 @@ s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default an
   timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
     --json-out "$OUT/s27-moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
+  ;;
+s28)  # session 28's first call (~450 s)
+  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -8
+  echo "tests t=$(el)"
+  timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --json "$OUT/s28-serve4.json" 2>&1 | tail -3
+  echo "serve t=$(el)"
+  timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28-profile-lanes.json" decode bf16 1,4 2>&1 | \
+    grep -A32 "lane(s): kernel time" | head -34
+  echo "profile t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

@@ -1,9 +1,12 @@
 """Where one decode step's GPU time goes: kernel time per kernel name over eager decode steps of a
 full-size random shape (the kernels are the same ones the CUDA graph replays).
 
-    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill] [KV_DTYPE]
+    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill] [KV_DTYPE] [LANES]
 
-With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead.
+With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead. LANES (e.g. `1,4`)
+profiles a step over that many lanes each (4,096 tokens of context per lane), on one engine planned for
+the most of them (so every count takes the kernels a server with that many lanes takes), and prints
+the kernels side by side: what each added lane costs, and where.
 """
 
 from __future__ import annotations
@@ -20,38 +23,54 @@ from runtime.engine import Engine
 from runtime.memory_plan import PlanOptions
 
 
-def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", steps: int = 4) -> None:
-    art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=False)
-    eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048, kv_dtype=kv_dtype), device="cuda", cuda_graphs=False,
-                 random_weights_seed=0)
-    prompt = list(range(1, 8193)) if mode == "prefill" else list(range(1, 4097))
-    logits = eng.prefill(0, prompt)
-    tok = int(logits.argmax())
-    for _ in range(2):  # compile
-        tok = int(eng.decode_step([0], [tok])[0].argmax())
+def _profile(eng: Engine, lanes: list[int], steps: int, prefill: list[int] | None = None) -> dict:
+    tokens = [int(eng.decode_step(lanes, [1] * len(lanes))[row].argmax()) for row in range(len(lanes))]  # compile
     torch.cuda.synchronize()
-    if mode == "prefill":
-        steps = 1
-        eng.reset_lane(0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        if mode == "prefill":
-            eng.prefill(0, prompt)
+        if prefill is not None:
+            eng.prefill(0, prefill)
         else:
             for _ in range(steps):
-                tok = int(eng.decode_step([0], [tok])[0].argmax())
+                logits = eng.decode_step(lanes, tokens)
+                tokens = logits.argmax(-1).tolist()
         torch.cuda.synchronize()
     rows = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
         if t:
             rows[ev.key] = {"us_per_step": t / steps, "calls_per_step": ev.count / steps}
-    total = sum(r["us_per_step"] for r in rows.values())
-    top = sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"])
-    print(f"{shape} {mode}: kernel time per {'prefill of 8,192 tokens' if mode == 'prefill' else 'decode step'} {total / 1000:.2f} ms over {sum(r['calls_per_step'] for r in rows.values()):.0f} kernels")
-    for name, r in top[:25]:
-        print(f"{r['us_per_step']:9.1f} us {r['calls_per_step']:6.0f}x  {name[:110]}")
-    Path(out).write_text(json.dumps({"shape": shape, "total_us": total, "kernels": rows}, indent=1))
+    return rows
+
+
+def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lanes: str = "1", steps: int = 4) -> None:
+    counts = [int(n) for n in lanes.split(",")]
+    art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=False)
+    eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048, kv_dtype=kv_dtype,
+                                  max_concurrency=max(counts)), device="cuda", cuda_graphs=False, random_weights_seed=0)
+    if mode == "prefill":
+        prompt = list(range(1, 8193))
+        eng.prefill(0, prompt)
+        eng.reset_lane(0)
+        results = {1: _profile(eng, [0], 1, prompt)}
+    else:
+        for lane in range(max(counts)):
+            eng.prefill(lane, list(range(1 + lane, 4097 + lane)))
+        results = {n: _profile(eng, list(range(n)), steps) for n in counts}
+    totals = {n: sum(r["us_per_step"] for r in rows.values()) for n, rows in results.items()}
+    what = "prefill of 8,192 tokens" if mode == "prefill" else "decode step"
+    for n, rows in results.items():
+        print(f"{shape} {mode} {n} lane(s): kernel time per {what} {totals[n] / 1000:.2f} ms over "
+              f"{sum(r['calls_per_step'] for r in rows.values()):.0f} kernels")
+    last = counts[-1]
+    names = sorted(results[last], key=lambda k: -results[last][k]["us_per_step"])
+    print("  ".join(f"{n} lane(s) us" for n in counts) + "  calls  kernel")
+    for name in names[:30]:
+        cells = "  ".join(f"{results[n].get(name, {}).get('us_per_step', 0.0):12.1f}" for n in counts)
+        print(f"{cells}  {results[last][name]['calls_per_step']:5.0f}x  {name[:100]}")
+    Path(out).write_text(json.dumps({"shape": shape, "mode": mode, "kv_dtype": kv_dtype,
+                                     "lanes": {str(n): {"total_us": totals[n], "kernels": results[n]} for n in counts}},
+                                    indent=1))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -1,8 +1,14 @@
 """`ninfer serve`'s aggregate speed with several lanes: the real server (app + lane scheduler + engine)
 over a full-size random-weights shape on the GPU, driven by N concurrent streaming clients on
-loopback, against one client alone. Tokens are counted from each response's usage.
+loopback, against one client alone. Tokens are counted from each response's usage. The clients run in
+processes of their own (as real clients do: they never share the server's interpreter lock).
+
+With --paced-step-ms MS the engine is a stand-in whose decode step takes MS milliseconds (sleeping, as a
+GPU step leaves the host free) and whose logits are random over the tiny tokenizer's vocabulary: the
+server's own per-token cost (scheduler, detokenization, parsing, SSE) on any machine, no GPU needed.
 
     PYTHONPATH=. python bench/serve_lanes.py [qwen3.6-27b] [--lanes 4] [--tokens 256] [--json OUT.json]
+    PYTHONPATH=. python bench/serve_lanes.py --paced-step-ms 8.8 --lanes 4 --tokens 256
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import multiprocessing
 import socket
 import tempfile
 import threading
@@ -17,15 +24,17 @@ import time
 from pathlib import Path
 
 
+_client = None  # each client process keeps one connection pool, as SDK clients do (a new httpx client per
+# request costs ~0.1 s of TLS context set-up, which would count as time to first token)
+
+
 def _stream(url: str, prompt: str, tokens: int) -> dict:
     """One streaming chat completion; returns its token count and the seconds from request to last byte."""
-    import httpx
-
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, usage = None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with _client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -37,6 +46,55 @@ def _stream(url: str, prompt: str, tokens: int) -> dict:
     return {"tokens": usage["completion_tokens"], "seconds": end - t0, "ttft_s": (first or end) - t0}
 
 
+class PacedEngine:
+    """An engine stand-in for the server's host-side cost: every decode step sleeps `step_s` (the
+    host is free while a real GPU step runs) and returns random logits; a prefill is one such step."""
+
+    def __init__(self, lanes: int, vocab: int, step_s: float, never: list[int], max_context: int = 8192):
+        import torch
+
+        from runtime.memory_plan import PlanOptions
+
+        self.lanes, self.step_s, self.device, self.speculator = lanes, step_s, torch.device("cpu"), None
+        self.opts = PlanOptions(max_context=max_context, max_concurrency=lanes)
+        self.cfg = type("Config", (), {"vocab_size": vocab})()
+        self.held = [0] * lanes
+        self.random = torch.Generator().manual_seed(0)
+        self.never = never  # special tokens (an end of turn would stop a client early)
+
+    def _logits(self, rows: int):
+        import torch
+
+        time.sleep(self.step_s)
+        logits = torch.randn(rows, self.cfg.vocab_size, generator=self.random)
+        logits[:, self.never] = float("-inf")
+        return logits
+
+    def held_tokens(self, lane: int) -> int:
+        return self.held[lane]
+
+    def reusable_prefix(self, lane: int, prompt: list[int]) -> int:
+        return 0
+
+    def prefill_chunks(self, lane: int, prompt: list[int], reuse: bool = False, images=None, checkpoint_at=None,
+                       riders=None):
+        self.held[lane] = len(prompt)
+        yield self._logits(1)[0]
+
+    def decode_step(self, lanes: list[int], tokens: list[int]):
+        for lane in lanes:
+            self.held[lane] += 1
+        return self._logits(len(lanes))
+
+
+def _ready(_: int) -> bool:
+    global _client
+    import httpx
+
+    _client = _client or httpx.Client(timeout=600)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="qwen3.6-27b")
@@ -44,6 +102,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--kv-dtype", default="bf16")
     ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--paced-step-ms", type=float, help="a stand-in engine whose step takes this long (no GPU)")
     args = ap.parse_args()
 
     import uvicorn
@@ -56,10 +115,15 @@ def main() -> None:
     from runtime.serve.chat_template import ChatTemplate
     from runtime.serve.scheduler import Scheduler
 
-    art = write_shape_artifact(args.shape, Path(tempfile.mkdtemp()) / f"{args.shape}.nfer", "q4", mtp=False)
-    engine = Engine(art, PlanOptions(max_context=8192, max_concurrency=args.lanes, kv_dtype=args.kv_dtype),
-                    random_weights_seed=0)
     tok = build_tokenizer(384)  # random weights: the text is noise, only token counts matter
+    if args.paced_step_ms:
+        engine = PacedEngine(args.lanes, tok.get_vocab_size(), args.paced_step_ms / 1000,
+                             list(tok.get_added_tokens_decoder()))
+        args.shape = f"paced {args.paced_step_ms} ms"
+    else:
+        art = write_shape_artifact(args.shape, Path(tempfile.mkdtemp()) / f"{args.shape}.nfer", "q4", mtp=False)
+        engine = Engine(art, PlanOptions(max_context=8192, max_concurrency=args.lanes, kv_dtype=args.kv_dtype),
+                        random_weights_seed=0)
     scheduler = Scheduler(engine, max_pending=16)
     server = Server(engine, tok, ChatTemplate(CHAT_TEMPLATE), ServerConfig("bench", 8192), {tok.token_to_id("<|im_end|>")},
                     scheduler)
@@ -73,14 +137,39 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     prompts = [f"request number {i}: tell me something long" for i in range(args.lanes)]
 
+    # the engine's share of the wall time: each decode step timed to its end (the scheduler waits for its
+    # logits right after anyway), against the steps' count over the whole run
+    timing = {"steps": 0, "rows": 0, "engine_s": 0.0}
+    engine_step = engine.decode_step
+
+    def timed_step(lanes, tokens):
+        import torch
+
+        t = time.perf_counter()
+        logits = engine_step(lanes, tokens)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        timing["steps"] += 1
+        timing["rows"] += len(lanes)
+        timing["engine_s"] += time.perf_counter() - t
+        return logits
+
+    engine.decode_step = timed_step
+    clients = concurrent.futures.ProcessPoolExecutor(args.lanes, mp_context=multiprocessing.get_context("spawn"))
+    list(clients.map(_ready, range(args.lanes)))  # every client process started and importing httpx
+
     def together(n: int) -> dict:
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            t0 = time.perf_counter()
-            runs = list(pool.map(lambda p: _stream(url, p, args.tokens), prompts[:n]))
-            wall = time.perf_counter() - t0
+        timing.update(steps=0, rows=0, engine_s=0.0)
+        t0 = time.perf_counter()
+        runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
+        wall = time.perf_counter() - t0
         total = sum(r["tokens"] for r in runs)
+        steps = max(1, timing["steps"])
         return {"clients": n, "tokens": total, "wall_s": wall, "aggregate_tok_s": total / wall,
-                "per_client_tok_s": [r["tokens"] / r["seconds"] for r in runs], "ttft_s": [r["ttft_s"] for r in runs]}
+                "per_client_tok_s": [r["tokens"] / r["seconds"] for r in runs], "ttft_s": [r["ttft_s"] for r in runs],
+                "decode_steps": timing["steps"], "rows_per_step": timing["rows"] / steps,
+                "engine_ms_per_step": 1000 * timing["engine_s"] / steps,
+                "wall_ms_per_step": 1000 * wall / steps}
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
         together(n)
@@ -90,8 +179,13 @@ def main() -> None:
     print(json.dumps(result))
     print(f"serve {args.shape}: 1 client {one['aggregate_tok_s']:.1f} tok/s; {args.lanes} concurrent clients "
           f"{many['aggregate_tok_s']:.1f} tok/s aggregate = {result['speedup']:.2f}x")
+    for run in (one, many):
+        print(f"  {run['clients']} client(s): {run['decode_steps']} decode steps of {run['rows_per_step']:.2f} rows, "
+              f"engine {run['engine_ms_per_step']:.2f} ms a step, wall {run['wall_ms_per_step']:.2f} ms a step, "
+              f"time to first token {max(run['ttft_s']) * 1000:.0f} ms (slowest)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
+    clients.shutdown()
     srv.should_exit = True
     scheduler.close()
 

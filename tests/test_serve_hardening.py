@@ -203,7 +203,9 @@ def test_admission_is_bounded_at_arrival():
     s = Running(lanes=1, max_pending=1, step_s=0.02)
     try:
         with concurrent.futures.ThreadPoolExecutor(10) as pool:
-            results = list(pool.map(lambda i: s.chat(f"burst {i}", max_tokens=8), range(10)))
+            # 40 tokens (0.8 s) each: the held requests last longer than the burst takes to arrive (each
+            # httpx.post builds a client, ~0.1 s on a busy CI core), so none finishes and frees a place early
+            results = list(pool.map(lambda i: s.chat(f"burst {i}", max_tokens=40), range(10)))
         codes = sorted(r.status_code for r in results)
         assert codes.count(200) <= 2 and codes.count(429) >= 8, codes
         refused = next(r for r in results if r.status_code == 429)
