@@ -15,6 +15,7 @@
 #                                                            # on/off, 4-client server, 35B-A3B lanes
 #                        bash bench/device_frag.sh s28       # MoE + weight cache GPU tests; the 4-client server with
 #                                                            # its engine/wall split; 1 vs 4 lanes kernel by kernel
+#                        bash bench/device_frag.sh chain     # the 4-client server with chained decode off / on
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -194,6 +195,16 @@ s28)  # session 28's first call (~450 s)
   timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28-profile-lanes.json" decode bf16 1,4 2>&1 | \
     grep -A32 "lane(s): kernel time" | head -34
   echo "profile t=$(el)"
+  ;;
+chain)  # session 28: chained decode steps in the server, side by side in one server (~250 s)
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -4
+  echo "tests t=$(el)"
+  for tokens in 128 512; do
+    timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens $tokens --chain both \
+      --json "$OUT/chain-serve4-$tokens.json" 2>&1 | grep -v "^{" | tail -7
+    echo "serve $tokens t=$(el)"
+  done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

@@ -33,17 +33,22 @@ def _stream(url: str, prompt: str, tokens: int) -> dict:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, usage = None, None
+    first, usage, text = None, None, []
     with _client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            first = first or time.perf_counter()
             chunk = json.loads(line[6:])
             usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                said = choice["delta"].get("content") or choice["delta"].get("reasoning_content")
+                if said:  # (the prompt opens a thinking block: reasoning first)
+                    first = first or time.perf_counter()
+                    text.append(said)
     end = time.perf_counter()
-    return {"tokens": usage["completion_tokens"], "seconds": end - t0, "ttft_s": (first or end) - t0}
+    return {"tokens": usage["completion_tokens"], "seconds": end - t0, "ttft_s": (first or end) - t0,
+            "text": "".join(text)}
 
 
 class PacedEngine:
@@ -56,6 +61,8 @@ class PacedEngine:
         from runtime.memory_plan import PlanOptions
 
         self.lanes, self.step_s, self.device, self.speculator = lanes, step_s, torch.device("cpu"), None
+        # the CPU has no stream to chain steps on: the scheduler's step would wait here either way
+        self.record_fed_tokens = lambda lanes, tokens: None
         self.opts = PlanOptions(max_context=max_context, max_concurrency=lanes)
         self.cfg = type("Config", (), {"vocab_size": vocab})()
         self.held = [0] * lanes
@@ -81,7 +88,7 @@ class PacedEngine:
         self.held[lane] = len(prompt)
         yield self._logits(1)[0]
 
-    def decode_step(self, lanes: list[int], tokens: list[int]):
+    def decode_step(self, lanes: list[int], tokens: list[int] | None, device_tokens=None):
         for lane in lanes:
             self.held[lane] += 1
         return self._logits(len(lanes))
@@ -102,6 +109,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--kv-dtype", default="bf16")
     ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--chain", default="on", help="chained decode steps: on, off, or both (side by side, one server)")
     ap.add_argument("--paced-step-ms", type=float, help="a stand-in engine whose step takes this long (no GPU)")
     args = ap.parse_args()
 
@@ -137,21 +145,27 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     prompts = [f"request number {i}: tell me something long" for i in range(args.lanes)]
 
-    # the engine's share of the wall time: each decode step timed to its end (the scheduler waits for its
-    # logits right after anyway), against the steps' count over the whole run
-    timing = {"steps": 0, "rows": 0, "engine_s": 0.0}
+    # the engine's share of the wall time: each decode step's GPU time from CUDA events around it (a sync
+    # here would undo the scheduler's chaining of steps), against the steps' count over the whole run
+    timing = {"steps": 0, "rows": 0, "engine_s": 0.0, "events": []}
     engine_step = engine.decode_step
 
-    def timed_step(lanes, tokens):
+    def timed_step(lanes, tokens, **kw):
         import torch
 
+        cuda = engine.device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t = time.perf_counter()
-        logits = engine_step(lanes, tokens)
-        if logits.is_cuda:
-            torch.cuda.synchronize()
+        logits = engine_step(lanes, tokens, **kw)
+        if cuda:
+            end.record()
+            timing["events"].append((start, end))
+        else:
+            timing["engine_s"] += time.perf_counter() - t
         timing["steps"] += 1
         timing["rows"] += len(lanes)
-        timing["engine_s"] += time.perf_counter() - t
         return logits
 
     engine.decode_step = timed_step
@@ -159,13 +173,16 @@ def main() -> None:
     list(clients.map(_ready, range(args.lanes)))  # every client process started and importing httpx
 
     def together(n: int) -> dict:
-        timing.update(steps=0, rows=0, engine_s=0.0)
+        timing.update(steps=0, rows=0, engine_s=0.0, events=[])
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
         wall = time.perf_counter() - t0
+        for start, end in timing["events"]:
+            end.synchronize()
+            timing["engine_s"] += start.elapsed_time(end) / 1000
         total = sum(r["tokens"] for r in runs)
         steps = max(1, timing["steps"])
-        return {"clients": n, "tokens": total, "wall_s": wall, "aggregate_tok_s": total / wall,
+        return {"clients": n, "tokens": total, "wall_s": wall, "aggregate_tok_s": total / wall, "texts": [r["text"] for r in runs],
                 "per_client_tok_s": [r["tokens"] / r["seconds"] for r in runs], "ttft_s": [r["ttft_s"] for r in runs],
                 "decode_steps": timing["steps"], "rows_per_step": timing["rows"] / steps,
                 "engine_ms_per_step": 1000 * timing["engine_s"] / steps,
@@ -173,18 +190,27 @@ def main() -> None:
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
         together(n)
-    one, many = together(1), together(args.lanes)
-    result = {"shape": args.shape, "lanes": args.lanes, "kv_dtype": args.kv_dtype, "tokens_per_client": args.tokens,
-              "one": one, "many": many, "speedup": many["aggregate_tok_s"] / one["aggregate_tok_s"]}
-    print(json.dumps(result))
-    print(f"serve {args.shape}: 1 client {one['aggregate_tok_s']:.1f} tok/s; {args.lanes} concurrent clients "
-          f"{many['aggregate_tok_s']:.1f} tok/s aggregate = {result['speedup']:.2f}x")
-    for run in (one, many):
-        print(f"  {run['clients']} client(s): {run['decode_steps']} decode steps of {run['rows_per_step']:.2f} rows, "
-              f"engine {run['engine_ms_per_step']:.2f} ms a step, wall {run['wall_ms_per_step']:.2f} ms a step, "
-              f"time to first token {max(run['ttft_s']) * 1000:.0f} ms (slowest)")
+    modes = ["off", "on"] if args.chain == "both" else [args.chain]
+    results = []
+    for mode in modes:
+        scheduler.chain = mode == "on"
+        one, many = together(1), together(args.lanes)
+        result = {"shape": args.shape, "lanes": args.lanes, "kv_dtype": args.kv_dtype, "tokens_per_client": args.tokens,
+                  "chain": mode, "one": one, "many": many, "speedup": many["aggregate_tok_s"] / one["aggregate_tok_s"]}
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("one", "many")}))
+        print(f"serve {args.shape}, chained decode {mode}: 1 client {one['aggregate_tok_s']:.1f} tok/s; {args.lanes} "
+              f"concurrent clients {many['aggregate_tok_s']:.1f} tok/s aggregate = {result['speedup']:.2f}x")
+        for run in (one, many):
+            print(f"  {run['clients']} client(s): {run['decode_steps']} decode steps of {run['rows_per_step']:.2f} rows, "
+                  f"engine {run['engine_ms_per_step']:.2f} ms a step, wall {run['wall_ms_per_step']:.2f} ms a step, "
+                  f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest)")
+    if len(results) == 2 and not args.paced_step_ms:  # greedy: the same answers either way (the stand-in's
+        # logits are draws in call order, which chaining changes)
+        same = all(a[k]["texts"] == b[k]["texts"] for a, b in [results] for k in ("one", "many"))
+        print(f"  answers with chained decode on and off: {'identical' if same else 'DIFFERENT'}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        Path(args.json_out).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1))
     clients.shutdown()
     srv.should_exit = True
     scheduler.close()

@@ -122,6 +122,9 @@ class EngineStats:
     rider_tokens: int = 0  # decode tokens computed inside another lane's prefill chunk
 
 
+UNKNOWN_TOKEN = -1  # a chained step's token in lane_tokens until the host learns it (matches no prompt token)
+
+
 class Riders:
     """Decode lanes a scheduler offers to a lane's next prefill chunk (Engine.prefill_chunks(riders=...)):
     `offer` them before asking for the chunk; afterwards `logits` [R, V] holds their next-token logits
@@ -776,31 +779,43 @@ class Engine:
         return self.speculator is None and prefilling not in lanes and len(set(lanes)) == len(lanes) \
             and all(not self.rope_delta[r] and self.held_tokens(r) + 1 <= self.opts.max_context for r in lanes)
 
-    def _advance(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
-        """Count one new token per lane (decode): returns their positions [B] on the device."""
+    def _advance(self, lanes: list[int], tokens: list[int] | None) -> torch.Tensor:
+        """Count one new token per lane (decode): returns their positions [B] on the device. tokens None:
+        they are still on the device (a chained step); record_fed_tokens fills them in."""
         if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
             raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
         pos = torch.tensor([self.held_tokens(lane) for lane in lanes], device=self.device)
         self.ctx_len[torch.tensor(lanes, device=self.device)] += 1
         self.stats.decode_tokens += len(lanes)
-        for lane, token in zip(lanes, tokens):
+        for lane, token in zip(lanes, tokens if tokens is not None else [UNKNOWN_TOKEN] * len(lanes)):
             self.lane_tokens[lane].append(token)
         if self.speculator is not None:  # a plain step leaves the drafter behind: no more drafting here
             for lane in lanes:
                 self.speculator.mark_stale(lane)
         return pos
 
-    def decode_step(self, lanes: list[int], tokens: list[int]) -> torch.Tensor:
-        """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled)."""
+    def decode_step(self, lanes: list[int], tokens: list[int] | None, device_tokens: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled).
+        With `device_tokens` ([B] on the device, tokens None) the step is chained behind the one that picks
+        them: nothing waits for the host, which tells the tokens afterwards (record_fed_tokens)."""
         lanes_t = torch.tensor(lanes, device=self.device)
-        pos = self._advance(lanes, tokens)[:, None]
-        toks = torch.tensor(tokens, device=self.device)[:, None]
+        pos = self._advance(lanes, None if device_tokens is not None else tokens)[:, None]
+        toks = device_tokens.long()[:, None] if device_tokens is not None else \
+            torch.tensor(tokens, device=self.device)[:, None]
         if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
             shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
             logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
         else:
             logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()
+
+    def record_fed_tokens(self, lanes: list[int], tokens: list[int]) -> None:
+        """The host's copy of the tokens a chained decode step fed these lanes (its last token each)."""
+        for lane, token in zip(lanes, tokens):
+            held = self.lane_tokens[lane]
+            if held and held[-1] == UNKNOWN_TOKEN:
+                held[-1] = token
 
     def _ride_forward(self, all_lanes, toks, pos, rider_toks, rider_pos):
         """A prefill chunk of lane all_lanes[0] with one decode row for each of all_lanes[1:]."""

@@ -110,7 +110,7 @@ class ScriptedEngine(FakeEngine):
 
         return chunks()
 
-    def decode_step(self, lanes, tokens):
+    def decode_step(self, lanes, tokens, device_tokens=None):
         time.sleep(0.001)
         rows = []
         for lane in lanes:

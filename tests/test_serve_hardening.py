@@ -68,11 +68,16 @@ class FakeEngine:
 
         return chunks()
 
-    def decode_step(self, lanes, tokens):
+    def decode_step(self, lanes, tokens, device_tokens=None):
         time.sleep(self.step_s)
+        if device_tokens is not None:  # a chained step: fed the tokens the scheduler picked on the device
+            tokens = device_tokens.tolist()
         for lane in lanes:
             self.held[lane] += 1
         return torch.stack([self.logits(t) for t in tokens])
+
+    def record_fed_tokens(self, lanes, tokens):
+        pass
 
 
 class Running:

@@ -270,3 +270,55 @@ def test_thinking_conversation_resumes_at_the_turn_checkpoint(artifact):
         assert reused() - before >= 8  # at least the system turn and the first user turn
     finally:
         srv.stop()
+
+
+def test_chained_decode_answers_like_step_by_step(artifact, monkeypatch):
+    """Chained decode (each step launched before the host reads the previous one's tokens, picked on the
+    device) gives every client the tokens the step-by-step scheduler gives: greedy and seeded sampling
+    side by side, lanes ending at different lengths; the next turn still reuses the lane's prefix."""
+    import runtime.serve.launch as launch
+    import runtime.serve.scheduler as scheduler_module
+    from runtime.engine import UNKNOWN_TOKEN
+
+    made = []
+
+    class Recorded(scheduler_module.Scheduler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(launch, "Scheduler", Recorded)
+    asks = [("alpha beta", 0, None, 9), ("the quick brown fox", 0.8, 1234, 12), ("def add(a, b):", 0, None, 5)]
+
+    def answers(chain: bool):
+        monkeypatch.setattr(scheduler_module, "DECODE_CHAIN", chain)
+        srv = _Server(artifact, lanes=3)
+        try:
+            client = _oa(srv)
+
+            def ask(spec):
+                prompt, temperature, seed, n = spec
+                r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=n, temperature=temperature, seed=seed, extra_body=NO_THINK)
+                return r.choices[0].message.content, r.usage.completion_tokens
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                together = list(pool.map(ask, asks))
+            history = [{"role": "user", "content": "the quick brown fox"}]
+            first = client.chat.completions.create(model="tiny", messages=history, max_tokens=6, temperature=0,
+                                                   extra_body=NO_THINK)
+            history += [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "and then?"}]
+            second = client.chat.completions.create(model="tiny", messages=history, max_tokens=3, temperature=0,
+                                                    extra_body=NO_THINK)
+            # the host learnt every token a chained step fed (prefix reuse compares them with the next prompt)
+            assert all(UNKNOWN_TOKEN not in held for held in made[-1].engine.lane_tokens)
+            return together, second.usage.prompt_tokens_details.cached_tokens, made[-1].stats["chained_steps"]
+        finally:
+            srv.stop()
+
+    chained, chained_reuse, steps = answers(True)
+    plain, plain_reuse, no_steps = answers(False)
+    assert chained == plain
+    assert steps > 0 and no_steps == 0
+    assert chained_reuse >= plain_reuse > 0

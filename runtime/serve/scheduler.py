@@ -18,6 +18,7 @@ a JSON schema's token mask); such lanes take plain decode steps.
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..engine import Riders
-from ..kernels.sampling import SamplingParams, pick_token
+from ..kernels.sampling import SamplingParams, pick_token, sample
 
 
 class QueueFull(RuntimeError):
@@ -108,6 +109,25 @@ def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[t
     return float(lp[token]), alternatives
 
 
+@dataclass
+class _Chained:
+    """A decode step launched but not yet read back: its lanes (and the requests then holding them), the
+    tokens it picked on the device (the next step's input) and their copy on its way to the host."""
+    lanes: list[int]
+    states: list[_Lane]
+    picked: torch.Tensor  # [B] int64 on the device
+    host: torch.Tensor  # [B] int64, pinned on a GPU
+    ready: object | None  # a CUDA event recorded after the copy (None on the CPU: the copy is done)
+
+
+# Chained decode (default on): while the same lanes keep decoding with tokens the device can pick itself
+# (greedy or plain sampling: no grammar, bans, forced tokens, logprobs or thinking budget; no speculation),
+# each step is launched before the previous step's tokens reach the host, so detokenizing, parsing and
+# streaming them runs while the GPU computes. A lane that ends has had one more token computed (its
+# cache holds it: lane_tokens say so). NINFER_DECODE_CHAIN=off for side-by-side runs.
+DECODE_CHAIN = os.environ.get("NINFER_DECODE_CHAIN", "on") != "off"
+
+
 class SchedulerDead(RuntimeError):
     """The worker loop stopped on an error it could not contain; the server must be restarted."""
 
@@ -126,6 +146,8 @@ class Scheduler:
         self.on_fatal = on_fatal
         self.stats = collections.Counter()
         self.riders = Riders()  # decode rows offered to each prefill chunk (Engine.prefill_chunks)
+        self.chain = DECODE_CHAIN
+        self.chained: _Chained | None = None  # the decode step in flight, when chaining
         self.thread = threading.Thread(target=self._supervised, name="ninfer-scheduler", daemon=True)
         self.thread.start()
 
@@ -205,6 +227,7 @@ class Scheduler:
                 self._step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the server down
                 traceback.print_exc(file=sys.stderr)
+                self.chained = None
                 for lane in list(self.lanes):
                     self._finish(lane, "error", f"engine failure: {type(exc).__name__}")
 
@@ -336,10 +359,77 @@ class Scheduler:
                         self._emit(lane, tok)
         return [lane for lane in decoding if lane not in spec]
 
+    def _chainable(self, lanes: list[int]) -> bool:
+        """These lanes' next step can be launched before the host sees their current tokens."""
+        eng = self.engine
+        limit = eng.opts.max_context - 2  # the chained step's token must fit, with one more after it
+        return self.chain and eng.speculator is None and bool(lanes) and all(
+            not self.lanes[lane].constrained() and eng.held_tokens(lane) < limit for lane in lanes)
+
+    def _pick_on_device(self, lanes: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Every lane's next token as the host path would pick it (argmax, or the lane's sampler with its
+        generator and counts), left on the device."""
+        picked = logits.argmax(-1)
+        for row, lane in enumerate(lanes):
+            state = self.lanes[lane]
+            if state.request.params is not None:
+                token = sample(logits[row][None].float(), state.request.params, state.counts, state.generator)
+                picked[row] = token[0]
+                if state.counts is not None:
+                    state.counts[0].index_put_((token.long(),), torch.ones_like(token), accumulate=True)
+        return picked
+
+    def _chain_step(self, lanes: list[int]) -> None:
+        """Launch the next decode step of these lanes (fed on the device by the step in flight, if any),
+        then hand the in-flight step's tokens to their clients while the GPU runs the new one."""
+        previous = self.chained
+        if previous is None:
+            logits = self.engine.decode_step(lanes, [self.lanes[lane].last_token for lane in lanes])
+        else:
+            logits = self.engine.decode_step(lanes, None, device_tokens=previous.picked)
+        picked = self._pick_on_device(lanes, logits)
+        cuda = picked.is_cuda
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
+        host.copy_(picked, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.chained = _Chained(lanes, [self.lanes[lane] for lane in lanes], picked, host, ready)
+        if previous is not None:
+            self.stats["chained_steps"] += 1
+            tokens = self._read_back(previous)
+            self.engine.record_fed_tokens(lanes, tokens)
+            self._hand_out(previous, tokens)
+
+    @staticmethod
+    def _read_back(step: _Chained) -> list[int]:
+        if step.ready is not None:
+            step.ready.synchronize()
+        return step.host.tolist()
+
+    def _hand_out(self, step: _Chained, tokens: list[int]) -> None:
+        for lane, state, token in zip(step.lanes, step.states, tokens):
+            if self.lanes.get(lane) is state:  # (a lane that ended, or now holds another request, drops it)
+                self._pick_and_emit(lane, None, token)
+
+    def _settle(self) -> None:
+        """End the chain: the in-flight step's tokens go to their clients; no step is launched behind it."""
+        step, self.chained = self.chained, None
+        if step is not None:
+            self._hand_out(step, self._read_back(step))
+
     def _step(self) -> None:
         for lane, state in list(self.lanes.items()):
             if state.request.cancelled:
                 self._finish(lane, "cancelled", None)
+        if self.chained is not None:
+            # the chain goes on only over the same requests, none prefilling, each still chainable
+            same = all(self.lanes.get(lane) is state for lane, state in zip(self.chained.lanes, self.chained.states))
+            if same and len(self.lanes) == len(self.chained.lanes) and self._chainable(self.chained.lanes):
+                self._chain_step(self.chained.lanes)
+                return
+            self._settle()
         rode: set[int] = set()
         for lane, state in list(self.lanes.items()):
             if lane not in self.lanes or state.last_token is not None:
@@ -371,14 +461,18 @@ class Scheduler:
             decoding = self._speculate(decoding)
             if not decoding:
                 return
+        if not rode and len(decoding) == len(self.lanes) and self._chainable(decoding):
+            self._chain_step(decoding)
+            return
         logits = self.engine.decode_step(decoding, [self.lanes[lane].last_token for lane in decoding])
         argmaxes = self._argmaxes(decoding, logits)
         for row, lane in enumerate(decoding):
             self._pick_and_emit(lane, logits[row], argmaxes[row])
 
-    def _pick_and_emit(self, lane: int, logits: torch.Tensor, argmax: int | None = None) -> None:
+    def _pick_and_emit(self, lane: int, logits: torch.Tensor | None, argmax: int | None = None) -> None:
         """Sample this lane's next token and hand it to its client; a failure here (its sampling
-        values, its callback) ends this lane's request alone."""
+        values, its callback) ends this lane's request alone. logits None: `argmax` is the token the
+        device already picked (a chained step)."""
         try:
             state = self.lanes[lane]
             forced = bool(state.forced) and not state.thinking  # (a spent budget implies thinking)
@@ -386,6 +480,8 @@ class Scheduler:
                 token = state.request.think_end
             elif forced:  # a required call's opening (a grammar, if any, starts after it)
                 token = state.forced.pop(0)
+            elif logits is None:
+                token = argmax
             else:
                 token = self._pick(state, logits, argmax)
             if state.request.logprobs is not None:
