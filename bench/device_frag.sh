@@ -16,6 +16,7 @@
 #                        bash bench/device_frag.sh s28       # MoE + weight cache GPU tests; the 4-client server with
 #                                                            # its engine/wall split; 1 vs 4 lanes kernel by kernel
 #                        bash bench/device_frag.sh chain     # the 4-client server with chained decode off / on
+#                        bash bench/device_frag.sh s28b      # MoE GPU tests, 1 vs 4 lanes by kernel, server chain off/on
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -205,6 +206,17 @@ chain)  # session 28: chained decode steps in the server, side by side in one se
       --json "$OUT/chain-serve4-$tokens.json" 2>&1 | grep -v "^{" | tail -7
     echo "serve $tokens t=$(el)"
   done
+  ;;
+s28b)  # session 28's third call (~330 s)
+  timeout 100 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
+    grep -E "passed|failed|Error|assert|SKIP" | tail -6
+  echo "tests t=$(el)"
+  timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28b-profile-lanes.json" decode bf16 1,4 2>&1 | \
+    grep -A14 "lane(s): kernel time" | head -16
+  echo "profile t=$(el)"
+  timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --chain both \
+    --json "$OUT/s28b-serve4-128.json" 2>&1 | grep -v "^{" | tail -7
+  echo "serve t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

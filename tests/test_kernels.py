@@ -361,8 +361,8 @@ def test_causal_conv1d_lanes(t):
     from runtime.kernels.conv1d import causal_conv1d_lanes, causal_conv1d_reference
 
     b, c = 2, 300
-    wide = torch.randn(b, t, c + 9, device=DEVICE).to(DTYPE)
-    x = wide[..., :c]
+    wide = torch.randn(b * t, c + 9, device=DEVICE).to(DTYPE)
+    x = wide[:, :c].reshape(b, t, c)  # as the engine's qkv (a column slice of qkvz): at t = 1 strides (c + 9, c, 1)
     stack = torch.randn(3, t + 2, 3, c, device=DEVICE).to(DTYPE)
     lanes = torch.tensor([2, 0], device=DEVICE, dtype=torch.int32)
     w = torch.randn(c, 4, device=DEVICE).to(DTYPE)

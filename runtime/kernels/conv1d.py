@@ -131,8 +131,12 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     if torch_path(x):
         y = causal_conv1d_lanes_reference(x, stack, lanes, weight, snapshot)
         return out.copy_(y) if out is not None else y
-    if x.stride(-1) != 1 or x.stride(0) != t * x.stride(1):
+    # the kernel steps rows (b, s) by one stride: one row per lane (decode) takes the lanes' own stride, so a
+    # column slice of a wider product (qkv of qkvz) needs no copy — on the GPU a launch per layer for 2+ lanes
+    row_stride = x.stride(0) if t == 1 else x.stride(1)
+    if x.stride(-1) != 1 or (t > 1 and x.stride(0) != t * x.stride(1)):
         x = x.contiguous()
+        row_stride = x.stride(1)
     y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
     block = 1024 if interpreted() else 256
     # snapshots and short blocks step through time in one program; long blocks in chunks side by side,
@@ -140,7 +144,7 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     t_chunk = t if snapshot or t <= CONV_TIME_CHUNK else CONV_TIME_CHUNK
     chunks = triton.cdiv(t, t_chunk)
     _conv4_lanes_kernel[(bsz, triton.cdiv(c, block), chunks)](
-        x, stack, lanes, weight, y, t, c, stack.shape[1], x.stride(1), t_chunk, BLOCK_C=block, SNAPSHOT=snapshot,
+        x, stack, lanes, weight, y, t, c, stack.shape[1], row_stride, t_chunk, BLOCK_C=block, SNAPSHOT=snapshot,
         WRITE_STATE=chunks == 1, **LAUNCH)
     if chunks > 1:  # t > 3 here: the new window is the block's last three inputs
         stack[lanes.long(), 0] = x[:, t - 3 :].to(stack.dtype)
