@@ -17,6 +17,7 @@
 #                                                            # its engine/wall split; 1 vs 4 lanes kernel by kernel
 #                        bash bench/device_frag.sh chain     # the 4-client server with chained decode off / on
 #                        bash bench/device_frag.sh s28b      # MoE GPU tests, 1 vs 4 lanes by kernel, server chain off/on
+#                        bash bench/device_frag.sh s28c      # server smoke on cuda (chained decode), GPU engine tests
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -217,6 +218,13 @@ s28b)  # session 28's third call (~330 s)
   timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --chain both \
     --json "$OUT/s28b-serve4-128.json" 2>&1 | grep -v "^{" | tail -7
   echo "serve t=$(el)"
+  ;;
+s28c)  # session 28's last call (~400 s): every API through the server on cuda; the engine and speculation GPU tests
+  timeout 150 python bench/serve_smoke.py /tmp/smoke 2>&1 | tail -14
+  echo "smoke t=$(el)"
+  timeout 230 python -m pytest -q -rs -p no:cacheprovider -x tests/test_engine.py tests/test_speculative.py 2>&1 | \
+    grep -E "passed|failed|Error|assert|SKIP" | tail -8
+  echo "tests t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
