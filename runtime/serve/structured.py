@@ -27,7 +27,7 @@ class StructuredOutputError(ValueError):
 class GrammarCompiler:
     """Server-wide: the tokenizer as llguidance sees it, built once on first use (~1 s at 248K tokens)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_id: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_id: list[int]):
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
         self._lltok = None
         self._lock = threading.Lock()
@@ -37,8 +37,14 @@ class GrammarCompiler:
             if self._lltok is None:
                 import llguidance
 
-                self._lltok = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_id)
+                try:  # every stop token may end the answer
+                    self._lltok = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos_id)
+                except TypeError:  # older llguidance (1.6 on the H100 of session 28) takes one end token: the
+                    # end of turn where the model has one, which is how a chat answer ends
+                    turn_end = self.tokenizer.token_to_id("<|im_end|>")
+                    self._lltok = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=turn_end if turn_end in self.eos_id else self.eos_id[0])
             return self._lltok
 
     def matcher(self, schema: dict, where: str):
