@@ -204,6 +204,29 @@ def test_a_failing_request_does_not_touch_its_neighbour(srv):
     assert srv.healthy()
 
 
+def test_chained_decode_hands_each_request_only_its_own_tokens():
+    """Six requests of different lengths through two lanes: a lane ends while its chained step is in flight
+    and the next request takes the lane; every answer is its answer alone, and the steps were chained."""
+    s = Running(lanes=2, max_pending=8, step_s=0.004)
+    try:
+        asks = [(f"request {i} " + "word " * i, 3 + 4 * i) for i in range(6)]
+
+        def content(ask):
+            r = s.chat(ask[0], max_tokens=ask[1])
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]  # (the fake model's text is all reasoning)
+            return message.get("reasoning_content"), message["content"], r.json()["usage"]["completion_tokens"]
+
+        alone = [content(a) for a in asks]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(content, asks))
+        assert together == alone
+        assert [n for *_, n in alone] == [n for _, n in asks] and all(reasoning for reasoning, *_ in alone)
+        assert s.scheduler.stats["chained_steps"] > 0
+    finally:
+        s.stop()
+
+
 def test_admission_is_bounded_at_arrival():
     s = Running(lanes=1, max_pending=1, step_s=0.02)
     try:
