@@ -18,6 +18,7 @@
 #                        bash bench/device_frag.sh chain     # the 4-client server with chained decode off / on
 #                        bash bench/device_frag.sh s28b      # MoE GPU tests, 1 vs 4 lanes by kernel, server chain off/on
 #                        bash bench/device_frag.sh s28c      # server smoke on cuda (chained decode), GPU engine tests
+#                        bash bench/device_frag.sh pieces    # padded prompt-piece graphs: GPU test, 4-client server off/on
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -225,6 +226,17 @@ s28c)  # session 28's last call (~400 s): every API through the server on cuda; 
   timeout 230 python -m pytest -q -rs -p no:cacheprovider -x tests/test_engine.py tests/test_speculative.py 2>&1 | \
     grep -E "passed|failed|Error|assert|SKIP" | tail -8
   echo "tests t=$(el)"
+  ;;
+pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces padded to a graph bucket) on the
+  # GPU: its engine test, then the 4-client server without and with it (first text, aggregate)
+  NINFER_PIECE_GRAPHS=on timeout 120 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py \
+    -k "padded_prompt or ride" 2>&1 | grep -E "passed|failed|Error|assert|SKIP" | tail -6
+  echo "tests t=$(el)"
+  for pieces in off on; do
+    NINFER_PIECE_GRAPHS=$pieces timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 \
+      --json "$OUT/pieces-$pieces.json" 2>&1 | grep -v "^{" | tail -3
+    echo "serve pieces $pieces t=$(el)"
+  done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

@@ -57,6 +57,15 @@ WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
 # the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
 # in the combine) or "separate" (a launch each, for side-by-side runs)
 ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
+# Prompt pieces shorter than the shared chunk (a short prompt, the tail of a long one) run eagerly: ~100 ms of
+# launches for the 27B whatever their length (H100, session 28), while decoding lanes wait. With
+# NINFER_PIECE_GRAPHS=on such a piece is padded to the next of PIECE_BUCKETS and replayed from a CUDA graph per
+# bucket: pad rows get GDN decay 1 and beta 0 (the recurrence skips them), the conv window is taken after the
+# real rows, their K/V lands past the lane's length (overwritten later) and the logits are the last real row's.
+# Opt-in until measured on the GPU.
+PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "off") == "on"
+PIECE_BUCKETS = (32, 64, 128, 256, 512)
+PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
 class DenseLinear:
@@ -311,6 +320,7 @@ class Engine:
         # tokens covered by the lane's turn checkpoint (0 = none): its KV prefix plus the GDN state
         # saved in checkpoint_slot, so a prompt that diverges later can resume there
         self.checkpoint_at = [0] * lanes
+        self.piece_graphs = PIECE_GRAPHS
         # the speculative decoder (runtime/speculate.py), None without --spec
         self.speculator = None
         if self.opts.spec == "mtp":
@@ -440,7 +450,7 @@ class Engine:
         for name, val in codec.encode(k.float(), v.float()).items():
             pool[name][page, slot] = val
 
-    def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None, riders=None):
+    def _gdn(self, i, h, lanes_idx, t, snapshot=False, xq=None, riders=None, pad=None, real_rows=None):
         """Gated DeltaNet mixer of layer i; `xq`: h as the first product's dp4a words; `riders`: lanes with
         one decode row each after the chunk's rows (their products shared with it, their recurrence
         separate). The result may be the output product's SplitPartials: pass it to rmsnorm, which sums them."""
@@ -450,7 +460,7 @@ class Engine:
         hv = c.linear_num_value_heads
         alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
         projections = None
-        if h.shape[0] <= PROJECT_MAX_ROWS and riders is None and isinstance(alpha_w, DenseLinear) \
+        if h.shape[0] <= PROJECT_MAX_ROWS and riders is None and pad is None and isinstance(alpha_w, DenseLinear) \
                 and isinstance(beta_w, DenseLinear):
             # decode / verify: the recurrence kernel multiplies them itself (a launch less)
             alpha = beta = None
@@ -458,8 +468,12 @@ class Engine:
         else:
             alpha, beta = alpha_w(h), beta_w(h)
         main = len(lanes_idx) * t
+        if pad is not None:  # padding rows: decay 1 (alpha -> softplus 0) and beta 0 leave the recurrence as it was
+            alpha, beta = alpha.clone(), beta.clone()
+            alpha[:main].masked_fill_(pad[:, None], PAD_GATE)
+            beta[:main].masked_fill_(pad[:, None], PAD_GATE)
         o = self._gdn_mix(i, qkv[:main], alpha if alpha is None else alpha[:main], beta if beta is None else beta[:main],
-                          lanes_idx, t, snapshot, projections)
+                          lanes_idx, t, snapshot, projections, real_rows)
         if riders is not None:
             o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
             o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
@@ -468,13 +482,15 @@ class Engine:
         gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
-    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections):
-        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV]."""
+    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None):
+        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV].
+        `real_rows` (one lane): rows past it are padding, so the conv window kept is the one after the real rows."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
         j = self.gdn_slot[i]
         conv_stack = self.conv_stack[j]
         weight = self.vec[p + "convolution"]
+        window_before = conv_stack[lanes_idx, 0].clone() if real_rows is not None else None
         if c.conv_kernel == 4:
             # lane-indexed kernel: reads and writes the slot stack in place, snapshots included
             # inputs in the state's dtype (a no-op on the GPU), so carried and fresh rows round alike
@@ -488,6 +504,10 @@ class Engine:
                 conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
             x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
             conv_stack[lanes_idx, 0] = conv_state
+        if window_before is not None:  # the window after the real rows: inputs real_rows .. real_rows + W - 2 of [window, x]
+            seq = torch.cat([window_before, qkv.reshape(b, t, -1).to(window_before.dtype)], dim=1)
+            keep = real_rows + torch.arange(window_before.shape[1], device=seq.device)
+            conv_stack[lanes_idx, 0] = seq.index_select(1, keep)
         o = None
         if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None:
             try:
@@ -588,7 +608,8 @@ class Engine:
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False,
                 rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None,
-                taps: tuple[int, ...] = (), tap_rows: int | None = None, riders: tuple | None = None):
+                taps: tuple[int, ...] = (), tap_rows: int | None = None, riders: tuple | None = None,
+                real_rows: torch.Tensor | None = None):
         """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
         [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
         [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
@@ -600,9 +621,16 @@ class Engine:
         positions of each lane (default all), side by side: [B, tap_rows, len(taps) * H].
         `riders` = (lanes [R], tokens [R], positions [R]): decode lanes (not in `lanes_idx`, ctx_len already
         counting their token) whose one row each rides after this block's rows: every product reads its
-        weights once for both; their logits follow the block's: [B + R, V] (not with `all_logits` or taps)."""
+        weights once for both; their logits follow the block's: [B + R, V] (not with `all_logits` or taps).
+        `real_rows` ([1] on the device, one lane): the block's rows past it are padding (see PIECE_GRAPHS); the
+        logits are those of its last real row."""
         c = self.cfg
         b, t = tokens.shape
+        pad = None
+        if real_rows is not None:
+            if b != 1 or all_logits or taps or with_hidden or snapshot or image_rows is not None:
+                raise ValueError("padded rows come with one lane's plain text prefill piece only")
+            pad = torch.arange(t, device=tokens.device) >= real_rows
         ids = tokens.reshape(-1)
         pos = positions.reshape(-1).to(torch.int32)
         if riders is not None:
@@ -632,7 +660,8 @@ class Engine:
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
                                         lanes_idx, t, pos, rope_positions, slots, xq)
             else:
-                mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None)
+                mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None,
+                                  pad, real_rows)
             xq = None if c.is_moe else self._quantized_input(p + "mlp/gate_up", n)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq)
             y = self._ffn(p, h, xq)
@@ -642,14 +671,15 @@ class Engine:
             h, residual = rmsnorm(y, nxt, c.rms_norm_eps, residual=residual, xq=xq)
             if i in taps:
                 tapped[:, :, taps.index(i)] = (h if last else residual).view(b, t, -1)[:, t - r :]
+        block_last = h[: b * t].view(b, t, -1)[:, -1] if pad is None else h.index_select(0, real_rows - 1)
         if riders is not None:
-            last = torch.cat([h[: b * t].view(b, t, -1)[:, -1], h[b * t :]])
+            last = torch.cat([block_last, h[b * t :]])
             return self.head_logits(last.contiguous())
         hidden = h.view(b, t, -1)
         if all_logits:
             logits = self.head_logits(h).view(b, t, -1)
         else:
-            logits = self.head_logits(hidden[:, -1].contiguous())
+            logits = self.head_logits(block_last.contiguous())
         if taps:
             return logits, tapped.view(b, r, -1)
         return (logits, hidden) if with_hidden else logits
@@ -746,6 +776,8 @@ class Engine:
             if spec is not None:
                 logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra)
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
+            elif (bucket := self._piece_bucket(lane, start, len(piece), rope3)):
+                logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
             elif ride:
                 rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
                 rider_pos = self._advance(rider_lanes, rider_tokens)
@@ -773,6 +805,46 @@ class Engine:
                     spec.save_checkpoint(lane)
             start = stop
             yield logits[0] if stop == len(prompt) else None
+
+    def _piece_bucket(self, lane: int, start: int, n: int, rope3) -> int | None:
+        """The padded length a prompt piece of n tokens replays at (PIECE_GRAPHS), or None: run it as it is."""
+        if not self.piece_graphs or self.cfg.is_moe or rope3 is not None or self.rope_delta[lane] \
+                or (self.use_graphs and n >= self.shared_chunk):
+            return None
+        bucket = next((size for size in PIECE_BUCKETS if size >= n), None)
+        if bucket is None or start + bucket > self.plan.pages_per_lane * PAGE:  # pad K/V stays in the lane's pages
+            return None
+        return bucket
+
+    def _padded_piece(self, lane: int, piece: list[int], start: int, bucket: int, offered, riders) -> torch.Tensor:
+        """Prefill `piece` padded to `bucket` rows (with the offered decode rows riding, if any) from one CUDA
+        graph per (bucket, riders); returns the piece's last logits [1, V] and sets riders.logits."""
+        n = len(piece)
+        toks = torch.tensor([piece + [piece[-1]] * (bucket - n)], device=self.device)
+        pos = torch.arange(start, start + bucket, device=self.device)[None]
+        real = torch.tensor([n], device=self.device)
+        self.ctx_len[lane] = start + bucket  # the block's rows sit at ctx_len - bucket .. ctx_len - 1
+        if offered:
+            rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
+            rider_pos = self._advance(rider_lanes, rider_tokens)
+            riders.advanced = rider_lanes
+            self.stats.rider_tokens += len(rider_lanes)
+            inputs = (torch.tensor([lane] + rider_lanes, device=self.device), toks, pos,
+                      torch.tensor(rider_tokens, device=self.device), rider_pos, real)
+            both = self.run_step(("piece", bucket, len(rider_lanes)), self._ride_piece_forward, *inputs)
+            logits = both[:1].clone()
+            riders.logits = both[1:].clone()
+        else:
+            logits = self.run_step(("piece", bucket, 0), self._piece_forward, torch.tensor([lane], device=self.device),
+                                   toks, pos, real).clone()
+        self.ctx_len[lane] = start + n
+        return logits
+
+    def _piece_forward(self, lanes_t, toks, pos, real):
+        return self.forward(lanes_t, toks, pos, real_rows=real)
+
+    def _ride_piece_forward(self, all_lanes, toks, pos, rider_toks, rider_pos, real):
+        return self.forward(all_lanes[:1], toks, pos, riders=(all_lanes[1:], rider_toks, rider_pos), real_rows=real)
 
     def can_ride(self, lanes: list[int], prefilling: int) -> bool:
         """Whether these decode lanes' next rows can ride in a plain prefill chunk of lane `prefilling`."""
@@ -833,13 +905,14 @@ class Engine:
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
-            if key[0] == "ride" and self._ride_pool is None:
+            if key[0] in ("ride", "piece") and self._ride_pool is None:
                 self._ride_pool = torch.cuda.graph_pool_handle()
             # ride graphs (prefill-sized activations) share one memory pool: they replay one at a time
             try:
-                self._graphs[key] = self._capture(fn, lanes_t, inputs, self._ride_pool if key[0] == "ride" else None)
+                self._graphs[key] = self._capture(fn, lanes_t, inputs,
+                                                  self._ride_pool if key[0] in ("ride", "piece") else None)
             except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
-                if key[0] != "ride":
+                if key[0] not in ("ride", "piece"):
                     raise
                 print(f"ninfer: prefill chunks with decode rows run without a CUDA graph ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)

@@ -578,3 +578,51 @@ def test_weight_cache_keeps_layer_products_in_spare_memory(artifacts):
     prompt = (PROMPT * 3)[:33]
     got, want = engine.prefill(0, prompt).float().cpu(), off.prefill(0, prompt).float().cpu()
     assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 1e-2
+
+
+def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch):
+    """NINFER_PIECE_GRAPHS: a prompt piece shorter than the shared chunk padded to a graph bucket (pad rows with
+    GDN decay 1 and beta 0, the conv window after the real rows, logits of the last real row) leaves every
+    lane's logits, tokens, recurrent and conv state and length as the unpadded piece does, riders included."""
+    from runtime.engine import Riders
+
+    path = artifacts["dense-q4"]
+    long = [(i * 37 + 11) % 380 for i in range(100)]
+    short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
+
+    def run(padded: bool):
+        engine = Engine(path, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128,
+                                          shared_prefill_chunk=32), device=DEVICE)
+        engine.piece_graphs = padded
+        pieces = []
+        real = engine._padded_piece
+        monkeypatch.setattr(engine, "_padded_piece", lambda lane, piece, *a: pieces.append((len(piece), a[1])) or
+                            real(lane, piece, *a))
+        decoded = [int(engine.prefill(1, short).argmax())]  # 10 tokens: padded to 32, nobody riding
+        riders = Riders()
+        chunks = engine.prefill_chunks(0, long, riders=riders)
+        last = None
+        while last is None:  # 32, 32, 32 and a 4-token tail padded to 32, lane 1 riding each
+            riders.offer([1], [decoded[-1]])
+            last = next(chunks)
+            decoded.append(int(riders.logits[0].argmax()))
+        states = [stack[:, :2, 0].clone() for stack in (engine.conv_stack, engine.rec_stack)]
+        lengths = engine.ctx_len.tolist()
+        tail = engine.decode_step([0, 1], [int(last.argmax()), decoded[-1]])
+        return pieces, decoded, last, tail, states, lengths
+
+    pieces, decoded, last, tail, states, lengths = run(True)
+    plain_pieces, plain_decoded, plain_last, plain_tail, plain_states, plain_lengths = run(False)
+    full = [] if DEVICE == "cuda" else [(32, 32)] * 3  # with CUDA graphs full shared chunks keep their ride graph
+    assert pieces == [(10, 32)] + full + [(4, 32)] and plain_pieces == []
+    assert lengths == plain_lengths == [100, len(short) + 4]
+    if DEVICE == "cpu":  # float32: the same numbers
+        assert decoded == plain_decoded == _reference(path, short, 5)
+        torch.testing.assert_close(last, plain_last, atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(tail, plain_tail, atol=2e-4, rtol=2e-4)
+        for got, want in zip(states, plain_states):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:  # bf16: a 10-row piece multiplies on the row kernels, its 32-row padding on the GEMM (other roundings)
+        for got, want in [(last, plain_last), (tail, plain_tail)] + list(zip(states, plain_states)):
+            got, want = got.float(), want.float()
+            assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < GPU_LOGIT_REL_RMS
