@@ -227,6 +227,27 @@ def test_chained_decode_hands_each_request_only_its_own_tokens():
         s.stop()
 
 
+def test_chained_decode_stops_where_a_thinking_budget_closes_the_block():
+    """A thinking budget: the chain runs while the budget lasts and ends before the host emits </think> in
+    place of the model's token, so the token the next step is fed is </think>: the same answer as unchained."""
+    s = Running(lanes=2, max_pending=4, step_s=0.002)
+    try:
+        def ask():
+            r = httpx.post(s.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "think about it"}], "max_tokens": 16, "thinking_budget": 6,
+                "temperature": 0}, timeout=60).json()
+            return r["choices"][0]["message"], r["usage"]["completion_tokens_details"]["reasoning_tokens"]
+
+        chained = ask()
+        steps = s.scheduler.stats["chained_steps"]
+        s.scheduler.chain = False
+        plain = ask()
+        assert chained == plain and chained[1] == 6 and chained[0]["content"]
+        assert steps > 0
+    finally:
+        s.stop()
+
+
 def test_admission_is_bounded_at_arrival():
     s = Running(lanes=1, max_pending=1, step_s=0.02)
     try:

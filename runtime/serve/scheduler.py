@@ -92,6 +92,14 @@ class _Lane:
         budget = self.request.thinking_budget
         return self.thinking and budget is not None and self.reasoning >= budget
 
+    def chain_ready(self) -> bool:
+        """The device may pick this lane's next tokens ahead of the host (chained decode): the host imposes
+        nothing on them (grammar, bans, forced tokens, logprobs) and no thinking budget is spent (the host
+        then emits </think> instead of the model's token, so the token handed out next must be the model's)."""
+        r = self.request
+        return not self.forced and not r.banned_ids and r.logprobs is None and r.grammar is None \
+            and not self.budget_spent()
+
     def constrained(self) -> bool:
         """Decoding this lane needs the scheduler's token choice (no speculative rounds)."""
         return (self.thinking and self.request.thinking_budget is not None) or bool(self.forced) or \
@@ -121,7 +129,7 @@ class _Chained:
 
 
 # Chained decode (default on): while the same lanes keep decoding with tokens the device can pick itself
-# (greedy or plain sampling: no grammar, bans, forced tokens, logprobs or thinking budget; no speculation),
+# (greedy or plain sampling: no grammar, bans, forced tokens or logprobs, no spent thinking budget; no speculation),
 # each step is launched before the previous step's tokens reach the host, so detokenizing, parsing and
 # streaming them runs while the GPU computes. A lane that ends has had one more token computed (its
 # cache holds it: lane_tokens say so). NINFER_DECODE_CHAIN=off for side-by-side runs.
@@ -364,7 +372,7 @@ class Scheduler:
         eng = self.engine
         limit = eng.opts.max_context - 2  # the chained step's token must fit, with one more after it
         return self.chain and eng.speculator is None and bool(lanes) and all(
-            not self.lanes[lane].constrained() and eng.held_tokens(lane) < limit for lane in lanes)
+            self.lanes[lane].chain_ready() and eng.held_tokens(lane) < limit for lane in lanes)
 
     def _pick_on_device(self, lanes: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Every lane's next token as the host path would pick it (argmax, or the lane's sampler with its
