@@ -779,18 +779,14 @@ class Engine:
             elif (bucket := self._piece_bucket(lane, start, len(piece), rope3)):
                 logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
             elif ride:
-                rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
-                rider_pos = self._advance(rider_lanes, rider_tokens)
-                riders.advanced = rider_lanes  # counted: if the forward fails, their state is lost too
-                self.stats.rider_tokens += len(rider_lanes)
+                all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)
                 # a full shared chunk is a fixed shape: one CUDA graph per rider count (small chunks are
                 # launch-bound when eager: ~140 ms for any chunk up to 1,024 tokens on the 27B, run 30)
-                inputs = (torch.tensor([lane] + rider_lanes, device=self.device), toks, pos,
-                          torch.tensor(rider_tokens, device=self.device), rider_pos)
+                inputs = (all_lanes, toks, pos, rider_toks, rider_pos)
                 if self.cfg.is_moe or len(piece) != self.shared_chunk:  # MoE prefill path, odd tail pieces: eager
                     both = self._ride_forward(*inputs)
                 else:
-                    both = self.run_step(("ride", len(piece), len(rider_lanes)), self._ride_forward, *inputs)
+                    both = self.run_step(("ride", len(piece), len(offered)), self._ride_forward, *inputs)
                 logits = both[:1].clone()
                 riders.logits = both[1:].clone()
             else:
@@ -825,13 +821,9 @@ class Engine:
         real = torch.tensor([n], device=self.device)
         self.ctx_len[lane] = start + bucket  # the block's rows sit at ctx_len - bucket .. ctx_len - 1
         if offered:
-            rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
-            rider_pos = self._advance(rider_lanes, rider_tokens)
-            riders.advanced = rider_lanes
-            self.stats.rider_tokens += len(rider_lanes)
-            inputs = (torch.tensor([lane] + rider_lanes, device=self.device), toks, pos,
-                      torch.tensor(rider_tokens, device=self.device), rider_pos, real)
-            both = self.run_step(("piece", bucket, len(rider_lanes)), self._ride_piece_forward, *inputs)
+            all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)
+            both = self.run_step(("piece", bucket, len(offered)), self._ride_piece_forward, all_lanes, toks, pos,
+                                 rider_toks, rider_pos, real)
             logits = both[:1].clone()
             riders.logits = both[1:].clone()
         else:
@@ -839,6 +831,16 @@ class Engine:
                                    toks, pos, real).clone()
         self.ctx_len[lane] = start + n
         return logits
+
+    def _take_riders(self, lane: int, offered, riders: Riders) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Count the offered decode rows into this forward of `lane`'s prefill: returns the lanes [1 + R] (the
+        prefilling one first), the riders' tokens [R] and positions [R] on the device."""
+        rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
+        rider_pos = self._advance(rider_lanes, rider_tokens)
+        riders.advanced = rider_lanes  # counted: if the forward fails, their state is lost too
+        self.stats.rider_tokens += len(rider_lanes)
+        return (torch.tensor([lane] + rider_lanes, device=self.device), torch.tensor(rider_tokens, device=self.device),
+                rider_pos)
 
     def _piece_forward(self, lanes_t, toks, pos, real):
         return self.forward(lanes_t, toks, pos, real_rows=real)
@@ -905,14 +907,14 @@ class Engine:
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
-            if key[0] in ("ride", "piece") and self._ride_pool is None:
+            prefill_sized = key[0] in ("ride", "piece")
+            if prefill_sized and self._ride_pool is None:
                 self._ride_pool = torch.cuda.graph_pool_handle()
-            # ride graphs (prefill-sized activations) share one memory pool: they replay one at a time
+            # ride and piece graphs (prefill-sized activations) share one memory pool: they replay one at a time
             try:
-                self._graphs[key] = self._capture(fn, lanes_t, inputs,
-                                                  self._ride_pool if key[0] in ("ride", "piece") else None)
+                self._graphs[key] = self._capture(fn, lanes_t, inputs, self._ride_pool if prefill_sized else None)
             except Exception as exc:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
-                if key[0] not in ("ride", "piece"):
+                if not prefill_sized:
                     raise
                 print(f"ninfer: prefill chunks with decode rows run without a CUDA graph ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)

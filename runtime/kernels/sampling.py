@@ -137,15 +137,22 @@ def sample(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
     return out
 
 
+def pick_token_on_device(logits: torch.Tensor, params: SamplingParams | None, counts: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+    """pick_token without the host: the token as a 0-d tensor on the logits' device (counted there too)."""
+    if params is None:
+        return torch.argmax(logits)
+    token = sample(logits[None].float(), params, counts, generator)[0]
+    if counts is not None:
+        counts[0].index_put_((token.reshape(1).long(),), torch.ones(1, dtype=counts.dtype, device=counts.device),
+                             accumulate=True)
+    return token
+
+
 def pick_token(logits: torch.Tensor, params: SamplingParams | None, counts: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> int:
     """One token from one row of logits [V]: argmax without params, else the sampler; counts the pick."""
-    if params is None:
-        return int(torch.argmax(logits))
-    token = int(sample(logits[None].float(), params, counts, generator)[0])
-    if counts is not None:
-        counts[0, token] += 1
-    return token
+    return int(pick_token_on_device(logits, params, counts, generator))
 
 
 def sample_reference(logits, params: SamplingParams, counts=None, noise=None):

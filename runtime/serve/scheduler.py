@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..engine import Riders
-from ..kernels.sampling import SamplingParams, pick_token, sample
+from ..kernels.sampling import SamplingParams, pick_token, pick_token_on_device
 
 
 class QueueFull(RuntimeError):
@@ -381,10 +381,7 @@ class Scheduler:
         for row, lane in enumerate(lanes):
             state = self.lanes[lane]
             if state.request.params is not None:
-                token = sample(logits[row][None].float(), state.request.params, state.counts, state.generator)
-                picked[row] = token[0]
-                if state.counts is not None:
-                    state.counts[0].index_put_((token.long(),), torch.ones_like(token), accumulate=True)
+                picked[row] = pick_token_on_device(logits[row], state.request.params, state.counts, state.generator)
         return picked
 
     def _chain_step(self, lanes: list[int]) -> None:

@@ -37,14 +37,15 @@ class GrammarCompiler:
             if self._lltok is None:
                 import llguidance
 
+                def build(eos):
+                    return llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+
                 try:  # every stop token may end the answer
-                    self._lltok = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=self.eos_id)
+                    self._lltok = build(self.eos_id)
                 except TypeError:  # older llguidance (1.6 on the H100 of session 28) takes one end token: the
                     # end of turn where the model has one, which is how a chat answer ends
                     turn_end = self.tokenizer.token_to_id("<|im_end|>")
-                    self._lltok = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=turn_end if turn_end in self.eos_id else self.eos_id[0])
+                    self._lltok = build(turn_end if turn_end in self.eos_id else self.eos_id[0])
             return self._lltok
 
     def matcher(self, schema: dict, where: str):
