@@ -96,14 +96,17 @@ class _Lane:
         """The device may pick this lane's next tokens ahead of the host (chained decode): the host imposes
         nothing on them (grammar, bans, forced tokens, logprobs) and no thinking budget is spent (the host
         then emits </think> instead of the model's token, so the token handed out next must be the model's)."""
+        return not self.host_imposed() and not self.budget_spent()
+
+    def host_imposed(self) -> bool:
+        """The host shapes this lane's tokens: forced tokens, bans, logprobs or a grammar."""
         r = self.request
-        return not self.forced and not r.banned_ids and r.logprobs is None and r.grammar is None \
-            and not self.budget_spent()
+        return bool(self.forced) or bool(r.banned_ids) or r.logprobs is not None or r.grammar is not None
 
     def constrained(self) -> bool:
-        """Decoding this lane needs the scheduler's token choice (no speculative rounds)."""
-        return (self.thinking and self.request.thinking_budget is not None) or bool(self.forced) or \
-            bool(self.request.banned_ids) or self.request.logprobs is not None or self.request.grammar is not None
+        """Decoding this lane needs the scheduler's token choice (no speculative rounds): a round could also
+        run past a thinking budget that is not yet spent."""
+        return (self.thinking and self.request.thinking_budget is not None) or self.host_imposed()
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
