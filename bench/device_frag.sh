@@ -234,7 +234,7 @@ pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces p
   echo "tests t=$(el)"
   for pieces in off on; do
     NINFER_PIECE_GRAPHS=$pieces timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 \
-      --json "$OUT/pieces-$pieces.json" 2>&1 | grep -v "^{" | tail -3
+      --json "$OUT/pieces-$pieces.json" 2>&1 | grep -v "^{" | tail -5
     echo "serve pieces $pieces t=$(el)"
   done
   ;;

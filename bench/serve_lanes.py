@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -189,7 +190,9 @@ def main() -> None:
                 "wall_ms_per_step": 1000 * wall / steps}
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
-        together(n)
+        warm = together(n)
+        print(f"  warm-up, {n} client(s): {warm['wall_s']:.2f} s, first text {max(warm['ttft_s']) * 1000:.0f} ms "
+              "(slowest; includes compiles and graph captures)", file=sys.stderr)
     modes = ["off", "on"] if args.chain == "both" else [args.chain]
     results = []
     for mode in modes:

@@ -62,8 +62,9 @@ ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 # NINFER_PIECE_GRAPHS=on such a piece is padded to the next of PIECE_BUCKETS and replayed from a CUDA graph per
 # bucket: pad rows get GDN decay 1 and beta 0 (the recurrence skips them), the conv window is taken after the
 # real rows, their K/V lands past the lane's length (overwritten later) and the logits are the last real row's.
-# Opt-in until measured on the GPU.
-PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "off") == "on"
+# 4 streaming clients of the 27B (H100, session 29): first text 370 -> 125 ms, aggregate 2.47x -> 2.81x one client.
+# NINFER_PIECE_GRAPHS=off runs the pieces eagerly (side-by-side runs).
+PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "on") == "on"
 PIECE_BUCKETS = (32, 64, 128, 256, 512)
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
@@ -196,6 +197,7 @@ class Engine:
                                                     resident_packed=packed)
         self.stats = EngineStats()
         self.use_graphs = on_gpu and cuda_graphs
+        self.piece_graphs = PIECE_GRAPHS and self.use_graphs  # padding only pays where a graph replays it
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
         self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
         # MoE prefill experts (kernels/moe.py): NINFER_MOE_PREFILL=fused or dense forces one of expert_prefill's
@@ -320,7 +322,6 @@ class Engine:
         # tokens covered by the lane's turn checkpoint (0 = none): its KV prefix plus the GDN state
         # saved in checkpoint_slot, so a prompt that diverges later can resume there
         self.checkpoint_at = [0] * lanes
-        self.piece_graphs = PIECE_GRAPHS
         # the speculative decoder (runtime/speculate.py), None without --spec
         self.speculator = None
         if self.opts.spec == "mtp":
@@ -504,10 +505,13 @@ class Engine:
                 conv_stack[lanes_idx, 1 : t + 1] = torch.stack([seq[:, s + 1 : s + 1 + w] for s in range(t)], dim=1)
             x = causal_conv1d(x_in, conv_state, weight.to(conv_state.dtype))
             conv_stack[lanes_idx, 0] = conv_state
-        if window_before is not None:  # the window after the real rows: inputs real_rows .. real_rows + W - 2 of [window, x]
-            seq = torch.cat([window_before, qkv.reshape(b, t, -1).to(window_before.dtype)], dim=1)
-            keep = real_rows + torch.arange(window_before.shape[1], device=seq.device)
-            conv_stack[lanes_idx, 0] = seq.index_select(1, keep)
+        if window_before is not None:  # the window after the real rows: inputs real_rows .. real_rows + W - 2 of
+            # [window, x], gathered from whichever of the two holds each (W - 1 rows, not the whole block)
+            w = window_before.shape[1]
+            keep = real_rows + torch.arange(w, device=qkv.device)
+            from_window = window_before.index_select(1, keep.clamp(max=w - 1))
+            from_block = qkv.reshape(b, t, -1).index_select(1, (keep - w).clamp(min=0)).to(window_before.dtype)
+            conv_stack[lanes_idx, 0] = torch.where((keep < w)[None, :, None], from_window, from_block)
         o = None
         if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None:
             try:

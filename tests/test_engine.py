@@ -310,13 +310,14 @@ def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
     decoded = [int(engine.prefill(1, short).argmax())]
     riders = Riders()
     chunks = engine.prefill_chunks(0, long, riders=riders)
-    sizes, last = [], None
+    sizes, last, rider_logits = [], None, []
     while last is None:
         before = engine.stats.prefill_tokens
         riders.offer([1], [decoded[-1]])
         last = next(chunks)
         sizes.append(engine.stats.prefill_tokens - before)
         assert riders.advanced == [1] and riders.logits is not None and riders.logits.shape[0] == 1
+        rider_logits.append(riders.logits[0].clone())
         decoded.append(int(riders.logits[0].argmax()))
     assert sizes == [32, 32, 32, 4] and engine.stats.rider_tokens == 4
     assert engine.held_tokens(1) == len(short) + 4
@@ -325,9 +326,16 @@ def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
         assert int(last.argmax()) == _reference(path, long, 1)[0]
         tail = engine.decode_step([0, 1], [int(last.argmax()), decoded[-1]])  # both lanes go on decoding
         assert [int(tail[0].argmax()), int(tail[1].argmax())] == [_reference(path, long, 2)[1], _reference(path, short, 6)[5]]
-    else:
+    else:  # bf16: a padded or shared chunk takes other product kernels than one-row steps, so a near tie of
+        # the tiny random model may flip; each step's logits (fed the same tokens) must agree, and clear picks too
         solo = Engine(path, PlanOptions(max_context=256, max_concurrency=1, prefill_chunk=128), device=DEVICE)
-        assert decoded == solo.generate(short, 5)
+        solo.prefill(0, short)
+        for step, got in enumerate(rider_logits):
+            want = solo.decode_step([0], [decoded[step]])[0]
+            _assert_reused_logits_close(got, want)
+            top2 = want.float().topk(2).values
+            if (top2[0] - top2[1]).item() > 0.02 * top2[0].abs().item():
+                assert int(got.argmax()) == int(want.argmax()), f"step {step}: a clear pick changed"
 
 
 def test_riders_are_refused_where_they_cannot_ride(artifacts):
