@@ -19,6 +19,7 @@
 #                        bash bench/device_frag.sh s28b      # MoE GPU tests, 1 vs 4 lanes by kernel, server chain off/on
 #                        bash bench/device_frag.sh s28c      # server smoke on cuda (chained decode), GPU engine tests
 #                        bash bench/device_frag.sh pieces    # padded prompt-piece graphs: GPU test, 4-client server off/on
+#                        bash bench/device_frag.sh s29       # ride tests, 35B-A3B 1 vs 8 lanes by kernel, server 512 tok
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -237,6 +238,18 @@ pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces p
       --json "$OUT/pieces-$pieces.json" 2>&1 | grep -v "^{" | tail -5
     echo "serve pieces $pieces t=$(el)"
   done
+  ;;
+s29)  # session 29's second call (~450 s): GPU ride/padded tests with pieces on by default; the 35B-A3B decode step
+  # kernel by kernel at 1 and 8 lanes (what each added lane costs); the 4-client server at 512 tokens
+  timeout 120 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py -k "padded_prompt or ride" 2>&1 | \
+    grep -E "passed|failed|Error|assert|SKIP" | tail -6
+  echo "tests t=$(el)"
+  timeout 150 python bench/profile_decode.py qwen3.6-35b-a3b "$OUT/s29-profile-moe.json" decode bf16 1,8 2>&1 | \
+    grep -A32 "lane(s): kernel time" | head -36
+  echo "profile t=$(el)"
+  timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 512 --json "$OUT/s29-serve4-512.json" 2>&1 | \
+    grep -v "^{" | tail -5
+  echo "serve t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
