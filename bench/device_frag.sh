@@ -20,6 +20,7 @@
 #                        bash bench/device_frag.sh s28c      # server smoke on cuda (chained decode), GPU engine tests
 #                        bash bench/device_frag.sh pieces    # padded prompt-piece graphs: GPU test, 4-client server off/on
 #                        bash bench/device_frag.sh s29       # ride tests, 35B-A3B 1 vs 8 lanes by kernel, server 512 tok
+#                        bash bench/device_frag.sh s29b      # 35B-A3B expert GEMV tile sweep; lanes default vs pick
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -250,6 +251,17 @@ s29)  # session 29's second call (~450 s): GPU ride/padded tests with pieces on 
   timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 512 --json "$OUT/s29-serve4-512.json" 2>&1 | \
     grep -v "^{" | tail -5
   echo "serve t=$(el)"
+  ;;
+s29b)  # session 29's third call (~500 s): the 35B-A3B expert GEMV tiles swept at 1 and 8 tokens, then the 35B lanes
+  # bench with the default tiles and with the sweep's pick, side by side
+  PYTHONPATH=. timeout 330 python bench/moe_decode_tiles.py "$OUT/s29-moe-tiles.json" 1,8 2>&1 | grep -v '^{' | tail -6
+  tiles=$(python -c "import json; print(json.load(open('$OUT/s29-moe-tiles.json'))['pick'])" 2>/dev/null)
+  echo "tiles t=$(el) pick=$tiles"
+  for t in "" "$tiles"; do
+    NINFER_EXPERT_TILES=$t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
+      --depths 8k --kv-dtype bf16 --json-out "$OUT/s29-moe-lanes-${t:+picked}.json" 2>&1 | grep "│ bf16"
+    echo "lanes tiles='$t' t=$(el)"
+  done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

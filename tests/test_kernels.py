@@ -566,6 +566,29 @@ def test_expert_gemv(fmt):
         expert_gemv(x, 2, ex, w, rows_per_expert + 1, shared=shared)
 
 
+def test_expert_gemv_tiles(monkeypatch, capsys):
+    """Other expert GEMV tiles (EXPERT_TUNING, set by NINFER_EXPERT_TILES) give the same products, routed and
+    with SwiGLU in the launch; a malformed setting is named on stderr and ignored."""
+    from runtime.kernels import moe
+    from runtime.kernels.swiglu import swiglu
+
+    fmt = FORMATS["Q4G64_F16S"]
+    experts, rows_per_expert, k = 5, 48, 256
+    w = _packed(experts * rows_per_expert, k, fmt, seed=21)
+    x = torch.randn(3, k, device=DEVICE).to(DTYPE)
+    ex = torch.tensor([4, 0, 2, 2, 3, 1], dtype=torch.int32, device=DEVICE)
+    gu = torch.randn(6, 2 * k, device=DEVICE).to(DTYPE)
+    expert_want = moe.expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert)
+    want_down = moe.expert_gemv_reference(swiglu(gu).cpu(), 1, ex.cpu(), _to_cpu(w), rows_per_expert)
+    monkeypatch.setattr(moe, "EXPERT_TUNING", {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()})
+    moe._tiles_from_env("gate_up=32,128,8;down=64,64,4;down=3,x;mlp=1,1,1")
+    assert moe.EXPERT_TUNING == {"gate_up": {"block_n": 32, "block_k": 128, "num_warps": 8},
+                                 "down": {"block_n": 64, "block_k": 64, "num_warps": 4}}
+    assert capsys.readouterr().err.count("ignored") == 2
+    _check(moe.expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_want)
+    _check(moe.expert_gemv(gu, 1, ex, w, rows_per_expert, swiglu=True).cpu(), want_down)
+
+
 @pytest.mark.parametrize("slotted", [False, True], ids=["pair-order", "slots"])
 @pytest.mark.parametrize("gated", [False, True], ids=["ungated", "gated"])
 def test_combine_experts(slotted, gated):

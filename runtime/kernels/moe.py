@@ -16,6 +16,8 @@ on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap a
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +148,30 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# The expert GEMV's tile on the dp4a path, per product: an expert's matrices are small (35B-A3B: gate/up 1,024 x
+# 2,048, down 2,048 x 512), so a program's share of the bytes is small too; "down" quantizes SwiGLU of its x row
+# in every program. bench/moe_decode_tiles.py sweeps them in a real decode step.
+EXPERT_TUNING = {"gate_up": {"block_n": INT8_TUNING["block_n"], "block_k": INT8_TUNING["block_k"],
+                             "num_warps": INT8_TUNING["num_warps"]},
+                 "down": {"block_n": INT8_TUNING["block_n"], "block_k": INT8_TUNING["block_k"],
+                          "num_warps": INT8_TUNING["num_warps"]}}
+
+
+def _tiles_from_env(spec: str) -> None:
+    """NINFER_EXPERT_TILES="gate_up=BLOCK_N,BLOCK_K,WARPS;down=..." (side-by-side runs of a sweep's pick)."""
+    for part in filter(None, spec.split(";")):
+        name, _, values = part.partition("=")
+        numbers = values.split(",")
+        if name not in EXPERT_TUNING or len(numbers) != 3 or not all(v.isdigit() and int(v) > 0 for v in numbers):
+            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down=BLOCK_N,BLOCK_K,WARPS (powers of two); "
+                  "ignored", file=sys.stderr)
+            continue
+        EXPERT_TUNING[name] = dict(zip(("block_n", "block_k", "num_warps"), map(int, numbers)))
+
+
+_tiles_from_env(os.environ.get("NINFER_EXPERT_TILES", ""))
+
+
 def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
     """Whether the shared expert's matrix (a PackedLinear, or anything else) can ride in the routed experts'
     launch: the same width, one expert's rows, planes in row-split order (any grouped format)."""
@@ -191,7 +217,7 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
             y[routed:] = (x.float()[shared_x0:] @ shared.dense().t()).to(x.dtype)
         return y
     y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype, device=x.device)
-    tuning = INT8_TUNING if int8 else VEC_TUNING
+    tuning = EXPERT_TUNING["down" if swiglu else "gate_up"] if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
     while w.k_pad % block_k or s.k_pad % block_k:
         block_k //= 2
