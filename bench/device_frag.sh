@@ -21,6 +21,7 @@
 #                        bash bench/device_frag.sh pieces    # padded prompt-piece graphs: GPU test, 4-client server off/on
 #                        bash bench/device_frag.sh s29       # ride tests, 35B-A3B 1 vs 8 lanes by kernel, server 512 tok
 #                        bash bench/device_frag.sh s29b      # 35B-A3B expert GEMV tile sweep; lanes default vs pick
+#                        bash bench/device_frag.sh s29c      # 35B-A3B lanes old vs new expert tiles; 35B server
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -262,6 +263,21 @@ s29b)  # session 29's third call (~500 s): the 35B-A3B expert GEMV tiles swept a
       --depths 8k --kv-dtype bf16 --json-out "$OUT/s29-moe-lanes-${t:+picked}.json" 2>&1 | grep "│ bf16"
     echo "lanes tiles='$t' t=$(el)"
   done
+  ;;
+s29c)  # session 29's last call (~420 s): 35B-A3B lanes with the session-28 expert tiles and the new ones side by side;
+  # expert GEMV GPU tests; the 35B-A3B server with 4 streaming clients
+  old="gate_up=16,512,4;gate_up/one=16,512,4;down=16,512,4;down/one=16,512,4"
+  for t in "$old" ""; do
+    NINFER_EXPERT_TILES=$t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 \
+      --depths 8k --kv-dtype bf16 --json-out "$OUT/s29c-moe-lanes-${t:+old}.json" 2>&1 | grep "│ bf16"
+    echo "lanes tiles='$t' t=$(el)"
+  done
+  timeout 80 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py -k "expert" 2>&1 | \
+    grep -E "passed|failed|Error|assert|SKIP" | tail -4
+  echo "tests t=$(el)"
+  timeout 150 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --json "$OUT/s29c-serve-moe.json" 2>&1 | \
+    grep -v "^{" | tail -5
+  echo "serve t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

@@ -1,6 +1,6 @@
 """The 35B-A3B's two expert GEMV launches of a decode step (gate/up with routing in the launch, down with
 SwiGLU in the launch; the shared expert riding in both) over a sweep of tiles, at 1 and 8 tokens (lanes).
-Each timing replays a CUDA graph over 10 copies of a layer's experts (no replay reads them from L2) with
+One token's launches take the "/one" tiles, more tokens' the others. Each timing replays a CUDA graph over 10 copies of a layer's experts (no replay reads them from L2) with
 random routing; "of copy" = the distinct expert bytes the launch must read (each expert once) over the time,
 against the measured copy bandwidth; every tile's output is checked against the default tile's.
 
@@ -64,9 +64,10 @@ def main(out_path: str, tokens_list: list[int]) -> None:
         for name, tiles, call, nbytes in (("gate_up", GATE_UP_TILES, gate_up_call, gate_up_bytes),
                                          ("down", DOWN_TILES, down_call, down_bytes)):
             moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
+            key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
             want = call(0).float()
             for bn, bk, w in tiles:
-                moe.EXPERT_TUNING[name] = {"block_n": bn, "block_k": bk, "num_warps": w}
+                moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
                 try:
                     got = call(0).float()
                     err = ((got - want).norm() / want.norm()).item()
@@ -75,14 +76,14 @@ def main(out_path: str, tokens_list: list[int]) -> None:
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
                     print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
                     continue
-                row = {"product": name, "tokens": t, "tile": [bn, bk, w], "us": us, "of_copy": nbytes / (us * 1e-6) / peak,
-                       "rel_err_vs_default": err, "default": [bn, bk, w] == [default[name][k] for k in
+                row = {"product": key, "tokens": t, "tile": [bn, bk, w], "us": us, "of_copy": nbytes / (us * 1e-6) / peak,
+                       "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
                                                                           ("block_n", "block_k", "num_warps")]}
                 report["rows"].append(row)
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
     for t in tokens_list:
-        for name in ("gate_up", "down"):
+        for name in moe.EXPERT_TUNING:
             rows = [r for r in report["rows"] if r["tokens"] == t and r["product"] == name]
             if rows:
                 best, base = min(rows, key=lambda r: r["us"]), next((r for r in rows if r["default"]), None)
@@ -95,10 +96,10 @@ def main(out_path: str, tokens_list: list[int]) -> None:
 
 
 def pick(rows: list[dict]) -> str:
-    """Per product, the tile with the least sum over token counts of its time relative to the default's
-    (so one lane and many weigh alike), as NINFER_EXPERT_TILES."""
+    """Per product (and "/one": one token's launch), the tile with the least sum over token counts of its time
+    relative to the default's (so several lane counts weigh alike), as NINFER_EXPERT_TILES."""
     parts = []
-    for name in ("gate_up", "down"):
+    for name in moe.EXPERT_TUNING:
         mine = [r for r in rows if r["product"] == name and r["rel_err_vs_default"] < 1e-2]
         base = {r["tokens"]: r["us"] for r in mine if r["default"]}
         score: dict[tuple, float] = {}

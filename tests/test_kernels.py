@@ -581,12 +581,19 @@ def test_expert_gemv_tiles(monkeypatch, capsys):
     expert_want = moe.expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert)
     want_down = moe.expert_gemv_reference(swiglu(gu).cpu(), 1, ex.cpu(), _to_cpu(w), rows_per_expert)
     monkeypatch.setattr(moe, "EXPERT_TUNING", {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()})
-    moe._tiles_from_env("gate_up=32,128,8;down=64,64,4;down=3,x;mlp=1,1,1")
-    assert moe.EXPERT_TUNING == {"gate_up": {"block_n": 32, "block_k": 128, "num_warps": 8},
-                                 "down": {"block_n": 64, "block_k": 64, "num_warps": 4}}
+    moe._tiles_from_env("gate_up/one=32,128,8;down/one=64,64,4;down=3,x;mlp=1,1,1")
+    assert moe.EXPERT_TUNING["gate_up/one"] == {"block_n": 32, "block_k": 128, "num_warps": 8}
+    assert moe.EXPERT_TUNING["down/one"] == {"block_n": 64, "block_k": 64, "num_warps": 4}
     assert capsys.readouterr().err.count("ignored") == 2
     _check(moe.expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_want)
     _check(moe.expert_gemv(gu, 1, ex, w, rows_per_expert, swiglu=True).cpu(), want_down)
+    # more than one token's pairs take the other tiles (the defaults: wide ones)
+    many = torch.arange(18, dtype=torch.int32, device=DEVICE) % experts
+    x9, gu18 = torch.randn(9, k, device=DEVICE).to(DTYPE), torch.randn(18, 2 * k, device=DEVICE).to(DTYPE)
+    _check(moe.expert_gemv(x9, 2, many, w, rows_per_expert).cpu(),
+           moe.expert_gemv_reference(x9.cpu(), 2, many.cpu(), _to_cpu(w), rows_per_expert))
+    _check(moe.expert_gemv(gu18, 1, many, w, rows_per_expert, swiglu=True).cpu(),
+           moe.expert_gemv_reference(swiglu(gu18).cpu(), 1, many.cpu(), _to_cpu(w), rows_per_expert))
 
 
 @pytest.mark.parametrize("slotted", [False, True], ids=["pair-order", "slots"])

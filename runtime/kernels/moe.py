@@ -148,22 +148,26 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# The expert GEMV's tile on the dp4a path, per product: an expert's matrices are small (35B-A3B: gate/up 1,024 x
-# 2,048, down 2,048 x 512), so a program's share of the bytes is small too; "down" quantizes SwiGLU of its x row
-# in every program. bench/moe_decode_tiles.py sweeps them in a real decode step.
-EXPERT_TUNING = {"gate_up": {"block_n": INT8_TUNING["block_n"], "block_k": INT8_TUNING["block_k"],
-                             "num_warps": INT8_TUNING["num_warps"]},
-                 "down": {"block_n": INT8_TUNING["block_n"], "block_k": INT8_TUNING["block_k"],
-                          "num_warps": INT8_TUNING["num_warps"]}}
+# The expert GEMV's tile on the dp4a path, per product and for one token's pairs ("/one": at most ONE_TOKEN_PAIRS)
+# or more: an expert's matrices are small (35B-A3B: gate/up 1,024 x 2,048, down 2,048 x 512), so a program's
+# share of the bytes is small and launch latency weighs; "down" quantizes SwiGLU of its x row in every program,
+# which wide tiles amortize once several tokens fill the GPU. Picked by `bench/moe_decode_tiles.py` (H100, session
+# 29, µs per launch over L2-cold experts, old tile 16 x 512 x 4 warps): gate/up 10.4 -> 8.7 at one token, 63.3 ->
+# 40.3 at 8; down 6.8 -> 6.0 at one token, 33.2 -> 25.3 at 8.
+ONE_TOKEN_PAIRS = 16
+EXPERT_TUNING = {"gate_up": {"block_n": 32, "block_k": 1024, "num_warps": 4},
+                 "gate_up/one": {"block_n": 32, "block_k": 1024, "num_warps": 4},
+                 "down": {"block_n": 128, "block_k": 256, "num_warps": 4},
+                 "down/one": {"block_n": 32, "block_k": 512, "num_warps": 8}}
 
 
 def _tiles_from_env(spec: str) -> None:
-    """NINFER_EXPERT_TILES="gate_up=BLOCK_N,BLOCK_K,WARPS;down=..." (side-by-side runs of a sweep's pick)."""
+    """NINFER_EXPERT_TILES="gate_up=BLOCK_N,BLOCK_K,WARPS;down/one=..." (side-by-side runs of a sweep's pick)."""
     for part in filter(None, spec.split(";")):
         name, _, values = part.partition("=")
         numbers = values.split(",")
         if name not in EXPERT_TUNING or len(numbers) != 3 or not all(v.isdigit() and int(v) > 0 for v in numbers):
-            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down=BLOCK_N,BLOCK_K,WARPS (powers of two); "
+            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down[/one]=BLOCK_N,BLOCK_K,WARPS (powers of two); "
                   "ignored", file=sys.stderr)
             continue
         EXPERT_TUNING[name] = dict(zip(("block_n", "block_k", "num_warps"), map(int, numbers)))
@@ -217,7 +221,8 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
             y[routed:] = (x.float()[shared_x0:] @ shared.dense().t()).to(x.dtype)
         return y
     y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype, device=x.device)
-    tuning = EXPERT_TUNING["down" if swiglu else "gate_up"] if int8 else VEC_TUNING
+    product = ("down" if swiglu else "gate_up") + ("/one" if routed + extra <= ONE_TOKEN_PAIRS else "")
+    tuning = EXPERT_TUNING[product] if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
     while w.k_pad % block_k or s.k_pad % block_k:
         block_k //= 2
