@@ -179,8 +179,8 @@ next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side
 s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default and the weight cache; a 32K prefill beside
   # 3 decoding lanes with the weight cache on and off; the 4-client server; 35B-A3B lanes
   timeout 70 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -5
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert" | tail -5
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   for cache in auto off; do
     NINFER_WEIGHT_CACHE=$cache timeout 110 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --concurrent-prefill 32k \
       --json-out "$OUT/s27-ride-$cache.json" 2>&1 | grep -E "│ bf16"
@@ -194,8 +194,8 @@ s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default an
   ;;
 s28)  # session 28's first call (~450 s)
   timeout 240 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -8
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert" | tail -8
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --json "$OUT/s28-serve4.json" 2>&1 | tail -3
   echo "serve t=$(el)"
   timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28-profile-lanes.json" decode bf16 1,4 2>&1 | \
@@ -204,8 +204,8 @@ s28)  # session 28's first call (~450 s)
   ;;
 chain)  # session 28: chained decode steps in the server, side by side in one server (~250 s)
   timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -4
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert" | tail -4
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   for tokens in 128 512; do
     timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens $tokens --chain both \
       --json "$OUT/chain-serve4-$tokens.json" 2>&1 | grep -v "^{" | tail -7
@@ -214,8 +214,8 @@ chain)  # session 28: chained decode steps in the server, side by side in one se
   ;;
 s28b)  # session 28's third call (~330 s)
   timeout 100 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
-    grep -E "passed|failed|Error|assert|SKIP" | tail -6
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert|skip" | tail -6
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28b-profile-lanes.json" decode bf16 1,4 2>&1 | \
     grep -A14 "lane(s): kernel time" | head -16
   echo "profile t=$(el)"
@@ -227,14 +227,14 @@ s28c)  # session 28's last call (~400 s): every API through the server on cuda; 
   timeout 150 python bench/serve_smoke.py /tmp/smoke 2>&1 | tail -14
   echo "smoke t=$(el)"
   timeout 230 python -m pytest -q -rs -p no:cacheprovider -x tests/test_engine.py tests/test_speculative.py 2>&1 | \
-    grep -E "passed|failed|Error|assert|SKIP" | tail -8
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert|skip" | tail -8
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   ;;
 pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces padded to a graph bucket) on the
   # GPU: its engine test, then the 4-client server without and with it (first text, aggregate)
   NINFER_PIECE_GRAPHS=on timeout 120 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py \
-    -k "padded_prompt or ride" 2>&1 | grep -E "passed|failed|Error|assert|SKIP" | tail -6
-  echo "tests t=$(el)"
+    -k "padded_prompt or ride" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -6
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   for pieces in off on; do
     NINFER_PIECE_GRAPHS=$pieces timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 \
       --json "$OUT/pieces-$pieces.json" 2>&1 | grep -v "^{" | tail -5
@@ -244,8 +244,8 @@ pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces p
 s29)  # session 29's second call (~450 s): GPU ride/padded tests with pieces on by default; the 35B-A3B decode step
   # kernel by kernel at 1 and 8 lanes (what each added lane costs); the 4-client server at 512 tokens
   timeout 120 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py -k "padded_prompt or ride" 2>&1 | \
-    grep -E "passed|failed|Error|assert|SKIP" | tail -6
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert|skip" | tail -6
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   timeout 150 python bench/profile_decode.py qwen3.6-35b-a3b "$OUT/s29-profile-moe.json" decode bf16 1,8 2>&1 | \
     grep -A32 "lane(s): kernel time" | head -36
   echo "profile t=$(el)"
@@ -273,8 +273,8 @@ s29c)  # session 29's last call (~420 s): 35B-A3B lanes with the session-28 expe
     echo "lanes tiles='$t' t=$(el)"
   done
   timeout 80 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py -k "expert" 2>&1 | \
-    grep -E "passed|failed|Error|assert|SKIP" | tail -4
-  echo "tests t=$(el)"
+    grep -iE "passed|failed|error|assert|skip" | tail -4
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   timeout 150 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --json "$OUT/s29c-serve-moe.json" 2>&1 | \
     grep -v "^{" | tail -5
   echo "serve t=$(el)"
