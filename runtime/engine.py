@@ -22,6 +22,7 @@ from .allocator import DeviceMemory
 from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
+from .kernels.dense_rows import MAX_ROWS as DENSE_ROWS_MAX_T, dense_rows
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import PROJECT_MAX_ROWS, gdn_fused
@@ -69,12 +70,23 @@ PIECE_BUCKETS = (32, 64, 128, 256, 512)
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
+# Small bf16 products over 2-16 rows (the MoE router + shared gate of several lanes): kernels/dense_rows.py in
+# one launch instead of the vendor's split-K GEMM and its reduction; NINFER_DENSE_ROWS=off for side-by-side runs.
+# Only small matrices: larger ones (draft heads) keep the vendor GEMM, which streams them well.
+DENSE_ROWS = os.environ.get("NINFER_DENSE_ROWS", "on") == "on"
+DENSE_ROWS_MAX_ELEMENTS = 1 << 21
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False) -> torch.Tensor:
-        return x @ self.weight.t()
+        w = self.weight
+        if DENSE_ROWS and 2 <= x.shape[0] <= DENSE_ROWS_MAX_T and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 \
+                and w.numel() <= DENSE_ROWS_MAX_ELEMENTS and w.stride(1) == 1:
+            return dense_rows(x, w)
+        return x @ w.t()
 
     def rows(self, begin: int, end: int) -> "DenseLinear":
         return DenseLinear(self.weight[begin:end])

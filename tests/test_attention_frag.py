@@ -105,7 +105,7 @@ def test_engine_decodes_through_the_fragment_kernel_as_the_reference(kernel_devi
     monkeypatch.setitem(fa.FRAG_ATTENTION, "mode", "on")
     calls, real = [], fa.paged_attention_frag
     monkeypatch.setattr(fa, "paged_attention_frag", lambda *a, **k: calls.append(1) or real(*a, **k))
-    prompt, new = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128] * 6, 4  # 72 tokens: two pages
+    prompt, new = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128] * 6, 3  # 72 tokens: two pages
     engine = Engine(path, PlanOptions(max_context=256, kv_dtype="rk4v4-e8", prefill_chunk=128), device=kernel_device)
     if kernel_device == "cpu":
         assert engine.generate(prompt, new) == ReferenceModel(Artifact(path)).generate(prompt, new)

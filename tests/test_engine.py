@@ -129,13 +129,14 @@ def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(art
     monkeypatch.setattr(engine_module, "expert_prefill", lambda *a, **k: calls.append(a[0].shape[0]) or grouped(*a, **k))
     monkeypatch.setattr(moe, "_dense_experts", lambda *a: dense_calls.append(a[0].shape[0]) or dense(*a))
     prompt, path = (PROMPT * 2)[:21], artifacts["moe-q5"]
-    ref_tokens = _reference(path, prompt, 4) if DEVICE == "cpu" else None
-    for mode in ("auto", "fused", "dense", "loop"):
+    ref_tokens = _reference(path, prompt, 2) if DEVICE == "cpu" else None
+    # "fused" is what auto takes for 21 x k pairs (asserted below), so the interpreter runs it once (CI time)
+    for mode in ("auto", "dense", "loop") if DEVICE == "cpu" else ("auto", "fused", "dense", "loop"):
         monkeypatch.setenv("NINFER_MOE_PREFILL", mode)
         calls.clear(), dense_calls.clear()
         engine = Engine(path, PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128), device=DEVICE)
-        if DEVICE == "cpu":
-            assert engine.generate(prompt, 4) == ref_tokens, mode
+        if DEVICE == "cpu":  # the prefill's token and one decode step after it
+            assert engine.generate(prompt, 2) == ref_tokens, mode
         else:
             _assert_matches_reference(engine, path, prompt, 4)
         assert (max(calls, default=0) == 21) == (mode != "loop"), (mode, calls)
@@ -537,6 +538,8 @@ def test_moe_shared_expert_rides_with_the_routed_ones(moe_equal_shared, kernels,
     engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
     _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
     assert calls and all(shared is not None for shared in calls)  # every decode step took the fused launches
+    if kernels == "triton":  # the separate launches' kernels are each checked in test_kernels (CI time)
+        return
     # NINFER_MOE_DECODE=separate: a launch each, as before (side-by-side runs), the same tokens
     monkeypatch.setattr(engine_module, "MOE_DECODE", "separate")
     calls.clear()

@@ -1113,3 +1113,20 @@ def test_float_code_products_match_the_reference(fmt, t):
     from runtime.kernels.float_gemv import dense_reference
 
     assert torch.equal(dense_reference(w).cpu(), want_w)  # the torch reference decodes bit for bit
+
+
+@pytest.mark.parametrize("t", [2, 5, 16])
+def test_dense_rows(t):
+    """The small bf16 product over 2-16 rows of x (the MoE router + shared gate of several lanes) against
+    the plain-torch product, on a strided view with an odd row count and a K that is not a tile multiple."""
+    from runtime.kernels.dense_rows import MAX_ROWS, dense_rows, dense_rows_reference
+
+    torch.manual_seed(t)
+    both = torch.randn(40, 200, device=DEVICE).to(DTYPE)
+    w = both.as_strided((37, 200), (200, 1))  # 37 rows of a larger plane, as the router + gate view
+    x = torch.randn(t, 200, device=DEVICE).to(DTYPE)
+    got = dense_rows(x, w)
+    assert got.shape == (t, 37) and got.dtype == x.dtype
+    _check(got.cpu(), dense_rows_reference(x.cpu(), w.cpu()))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        dense_rows(torch.zeros(MAX_ROWS + 1, 200, device=DEVICE, dtype=DTYPE), w)
