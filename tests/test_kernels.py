@@ -581,10 +581,10 @@ def test_expert_gemv_tiles(monkeypatch, capsys):
     expert_want = moe.expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert)
     want_down = moe.expert_gemv_reference(swiglu(gu).cpu(), 1, ex.cpu(), _to_cpu(w), rows_per_expert)
     monkeypatch.setattr(moe, "EXPERT_TUNING", {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()})
-    moe._tiles_from_env("gate_up/one=32,128,8;down/one=64,64,4;down=3,x;mlp=1,1,1")
+    moe._tiles_from_env("gate_up/one=32,128,8;down/one=64,64,4;down=3,x;mlp=1,1,1;down=48,64,4")
     assert moe.EXPERT_TUNING["gate_up/one"] == {"block_n": 32, "block_k": 128, "num_warps": 8}
     assert moe.EXPERT_TUNING["down/one"] == {"block_n": 64, "block_k": 64, "num_warps": 4}
-    assert capsys.readouterr().err.count("ignored") == 2
+    assert capsys.readouterr().err.count("ignored") == 3
     _check(moe.expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_want)
     _check(moe.expert_gemv(gu, 1, ex, w, rows_per_expert, swiglu=True).cpu(), want_down)
     # more than one token's pairs take the other tiles (the defaults: wide ones)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
-from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, INT8_TUNING, VEC_TUNING, PackedLinear, _dequant_block_dot,
+from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
 from . import torch_path
 from .launch import LAUNCH, pdl_wait
@@ -161,12 +161,16 @@ EXPERT_TUNING = {"gate_up": {"block_n": 32, "block_k": 1024, "num_warps": 4},
                  "down/one": {"block_n": 32, "block_k": 512, "num_warps": 8}}
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _tiles_from_env(spec: str) -> None:
     """NINFER_EXPERT_TILES="gate_up=BLOCK_N,BLOCK_K,WARPS;down/one=..." (side-by-side runs of a sweep's pick)."""
     for part in filter(None, spec.split(";")):
         name, _, values = part.partition("=")
         numbers = values.split(",")
-        if name not in EXPERT_TUNING or len(numbers) != 3 or not all(v.isdigit() and int(v) > 0 for v in numbers):
+        if name not in EXPERT_TUNING or len(numbers) != 3 or not all(v.isdigit() and _power_of_two(int(v)) for v in numbers):
             print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down[/one]=BLOCK_N,BLOCK_K,WARPS (powers of two); "
                   "ignored", file=sys.stderr)
             continue
