@@ -70,10 +70,11 @@ PIECE_BUCKETS = (32, 64, 128, 256, 512)
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
-# Small bf16 products over 2-16 rows (the MoE router + shared gate of several lanes): kernels/dense_rows.py in
-# one launch instead of the vendor's split-K GEMM and its reduction; NINFER_DENSE_ROWS=off for side-by-side runs.
-# Only small matrices: larger ones (draft heads) keep the vendor GEMM, which streams them well.
-DENSE_ROWS = os.environ.get("NINFER_DENSE_ROWS", "on") == "on"
+# Small bf16 products over 2-16 rows (the MoE router + shared gate of several lanes): NINFER_DENSE_ROWS=on runs them
+# on kernels/dense_rows.py in one launch instead of the vendor's split-K GEMM and its reduction (~8 us a layer at 8
+# lanes of the 35B-A3B on an H100). Opt-in until measured on the GPU (`bash bench/device_frag.sh s29e`). Only small
+# matrices: larger ones (draft heads) keep the vendor GEMM, which streams them well.
+DENSE_ROWS = os.environ.get("NINFER_DENSE_ROWS", "off") == "on"
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
 
 
