@@ -23,7 +23,7 @@
 #                        bash bench/device_frag.sh s29b      # 35B-A3B expert GEMV tile sweep; lanes default vs pick
 #                        bash bench/device_frag.sh s29c      # 35B-A3B lanes old vs new expert tiles; 35B server
 #                        bash bench/device_frag.sh s29d      # 35B-A3B lanes: router on dense_rows vs vendor GEMM
-#                        bash bench/device_frag.sh s29e      # s29d cut to ~140 s
+#                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -295,14 +295,18 @@ s29d)  # session 29's closing call (~330 s): the router + shared gate of several
     grep -A16 "lane(s): kernel time" | head -18
   echo "profile t=$(el)"
   ;;
-s29e)  # s29d cut to the device time left (~140 s): router + shared gate on dense_rows vs the vendor GEMM, its GPU test
-  timeout 40 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py -k "dense_rows" 2>&1 | \
-    grep -iE "passed|failed|error|assert|skip" | tail -4
+s29e)  # session 30 first (~300 s): the 35B-A3B lanes with session 29's opt-ins side by side — the router + shared
+  # gate on dense_rows (NINFER_DENSE_ROWS=on), then also the shared expert apart from the routed launches for 2+ rows
+  # (NINFER_MOE_SHARED_APART=2); their GPU tests first
+  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
   echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  for d in off on; do
-    NINFER_DENSE_ROWS=$d timeout 70 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
-      --depths 8k --kv-dtype bf16 --json-out "$OUT/s29e-moe-lanes-dense-$d.json" 2>&1 | grep "│ bf16"
-    echo "lanes dense_rows=$d t=$(el)"
+  for mode in "off 0" "on 0" "on 2"; do
+    set -- $mode
+    NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
+      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s29e-moe-lanes-$1-$2.json" 2>&1 | \
+      grep "│ bf16"
+    echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
   done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)

@@ -51,6 +51,15 @@ from .reference_ops import apply_partial_rope, rope_cos_sin
 # tok/s (session 27). Its engine test's 0.18 on the H200 (session 25) was a routing near tie of the tiny model (top-k
 # gap 0.008 at that step), which the test now leaves out (tests/test_engine.py ROUTING_NEAR_TIE)
 MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
+# Fused MoE decode of at least this many rows (lanes, verify blocks; 0 = never): the shared expert leaves the routed
+# experts' launches, where each row's program reads its matrices again (35B-A3B q4: W8, 3.3 MB a layer, 8 reads at
+# 8 lanes, ~1 GB a step), for the layer products' row kernels (one read for every row; 3 launches more a layer).
+# Opt-in until measured on the GPU (`bash bench/device_frag.sh s29e`): NINFER_MOE_SHARED_APART=4, say.
+MOE_SHARED_APART_ROWS = os.environ.get("NINFER_MOE_SHARED_APART", "0")
+if not MOE_SHARED_APART_ROWS.isdigit():
+    raise SystemExit(f"ninfer: NINFER_MOE_SHARED_APART={MOE_SHARED_APART_ROWS!r} is not a row count; give 0 (never) "
+                     "or the fewest rows, e.g. 4")
+MOE_SHARED_APART_ROWS = int(MOE_SHARED_APART_ROWS)
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
@@ -574,8 +583,12 @@ class Engine:
             # the gate/up launch routes too (each program its token's top-k): no route launch
             pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
             weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
-            gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed,
-                                       route_into=(router_logits, weights))
+            apart = 0 < MOE_SHARED_APART_ROWS <= n  # the shared expert read once for every row (see the setting)
+            gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter,
+                                       shared=None if apart else shared_up.packed, route_into=(router_logits, weights))
+            if apart:
+                y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, swiglu=True)
+                return ExpertPartials(y, weights, shared_down(swiglu(shared_up(h))), shared_gate)
             y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
                             swiglu=True)  # SwiGLU inside the down launch
             # combined by the RMSNorm after the block (weights, gate, sum): no combine launch

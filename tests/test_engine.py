@@ -549,6 +549,24 @@ def test_moe_shared_expert_rides_with_the_routed_ones(moe_equal_shared, kernels,
     assert calls and all(shared is None for shared in calls)
 
 
+def test_moe_shared_expert_apart_from_the_routed_launches(moe_equal_shared, monkeypatch):
+    """NINFER_MOE_SHARED_APART=N: fused MoE decode of N or more rows takes the shared expert out of the routed
+    experts' launches (its own products, one weight read for every row) and still generates the reference's
+    tokens; fewer rows keep it riding."""
+    import runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MOE_DECODE", "fused")
+    calls = []
+    real = engine_module.expert_gemv
+    monkeypatch.setattr(engine_module, "expert_gemv", lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+    for rows, riding in ((1, False), (len(PROMPT) + 1, True)):  # decode steps have 1 row, the prompt 12
+        monkeypatch.setattr(engine_module, "MOE_SHARED_APART_ROWS", rows)
+        calls.clear()
+        engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+        _assert_matches_reference(engine, moe_equal_shared, PROMPT, NEW)
+        assert calls and all((shared is not None) == riding for shared in calls), rows
+
+
 def test_moe_router_and_shared_gate_are_one_product(artifacts, monkeypatch):
     """The plan lays a MoE layer's router and shared-expert gate side by side: the fused MoE decode multiplies both
     in one product (the gate's logit its last column) and still generates the reference's tokens."""
