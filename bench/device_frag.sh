@@ -24,6 +24,7 @@
 #                        bash bench/device_frag.sh s29c      # 35B-A3B lanes old vs new expert tiles; 35B server
 #                        bash bench/device_frag.sh s29d      # 35B-A3B lanes: router on dense_rows vs vendor GEMM
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
+#                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -307,6 +308,17 @@ s29e)  # session 30 first (~300 s): the 35B-A3B lanes with session 29's opt-ins 
       qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s29e-moe-lanes-$1-$2.json" 2>&1 | \
       grep "│ bf16"
     echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
+  done
+  ;;
+s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_GRAPHS=on: padded pieces and riding
+  # shared chunks) — the padded-piece GPU test, then the 35B-A3B server with 4 clients without and with it
+  NINFER_MOE_PREFILL_GRAPHS=on timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py \
+    -k "padded_prompt or ride" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
+  for g in off on; do
+    NINFER_MOE_PREFILL_GRAPHS=$g timeout 110 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 \
+      --json "$OUT/s29f-serve-moe-$g.json" 2>&1 | grep -v "^{" | tail -5
+    echo "serve moe graphs $g t=$(el)"
   done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)

@@ -30,7 +30,7 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
+from .kernels.moe import DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
@@ -76,6 +76,9 @@ ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 # NINFER_PIECE_GRAPHS=off runs the pieces eagerly (side-by-side runs).
 PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "on") == "on"
 PIECE_BUCKETS = (32, 64, 128, 256, 512)
+# MoE prompts too (padded pieces and riding shared chunks from CUDA graphs), where the chunk's experts take the
+# fused prefill path, which waits for nothing on the host. Opt-in until measured on the GPU: NINFER_MOE_PREFILL_GRAPHS=on.
+MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "off") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
@@ -813,7 +816,8 @@ class Engine:
                 # a full shared chunk is a fixed shape: one CUDA graph per rider count (small chunks are
                 # launch-bound when eager: ~140 ms for any chunk up to 1,024 tokens on the 27B, run 30)
                 inputs = (all_lanes, toks, pos, rider_toks, rider_pos)
-                if self.cfg.is_moe or len(piece) != self.shared_chunk:  # MoE prefill path, odd tail pieces: eager
+                if not self._graph_safe_rows(len(piece) + len(offered)) or len(piece) != self.shared_chunk:
+                    # MoE prefill paths with host syncs, odd tail pieces: eager
                     both = self._ride_forward(*inputs)
                 else:
                     both = self.run_step(("ride", len(piece), len(offered)), self._ride_forward, *inputs)
@@ -834,13 +838,23 @@ class Engine:
 
     def _piece_bucket(self, lane: int, start: int, n: int, rope3) -> int | None:
         """The padded length a prompt piece of n tokens replays at (PIECE_GRAPHS), or None: run it as it is."""
-        if not self.piece_graphs or self.cfg.is_moe or rope3 is not None or self.rope_delta[lane] \
+        if not self.piece_graphs or rope3 is not None or self.rope_delta[lane] \
                 or (self.use_graphs and n >= self.shared_chunk):
             return None
         bucket = next((size for size in PIECE_BUCKETS if size >= n), None)
         if bucket is None or start + bucket > self.plan.pages_per_lane * PAGE:  # pad K/V stays in the lane's pages
             return None
-        return bucket
+        return bucket if self._graph_safe_rows(bucket + self.lanes) else None
+
+    def _graph_safe_rows(self, rows: int) -> bool:
+        """Whether a prefill forward of `rows` rows can be captured in a CUDA graph: always for a dense model; for
+        a MoE with NINFER_MOE_PREFILL_GRAPHS=on where its experts take the fused prefill path (no host sync)."""
+        if not self.cfg.is_moe:
+            return True
+        if not MOE_PREFILL_GRAPHS or self.moe_prefill not in ("auto", "fused"):
+            return False
+        pairs = rows * self.cfg.experts_per_token
+        return self.moe_prefill == "fused" or pairs < DENSE_EXPERTS_MIN_PAIRS * self.cfg.num_experts
 
     def _padded_piece(self, lane: int, piece: list[int], start: int, bucket: int, offered, riders) -> torch.Tensor:
         """Prefill `piece` padded to `bucket` rows (with the offered decode rows riding, if any) from one CUDA

@@ -609,14 +609,18 @@ def test_weight_cache_keeps_layer_products_in_spare_memory(artifacts):
     assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 1e-2
 
 
-def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch):
+@pytest.mark.parametrize("kind", ["dense-q4", "moe-q5"])
+def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch, kind):
     """NINFER_PIECE_GRAPHS: a prompt piece shorter than the shared chunk padded to a graph bucket (pad rows with
     GDN decay 1 and beta 0, the conv window after the real rows, logits of the last real row) leaves every
-    lane's logits, tokens, recurrent and conv state and length as the unpadded piece does, riders included."""
+    lane's logits, tokens, recurrent and conv state and length as the unpadded piece does, riders included; a
+    MoE too with NINFER_MOE_PREFILL_GRAPHS=on (pad rows route to experts of their own: the real rows' are unchanged)."""
+    import runtime.engine as engine_module
     from runtime.engine import Riders
 
-    path = artifacts["dense-q4"]
-    long = [(i * 37 + 11) % 380 for i in range(100)]
+    path = artifacts[kind]
+    monkeypatch.setattr(engine_module, "MOE_PREFILL_GRAPHS", True)
+    long = [(i * 37 + 11) % 300 for i in range(100)]  # within both tiny vocabularies (384, 320)
     short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
 
     def run(padded: bool):
