@@ -1,6 +1,7 @@
 """The 35B-A3B's two expert GEMV launches of a decode step (gate/up with routing in the launch, down with
 SwiGLU in the launch; the shared expert riding in both) over a sweep of tiles, at 1 and 8 tokens (lanes).
-One token's launches take the "/one" tiles, more tokens' the others. Each timing replays a CUDA graph over 10 copies of a layer's experts (no replay reads them from L2) with
+One token's launches take the "/one" tiles, more tokens' the others. Each timing replays a CUDA graph over 10
+copies of a layer's experts (no replay reads them from L2) with
 random routing; "of copy" = the distinct expert bytes the launch must read (each expert once) over the time,
 against the measured copy bandwidth; every tile's output is checked against the default tile's.
 
@@ -46,7 +47,8 @@ def main(out_path: str, tokens_list: list[int]) -> None:
             logits = torch.randn(t, EXPERTS, device="cuda")
             inputs.append((h, logits, torch.empty(t * TOP_K, dtype=torch.int32, device="cuda"),
                            torch.empty(t, TOP_K, dtype=torch.float32, device="cuda")))
-        distinct = sum(len(set(torch.topk(lg, TOP_K, -1).indices.flatten().tolist())) for _, lg, _, _ in inputs) / COPIES
+        picked = [set(torch.topk(logits, TOP_K, -1).indices.flatten().tolist()) for _, logits, _, _ in inputs]
+        distinct = sum(map(len, picked)) / COPIES
         gate_up_bytes = distinct * expert_bytes[0] + expert_bytes[2]
         down_bytes = distinct * expert_bytes[1] + expert_bytes[3]
 
@@ -76,7 +78,8 @@ def main(out_path: str, tokens_list: list[int]) -> None:
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
                     print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
                     continue
-                row = {"product": key, "tokens": t, "tile": [bn, bk, w], "us": us, "of_copy": nbytes / (us * 1e-6) / peak,
+                row = {"product": key, "tokens": t, "tile": [bn, bk, w], "us": us,
+                       "of_copy": nbytes / (us * 1e-6) / peak,
                        "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
                                                                           ("block_n", "block_k", "num_warps")]}
                 report["rows"].append(row)

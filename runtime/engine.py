@@ -30,7 +30,8 @@ from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
-from .kernels.moe import DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route, shared_fusable
+from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
+                          shared_fusable)
 from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
@@ -77,7 +78,8 @@ ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "on") == "on"
 PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # MoE prompts too (padded pieces and riding shared chunks from CUDA graphs), where the chunk's experts take the
-# fused prefill path, which waits for nothing on the host. Opt-in until measured on the GPU: NINFER_MOE_PREFILL_GRAPHS=on.
+# fused prefill path, which waits for nothing on the host. Opt-in until measured on the GPU:
+# NINFER_MOE_PREFILL_GRAPHS=on.
 MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "off") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 

@@ -170,9 +170,10 @@ def _tiles_from_env(spec: str) -> None:
     for part in filter(None, spec.split(";")):
         name, _, values = part.partition("=")
         numbers = values.split(",")
-        if name not in EXPERT_TUNING or len(numbers) != 3 or not all(v.isdigit() and _power_of_two(int(v)) for v in numbers):
-            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down[/one]=BLOCK_N,BLOCK_K,WARPS (powers of two); "
-                  "ignored", file=sys.stderr)
+        sizes_ok = len(numbers) == 3 and all(v.isdigit() and _power_of_two(int(v)) for v in numbers)
+        if name not in EXPERT_TUNING or not sizes_ok:
+            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down[/one]=BLOCK_N,BLOCK_K,WARPS "
+                  "(powers of two); ignored", file=sys.stderr)
             continue
         EXPERT_TUNING[name] = dict(zip(("block_n", "block_k", "num_warps"), map(int, numbers)))
 
