@@ -262,16 +262,17 @@ s29b)  # session 29's third call (~500 s): the 35B-A3B expert GEMV tiles swept a
   tiles=$(python -c "import json; print(json.load(open('$OUT/s29-moe-tiles.json'))['pick'])" 2>/dev/null)
   echo "tiles t=$(el) pick=$tiles"
   for t in "" "$tiles"; do
-    NINFER_EXPERT_TILES=$t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
+    env $t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
       --depths 8k --kv-dtype bf16 --json-out "$OUT/s29-moe-lanes-${t:+picked}.json" 2>&1 | grep "│ bf16"
     echo "lanes tiles='$t' t=$(el)"
   done
   ;;
 s29c)  # session 29's last call (~420 s): 35B-A3B lanes with the session-28 expert tiles and the new ones side by side;
   # expert GEMV GPU tests; the 35B-A3B server with 4 streaming clients
-  old="gate_up=16,512,4;gate_up/one=16,512,4;down=16,512,4;down/one=16,512,4"
+  old="NINFER_EXPERT_TILE_GATE_UP=16,512,4 NINFER_EXPERT_TILE_GATE_UP_ONE=16,512,4 NINFER_EXPERT_TILE_DOWN=16,512,4"
+  old="$old NINFER_EXPERT_TILE_DOWN_ONE=16,512,4"
   for t in "$old" ""; do
-    NINFER_EXPERT_TILES=$t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 \
+    env $t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 \
       --depths 8k --kv-dtype bf16 --json-out "$OUT/s29c-moe-lanes-${t:+old}.json" 2>&1 | grep "│ bf16"
     echo "lanes tiles='$t' t=$(el)"
   done

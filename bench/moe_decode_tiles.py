@@ -93,14 +93,14 @@ def main(out_path: str, tokens_list: list[int]) -> None:
                 print(f"{name} T={t}: default {base['us'] if base else float('nan'):.1f} us; best {best['tile']} "
                       f"{best['us']:.1f} us ({best['of_copy']:.2f} of copy)")
     report["pick"] = pick(report["rows"])
-    print("NINFER_EXPERT_TILES=" + report["pick"])
+    print(report["pick"])
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
 
 
 def pick(rows: list[dict]) -> str:
     """Per product (and "/one": one token's launch), the tile with the least sum over token counts of its time
-    relative to the default's (so several lane counts weigh alike), as NINFER_EXPERT_TILES."""
+    relative to the default's (so several lane counts weigh alike), as environment assignments for `env`."""
     parts = []
     for name in moe.EXPERT_TUNING:
         mine = [r for r in rows if r["product"] == name and r["rel_err_vs_default"] < 1e-2]
@@ -111,8 +111,8 @@ def pick(rows: list[dict]) -> str:
                 score[tuple(r["tile"])] = score.get(tuple(r["tile"]), 0.0) + r["us"] / base[r["tokens"]]
         full = [tile for tile in score if sum(1 for r in mine if tuple(r["tile"]) == tile) == len(base)]
         if full:
-            parts.append(f"{name}=" + ",".join(map(str, min(full, key=score.get))))
-    return ";".join(parts)
+            parts.append(f"{moe.expert_tile_variable(name)}=" + ",".join(map(str, min(full, key=score.get))))
+    return " ".join(parts)
 
 
 if __name__ == "__main__":

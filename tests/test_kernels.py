@@ -566,9 +566,9 @@ def test_expert_gemv(fmt):
         expert_gemv(x, 2, ex, w, rows_per_expert + 1, shared=shared)
 
 
-def test_expert_gemv_tiles(monkeypatch, capsys):
-    """Other expert GEMV tiles (EXPERT_TUNING, set by NINFER_EXPERT_TILES) give the same products, routed and
-    with SwiGLU in the launch; a malformed setting is named on stderr and ignored."""
+def test_expert_gemv_tiles(monkeypatch):
+    """Other expert GEMV tiles (EXPERT_TUNING, set by NINFER_EXPERT_TILE_<PRODUCT>) give the same products, routed
+    and with SwiGLU in the launch; a malformed setting stops with a one-line error naming the variable."""
     from runtime.kernels import moe
     from runtime.kernels.swiglu import swiglu
 
@@ -581,10 +581,19 @@ def test_expert_gemv_tiles(monkeypatch, capsys):
     expert_want = moe.expert_gemv_reference(x.cpu(), 2, ex.cpu(), _to_cpu(w), rows_per_expert)
     want_down = moe.expert_gemv_reference(swiglu(gu).cpu(), 1, ex.cpu(), _to_cpu(w), rows_per_expert)
     monkeypatch.setattr(moe, "EXPERT_TUNING", {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()})
-    moe._tiles_from_env("gate_up/one=32,128,8;down/one=64,64,4;down=3,x;mlp=1,1,1;down=48,64,4")
+    before = {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()}
+    for value, message in (("3,x", "not up to 3 comma-separated integers"), ("48,64,4", "not powers of two")):
+        monkeypatch.setenv("NINFER_EXPERT_TILE_DOWN", value)
+        with pytest.raises(SystemExit, match=f"NINFER_EXPERT_TILE_DOWN.*{message}"):
+            moe.load_expert_tiles()
+        monkeypatch.setattr(moe, "EXPERT_TUNING", {name: dict(tile) for name, tile in before.items()})
+    monkeypatch.delenv("NINFER_EXPERT_TILE_DOWN")
+    monkeypatch.setenv("NINFER_EXPERT_TILE_GATE_UP_ONE", "32,128,8")
+    monkeypatch.setenv(moe.expert_tile_variable("down/one"), "64,64,4")
+    moe.load_expert_tiles()
     assert moe.EXPERT_TUNING["gate_up/one"] == {"block_n": 32, "block_k": 128, "num_warps": 8}
     assert moe.EXPERT_TUNING["down/one"] == {"block_n": 64, "block_k": 64, "num_warps": 4}
-    assert capsys.readouterr().err.count("ignored") == 3
+    assert moe.EXPERT_TUNING["down"] == before["down"]
     _check(moe.expert_gemv(x, 2, ex, w, rows_per_expert).cpu(), expert_want)
     _check(moe.expert_gemv(gu, 1, ex, w, rows_per_expert, swiglu=True).cpu(), want_down)
     # more than one token's pairs take the other tiles (the defaults: wide ones)

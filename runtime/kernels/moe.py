@@ -16,8 +16,6 @@ on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap a
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +26,7 @@ from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
-from . import torch_path
+from . import torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .swiglu import swiglu as swiglu_rows
 
@@ -161,24 +159,23 @@ EXPERT_TUNING = {"gate_up": {"block_n": 32, "block_k": 1024, "num_warps": 4},
                  "down/one": {"block_n": 32, "block_k": 512, "num_warps": 8}}
 
 
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+def expert_tile_variable(product: str) -> str:
+    """The environment variable that sets one of EXPERT_TUNING's tiles for side-by-side runs, e.g.
+    NINFER_EXPERT_TILE_DOWN_ONE=32,512,8 (BLOCK_N,BLOCK_K,WARPS) for "down/one"."""
+    return "NINFER_EXPERT_TILE_" + product.upper().replace("/", "_")
 
 
-def _tiles_from_env(spec: str) -> None:
-    """NINFER_EXPERT_TILES="gate_up=BLOCK_N,BLOCK_K,WARPS;down/one=..." (side-by-side runs of a sweep's pick)."""
-    for part in filter(None, spec.split(";")):
-        name, _, values = part.partition("=")
-        numbers = values.split(",")
-        sizes_ok = len(numbers) == 3 and all(v.isdigit() and _power_of_two(int(v)) for v in numbers)
-        if name not in EXPERT_TUNING or not sizes_ok:
-            print(f"ninfer: NINFER_EXPERT_TILES: {part!r} is not gate_up|down[/one]=BLOCK_N,BLOCK_K,WARPS "
-                  "(powers of two); ignored", file=sys.stderr)
-            continue
-        EXPERT_TUNING[name] = dict(zip(("block_n", "block_k", "num_warps"), map(int, numbers)))
+def load_expert_tiles() -> None:
+    """EXPERT_TUNING updated from the environment (tuning_from_env); a tile size that is not a power of two
+    (Triton's ranges need them) stops with a one-line error."""
+    for product, tile in EXPERT_TUNING.items():
+        name = expert_tile_variable(product)
+        tuning_from_env(name, ("block_n", "block_k", "num_warps"), tile)
+        if not all(n > 0 and n & (n - 1) == 0 for n in tile.values()):
+            raise SystemExit(f"ninfer: {name}: {tile} has sizes that are not powers of two; unset it for the defaults")
 
 
-_tiles_from_env(os.environ.get("NINFER_EXPERT_TILES", ""))
+load_expert_tiles()
 
 
 def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
