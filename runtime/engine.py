@@ -19,6 +19,7 @@ from format.layouts import RowSplitGeometry
 from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
 from .allocator import DeviceMemory
+from .kernels import tuning_from_env
 from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
@@ -56,11 +57,7 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # experts' launches, where each row's program reads its matrices again (35B-A3B q4: W8, 3.3 MB a layer, 8 reads at
 # 8 lanes, ~1 GB a step), for the layer products' row kernels (one read for every row; 3 launches more a layer).
 # Opt-in until measured on the GPU (`bash bench/device_frag.sh s29e`): NINFER_MOE_SHARED_APART=4, say.
-MOE_SHARED_APART_ROWS = os.environ.get("NINFER_MOE_SHARED_APART", "0")
-if not MOE_SHARED_APART_ROWS.isdigit():
-    raise SystemExit(f"ninfer: NINFER_MOE_SHARED_APART={MOE_SHARED_APART_ROWS!r} is not a row count; give 0 (never) "
-                     "or the fewest rows, e.g. 4")
-MOE_SHARED_APART_ROWS = int(MOE_SHARED_APART_ROWS)
+MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
