@@ -58,8 +58,55 @@ def _match_gpu_bf16_in_interpreter() -> None:
     builder.create_dot, builder.cast_impl, builder._ninfer_bf16_fixed = dot, cast, True
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter re-patches the language modules (an inspect.getmembers walk over tl, tl.core,
+    tl.tensor and tl.math) on every call of a @triton.jit helper, although the launch around it has patched
+    them already and the helper sees the same modules: a fifth to a third of an interpreted engine test went
+    there. Inside a launch, a helper whose modules the launch patched skips it; anything else (the launch's
+    own patching, a helper seeing another module the first time, an interpreter without these internals) goes
+    through."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if real is None or executor is None or getattr(real, "_ninfer_once", False):
+        return
+    launches: list[list] = []  # per launch in progress: [its modules' ids, whether it has patched them]
+
+    def languages(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        if not launches:
+            return real(fn)
+        seen = languages(fn)
+        launch = launches[-1]
+        if launch[1] and seen <= launch[0]:
+            return None  # a helper inside a launch (the interpreter ignores what this returns there)
+        # the launch's own patching, or a helper seeing another module (triton's standard library sees
+        # tl.core): a helper's patches are never undone, so these modules stay patched for the launch
+        scope = real(fn)
+        launch[0] |= seen
+        launch[1] = True
+        return scope
+
+    grid_call = executor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append([languages(self.fn), False])
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    patch_lang._ninfer_once = True
+    interpreter._patch_lang, executor.__call__ = patch_lang, launch
+
+
 if interpreted():
     _match_gpu_bf16_in_interpreter()
+    _patch_language_once_per_launch()
 
 
 def tuning_from_env(name: str, keys: tuple[str, ...], into: dict) -> dict:
