@@ -25,6 +25,7 @@
 #                        bash bench/device_frag.sh s29d      # 35B-A3B lanes: router on dense_rows vs vendor GEMM
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
+#                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -320,6 +321,14 @@ s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_G
     NINFER_MOE_PREFILL_GRAPHS=$g timeout 110 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 \
       --json "$OUT/s29f-serve-moe-$g.json" 2>&1 | grep -v "^{" | tail -5
     echo "serve moe graphs $g t=$(el)"
+  done
+  ;;
+shared-experts)  # issue 20 item 1 (~150 s): do tokens that share experts read them once? The two expert launches at
+  # 1 and 8 tokens with the default tiles, random routing vs every token picking the same 8 experts
+  for routing in random shared; do
+    PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts-$routing.json" 1,8 $routing 2>&1 | \
+      grep '"default": true' | cut -c1-300
+    echo "routing $routing t=$(el)"
   done
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)

@@ -5,7 +5,11 @@ copies of a layer's experts (no replay reads them from L2) with
 random routing; "of copy" = the distinct expert bytes the launch must read (each expert once) over the time,
 against the measured copy bandwidth; every tile's output is checked against the default tile's.
 
-    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...]
+    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared]
+
+`shared`: every token of a step picks the same experts (the default tiles only): whether a launch whose tokens
+share experts reads them once (time near one token's) or once per token (time near random routing's) — the L2
+may already merge the re-reads, since every pair's program of one row block runs at about the same time.
 """
 
 from __future__ import annotations
@@ -33,18 +37,20 @@ def _layer():
     return (gate_up, down, shared_up, shared_down), (gu_bytes / EXPERTS, dn_bytes / EXPERTS, su_bytes, sd_bytes)
 
 
-def main(out_path: str, tokens_list: list[int]) -> None:
+def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None:
+    if routing not in ("random", "shared"):
+        raise SystemExit(f"routing {routing!r}: give random or shared")
     torch.manual_seed(0)
     peak = copy_bandwidth()
     layers = [_layer() for _ in range(COPIES)]
     expert_bytes = layers[0][1]
-    report = {"copy_GBs": peak / 1e9, "rows": []}
+    report = {"copy_GBs": peak / 1e9, "routing": routing, "rows": []}
     default = {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()}
     for t in tokens_list:
         inputs = []
         for _ in range(COPIES):
             h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            logits = torch.randn(t, EXPERTS, device="cuda")
+            logits = torch.randn(1 if routing == "shared" else t, EXPERTS, device="cuda").expand(t, -1).contiguous()
             inputs.append((h, logits, torch.empty(t * TOP_K, dtype=torch.int32, device="cuda"),
                            torch.empty(t, TOP_K, dtype=torch.float32, device="cuda")))
         picked = [set(torch.topk(logits, TOP_K, -1).indices.flatten().tolist()) for _, logits, _, _ in inputs]
@@ -68,7 +74,8 @@ def main(out_path: str, tokens_list: list[int]) -> None:
             moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
             key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
             want = call(0).float()
-            for bn, bk, w in tiles:
+            own = tuple(default[key][k] for k in ("block_n", "block_k", "num_warps"))
+            for bn, bk, w in tiles if routing == "random" else [own]:
                 moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
                 try:
                     got = call(0).float()
@@ -78,7 +85,7 @@ def main(out_path: str, tokens_list: list[int]) -> None:
                 except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
                     print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
                     continue
-                row = {"product": key, "tokens": t, "tile": [bn, bk, w], "us": us,
+                row = {"product": key, "tokens": t, "routing": routing, "tile": [bn, bk, w], "us": us,
                        "of_copy": nbytes / (us * 1e-6) / peak,
                        "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
                                                                           ("block_n", "block_k", "num_warps")]}
@@ -116,4 +123,5 @@ def pick(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(t) for t in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")])
+    main(sys.argv[1], [int(t) for t in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")],
+         sys.argv[3] if len(sys.argv) > 3 else "random")
