@@ -87,10 +87,6 @@ _G, _T = LANES // 4, LANES % 4  # a lane's mma fragment coordinates: group (row 
 M32 = np.uint64(MASK32)
 
 
-def _u64(values) -> np.ndarray:
-    return np.asarray(values).astype(np.uint64)
-
-
 def _bf16s(words) -> np.ndarray:
     """The low bf16 of each word, as float64."""
     return ((words & np.uint64(0xFFFF)) << np.uint64(16)).astype(np.uint32).view(np.float32).astype(np.float64)
@@ -167,7 +163,7 @@ def _names(group: str) -> list[str]:
 def run_warp_lanes(asm: str, inputs: list[np.ndarray], n_outputs: int, memory, tid_base: int = 0) -> list[np.ndarray]:
     """run_warp over arrays: inputs[i] holds operand $(n_outputs + i) of the 32 lanes (uint64 bit patterns, one
     per lane); returns the outputs $0.. the same way. Every instruction runs for the whole warp at once."""
-    regs: dict[str, np.ndarray] = {f"${n_outputs + i}": _u64(np.broadcast_to(v, (32,))) for i, v in enumerate(inputs)}
+    regs: dict[str, np.ndarray] = {f"${n_outputs + i}": np.broadcast_to(v, (32,)).astype(np.uint64) for i, v in enumerate(inputs)}
 
     def get(name: str) -> np.ndarray:
         value = _constant(name)

@@ -72,29 +72,26 @@ def _patch_language_once_per_launch() -> None:
     executor = getattr(interpreter, "GridExecutor", None)
     if real is None or executor is None or getattr(real, "_ninfer_once", False):
         return
-    launches: list[list] = []  # per launch in progress: [its modules' ids, whether it has patched them]
+    launches: list[set[int]] = []  # per launch in progress: the ids of the language modules patched so far
 
     def languages(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
 
     def patch_lang(fn):
-        if not launches:
-            return real(fn)
         seen = languages(fn)
-        launch = launches[-1]
-        if launch[1] and seen <= launch[0]:
+        if launches and seen and seen <= launches[-1]:
             return None  # a helper inside a launch (the interpreter ignores what this returns there)
         # the launch's own patching, or a helper seeing another module (triton's standard library sees
         # tl.core): a helper's patches are never undone, so these modules stay patched for the launch
         scope = real(fn)
-        launch[0] |= seen
-        launch[1] = True
+        if launches:
+            launches[-1] |= seen
         return scope
 
     grid_call = executor.__call__
 
     def launch(self, *args, **kwargs):
-        launches.append([languages(self.fn), False])
+        launches.append(set())
         try:
             return grid_call(self, *args, **kwargs)
         finally:

@@ -62,13 +62,17 @@ def _dp4a(a, b, c, A_SIGNED: tl.constexpr, USE_ASM: tl.constexpr):
             return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                              dtype=tl.int32, is_pure=True, pack=1)
     else:  # the interpreter: the four bytes side by side on a new last axis (a few ops per call, not 20)
-        up = 24 - 8 * tl.arange(0, 4)
-        a4 = tl.expand_dims(a, -1)
-        if A_SIGNED:
-            a4 = (a4 << up) >> 24
-        else:
-            a4 = (a4 >> (24 - up)) & 255
-        return c + tl.sum(a4 * ((tl.expand_dims(b, -1) << up) >> 24), axis=-1)
+        return c + tl.sum(_bytes4(a, A_SIGNED) * _bytes4(b, True), axis=-1)
+
+
+@triton.jit
+def _bytes4(words, SIGNED: tl.constexpr):
+    """Interpreter only: int32 words [...] -> their four bytes [..., 4], byte 0 first, signed or unsigned."""
+    up = 24 - 8 * tl.arange(0, 4)
+    w = tl.expand_dims(words, -1)
+    if SIGNED:
+        return (w << up) >> 24
+    return (w >> (24 - up)) & 255
 
 
 @triton.jit
@@ -253,14 +257,8 @@ def _dot_rows_int8(x_ptr, base_ptr, high_ptr, scale_ptr, rows, row_ok, K, k_begi
 def _dp4a_joined(codes, hi, lo, SIGNED: tl.constexpr):
     """Interpreter only: (dp4a(codes, hi) << 7) + dp4a(codes, lo) for codes [N, words] against x's words [words],
     taken as one byte product with x's code hi * 128 + lo per byte: the same int32 (nothing overflows)."""
-    up = 24 - 8 * tl.arange(0, 4)
-    x = ((tl.expand_dims(hi, -1) << up) >> 24) * 128 + ((tl.expand_dims(lo, -1) << up) >> 24)
-    c = tl.expand_dims(codes, -1)
-    if SIGNED:
-        c = (c << up) >> 24
-    else:
-        c = (c >> (24 - up)) & 255
-    return tl.sum(c * tl.expand_dims(x, 0), axis=2)
+    x = _bytes4(hi, True) * 128 + _bytes4(lo, True)
+    return tl.sum(_bytes4(codes, SIGNED) * tl.expand_dims(x, 0), axis=2)
 
 
 @triton.jit
