@@ -403,7 +403,7 @@ def bench(
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced head.")] = False,
     prefill_chunk: PrefillChunkOpt = "auto",
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
-    lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane).")] = None,
+    lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane); with --spec, batched speculative rounds too.")] = None,
     concurrent_prefill: Annotated[Optional[str], typer.Option(help="Lanes mode: lane 0 also prefills this many tokens while the other lanes decode (inter-token gaps), e.g. 32k.")] = None,
     kernels: Annotated[Optional[str], typer.Option(help="Kernels mode: every distinct quantized product of the model at these row counts of x, e.g. 1,2,4,8 (microseconds, fraction of copy bandwidth).")] = None,
     plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth (or vs lanes).")] = None,
@@ -429,8 +429,8 @@ def bench(
     lane_counts = _lane_counts(lanes) if lanes else None
     if concurrent_prefill and not lane_counts:
         raise MemoryPlanError("--concurrent-prefill needs --lanes (e.g. --lanes 1,4 --concurrent-prefill 32k)")
-    if lane_counts and spec != Spec.none:
-        raise MemoryPlanError("--lanes measures plain decode; drop --spec (speculation has its own bench rows)")
+    if concurrent_prefill and spec != Spec.none:
+        raise MemoryPlanError("--concurrent-prefill measures plain decoding lanes; drop --spec")
     row_counts = _row_counts(kernels) if kernels else None
     if row_counts and lane_counts:
         raise MemoryPlanError("give one of --lanes and --kernels")
@@ -450,6 +450,7 @@ def bench(
         results = run_lanes_bench(artifact, lane_counts, _tokens(depths.split(",")[0]), kv_dtype.split(","),
                                   prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
                                   prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
+                                  spec=spec.value, draft_tokens=draft_tokens, accepted_drafts=accepted_drafts,
                                   log=lambda m: err.print(m))
         plotter, printer = plot_lanes, _print_lanes
     else:
@@ -585,6 +586,19 @@ def _print_lanes(r: dict) -> None:
                   f"{row['aggregate_tok_s']:.0f}", f"{row['per_lane_tok_s']:.1f}",
                   f"{row.get('ideal_aggregate_tok_s', 0):.0f}", f"{row.get('of_ideal', 0):.2f}")
     out.print(t)
+    if r.get("spec", "none") != "none":
+        forced = r.get("accepted_drafts")
+        t = Table(title=f"batched {escape(r['spec'])} rounds, {r['draft_tokens']} drafts per lane"
+                        + (f", {forced} accepted (forced)" if forced is not None else ""))
+        for col in ("KV", "lanes", "round ms", "x plain step", "tokens per lane and round", "per lane tok/s",
+                    "aggregate tok/s", "x plain", "of one lane's x"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for row in r["rows"]:
+            t.add_row(row["kv_dtype"], str(row["lanes"]), f"{row['spec_round_ms']:.2f}", f"{row['spec_round_vs_step']:.2f}",
+                      f"{row['spec_tokens_per_lane_round']:.2f}", f"{row['spec_per_lane_tok_s']:.1f}",
+                      f"{row['spec_aggregate_tok_s']:.0f}", f"{row['spec_vs_plain']:.2f}",
+                      f"{row['spec_vs_plain_of_one_lane']:.2f}")
+        out.print(t)
     if r.get("concurrent_prefill"):
         first = r["concurrent_prefill"][0]
         t = Table(title=f"lane 0 prefills {first['prefill_tokens']} tokens while {first['decoding_lanes']} lanes decode "

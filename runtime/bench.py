@@ -201,28 +201,57 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[float, int]:
+    """Batched speculative rounds for lanes `ids` from `depth` tokens of synthetic context: two untimed (graph
+    capture), then `rounds` timed; returns (seconds, tokens the lanes gained in the timed rounds)."""
+    spec = engine.speculator
+    for lane in ids:
+        _synthetic_context(engine, depth, gen, lane)
+    nxt, budget = [1] * len(ids), [1 << 30] * len(ids)
+    for _ in range(2):
+        nxt = [new[-1] for new in spec.round(ids, nxt, budget)]
+    spec.stats = SpecStats(accepted_at=[0] * spec.k)
+    _sync(engine)
+    t0, gained = time.perf_counter(), 0
+    for _ in range(rounds):
+        emitted = spec.round(ids, nxt, budget)
+        gained += sum(map(len, emitted))
+        nxt = [new[-1] for new in emitted]
+    _sync(engine)
+    return time.perf_counter() - t0, gained
+
+
 def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], steps: int = 32,
                     prefill_tokens: int = 0, prefill_chunk: int = 0, device: str = "cuda",
-                    random_weights_seed: int | None = None, log=print) -> dict:
+                    random_weights_seed: int | None = None, spec: str = "none", draft_tokens: int = 3,
+                    accepted_drafts: int | None = None, log=print) -> dict:
     """Decode with several lanes at once: each lane holds `depth` tokens (synthetic context), and one
     step decodes one token for every lane. Per lane count: step time, aggregate and per-lane tok/s,
     the step time over the one-lane step, and the ideal (one read of the weights serves every lane;
     each lane adds its own KV and state). With `prefill_tokens`, the concurrent-prefill mode: lane 0
     prefills that many tokens chunk by chunk while the other lanes decode, as the server interleaves
-    them; the decoding lanes' inter-token gaps (p50/p99) and the prefill's tok/s against it alone."""
+    them; the decoding lanes' inter-token gaps (p50/p99) and the prefill's tok/s against it alone.
+    With `spec` (mtp / dflash2), each lane count also runs `steps` batched speculative rounds (every lane
+    drafts, one verify forward for all; `accepted_drafts` forces acceptance on random weights): round time,
+    tokens per lane per second and their ratio to the plain step's at the same lane count (issue 20: batched
+    rounds keep one lane's ratio)."""
     from .engine import Engine
 
     gen = torch.Generator().manual_seed(0)
     top = max(lanes)
     results = {"artifact": str(path), "mode": "lanes", "lanes": lanes, "depth": depth, "steps": steps,
+               "spec": spec, "draft_tokens": draft_tokens if spec != "none" else 0, "accepted_drafts": accepted_drafts,
                "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "rows": []}
     bw = copy_bandwidth(device) if device.startswith("cuda") else 0.0
     results["copy_bandwidth_bytes_per_s"] = bw
-    max_context = -(-(max(depth, prefill_tokens) + steps + 64) // 64) * 64
+    spec_room = (steps + 2) * (draft_tokens + 1) if spec != "none" else 0  # the rounds' tokens past the depth
+    max_context = -(-(max(depth, prefill_tokens) + steps + spec_room + 64) // 64) * 64
     for kv in kv_dtypes:
         engine = Engine(path, PlanOptions(max_context=max_context, kv_dtype=kv, max_concurrency=top,
-                                          prefill_chunk=prefill_chunk), device=device,
-                        random_weights_seed=random_weights_seed)
+                                          prefill_chunk=prefill_chunk, spec=spec, draft_tokens=draft_tokens),
+                        device=device, random_weights_seed=random_weights_seed)
+        if engine.speculator is not None:
+            engine.speculator.forced_accept = accepted_drafts
         engine.mem.buffers["kv_pool"].zero_()
         results["fragment_order_products"] = engine.fragment_order_products  # which product layout ran
         results["kernel_switches"] = kernel_switches()
@@ -248,9 +277,19 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
             if bw:
                 row["ideal_aggregate_tok_s"] = n * bw / (shared + n * per_lane)
                 row["of_ideal"] = row["aggregate_tok_s"] / row["ideal_aggregate_tok_s"]
+            if engine.speculator is not None:
+                secs, gained = _spec_rounds(engine, ids, depth, steps, gen)
+                row.update(spec_round_ms=secs / steps * 1e3, spec_round_vs_step=secs / steps / step,
+                           spec_tokens_per_lane_round=gained / (steps * n), spec_per_lane_tok_s=gained / n / secs,
+                           spec_aggregate_tok_s=gained / secs, spec_vs_plain=gained / n / secs * step,
+                           spec_stats=engine.speculator.stats.as_dict())
+                one = next((r for r in results["rows"] if r["kv_dtype"] == kv and r["lanes"] == 1), row)
+                row["spec_vs_plain_of_one_lane"] = row["spec_vs_plain"] / one["spec_vs_plain"]
             results["rows"].append(row)
             log(f"[{kv}] {n} lane(s) at {depth}: step {row['step_ms']:.2f} ms ({row['step_vs_one_lane']:.2f}x one lane), "
-                f"aggregate {row['aggregate_tok_s']:.0f} tok/s")
+                f"aggregate {row['aggregate_tok_s']:.0f} tok/s" + (
+                    f"; {spec} rounds {row['spec_round_ms']:.2f} ms, {row['spec_per_lane_tok_s']:.1f} tok/s a lane "
+                    f"({row['spec_vs_plain']:.2f}x plain)" if "spec_vs_plain" in row else ""))
         if prefill_tokens and top > 1:
             results.setdefault("concurrent_prefill", []).extend(_concurrent_prefill(engine, top, depth, prefill_tokens,
                                                                                     gen, kv, log))

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from ninfer_cli.main import app
@@ -205,3 +206,28 @@ def test_bench_results_record_the_kernel_switches_in_effect(monkeypatch):
     monkeypatch.setitem(FRAG_ATTENTION, "mode", "off")
     changed = bench.kernel_switches()
     assert {k for k in default if default[k] != changed[k]} == {"swiglu_epilogue", "fragment_int8", "attention_frag"}
+
+
+def test_lanes_bench_runs_batched_speculative_rounds(tiny_with_mtp, tmp_path, capsys):
+    """`bench --lanes N --spec mtp`: each lane count also runs batched rounds (every lane drafts, one verify
+    forward); with acceptance forced each lane gains K + 1 tokens a round, and the table prints the ratio to the
+    plain step at that lane count and against one lane's."""
+    from format.convert import ConvertOptions, convert_checkpoint
+    from ninfer_cli import main
+    from runtime.bench import run_lanes_bench
+
+    art = convert_checkpoint(tiny_with_mtp, tmp_path / "t.nfer", ConvertOptions(recipe="q4")).output
+    r = run_lanes_bench(art, [1, 2], 40, ["bf16"], steps=2, device="cpu", spec="mtp", draft_tokens=2,
+                        accepted_drafts=2, log=lambda m: None)
+    assert [row["lanes"] for row in r["rows"]] == [1, 2]
+    for row in r["rows"]:
+        assert row["spec_tokens_per_lane_round"] == 3 and row["spec_stats"]["rounds"] == 2 * row["lanes"]
+        assert row["spec_per_lane_tok_s"] > 0 and row["spec_aggregate_tok_s"] == pytest.approx(
+            row["lanes"] * row["spec_per_lane_tok_s"])
+    assert r["rows"][0]["spec_vs_plain_of_one_lane"] == 1.0
+    r["copy_bandwidth_bytes_per_s"] = 0.0
+    main._print_lanes(r)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batched mtp rounds, 2 drafts per lane, 2 accepted (forced)" in out and "of one lane's x" in out
+    none = run_lanes_bench(art, [1], 40, ["bf16"], steps=2, device="cpu", log=lambda m: None)
+    assert "spec_round_ms" not in none["rows"][0]
