@@ -338,17 +338,15 @@ s31)  # session 31's one call (~520 s): 35B-A3B lanes with both session-29 opt-i
   timeout 130 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
     --json-out "$OUT/s31-spec-lanes.json" 2>&1 | grep "│ bf16"
   echo "spec lanes t=$(el)"
-  PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts-shared.json" 1,8 shared 2>&1 | \
+  PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
     grep '"default": true' | cut -c1-300
-  echo "shared routing t=$(el)"
+  echo "random vs shared routing t=$(el)"
   ;;
-shared-experts)  # issue 20 item 1 (~150 s): do tokens that share experts read them once? The two expert launches at
-  # 1 and 8 tokens with the default tiles, random routing vs every token picking the same 8 experts
-  for routing in random shared; do
-    PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts-$routing.json" 1,8 $routing 2>&1 | \
-      grep '"default": true' | cut -c1-300
-    echo "routing $routing t=$(el)"
-  done
+shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
+  # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
+  PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
+    grep '"default": true' | cut -c1-300
+  echo "random vs shared routing t=$(el)"
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

@@ -7,7 +7,7 @@ against the measured copy bandwidth; every tile's output is checked against the 
 
     PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared]
 
-`shared`: every token of a step picks the same experts (the default tiles only): whether a launch whose tokens
+`shared`: the default tiles only, random routing beside every token of a step picking the same experts: whether a launch whose tokens
 share experts reads them once (time near one token's) or once per token (time near random routing's) — the L2
 may already merge the re-reads, since every pair's program of one row block runs at about the same time.
 """
@@ -47,50 +47,51 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
     report = {"copy_GBs": peak / 1e9, "routing": routing, "rows": []}
     default = {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()}
     for t in tokens_list:
-        inputs = []
-        for _ in range(COPIES):
-            h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            logits = torch.randn(1 if routing == "shared" else t, EXPERTS, device="cuda").expand(t, -1).contiguous()
-            inputs.append((h, logits, torch.empty(t * TOP_K, dtype=torch.int32, device="cuda"),
-                           torch.empty(t, TOP_K, dtype=torch.float32, device="cuda")))
-        picked = [set(torch.topk(logits, TOP_K, -1).indices.flatten().tolist()) for _, logits, _, _ in inputs]
-        distinct = sum(map(len, picked)) / COPIES
-        gate_up_bytes = distinct * expert_bytes[0] + expert_bytes[2]
-        down_bytes = distinct * expert_bytes[1] + expert_bytes[3]
+        for kind in (["random"] if routing == "random" else ["random", "shared"]):
+            inputs = []
+            for _ in range(COPIES):
+                h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+                logits = torch.randn(1 if kind == "shared" else t, EXPERTS, device="cuda").expand(t, -1).contiguous()
+                inputs.append((h, logits, torch.empty(t * TOP_K, dtype=torch.int32, device="cuda"),
+                               torch.empty(t, TOP_K, dtype=torch.float32, device="cuda")))
+            picked = [set(torch.topk(logits, TOP_K, -1).indices.flatten().tolist()) for _, logits, _, _ in inputs]
+            distinct = sum(map(len, picked)) / COPIES
+            gate_up_bytes = distinct * expert_bytes[0] + expert_bytes[2]
+            down_bytes = distinct * expert_bytes[1] + expert_bytes[3]
 
-        def gate_up_call(i):
-            (gu, _, su, _), _ = layers[i]
-            h, logits, pairs, weights = inputs[i]
-            return moe.expert_gemv(h, TOP_K, pairs, gu, 2 * INTER, shared=su, route_into=(logits, weights))
+            def gate_up_call(i):
+                (gu, _, su, _), _ = layers[i]
+                h, logits, pairs, weights = inputs[i]
+                return moe.expert_gemv(h, TOP_K, pairs, gu, 2 * INTER, shared=su, route_into=(logits, weights))
 
-        rows_in = [gate_up_call(i) for i in range(COPIES)]  # the down launch's inputs (and the routing)
+            rows_in = [gate_up_call(i) for i in range(COPIES)]  # the down launch's inputs (and the routing)
 
-        def down_call(i):
-            (_, dn, _, sd), _ = layers[i]
-            return moe.expert_gemv(rows_in[i], 1, inputs[i][2], dn, HIDDEN, shared=sd, shared_x0=t * TOP_K, swiglu=True)
+            def down_call(i):
+                (_, dn, _, sd), _ = layers[i]
+                return moe.expert_gemv(rows_in[i], 1, inputs[i][2], dn, HIDDEN, shared=sd, shared_x0=t * TOP_K, swiglu=True)
 
-        for name, tiles, call, nbytes in (("gate_up", GATE_UP_TILES, gate_up_call, gate_up_bytes),
-                                         ("down", DOWN_TILES, down_call, down_bytes)):
-            moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
-            key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
-            want = call(0).float()
-            own = tuple(default[key][k] for k in ("block_n", "block_k", "num_warps"))
-            for bn, bk, w in tiles if routing == "random" else [own]:
-                moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
-                try:
-                    got = call(0).float()
-                    err = ((got - want).norm() / want.norm()).item()
-                    cycle = itertools.cycle(range(COPIES))
-                    us = graph_ms(lambda: call(next(cycle))) * 1e3
-                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
-                    print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
-                    continue
-                row = {"product": key, "tokens": t, "routing": routing, "tile": [bn, bk, w], "us": us,
-                       "of_copy": nbytes / (us * 1e-6) / peak,
-                       "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
-                                                                          ("block_n", "block_k", "num_warps")]}
-                report["rows"].append(row)
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            for name, tiles, call, nbytes in (("gate_up", GATE_UP_TILES, gate_up_call, gate_up_bytes),
+                                             ("down", DOWN_TILES, down_call, down_bytes)):
+                moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
+                key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
+                want = call(0).float()
+                own = tuple(default[key][k] for k in ("block_n", "block_k", "num_warps"))
+                for bn, bk, w in tiles if routing == "random" else [own]:
+                    moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
+                    try:
+                        got = call(0).float()
+                        err = ((got - want).norm() / want.norm()).item()
+                        cycle = itertools.cycle(range(COPIES))
+                        us = graph_ms(lambda: call(next(cycle))) * 1e3
+                    except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
+                        print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
+                        continue
+                    row = {"product": key, "tokens": t, "routing": kind, "tile": [bn, bk, w], "us": us,
+                           "of_copy": nbytes / (us * 1e-6) / peak,
+                           "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
+                                                                              ("block_n", "block_k", "num_warps")]}
+                    report["rows"].append(row)
+                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
     for t in tokens_list:
         for name in moe.EXPERT_TUNING:
