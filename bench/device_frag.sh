@@ -323,11 +323,8 @@ s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_G
     echo "serve moe graphs $g t=$(el)"
   done
   ;;
-s31)  # session 31's one call (~520 s): 35B-A3B lanes with both session-29 opt-ins against neither (their GPU tests
-  # first), the 27B lanes with batched MTP3 rounds (drafts forced accepted), then the shared-experts question
-  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
+s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-ins against neither, the 27B lanes
+  # with batched MTP3 rounds (drafts forced accepted), the shared-experts question, then the opt-ins' GPU tests
   for mode in "off 0" "on 2"; do
     set -- $mode
     NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
@@ -338,9 +335,12 @@ s31)  # session 31's one call (~520 s): 35B-A3B lanes with both session-29 opt-i
   timeout 130 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
     --json-out "$OUT/s31-spec-lanes.json" 2>&1 | grep "│ bf16"
   echo "spec lanes t=$(el)"
-  PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
+  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
     grep '"default": true' | cut -c1-300
   echo "random vs shared routing t=$(el)"
+  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
