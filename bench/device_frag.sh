@@ -50,6 +50,26 @@ one() {  # label, env...: 27B one lane, bf16 KV, 8K, DECODE tokens (64), results
     --json-out "$OUT/$SECTION-$label.json" 2>&1 | grep "│ bf16"
   echo "$label t=$(el)"
 }
+moe_lanes() {  # label "dense_rows shared_apart"...: 35B-A3B lanes 1-8 at 8K per pair of the session-29 opt-ins
+  local label=$1; shift
+  for mode in "$@"; do
+    set -- $mode
+    NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
+      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/$label-moe-lanes-$1-$2.json" 2>&1 | \
+      grep "│ bf16"
+    echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
+  done
+}
+moe_opt_in_tests() {  # the GPU tests of the session-29 opt-ins (dense_rows, the shared expert apart)
+  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
+  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
+}
+shared_experts() {  # the two expert launches at 1 and 8 tokens (default tiles): random vs shared routing
+  PYTHONPATH=. timeout "$1" python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
+    grep '"default": true' | cut -c1-300
+  echo "random vs shared routing t=$(el)"
+}
 SECTION=${1:-kernels}
 case "${1:-kernels}" in
 first)  # session 25's CPU-built changes (fragment attention: opt-in; MoE routing and combine folded in, attention
@@ -301,16 +321,8 @@ s29d)  # session 29's closing call (~330 s): the router + shared gate of several
 s29e)  # session 30 first (~300 s): the 35B-A3B lanes with session 29's opt-ins side by side — the router + shared
   # gate on dense_rows (NINFER_DENSE_ROWS=on), then also the shared expert apart from the routed launches for 2+ rows
   # (NINFER_MOE_SHARED_APART=2); their GPU tests first
-  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  for mode in "off 0" "on 0" "on 2"; do
-    set -- $mode
-    NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
-      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s29e-moe-lanes-$1-$2.json" 2>&1 | \
-      grep "│ bf16"
-    echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
-  done
+  moe_opt_in_tests
+  moe_lanes s29e "off 0" "on 0" "on 2"
   ;;
 s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_GRAPHS=on: padded pieces and riding
   # shared chunks) — the padded-piece GPU test, then the 35B-A3B server with 4 clients without and with it
@@ -325,28 +337,16 @@ s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_G
   ;;
 s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-ins against neither, the 27B lanes
   # with batched MTP3 rounds (drafts forced accepted), the shared-experts question, then the opt-ins' GPU tests
-  for mode in "off 0" "on 2"; do
-    set -- $mode
-    NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
-      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s31-moe-lanes-$1-$2.json" 2>&1 | \
-      grep "│ bf16"
-    echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
-  done
+  moe_lanes s31 "off 0" "on 2"
   timeout 130 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
     --json-out "$OUT/s31-spec-lanes.json" 2>&1 | grep "│ bf16"
   echo "spec lanes t=$(el)"
-  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
-    grep '"default": true' | cut -c1-300
-  echo "random vs shared routing t=$(el)"
-  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
+  shared_experts 100
+  moe_opt_in_tests
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
-  PYTHONPATH=. timeout 140 python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
-    grep '"default": true' | cut -c1-300
-  echo "random vs shared routing t=$(el)"
+  shared_experts 140
   ;;
 s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
   timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200

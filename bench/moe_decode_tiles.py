@@ -93,14 +93,15 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
                     report["rows"].append(row)
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
+    swept = [r for r in report["rows"] if r["routing"] == "random"]  # the tile sweep's rows (shared: default only)
     for t in tokens_list:
         for name in moe.EXPERT_TUNING:
-            rows = [r for r in report["rows"] if r["tokens"] == t and r["product"] == name]
+            rows = [r for r in swept if r["tokens"] == t and r["product"] == name]
             if rows:
                 best, base = min(rows, key=lambda r: r["us"]), next((r for r in rows if r["default"]), None)
                 print(f"{name} T={t}: default {base['us'] if base else float('nan'):.1f} us; best {best['tile']} "
                       f"{best['us']:.1f} us ({best['of_copy']:.2f} of copy)")
-    report["pick"] = pick(report["rows"])
+    report["pick"] = pick(swept)
     print(report["pick"])
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
