@@ -26,8 +26,6 @@
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
-#                        bash bench/device_frag.sh s31       # 35B lanes opt-ins, batched MTP3 lanes, shared experts
-#                        bash bench/device_frag.sh s32       # the GDN output norm in the recurrence's launch on / off
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -345,22 +343,6 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   echo "spec lanes t=$(el)"
   shared_experts 100
   moe_opt_in_tests
-  ;;
-s32)  # session 32 (~420 s): the GDN output norm in the recurrence's launch (NINFER_GDN_GATE=fused: a program per value
-  # head) against separate launches, 27B and 35B-A3B lanes at 8K, then its GPU tests
-  for g in separate fused; do
-    NINFER_GDN_GATE=$g timeout 100 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --json-out "$OUT/s32-gate-$g.json" 2>&1 | \
-      grep "│ bf16"
-    echo "27B lanes gdn_gate=$g t=$(el)"
-  done
-  for g in separate fused; do
-    NINFER_GDN_GATE=$g timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
-      --depths 8k --kv-dtype bf16 --json-out "$OUT/s32-moe-gate-$g.json" 2>&1 | grep "│ bf16"
-    echo "35B lanes gdn_gate=$g t=$(el)"
-  done
-  timeout 120 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "gdn_fused or gdn_output_norm" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

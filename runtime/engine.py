@@ -26,7 +26,7 @@ from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_rows import MAX_ROWS as DENSE_ROWS_MAX_T, dense_rows
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
-from .kernels.gdn_fused import PROJECT_MAX_ROWS, GDNGate, gdn_fused
+from .kernels.gdn_fused import PROJECT_MAX_ROWS, gdn_fused
 from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import append_keys_values
@@ -65,9 +65,6 @@ WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
 # the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
 # in the combine) or "separate" (a launch each, for side-by-side runs)
 ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
-# the GDN output norm of decode and verify rows: "fused" into the recurrence's launch (a program per value head,
-# which then owns the norm's lanes) or "separate" (the recurrence split over DV blocks, then the gated_norm launch)
-GDN_GATE = os.environ.get("NINFER_GDN_GATE", "separate")
 # Prompt pieces shorter than the shared chunk (a short prompt, the tail of a long one) run eagerly: ~100 ms of
 # launches for the 27B whatever their length (H100, session 28), while decoding lanes wait. With
 # NINFER_PIECE_GRAPHS=on such a piece is padded to the next of PIECE_BUCKETS and replayed from a CUDA graph per
@@ -500,24 +497,18 @@ class Engine:
             alpha, beta = alpha.clone(), beta.clone()
             alpha[:main].masked_fill_(pad[:, None], PAD_GATE)
             beta[:main].masked_fill_(pad[:, None], PAD_GATE)
-        n = h.shape[0]
-        out_xq = self._quantized_input(p + "output", n)
-        gate = None
-        if GDN_GATE == "fused" and projections is not None:  # the output norm in the recurrence's launch
-            gate = GDNGate(z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, out_xq)
         o = self._gdn_mix(i, qkv[:main], alpha if alpha is None else alpha[:main], beta if beta is None else beta[:main],
-                          lanes_idx, t, snapshot, projections, real_rows, gate)
-        if gate is not None:
-            return self.lin[p + "output"](o, out_xq, defer_sum=True)
+                          lanes_idx, t, snapshot, projections, real_rows)
         if riders is not None:
             o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
             o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
+        n = h.shape[0]
+        out_xq = self._quantized_input(p + "output", n)
         gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
-    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, gate=None):
-        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV]
-        (with `gate`, which needs `projections`: the gated output norm of o, [B*T, HV*DV]).
+    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None):
+        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV].
         `real_rows` (one lane): rows past it are padding, so the conv window kept is the one after the real rows."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
@@ -556,7 +547,7 @@ class Engine:
                 self.chunked_gdn = False
         if o is None:
             o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
-                          lanes_idx, c.linear_num_key_heads, snapshot, projections=projections, gate=gate)
+                          lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
         return o
 
     def _ffn(self, p, h, xq=None):

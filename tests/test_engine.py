@@ -207,34 +207,6 @@ def test_attention_launches_fused_or_separate_give_the_same_logits(artifacts, mo
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
-def test_gdn_output_norm_in_the_recurrence_launch_gives_the_same_logits(artifacts, monkeypatch):
-    """NINFER_GDN_GATE=fused (decode and verify rows: the gated output norm in the recurrence's launch, a program
-    per value head) and separate give the same decode logits (bit for bit on the CPU), one lane and a 2-row
-    verify-like step of two lanes, and every GDN layer of a decode step takes the fused path."""
-    import runtime.engine as engine_module
-    import runtime.kernels.gdn_fused as gf
-
-    gated_calls = []
-    real = engine_module.gdn_fused
-    monkeypatch.setattr(engine_module, "gdn_fused",
-                        lambda *a, **kw: gated_calls.append(kw.get("gate") is not None) or real(*a, **kw))
-    logits = {}
-    for mode in ("fused", "separate"):
-        monkeypatch.setattr(engine_module, "GDN_GATE", mode)
-        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128,
-                                                           max_concurrency=2), device=DEVICE)
-        first = [engine.prefill(lane, PROMPT[lane:]) for lane in (0, 1)]
-        gated_calls.clear()
-        one = engine.decode_step([0], [int(first[0].argmax())])
-        assert gated_calls and all(gated_calls) == (mode == "fused"), (mode, gated_calls)
-        two = engine.decode_step([0, 1], [int(one[0].argmax()), int(first[1].argmax())])
-        logits[mode] = (one, two)
-    assert gf.GATED_WARPS >= 4
-    for a, b in zip(logits["fused"], logits["separate"]):
-        assert torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_chunked_prefill_across_pages_and_chunks(artifacts):
     prompt = [(i * 37 + 11) % 380 for i in range(140)]  # 2 chunks of 128, 3 pages of 64
     engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)

@@ -294,48 +294,6 @@ def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv, project):
     assert torch.equal(stack[:, t + 1], before[:, t + 1])  # slots past the snapshots are left alone
 
 
-@pytest.mark.parametrize("b,t,hk,ratio,dk,dv,quant", [(1, 1, 2, 2, 16, 64, True), (2, 3, 1, 3, 32, 128, False)])
-def test_gdn_fused_with_the_output_norm(b, t, hk, ratio, dk, dv, quant):
-    """gdn_fused with `gate` (a program per value head, the gated output norm in its launch) == the recurrence
-    followed by the gated_norm reference: y in the activation dtype, the per-step snapshots, and with `quant` the
-    output product's dp4a words exactly as its own quantization launch writes them."""
-    from runtime.kernels.gated_norm import gated_norm_reference
-    from runtime.kernels.gdn_fused import GDNGate, gdn_fused, gdn_fused_reference
-    from runtime.kernels.qgemv_int8 import QuantizedX, quantize_x
-
-    hv = hk * ratio
-    x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)
-    hidden = 300
-    h_in = torch.randn(b * t, hidden, device=DEVICE).to(DTYPE)
-    wa, wb = (torch.randn(hv, hidden, device=DEVICE).to(DTYPE) / hidden ** 0.5 for _ in range(2))
-    alpha, beta = ((h_in.float() @ w.float().t()).to(DTYPE) for w in (wa, wb))
-    a_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.randn(hv, device=DEVICE) * 0.5
-    z_wide = torch.randn(b * t, 5 + hv * dv, device=DEVICE).to(DTYPE)  # a column slice, as qkvz.split gives
-    z, norm_w = z_wide[:, 5:], torch.randn(dv, device=DEVICE).to(DTYPE)
-    stack = torch.randn(b + 1, t + 1, hv, dk, dv, device=DEVICE)
-    lanes = torch.arange(b, 0, -1, device=DEVICE, dtype=torch.int32)
-    before = stack.clone()
-    want_o, want_steps = gdn_fused_reference(x.cpu(), alpha.cpu(), beta.cpu(), a_log.cpu(), dt_bias.cpu(),
-                                             before[lanes.long(), 0].cpu(), hk)
-    want_y = gated_norm_reference(want_o.reshape(b * t, hv, dv), z.cpu(), norm_w.cpu(), 1e-6, DTYPE)
-    w_out = _packed(8, hv * dv, FORMATS["Q4G64_F16S"], seed=3)
-    xq = QuantizedX.empty(b * t, w_out, DEVICE) if quant else None
-    if xq is not None:
-        xq.words.fill_(-1)  # poison: every word must be written
-    got = gdn_fused(x, None, None, a_log, dt_bias, stack, lanes, hk, snapshot=True, out=_poison((b * t, hv * dv)),
-                    projections=(h_in, wa, wb), gate=GDNGate(z, norm_w, 1e-6, DTYPE, xq))
-    _check(got.cpu(), want_y)
-    for j, lane in enumerate(lanes.tolist()):
-        for step in range(t):
-            _check(stack[lane, step + 1].cpu(), want_steps[j, step], torch.float32)
-        _check(stack[lane, 0].cpu(), want_steps[j, -1], torch.float32)
-    if xq is not None:
-        assert torch.equal(xq.words, quantize_x(got, w_out)), "fused words differ from quantize_x"
-    with pytest.raises(ValueError, match="do not fit"):
-        gdn_fused(x, None, None, a_log, dt_bias, stack, lanes, hk, projections=(h_in, wa, wb),
-                  gate=GDNGate(z[:, 1:], norm_w, 1e-6, DTYPE))
-
-
 @pytest.mark.parametrize("dk", [16, 128])
 def test_gdn_chunked_matches_the_recurrence(dk):
     """fla's chunked prefill kernel (raw gates and betas in, lane-indexed float32 state) == the torch

@@ -5,38 +5,21 @@ the decay g = -exp(A_log) * softplus(alpha + dt_bias) and beta = sigmoid(b), the
 each step for speculative rollback). One launch replaces about fifteen small ones per GDN layer, which
 matter inside a decode step of 48 such layers. For decode and verify blocks the alpha/beta projections
 (two bf16 matrices of HV rows) are folded in too: each program dots its head's two weight rows with the
-layer input (`projections`), a launch less per layer. With `gate` the output norm follows in the same
-launch (y = w * RMSNorm(o) * SiLU(z) per value head, and the output product's dp4a words): each program then
-owns a whole value head (BLOCK_V = DV), so the norm over its DV lanes needs nothing from other programs.
+layer input (`projections`), a launch less per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import interpreted, torch_path
-from .gated_norm import gated_norm_reference
 from .launch import LAUNCH, pdl_wait
-from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
-GATED_WARPS = 8  # a program holding a whole 128 x 128 state tile: 64 float32 registers of it per thread
-
-
-@dataclass(frozen=True)
-class GDNGate:
-    """The output norm gdn_fused may apply in its launch: z [rows, HV*DV] (any row stride), the norm's
-    weight [DV], eps, the output dtype, and optionally the output product's dp4a words."""
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    out_dtype: torch.dtype
-    xq: QuantizedX | None = None
 
 
 @triton.jit
@@ -47,14 +30,8 @@ def _softplus(x):
 @triton.jit
 def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
                       h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
-                      z_ptr, nw_ptr, xq_ptr, stride_z, norm_eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GATED: tl.constexpr = False, ROUND_BF16: tl.constexpr = False, QUANT: tl.constexpr = False,
-                      ROW_INTS: tl.constexpr = 0, K_PAD: tl.constexpr = 0, QBITS: tl.constexpr = 4,
-                      GROUP: tl.constexpr = 64):
-    """GATED (BLOCK_V == DV): o_ptr receives y = w * RMSNorm(o) * SiLU(z) [rows, HV*DV] in its dtype instead
-    of o, with the arithmetic of the gated_norm kernel; QUANT: also y as the output product's dp4a words."""
+                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -99,30 +76,19 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
         delta = (v - remembered) * beta
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
-        if GATED:  # the output norm of this head (all DV lanes are this program's); o as gated_norm reads it
-            n = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps)
-            if ROUND_BF16:
-                n = n.to(tl.bfloat16).to(tl.float32)
-            z = tl.load(z_ptr + row * stride_z + h * DV + dv).to(tl.float32)
-            y = (tl.load(nw_ptr + dv).to(tl.float32) * n * z * tl.sigmoid(z)).to(o_ptr.dtype.element_ty)
-            tl.store(o_ptr + (row * HV + h) * DV + dv, y)
-            if QUANT:
-                write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), h * DV, K_PAD, QBITS, GROUP, DV)
-        else:
-            tl.store(o_ptr + (row * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + (row * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
         if SNAPSHOT:
             tl.store(base + (t + 1) * slot_elems + tile, s)
     tl.store(base + tile, s)
 
 
 def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapshot: bool = False, out=None,
-              projections=None, gate: GDNGate | None = None):
+              projections=None):
     """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV], or
     None with `projections` = (layer input [B*T, K], alpha weight [HV, K], beta weight [HV, K]), which
     the kernel multiplies itself; a_log, dt_bias [HV] fp32; state: slot stack [N, S, HV, DK, DV] fp32
     (slot 0 updated in place, slots 1..T get per-step snapshots with `snapshot`); lanes int [B].
-    Returns o [B, T, HV, DV] fp32, or with `gate` the gated norm of o, [B*T, HV*DV] in gate.out_dtype (its
-    dp4a words written into gate.xq too, when given)."""
+    Returns o [B, T, HV, DV] fp32."""
     bsz, t, width = x.shape
     _, slots, hv, dk, dv = state.shape
     key_dim = heads_k * dk
@@ -131,15 +97,7 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
     if snapshot and slots < t + 1:
         raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {slots}")
     if torch_path(x):
-        o = _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot,
-                             out if gate is None else None, projections)
-        if gate is None:
-            return o
-        y = gated_norm_reference(o.reshape(bsz * t, hv, dv), gate.z, gate.weight, gate.eps, gate.out_dtype)
-        y = out.copy_(y) if out is not None else y
-        if gate.xq is not None:
-            gate.xq.fill(y)
-        return y
+        return _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections)
     x = x.reshape(bsz * t, width)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -153,26 +111,12 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
     else:
         alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
         h = wa = wb = alpha  # unread
-    if gate is None:
-        o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
-        z, norm_w, words, norm_eps, quant, gated = o, o, o, 0.0, {}, {}
-        block_v, warps = (dv if interpreted() else min(32, dv)), 4
-    else:
-        if gate.z.shape != (bsz * t, hv * dv) or gate.z.stride(-1) != 1 or gate.weight.shape != (dv,):
-            raise ValueError(f"gdn_fused: gate z {tuple(gate.z.shape)} / weight {tuple(gate.weight.shape)} do not fit "
-                             f"{bsz * t} rows of {hv} value heads x {dv}")
-        o = out if out is not None else torch.empty(bsz * t, hv * dv, dtype=gate.out_dtype, device=x.device)
-        z, norm_w, norm_eps = gate.z, gate.weight, gate.eps
-        fused, words, quant = producer_words(gate.xq, o, bsz * t, hv * dv, dv, hv * dv)
-        gated = {"GATED": True, "ROUND_BF16": gate.out_dtype == torch.bfloat16}
-        block_v, warps = dv, GATED_WARPS
+    o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
+    block_v = dv if interpreted() else min(32, dv)
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
-        key_dim, dk ** -0.5, L2_EPS, z, norm_w, words, z.stride(0), norm_eps, RATIO=hv // heads_k, DK=dk, DV=dv,
-        BLOCK_V=block_v, SNAPSHOT=snapshot, PROJECT=projections is not None,
-        K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **gated, **quant, num_warps=warps, **LAUNCH)
-    if gate is not None and gate.xq is not None and not fused:
-        gate.xq.fill(o)
+        key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
+        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **LAUNCH)
     return o
 
 
