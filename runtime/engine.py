@@ -56,7 +56,8 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # Fused MoE decode of at least this many rows (lanes, verify blocks; 0 = never): the shared expert leaves the routed
 # experts' launches, where each row's program reads its matrices again (35B-A3B q4: W8, 3.3 MB a layer, 8 reads at
 # 8 lanes, ~1 GB a step), for the layer products' row kernels (one read for every row; 3 launches more a layer).
-# Opt-in until measured on the GPU (`bash bench/device_frag.sh s29e`): NINFER_MOE_SHARED_APART=4, say.
+# Opt-in (NINFER_MOE_SHARED_APART=4, say): with NINFER_DENSE_ROWS=on at 2 rows it did not gain on an H100 (session
+# 32, bench/RESULTS.md §2): the three launches more cost what the rows' repeated reads of the shared matrices do.
 MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
@@ -75,16 +76,18 @@ ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "on") == "on"
 PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # MoE prompts too (padded pieces and riding shared chunks from CUDA graphs), where the chunk's experts take the
-# fused prefill path, which waits for nothing on the host. Opt-in until measured on the GPU:
-# NINFER_MOE_PREFILL_GRAPHS=on.
-MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "off") == "on"
+# fused prefill path, which waits for nothing on the host. The 35B-A3B server with 4 streaming clients (H100, session
+# 32): 747.7 -> 912.7 tok/s aggregate (2.04x -> 2.35x one client), slowest first text 344 -> 100 ms.
+# NINFER_MOE_PREFILL_GRAPHS=off runs MoE pieces eagerly (side-by-side runs).
+MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
 # Small bf16 products over 2-16 rows (the MoE router + shared gate of several lanes): NINFER_DENSE_ROWS=on runs them
 # on kernels/dense_rows.py in one launch instead of the vendor's split-K GEMM and its reduction (~8 us a layer at 8
-# lanes of the 35B-A3B on an H100). Opt-in until measured on the GPU (`bash bench/device_frag.sh s29e`). Only small
-# matrices: larger ones (draft heads) keep the vendor GEMM, which streams them well.
+# lanes of the 35B-A3B on an H100). Opt-in: measured with NINFER_MOE_SHARED_APART=2 (H100, session 32, alternated
+# twice in one call) it did not gain (8 lanes 5.65 / 5.75 ms a step against 5.52 / 5.51). Only small matrices:
+# larger ones (draft heads) keep the vendor GEMM, which streams them well.
 DENSE_ROWS = os.environ.get("NINFER_DENSE_ROWS", "off") == "on"
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
 
