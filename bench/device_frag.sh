@@ -26,7 +26,7 @@
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
-#                        bash bench/device_frag.sh s32       # x in fragment order (xorder) on / off: lanes, MTP3 rounds
+#                        bash bench/device_frag.sh s32       # T = 16 products: x order, K sharing, wave-weighing shape
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -345,18 +345,16 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   shared_experts 100
   moe_opt_in_tests
   ;;
-s32)  # session 32 (~400 s): x of 2-16 rows put in fragment order before the layer products (NINFER_FRAGMENT_TILE's
-  # 5th value: a warp's x load one 512-byte run, not 8 rows' lines; built in session 24, never measured end to end)
-  # against the default, 27B lanes and batched MTP3 rounds (a 4-lane verify block is 16 rows: two column tiles)
-  for xo in 0 1; do
-    NINFER_FRAGMENT_TILE=2,4,528,0,$xo timeout 110 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s32-lanes-xorder$xo.json" 2>&1 | grep "│ bf16"
-    echo "lanes xorder=$xo t=$(el)"
-  done
-  for xo in 0 1; do
-    NINFER_FRAGMENT_TILE=2,4,528,0,$xo timeout 120 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --spec mtp \
-      --draft-tokens 3 --accepted-drafts 3 --json-out "$OUT/s32-spec-xorder$xo.json" 2>&1 | grep "│ bf16"
-    echo "spec lanes xorder=$xo t=$(el)"
+s32)  # session 32 (~450 s): T = 16 layer products. Per product at T = 8 / 16: default shape, x in fragment order
+  # (xorder: built in session 24, never measured end to end), 2 / 4 warps sharing K, the wave-weighing shape
+  # (NINFER_FRAGMENT_WAVES); then batched MTP3 rounds over 1 and 4 lanes (a 16-row verify block) with each option
+  PYTHONPATH=. timeout 120 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
+  echo "per product t=$(el)"
+  for opt in "0 off" "1 off" "0 on"; do
+    set -- $opt
+    NINFER_FRAGMENT_TILE=2,4,528,0,$1 NINFER_FRAGMENT_WAVES=$2 timeout 110 $B --lanes 1,4 --depths 8k --kv-dtype bf16 \
+      --spec mtp --draft-tokens 3 --accepted-drafts 3 --json-out "$OUT/s32-spec-x$1-w$2.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes xorder=$1 waves=$2 t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

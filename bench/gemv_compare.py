@@ -6,11 +6,12 @@ the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_code
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
-products. `t1`: the decode
+products. `waves`: the fragment-order kernel at T = 8 and 16 over its shape options (x order, warps sharing K, the
+wave-weighing shape). `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|waves]
 """
 
 from __future__ import annotations
@@ -334,7 +335,36 @@ def frag_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def waves_main(out: str) -> None:
+    """The fragment-order kernel at T = 8 and 16 (one and two mma column tiles) per 27B product: the default shape
+    against x in fragment order (xorder), 2 or 4 warps sharing each block's K, and the shape fragment_shape picks
+    weighing the waves of resident programs (NINFER_FRAGMENT_WAVES); µs, fraction of copy, vs the T = 8 default."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    peak = copy_bandwidth()
+    rows = []
+    variants = {"default": {}, "xorder": {"xorder": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "waves": {}}
+    for label, n, k, fmt in FRAG_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
+        for t in (8, 16):
+            x, y = _xy(t, k, n)
+            for name, kwargs in variants.items():
+                fl.FRAGMENT_WAVES = name == "waves"
+                us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, **kwargs))
+                row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
+            fl.FRAGMENT_WAVES = False
+            row[f"t{t}_waves_shape"] = fl.fragment_shape(planes[id(w)].blocks, planes[id(w)].groups // fl.CHUNK,
+                                                         fl.FRAGMENT_TUNING["warps"], fl.FRAGMENT_TUNING["programs"], 0,
+                                                         fl.resident_programs(w.fmt.bits, 1 if t <= 8 else 2, 4))
+        rows.append(row)
+        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()}), flush=True)
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
+    if mode == "waves":
+        return waves_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":

@@ -403,6 +403,27 @@ FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "pro
                                   {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0})
 
 
+# NINFER_FRAGMENT_WAVES=on: fragment_shape weighs the waves of resident programs (see there); opt-in until measured
+FRAGMENT_WAVES = os.environ.get("NINFER_FRAGMENT_WAVES", "off") == "on"
+# registers per thread of the bf16 fragment-order kernel (pair order) by (code bits, column tiles), from its sm_90
+# SASS (`python bench/sass_count.py q4|q5`, Triton 3.9; the device's 3.6 within a register or two)
+KERNEL_REGISTERS = {(4, 1): 91, (4, 2): 106, (5, 1): 96, (5, 2): 139}
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 132
+
+
+def resident_programs(bits: int, nt: int, warps: int) -> int:
+    """Programs of `warps` warps the GPU holds at once (64K registers and at most 64 warps per SM, registers
+    allocated per warp in 256s): Q4 at T <= 8 5 per SM, at T = 9..16 4; Q5 5 and 3."""
+    regs = -(-KERNEL_REGISTERS[bits, nt] // 8) * 8
+    per_sm = min(64, 65536 // (regs * 32)) // warps
+    return max(1, per_sm) * _multiprocessors()
+
+
 def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
     """x [T, K] (T <= 8 nt) in the order the fragment kernels read it: per 64-lane group and 8-row column tile,
     two halves of 32 thread slots x 8 lanes (thread 4g + c: row g of the tile, lanes 16c + 8 half ..), rows past
@@ -414,17 +435,28 @@ def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
     return padded.view(nt, 8, groups, 4, 2, 8).permute(2, 0, 4, 1, 3, 5).contiguous().view(-1)
 
 
-def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0) -> tuple[int, int, int, int]:
+def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0,
+                   resident: int = 0) -> tuple[int, int, int, int]:
     """(blocks per program, warps per block, splits, chunks per split). About programs x warps warps in all
     keep enough loads in flight: a product with few 16-row blocks (MLP down 5120 x 17408: 320) first lets up to 4
     warps of a program share each block's K (summed in the program, no extra launch), then splits K across
     programs (float32 partials, summed by finish_splits or the next rmsnorm). Each split is a multiple of
-    2 x warps-per-block chunks (every warp's loop steps two), the last one taking what is left."""
+    2 x warps-per-block chunks (every warp's loop steps two), the last one taking what is left. With `resident`
+    (programs the GPU holds at once, resident_programs) a product of one split whose programs overflow one wave
+    by a little takes more warps per block where that ends sooner: the waves it needs times each warp's chunks
+    (MLP gate_up at T = 16: 544 programs of whole-K warps against 528 resident, two waves of 20 chunks, against
+    three of 10 with 2 warps per block)."""
     ks = ksplit
     if not ks:
         ks = 1
         while ks < 4 and blocks * ks * 2 <= programs * warps and chunks >= 4 * ks:
             ks *= 2
+        if resident and blocks * ks * 2 > programs * warps:  # one split: the loop above stopped on the blocks
+
+            def finish(k: int) -> tuple[int, int]:
+                return -(-(-(-blocks // max(1, warps // k))) // resident) * 2 * -(-chunks // (2 * k)), k
+
+            ks = min(finish(k) for k in (ks, 2 * ks, 4 * ks) if k <= min(4, warps) and chunks >= 2 * k)[1]
     bw = max(1, warps // ks)
     per_split = triton.cdiv(blocks, bw)
     wanted = max(1, min(programs * warps // (per_split * bw * ks), chunks // (2 * ks)))
@@ -447,8 +479,9 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
     if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
         ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
-    bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
+    resident = resident_programs(fp.fmt.bits, nt, warps) if FRAGMENT_WAVES else 0
+    bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit, resident)
     x_fragment = t > 1 and bool(FRAGMENT_TUNING["xorder"] if xorder is None else xorder)
     if x_fragment:
         x = fragment_order_x(x, nt)
