@@ -26,7 +26,7 @@
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
-#                        bash bench/device_frag.sh s32       # T = 16 products: x order, K sharing, wave-weighing shape
+#                        bash bench/device_frag.sh s32       # T = 16 product options; expert-major MoE launches
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -345,17 +345,23 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   shared_experts 100
   moe_opt_in_tests
   ;;
-s32)  # session 32 (~450 s): T = 16 layer products. Per product at T = 8 / 16: default shape, x in fragment order
-  # (xorder: built in session 24, never measured end to end), 2 / 4 warps sharing K, the wave-weighing shape
-  # (NINFER_FRAGMENT_WAVES); then batched MTP3 rounds over 1 and 4 lanes (a 16-row verify block) with each option
-  PYTHONPATH=. timeout 120 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
+s32)  # session 32 (~440 s): T = 16 layer products per option (x in fragment order, warps sharing K, the wave-weighing
+  # shape NINFER_FRAGMENT_WAVES) at T = 8 / 16; the expert-major MoE launches (NINFER_MOE_GROUPED) against the
+  # one-pair ones at 8 tokens with random and shared routing, then 35B-A3B lanes without / with them; their GPU tests
+  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
   echo "per product t=$(el)"
-  for opt in "0 off" "1 off" "0 on"; do
-    set -- $opt
-    NINFER_FRAGMENT_TILE=2,4,528,0,$1 NINFER_FRAGMENT_WAVES=$2 timeout 110 $B --lanes 1,4 --depths 8k --kv-dtype bf16 \
-      --spec mtp --draft-tokens 3 --accepted-drafts 3 --json-out "$OUT/s32-spec-x$1-w$2.json" 2>&1 | grep "│ bf16"
-    echo "spec lanes xorder=$1 waves=$2 t=$(el)"
+  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | grep '"us"' | \
+    cut -c1-220
+  echo "grouped vs one-pair t=$(el)"
+  for g in 0 2; do
+    NINFER_MOE_GROUPED=$g timeout $([ $g = 0 ] && echo 100 || echo 70) python -m ninfer_cli.main bench --random-weights \
+      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s32-moe-grouped$g.json" 2>&1 | \
+      grep "│ bf16"
+    echo "35B lanes grouped=$g t=$(el)"
   done
+  NINFER_MOE_GROUPED=2 timeout 60 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "grouped" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
+  echo "tests t=$(el) (no FAILED line = passed)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
