@@ -345,13 +345,11 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   shared_experts 100
   moe_opt_in_tests
   ;;
-s32)  # session 32 (~440 s): T = 16 layer products per option (x in fragment order, warps sharing K, the wave-weighing
-  # shape NINFER_FRAGMENT_WAVES) at T = 8 / 16; the expert-major MoE launches (NINFER_MOE_GROUPED) against the
-  # one-pair ones at 8 tokens with random and shared routing, then 35B-A3B lanes without / with them; their GPU tests
-  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
-  echo "per product t=$(el)"
-  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | grep '"us"' | \
-    cut -c1-220
+s32)  # session 32 (~450 s; measurements first): the expert-major MoE launches (NINFER_MOE_GROUPED) against the one-pair
+  # ones at 8 tokens with random and shared routing, then 35B-A3B lanes without / with them; T = 16 layer products
+  # per option (x in fragment order, warps sharing K, the wave-weighing shape NINFER_FRAGMENT_WAVES); GPU tests
+  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | \
+    grep -E '"us"|one_pair' | cut -c1-220
   echo "grouped vs one-pair t=$(el)"
   for g in 0 2; do
     NINFER_MOE_GROUPED=$g timeout $([ $g = 0 ] && echo 100 || echo 70) python -m ninfer_cli.main bench --random-weights \
@@ -359,6 +357,8 @@ s32)  # session 32 (~440 s): T = 16 layer products per option (x in fragment ord
       grep "│ bf16"
     echo "35B lanes grouped=$g t=$(el)"
   done
+  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
+  echo "per product t=$(el)"
   NINFER_MOE_GROUPED=2 timeout 60 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
     -k "grouped" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
   echo "tests t=$(el) (no FAILED line = passed)"

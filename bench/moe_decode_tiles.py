@@ -88,6 +88,12 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
                 moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
                 key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
                 want = call(0).float()
+                if grouped:  # the expert-major rows against the one-pair launch's on the same inputs
+                    grouped = 0
+                    one_pair = call(0).float()
+                    grouped = TOP_K
+                    print(json.dumps({"product": name, "tokens": t, "routing": kind, "grouped_vs_one_pair_rel_err":
+                                      ((want - one_pair).norm() / one_pair.norm()).item()}), flush=True)
                 own = tuple(default[key][k] for k in ("block_n", "block_k", "num_warps"))
                 for bn, bk, w in tiles if routing == "random" else [own]:
                     moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
