@@ -595,6 +595,14 @@ def test_expert_gemv_grouped_is_the_one_pair_launch(fmt, monkeypatch):
     assert torch.equal(down[1], down[0])
     no_shared = [expert_gemv(x[:2], topk, ex[:8], w, rows_per_expert, grouped_topk=g) for g in (0, topk)]
     assert torch.equal(no_shared[1], no_shared[0])
+    if fmt.name == "Q4G64_F16S":  # a full verify block: 16 tokens of 8 picks (the packed slots' top bits)
+        g = torch.Generator().manual_seed(5)
+        many = torch.stack([torch.randperm(10, generator=g)[:8] for _ in range(16)]).to(torch.int32).view(-1).to(DEVICE)
+        w16 = _packed(10 * 16, 128, fmt, seed=33)
+        x16 = torch.randn(16, 128, device=DEVICE).to(DTYPE)
+        big = [expert_gemv(x16, 8, many, w16, 16, grouped_topk=g) for g in (0, 8)]
+        assert torch.equal(big[1], big[0])
+        launches.pop()
     assert launches == [topk] * 3  # each grouped call took the expert-major launch
     assert grouped_supported(12, 4, 4, True, True) and grouped_supported(12, 1, 4, True, True)
     assert not grouped_supported(12, 3, 4, True, True)  # x rows neither per token nor per pair

@@ -157,8 +157,11 @@ def _grouped_rows(x_ptr, x_row0, x_per_token, x_per_slot, base_ptr, high_ptr, sc
     expert: slots [BLOCK_T] holds, per token t, the slot of the expert among t's picks (-1: not picked); token
     t reads x row x_row0 + t * x_per_token + slot * x_per_slot and writes y row y_row0 + t * y_per_token + slot.
     Each weight tile is loaded and unpacked once for all of them; per token, x is quantized and the group
-    products taken as the one-pair kernel does (its group sums, summed over the groups after the last tile)."""
+    products taken as the one-pair kernel does (its group sums, summed over the groups after the last tile).
+    The slots are packed into one scalar (4 bits per token, slot + 1) by a single reduction, so the loops read
+    each token's slot with scalar shifts, not a reduction per token and tile."""
     tt = tl.arange(0, BLOCK_T)
+    packed = tl.sum(tl.where(slots >= 0, (slots + 1).to(tl.int64) << (4 * tt).to(tl.int64), 0), axis=0)
     gpb: tl.constexpr = BLOCK_K // GROUP
     acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
     words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok[:, None], 0, GPR, K_PAD, BITS,
@@ -169,7 +172,7 @@ def _grouped_rows(x_ptr, x_row0, x_per_token, x_per_slot, base_ptr, high_ptr, sc
                                                          GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
         even, odd = _unpack_codes(words, high, BITS)
         for t in range(TOKENS):
-            slot = tl.sum(tl.where(tt == t, slots, 0), axis=0)
+            slot = ((packed >> (4 * t)) & 15).to(tl.int32) - 1
             if slot >= 0:
                 x_row = x_row0 + t * x_per_token + slot * x_per_slot
                 hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr + x_row * stride_x, k0, K, BITS, GROUP,
@@ -180,7 +183,7 @@ def _grouped_rows(x_ptr, x_row0, x_per_token, x_per_slot, base_ptr, high_ptr, sc
         words, high, w_scale = next_words, next_high, next_scale
     y = tl.sum(acc, axis=2)
     for t in range(TOKENS):
-        slot = tl.sum(tl.where(tt == t, slots, 0), axis=0)
+        slot = ((packed >> (4 * t)) & 15).to(tl.int32) - 1
         if slot >= 0:
             y_t = tl.sum(tl.where((tt == t)[:, None], y, 0.0), axis=0)
             tl.store(y_ptr + (y_row0 + t * y_per_token + slot) * ROWS_PER_EXPERT + local,
@@ -342,9 +345,11 @@ GROUPED_MAX_TOKENS = 16  # decode and verify rows (GEMV_MAX_T): one program's to
 
 
 def grouped_supported(pairs: int, x_rows, topk: int, int8: bool, s_int8: bool) -> bool:
-    """Whether the expert-major launch takes these pairs: whole tokens of `topk` picks (a power of two), at most
-    GROUPED_MAX_TOKENS of them, x rows per token (x_rows = topk) or per pair (1), the dp4a path for both matrices."""
+    """Whether the expert-major launch takes these pairs: whole tokens of `topk` picks (a power of two up to 8: a
+    slot + 1 in 4 bits), at most GROUPED_MAX_TOKENS of them (16 x 4 bits), x rows per token (x_rows = topk) or per
+    pair (1), the dp4a path for both matrices."""
     return (int8 and s_int8 and isinstance(x_rows, int) and x_rows in (1, topk) and topk & (topk - 1) == 0
+            and topk <= 8
             and pairs % topk == 0 and 0 < pairs // topk <= GROUPED_MAX_TOKENS)
 
 
