@@ -27,6 +27,7 @@
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s32       # T = 16 product options; expert-major MoE launches
+#                        bash bench/device_frag.sh s32-short # the expert-major MoE launches alone
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -362,6 +363,11 @@ s32)  # session 32 (~450 s; measurements first): the expert-major MoE launches (
   NINFER_MOE_GROUPED=2 timeout 60 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
     -k "grouped" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
   echo "tests t=$(el) (no FAILED line = passed)"
+  ;;
+s32-short)  # the expert-major launches alone (~150 s): one-pair vs grouped at 8 tokens, random and shared routing
+  PYTHONPATH=. timeout 150 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | \
+    grep -E '"us"|one_pair' | cut -c1-220
+  echo "grouped vs one-pair t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
