@@ -26,8 +26,7 @@
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
-#                        bash bench/device_frag.sh s32       # T = 16 product options; expert-major MoE launches
-#                        bash bench/device_frag.sh s32-short # the expert-major MoE launches alone
+#                        bash bench/device_frag.sh s32       # T = 8 / 16 product shapes; MTP3 rounds, wave-aware shape
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -346,28 +345,16 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   shared_experts 100
   moe_opt_in_tests
   ;;
-s32)  # session 32 (~450 s; measurements first): the expert-major MoE launches (NINFER_MOE_GROUPED) against the one-pair
-  # ones at 8 tokens with random and shared routing, then 35B-A3B lanes without / with them; T = 16 layer products
-  # per option (x in fragment order, warps sharing K, the wave-weighing shape NINFER_FRAGMENT_WAVES); GPU tests
-  PYTHONPATH=. timeout 100 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | \
-    grep -E '"us"|one_pair' | cut -c1-220
-  echo "grouped vs one-pair t=$(el)"
-  for g in 0 2; do
-    NINFER_MOE_GROUPED=$g timeout $([ $g = 0 ] && echo 100 || echo 70) python -m ninfer_cli.main bench --random-weights \
-      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s32-moe-grouped$g.json" 2>&1 | \
-      grep "│ bf16"
-    echo "35B lanes grouped=$g t=$(el)"
-  done
-  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-900
+s32)  # session 32 (~250 s): T = 8 / 16 layer products per shape option (default, x in fragment order, 2 / 4 warps
+  # sharing K, the wave-aware shape), then 4 lanes of batched MTP3 rounds (16-row verify blocks) with the wave-aware
+  # shape off / on (the default since session 32)
+  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-1500
   echo "per product t=$(el)"
-  NINFER_MOE_GROUPED=2 timeout 60 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "grouped" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el) (no FAILED line = passed)"
-  ;;
-s32-short)  # the expert-major launches alone (~150 s): one-pair vs grouped at 8 tokens, random and shared routing
-  PYTHONPATH=. timeout 150 python bench/moe_decode_tiles.py "$OUT/s32-grouped.json" 8 grouped 2>&1 | \
-    grep -E '"us"|one_pair' | cut -c1-220
-  echo "grouped vs one-pair t=$(el)"
+  for w in off on; do
+    NINFER_FRAGMENT_WAVES=$w timeout 90 $B --lanes 4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s32-spec-waves-$w.json" 2>&1 | grep "│ bf16"
+    echo "spec 4 lanes waves=$w t=$(el)"
+  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

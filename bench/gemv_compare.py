@@ -336,13 +336,15 @@ def frag_main(out: str) -> None:
 
 
 def waves_main(out: str) -> None:
-    """The fragment-order kernel at T = 8 and 16 (one and two mma column tiles) per 27B product: the default shape
-    against x in fragment order (xorder), 2 or 4 warps sharing each block's K, and the shape fragment_shape picks
-    weighing the waves of resident programs (NINFER_FRAGMENT_WAVES); µs, fraction of copy, vs the T = 8 default."""
+    """The fragment-order kernel at T = 8 and 16 (one and two mma column tiles) per 27B product: the shape chosen
+    without weighing waves ("default": the shape before session 32) against x in fragment order (xorder), 2 or 4
+    warps sharing each block's K, and the shape fragment_shape picks weighing the waves of resident programs
+    (NINFER_FRAGMENT_WAVES, the default now); µs and fraction of copy."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     rows = []
+    setting = fl.FRAGMENT_WAVES
     variants = {"default": {}, "xorder": {"xorder": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "waves": {}}
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
@@ -353,7 +355,7 @@ def waves_main(out: str) -> None:
                 fl.FRAGMENT_WAVES = name == "waves"
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, **kwargs))
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
-            fl.FRAGMENT_WAVES = False
+            fl.FRAGMENT_WAVES = setting
             row[f"t{t}_waves_shape"] = fl.fragment_shape(planes[id(w)].blocks, planes[id(w)].groups // fl.CHUNK,
                                                          fl.FRAGMENT_TUNING["warps"], fl.FRAGMENT_TUNING["programs"], 0,
                                                          fl.resident_programs(w.fmt.bits, 1 if t <= 8 else 2, 4))

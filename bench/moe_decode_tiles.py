@@ -5,13 +5,11 @@ copies of a layer's experts (no replay reads them from L2) with
 random routing; "of copy" = the distinct expert bytes the launch must read (each expert once) over the time,
 against the measured copy bandwidth; every tile's output is checked against the default tile's.
 
-    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared|grouped]
+    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared]
 
 `shared`: the default tiles only, random routing beside every token of a step picking the same experts: whether a launch whose tokens
 share experts reads them once (time near one token's) or once per token (time near random routing's) — the L2
 may already merge the re-reads, since every pair's program of one row block runs at about the same time.
-`grouped`: as `shared`, each routing through the one-pair launches and through the expert-major ones
-(`expert_gemv(..., grouped_topk=k)`, NINFER_MOE_GROUPED: the route launch first, timed with gate/up).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def _layer():
 
 
 def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None:
-    if routing not in ("random", "shared", "grouped"):
-        raise SystemExit(f"routing {routing!r}: give random, shared or grouped")
+    if routing not in ("random", "shared"):
+        raise SystemExit(f"routing {routing!r}: give random or shared")
     torch.manual_seed(0)
     peak = copy_bandwidth()
     layers = [_layer() for _ in range(COPIES)]
@@ -49,9 +47,7 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
     report = {"copy_GBs": peak / 1e9, "routing": routing, "rows": []}
     default = {name: dict(tile) for name, tile in moe.EXPERT_TUNING.items()}
     for t in tokens_list:
-        for kind, launch in ([("random", "one-pair")] if routing == "random" else
-                             [(k, "one-pair") for k in ("random", "shared")] if routing == "shared" else
-                             [(k, v) for k in ("random", "shared") for v in ("one-pair", "grouped")]):
+        for kind in (["random"] if routing == "random" else ["random", "shared"]):
             inputs = []
             for _ in range(COPIES):
                 h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -63,37 +59,22 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
             gate_up_bytes = distinct * expert_bytes[0] + expert_bytes[2]
             down_bytes = distinct * expert_bytes[1] + expert_bytes[3]
 
-            grouped = TOP_K if launch == "grouped" else 0
-            if grouped:  # the routing, once: the expert-major launches read it (their route launch is timed below)
-                for h, logits, pairs, _ in inputs:
-                    pairs.copy_(moe.route(logits, TOP_K)[0].view(-1))
-
             def gate_up_call(i):
                 (gu, _, su, _), _ = layers[i]
                 h, logits, pairs, weights = inputs[i]
-                if grouped:  # the route launch (as the engine runs it; same ids as above), then the expert-major one
-                    moe.route(logits, TOP_K)
-                    return moe.expert_gemv(h, TOP_K, pairs, gu, 2 * INTER, shared=su, grouped_topk=TOP_K)
                 return moe.expert_gemv(h, TOP_K, pairs, gu, 2 * INTER, shared=su, route_into=(logits, weights))
 
             rows_in = [gate_up_call(i) for i in range(COPIES)]  # the down launch's inputs (and the routing)
 
             def down_call(i):
                 (_, dn, _, sd), _ = layers[i]
-                return moe.expert_gemv(rows_in[i], 1, inputs[i][2], dn, HIDDEN, shared=sd, shared_x0=t * TOP_K,
-                                       swiglu=True, grouped_topk=grouped)
+                return moe.expert_gemv(rows_in[i], 1, inputs[i][2], dn, HIDDEN, shared=sd, shared_x0=t * TOP_K, swiglu=True)
 
             for name, tiles, call, nbytes in (("gate_up", GATE_UP_TILES, gate_up_call, gate_up_bytes),
                                              ("down", DOWN_TILES, down_call, down_bytes)):
                 moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
                 key = name + ("/one" if t * (TOP_K + 1) <= moe.ONE_TOKEN_PAIRS else "")  # the tile this launch takes
                 want = call(0).float()
-                if grouped:  # the expert-major rows against the one-pair launch's on the same inputs
-                    grouped = 0
-                    one_pair = call(0).float()
-                    grouped = TOP_K
-                    print(json.dumps({"product": name, "tokens": t, "routing": kind, "grouped_vs_one_pair_rel_err":
-                                      ((want - one_pair).norm() / one_pair.norm()).item()}), flush=True)
                 own = tuple(default[key][k] for k in ("block_n", "block_k", "num_warps"))
                 for bn, bk, w in tiles if routing == "random" else [own]:
                     moe.EXPERT_TUNING[key] = {"block_n": bn, "block_k": bk, "num_warps": w}
@@ -105,14 +86,14 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
                     except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses: recorded, sweep goes on
                         print(json.dumps({"product": name, "tokens": t, "tile": [bn, bk, w], "error": str(exc)[:200]}))
                         continue
-                    row = {"product": key, "tokens": t, "routing": kind, "launch": launch, "tile": [bn, bk, w], "us": us,
+                    row = {"product": key, "tokens": t, "routing": kind, "tile": [bn, bk, w], "us": us,
                            "of_copy": nbytes / (us * 1e-6) / peak,
                            "rel_err_vs_default": err, "default": [bn, bk, w] == [default[key][k] for k in
                                                                               ("block_n", "block_k", "num_warps")]}
                     report["rows"].append(row)
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         moe.EXPERT_TUNING.update({k: dict(v) for k, v in default.items()})
-    swept = [r for r in report["rows"] if r["routing"] == "random" and r["launch"] == "one-pair"]  # the tile sweep's
+    swept = [r for r in report["rows"] if r["routing"] == "random"]  # the tile sweep's rows (shared: default only)
     for t in tokens_list:
         for name in moe.EXPERT_TUNING:
             rows = [r for r in swept if r["tokens"] == t and r["product"] == name]

@@ -59,11 +59,6 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # Opt-in (NINFER_MOE_SHARED_APART=4, say): with NINFER_DENSE_ROWS=on at 2 rows it did not gain on an H100 (session
 # 32, bench/RESULTS.md §2): the three launches more cost what the rows' repeated reads of the shared matrices do.
 MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
-# Fused MoE decode of at least this many rows (0 = never) routes in a launch of its own and multiplies expert-major
-# (kernels/moe.py _expert_grouped_kernel): an expert that several rows picked, and the shared expert, is read once
-# for all of them, where the one-pair launches read it once per row (H100, session 32: 8 tokens on the same 8
-# experts took 36.3 us against 40.5 with random routing). Opt-in until measured: NINFER_MOE_GROUPED=2, say.
-MOE_GROUPED_ROWS = tuning_from_env("NINFER_MOE_GROUPED", ("rows",), {"rows": 0})["rows"]
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
@@ -591,14 +586,6 @@ class Engine:
             # one launch per matrix (pair p reads x row p // k, then its own row; the down launch applies
             # SwiGLU as it reads), no host sync; the next RMSNorm weighs, gates and sums
             # the gate/up launch routes too (each program its token's top-k): no route launch
-            if 0 < MOE_GROUPED_ROWS <= n:  # expert-major: shared experts read once for every row
-                ids, weights = route(router_logits, k)
-                pairs = ids.reshape(-1)
-                gate_up_rows = expert_gemv(h, k, pairs, gate_up.packed, 2 * inter, shared=shared_up.packed,
-                                           grouped_topk=k)
-                y = expert_gemv(gate_up_rows, 1, pairs, down.packed, hid, shared=shared_down.packed, shared_x0=n * k,
-                                swiglu=True, grouped_topk=k)
-                return ExpertPartials(y[: n * k], weights, y[n * k :], shared_gate)
             pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
             weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
             apart = 0 < MOE_SHARED_APART_ROWS <= n  # the shared expert read once for every row (see the setting)

@@ -571,35 +571,6 @@ def test_moe_shared_expert_apart_from_the_routed_launches(moe_equal_shared, monk
         assert calls and all((shared is not None) == riding for shared in calls), rows
 
 
-@pytest.mark.triton_kernels  # the expert-major launches composed in the engine
-def test_moe_grouped_decode_gives_the_one_pair_logits(moe_equal_shared, monkeypatch):
-    """NINFER_MOE_GROUPED=N: fused MoE decode of N or more rows routes in its own launch and multiplies
-    expert-major (experts several rows picked, and the shared expert, read once); a verify-like step of 2 lanes
-    gives the logits of the one-pair launches (bit for bit on the CPU), and fewer rows keep those."""
-    import runtime.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "MOE_DECODE", "fused")
-    calls = []
-    real = engine_module.expert_gemv
-    monkeypatch.setattr(engine_module, "expert_gemv",
-                        lambda *a, **kw: calls.append(kw.get("grouped_topk", 0)) or real(*a, **kw))
-    logits = {}
-    for rows in (0, 2):
-        monkeypatch.setattr(engine_module, "MOE_GROUPED_ROWS", rows)
-        engine = Engine(moe_equal_shared, PlanOptions(max_context=256, prefill_chunk=128, max_concurrency=2),
-                        device=DEVICE)
-        first = [engine.prefill(lane, prompt) for lane, prompt in enumerate(([5, 9, 2], [7, 1]))]  # short: interpreted
-        calls.clear()
-        one = engine.decode_step([0], [int(first[0].argmax())])
-        assert calls and not any(calls), (rows, calls)  # one row: the one-pair launches
-        calls.clear()
-        two = engine.decode_step([0, 1], [int(one[0].argmax()), int(first[1].argmax())])
-        assert calls and all(bool(g) == bool(rows) for g in calls), (rows, calls)
-        logits[rows] = two
-    assert torch.equal(logits[2], logits[0]) if DEVICE == "cpu" else \
-        torch.allclose(logits[2], logits[0], rtol=2e-2, atol=2e-2)
-
-
 def test_moe_router_and_shared_gate_are_one_product(artifacts, monkeypatch):
     """The plan lays a MoE layer's router and shared-expert gate side by side: the fused MoE decode multiplies both
     in one product (the gate's logit its last column) and still generates the reference's tokens."""

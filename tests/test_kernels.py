@@ -566,51 +566,6 @@ def test_expert_gemv(fmt):
         expert_gemv(x, 2, ex, w, rows_per_expert + 1, shared=shared)
 
 
-@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q5G64_F16S", "W8G32_F16S"])
-def test_expert_gemv_grouped_is_the_one_pair_launch(fmt, monkeypatch):
-    """The expert-major launch (grouped_topk = k: each expert the tokens picked, and the shared expert, multiplied
-    once with every token that picked it) writes the one-pair launch's rows bit for bit: gate/up (x row per token,
-    the shared expert riding), down (x row per pair, SwiGLU as it reads, the shared rows after the pairs'); pairs
-    whose expert an earlier token picked are filled by that expert's program."""
-    from runtime.kernels import moe
-    from runtime.kernels.moe import expert_gemv, grouped_supported
-
-    launches = []
-    real = moe._expert_gemv_grouped
-    monkeypatch.setattr(moe, "_expert_gemv_grouped", lambda *a: launches.append(a[-2]) or real(*a))
-    fmt = FORMATS[fmt]
-    experts, rows_per_expert, k, topk, tokens = 6, 40, 256, 4, 3
-    w = _packed(experts * rows_per_expert, k, fmt, seed=31)
-    shared = _packed(rows_per_expert, k, FORMATS["W8G32_F16S"], seed=32)
-    # token 0 picks 1, 4, 0, 5; token 1 picks 4, 2, 1, 3 (shares 1 and 4); token 2 picks 0, 3, 4, 2
-    ex = torch.tensor([1, 4, 0, 5, 4, 2, 1, 3, 0, 3, 4, 2], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(tokens, k, device=DEVICE).to(DTYPE)
-    poisoned = {}
-    for grouped in (0, topk):
-        poisoned[grouped] = expert_gemv(x, topk, ex, w, rows_per_expert, shared=shared, grouped_topk=grouped)
-    assert torch.equal(poisoned[topk], poisoned[0])
-    gu = torch.randn(tokens * topk + tokens, 2 * k, device=DEVICE).to(DTYPE)
-    down = [expert_gemv(gu, 1, ex, w, rows_per_expert, shared=shared, shared_x0=tokens * topk, swiglu=True,
-                        grouped_topk=grouped) for grouped in (0, topk)]
-    assert torch.equal(down[1], down[0])
-    no_shared = [expert_gemv(x[:2], topk, ex[:8], w, rows_per_expert, grouped_topk=g) for g in (0, topk)]
-    assert torch.equal(no_shared[1], no_shared[0])
-    if fmt.name == "Q4G64_F16S":  # a full verify block: 16 tokens of 8 picks (the packed slots' top bits)
-        g = torch.Generator().manual_seed(5)
-        many = torch.stack([torch.randperm(10, generator=g)[:8] for _ in range(16)]).to(torch.int32).view(-1).to(DEVICE)
-        w16 = _packed(10 * 16, 128, fmt, seed=33)
-        x16 = torch.randn(16, 128, device=DEVICE).to(DTYPE)
-        big = [expert_gemv(x16, 8, many, w16, 16, grouped_topk=g) for g in (0, 8)]
-        assert torch.equal(big[1], big[0])
-        launches.pop()
-    assert launches == [topk] * 3  # each grouped call took the expert-major launch
-    assert grouped_supported(12, 4, 4, True, True) and grouped_supported(12, 1, 4, True, True)
-    assert not grouped_supported(12, 3, 4, True, True)  # x rows neither per token nor per pair
-    assert not grouped_supported(9, 3, 3, True, True)  # 3 picks: not a power of two
-    assert not grouped_supported(17 * 4, 4, 4, True, True)  # more tokens than a verify block
-    assert not grouped_supported(12, 4, 4, True, False)  # the shared expert off the dp4a path
-
-
 def test_expert_gemv_tiles(monkeypatch):
     """Other expert GEMV tiles (EXPERT_TUNING, set by NINFER_EXPERT_TILE_<PRODUCT>) give the same products, routed
     and with SwiGLU in the launch; a malformed setting stops with a one-line error naming the variable."""

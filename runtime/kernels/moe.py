@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
-from .qgemv_int8 import (INT8_BITS, _dot_rows_int8, _quantized_x, _unpack_codes, _weight_tile, code_words,
-                         group_products, high_plane, native_dp4a)
+from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
 from . import torch_path, tuning_from_env
@@ -147,84 +146,6 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
     tl.store(y_ptr + pair * ROWS_PER_EXPERT + local, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _grouped_rows(x_ptr, x_row0, x_per_token, x_per_slot, base_ptr, high_ptr, scale_ptr, y_ptr, y_row0, y_per_token,
-                  rows, local, ok, K, stride_x, ROWS_PER_EXPERT, slots, TOKENS, GPR: tl.constexpr,
-                  K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HIGH_BYTES: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, USE_ASM: tl.constexpr,
-                  SWIGLU: tl.constexpr):
-    """Weight rows `rows` (this program's `local` rows of one expert) against every token that picked the
-    expert: slots [BLOCK_T] holds, per token t, the slot of the expert among t's picks (-1: not picked); token
-    t reads x row x_row0 + t * x_per_token + slot * x_per_slot and writes y row y_row0 + t * y_per_token + slot.
-    Each weight tile is loaded and unpacked once for all of them; per token, x is quantized and the group
-    products taken as the one-pair kernel does (its group sums, summed over the groups after the last tile).
-    The slots are packed into one scalar (4 bits per token, slot + 1) by a single reduction, so the loops read
-    each token's slot with scalar shifts, not a reduction per token and tile."""
-    tt = tl.arange(0, BLOCK_T)
-    packed = tl.sum(tl.where(slots >= 0, (slots + 1).to(tl.int64) << (4 * tt).to(tl.int64), 0), axis=0)
-    gpb: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros((BLOCK_T, BLOCK_N, gpb), dtype=tl.float32)
-    words, high, w_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, ok[:, None], 0, GPR, K_PAD, BITS,
-                                        GROUP, HIGH_BYTES, BLOCK_K)
-    for k0 in range(0, K_PAD, BLOCK_K):
-        more = ok[:, None] & (tl.full((1, 1), k0 + BLOCK_K, tl.int32) < K_PAD)
-        next_words, next_high, next_scale = _weight_tile(base_ptr, high_ptr, scale_ptr, rows, more, k0 + BLOCK_K,
-                                                         GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_K)
-        even, odd = _unpack_codes(words, high, BITS)
-        for t in range(TOKENS):
-            slot = ((packed >> (4 * t)) & 15).to(tl.int32) - 1
-            if slot >= 0:
-                x_row = x_row0 + t * x_per_token + slot * x_per_slot
-                hi_a, lo_a, hi_b, lo_b, x_scale, x_sum = _quantized_x(x_ptr + x_row * stride_x, k0, K, BITS, GROUP,
-                                                                      BLOCK_K, SWIGLU)
-                c = group_products(even, odd, hi_a, lo_a, hi_b, lo_b, x_scale, x_sum, w_scale, BITS, GROUP, BLOCK_N,
-                                   BLOCK_K, USE_ASM)
-                acc = tl.where((tt == t)[:, None, None], acc + c[None, :, :], acc)
-        words, high, w_scale = next_words, next_high, next_scale
-    y = tl.sum(acc, axis=2)
-    for t in range(TOKENS):
-        slot = ((packed >> (4 * t)) & 15).to(tl.int32) - 1
-        if slot >= 0:
-            y_t = tl.sum(tl.where((tt == t)[:, None], y, 0.0), axis=0)
-            tl.store(y_ptr + (y_row0 + t * y_per_token + slot) * ROWS_PER_EXPERT + local,
-                     y_t.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _expert_grouped_kernel(x_ptr, experts_ptr, base_ptr, high_ptr, scale_ptr, s_base_ptr, s_high_ptr, s_scale_ptr,
-                           y_ptr, ROWS_PER_EXPERT, K, stride_x, TOKENS, SHARED_FROM, SHARED_X0, X_PER_PAIR,
-                           GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                           HIGH_BYTES: tl.constexpr, S_GPR: tl.constexpr, S_K_PAD: tl.constexpr,
-                           S_BITS: tl.constexpr, S_GROUP: tl.constexpr, S_HIGH_BYTES: tl.constexpr,
-                           TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
-    """Expert-major decode / verify products over routed pairs (token t's picks are pairs t * TOPK ..): the
-    program of a pair whose expert an earlier token also picked does nothing; the program of each expert's first
-    pair multiplies it with every token that picked it (_grouped_rows), so an expert the tokens share is read
-    once. X_PER_PAIR 0: pair p reads x row p // TOPK (gate/up: the token's row); 1: x row p (down: the pair's
-    gate/up row). Programs from SHARED_FROM on are the shared expert's: the first multiplies it with x rows
-    SHARED_X0 + t into y rows SHARED_FROM + t for every token t, read once too; the others do nothing."""
-    pdl_wait()
-    pair = tl.program_id(0)
-    local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = local < ROWS_PER_EXPERT
-    tt = tl.arange(0, BLOCK_T)
-    if pair == SHARED_FROM:
-        _grouped_rows(x_ptr, SHARED_X0, 1, 0, s_base_ptr, s_high_ptr, s_scale_ptr, y_ptr, SHARED_FROM, 1, local, local,
-                      ok, K, stride_x, ROWS_PER_EXPERT, tl.where(tt < TOKENS, 0, -1), TOKENS, S_GPR, S_K_PAD, S_BITS,
-                      S_GROUP, S_HIGH_BYTES, BLOCK_N, BLOCK_K, BLOCK_T, USE_ASM, SWIGLU)
-    elif pair < SHARED_FROM:
-        expert = tl.load(experts_ptr + pair)
-        kk = tl.arange(0, TOPK)
-        picks = tl.load(experts_ptr + tt[:, None] * TOPK + kk[None, :], mask=(tt < TOKENS)[:, None], other=-1)
-        slots = tl.max(tl.where(picks == expert, kk[None, :], -1), axis=1)  # this expert's slot per token, or -1
-        first = tl.min(tl.where(slots >= 0, tt, BLOCK_T), axis=0)
-        if pair // TOPK == first:
-            _grouped_rows(x_ptr, 0, 1 + X_PER_PAIR * (TOPK - 1), X_PER_PAIR, base_ptr, high_ptr, scale_ptr, y_ptr, 0,
-                          TOPK, expert * ROWS_PER_EXPERT + local, local, ok, K, stride_x, ROWS_PER_EXPERT, slots,
-                          TOKENS, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, BLOCK_T, USE_ASM, SWIGLU)
-
-
 # The expert GEMV's tile on the dp4a path, per product and for one token's pairs ("/one": at most ONE_TOKEN_PAIRS)
 # or more: an expert's matrices are small (35B-A3B: gate/up 1,024 x 2,048, down 2,048 x 512), so a program's
 # share of the bytes is small and launch latency weighs; "down" quantizes SwiGLU of its x row in every program,
@@ -266,8 +187,7 @@ def shared_fusable(experts: PackedLinear, shared, rows_per_expert: int) -> bool:
 
 def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tensor, w: PackedLinear,
                 rows_per_expert: int, shared: PackedLinear | None = None, shared_x0: int = 0,
-                swiglu: bool = False, route_into: tuple[torch.Tensor, torch.Tensor] | None = None,
-                grouped_topk: int = 0) -> torch.Tensor:
+                swiglu: bool = False, route_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """For each pair p: y[p] = W[experts[p]] @ x[x_rows[p]], with W stacked expert-major
     ([E * rows_per_expert, K] packed); `x_rows` an int n: x row p // n (a decode step's k pairs per token
     are n = k; the down product's own rows n = 1), without an index tensor to build per step. With `shared`
@@ -276,10 +196,8 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
     gate/up projections [*, 2K] and each product takes silu(gate) * up (in the launch itself on the dp4a path:
     no SwiGLU launch). With `route_into` = (router logits [T, E], weights [T, k] float32) and x_rows = k, the
     launch routes too: `experts` ([T * k] int32, written) and the weights are filled as route() would (no route
-    launch). With `grouped_topk` = k (routing done: `experts` holds each token's k picks in order, x_rows k or
-    1), the launch is expert-major (expert_gemv_grouped): an expert several tokens picked, and the shared
-    expert, is read once for all of them. Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of
-    x are quantized per group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
+    launch). Returns [pairs (+ shared rows), rows_per_expert] in x's dtype. Rows of x are quantized per
+    group as in the dp4a GEMV (see qgemv_int8) unless NINFER_GEMV=float."""
     if route_into is not None and (torch_path(x) or not isinstance(x_rows, int)):  # route first, then multiply
         ids, weights = route(route_into[0], x_rows)
         experts.copy_(ids.reshape(-1))
@@ -305,8 +223,6 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
             y[routed:] = (x.float()[shared_x0:] @ shared.dense().t()).to(x.dtype)
         return y
     y = torch.empty(routed + extra, rows_per_expert, dtype=x.dtype, device=x.device)
-    if grouped_topk and grouped_supported(routed, x_rows, grouped_topk, int8, s_int8):
-        return _expert_gemv_grouped(x, x_rows, experts, w, rows_per_expert, shared, shared_x0, swiglu, grouped_topk, y)
     product = ("down" if swiglu else "gate_up") + ("/one" if routed + extra <= ONE_TOKEN_PAIRS else "")
     tuning = EXPERT_TUNING[product] if int8 else VEC_TUNING
     block_n, block_k = tuning["block_n"], tuning["block_k"]
@@ -338,40 +254,6 @@ def expert_gemv(x: torch.Tensor, x_rows: torch.Tensor | int, experts: torch.Tens
         BLOCK_K=block_k, USE_ASM=native_dp4a(), PAIRS_PER_X_ROW=per_row, SWIGLU=swiglu, ROUTE=route_into is not None,
         BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
         num_warps=tuning["num_warps"], **LAUNCH)
-    return y
-
-
-GROUPED_MAX_TOKENS = 16  # decode and verify rows (GEMV_MAX_T): one program's token vector
-
-
-def grouped_supported(pairs: int, x_rows, topk: int, int8: bool, s_int8: bool) -> bool:
-    """Whether the expert-major launch takes these pairs: whole tokens of `topk` picks (a power of two up to 8: a
-    slot + 1 in 4 bits), at most GROUPED_MAX_TOKENS of them (16 x 4 bits), x rows per token (x_rows = topk) or per
-    pair (1), the dp4a path for both matrices."""
-    return (int8 and s_int8 and isinstance(x_rows, int) and x_rows in (1, topk) and topk & (topk - 1) == 0
-            and topk <= 8
-            and pairs % topk == 0 and 0 < pairs // topk <= GROUPED_MAX_TOKENS)
-
-
-def _expert_gemv_grouped(x, x_rows, experts, w, rows_per_expert, shared, shared_x0, swiglu, topk, y):
-    """expert_gemv's expert-major launch (_expert_grouped_kernel): a program per (pair, row block) as the one-pair
-    launch has, of which only each expert's first pair and the shared expert's first row work."""
-    routed = experts.numel()
-    tokens = routed // topk
-    s = shared if shared is not None else w
-    tuning = EXPERT_TUNING["down" if swiglu else "gate_up"]
-    block_n, block_k = tuning["block_n"], tuning["block_k"]
-    while w.k_pad % block_k or s.k_pad % block_k:
-        block_k //= 2
-    x = x.contiguous()
-    planes = [code_words(w.base), high_plane(w), w.scale, code_words(s.base), high_plane(s), s.scale]
-    _expert_grouped_kernel[(routed + (shared is not None), triton.cdiv(rows_per_expert, block_n))](
-        x, experts.contiguous(), *planes, y, rows_per_expert, w.cols, x.stride(0), tokens, routed, shared_x0,
-        int(x_rows == 1), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
-        HIGH_BYTES=w.fmt.high_bytes_per_group, S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits,
-        S_GROUP=s.fmt.group_size, S_HIGH_BYTES=s.fmt.high_bytes_per_group, TOPK=topk,
-        BLOCK_T=max(2, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
-        SWIGLU=swiglu, num_warps=tuning["num_warps"], **LAUNCH)
     return y
 
 

@@ -403,8 +403,10 @@ FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "pro
                                   {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0})
 
 
-# NINFER_FRAGMENT_WAVES=on: fragment_shape weighs the waves of resident programs (see there); opt-in until measured
-FRAGMENT_WAVES = os.environ.get("NINFER_FRAGMENT_WAVES", "off") == "on"
+# fragment_shape weighs the waves of resident programs (see there). H100, session 32 (`bench/gemv_compare.py OUT
+# waves`): MLP gate_up at T = 16 82.4 -> 66.1 us, every other product and T unchanged (the same shape); 27B, 4 lanes
+# of batched MTP3 rounds (16-row verify blocks): 19.47 -> 18.05 ms a round. NINFER_FRAGMENT_WAVES=off restores.
+FRAGMENT_WAVES = os.environ.get("NINFER_FRAGMENT_WAVES", "on") == "on"
 # registers per thread of the bf16 fragment-order kernel (pair order) by (code bits, column tiles), from its sm_90
 # SASS (`python bench/sass_count.py q4|q5`, Triton 3.9; the device's 3.6 within a register or two)
 KERNEL_REGISTERS = {(4, 1): 91, (4, 2): 106, (5, 1): 96, (5, 2): 139}
