@@ -358,26 +358,21 @@ def test_fragment_order_shapes_cover_every_chunk_once():
     assert fragment_shape(320, 68, 4, 528)[:2] == (1, 4)  # MLP down: 4 warps per block
 
 
-def test_fragment_shape_weighs_the_waves_of_resident_programs():
+def test_fragment_shape_weighs_the_waves_of_resident_programs(monkeypatch):
     """With the programs the GPU holds at once (resident_programs: 5 per SM for Q4 at T <= 8, 4 at T = 16 by the
     kernel's registers), a one-split product that overflows a wave by a little takes more warps per block where
     its waves x chunks per warp are fewer; a product that fits one wave, or splits K anyway, keeps its shape."""
     import runtime.kernels.qgemm_fragment_layout as fl
 
-    fl._multiprocessors.cache_clear()
-    original = fl._multiprocessors
-    fl._multiprocessors = lambda: 132  # the H100 / H200
-    try:
-        assert (fl.resident_programs(4, 1, 4), fl.resident_programs(4, 2, 4), fl.resident_programs(5, 2, 4)) == \
-            (660, 528, 396)
-        gate_up = (2176, 20, 4, 528, 0)  # MLP gate_up: 544 programs of whole-K warps
-        assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 1, 4)) == (4, 1, 1, 20)  # one wave of 660: as is
-        assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 2, 4)) == (2, 2, 1, 20)  # 2 x 20 -> 3 x 10 chunks
-        assert fl.fragment_shape(1024, 20, 4, 528, 0, 528) == fl.fragment_shape(1024, 20, 4, 528)  # 512: one wave
-        assert fl.fragment_shape(320, 68, 4, 528, 0, 396) == fl.fragment_shape(320, 68, 4, 528)  # already 4 warps
-        assert fl.fragment_shape(40, 68, 4, 528, 0, 528) == fl.fragment_shape(40, 68, 4, 528)  # K split: as is
-    finally:
-        fl._multiprocessors = original
+    monkeypatch.setattr(fl, "_multiprocessors", lambda: 132)  # the H100 / H200
+    assert (fl.resident_programs(4, 1, 4), fl.resident_programs(4, 2, 4), fl.resident_programs(5, 2, 4)) == \
+        (660, 528, 396)
+    gate_up = (2176, 20, 4, 528, 0)  # MLP gate_up: 544 programs of whole-K warps
+    assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 1, 4)) == (4, 1, 1, 20)  # one wave of 660: as is
+    assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 2, 4)) == (2, 2, 1, 20)  # 2 x 20 -> 3 x 10 chunks
+    assert fl.fragment_shape(1024, 20, 4, 528, 0, 528) == fl.fragment_shape(1024, 20, 4, 528)  # 512: one wave
+    assert fl.fragment_shape(320, 68, 4, 528, 0, 396) == fl.fragment_shape(320, 68, 4, 528)  # already 4 warps
+    assert fl.fragment_shape(40, 68, 4, 528, 0, 528) == fl.fragment_shape(40, 68, 4, 528)  # K split: as is
 
 
 @pytest.mark.parametrize("fmt,t,n,k,shape", [("Q4G64_F16S", 1, 40, 1024, (4, 528, 0)), ("Q5G64_F16S", 1, 32, 2048, (4, 3, 2)),

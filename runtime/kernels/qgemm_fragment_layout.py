@@ -455,8 +455,9 @@ def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: 
             ks *= 2
         if resident and blocks * ks * 2 > programs * warps:  # one split: the loop above stopped on the blocks
 
-            def finish(k: int) -> tuple[int, int]:
-                return -(-(-(-blocks // max(1, warps // k))) // resident) * 2 * -(-chunks // (2 * k)), k
+            def finish(k: int) -> tuple[int, int]:  # (waves x chunks per warp, k) with k warps per block
+                waves = triton.cdiv(triton.cdiv(blocks, max(1, warps // k)), resident)
+                return waves * 2 * triton.cdiv(chunks, 2 * k), k
 
             ks = min(finish(k) for k in (ks, 2 * ks, 4 * ks) if k <= min(4, warps) and chunks >= 2 * k)[1]
     bw = max(1, warps // ks)
