@@ -27,6 +27,7 @@
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s32       # T = 8 / 16 product shapes; MTP3 rounds, wave-aware shape
+#                        bash bench/device_frag.sh s33       # every product's shapes at T = 1..16 as the engine calls it
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -355,6 +356,14 @@ s32)  # session 32 (~250 s): T = 8 / 16 layer products per shape option (default
       --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s32-spec-waves-$w.json" 2>&1 | grep "│ bf16"
     echo "spec 4 lanes waves=$w t=$(el)"
   done
+  ;;
+s33)  # next (~300 s): every fragment-order product at T = 1..16 as the engine calls it (partials left to the norm for
+  # MLP down / GDN out) over the shape options, to choose warps sharing K per (product, T) on the H200 (session 32's
+  # H100 sweep at T = 8 without the engine's partials: gate_up 44.7 -> 39.9 us with 4 warps sharing K); then 27B lanes
+  PYTHONPATH=. timeout 200 python bench/gemv_compare.py "$OUT/s33-shapes.json" waves 2>&1 | grep "{" | cut -c1-3000
+  echo "per product t=$(el)"
+  timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s33-lanes.json" 2>&1 | grep "│ bf16"
+  echo "lanes t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

@@ -6,8 +6,8 @@ the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_code
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
-products. `waves`: the fragment-order kernel at T = 8 and 16 over its shape options (x order, warps sharing K, the
-wave-weighing shape). `t1`: the decode
+products. `waves`: the fragment-order kernel at T = 1..16 over its shape options (x order, warps sharing K, the
+wave-weighing shape), called as the engine calls it. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
@@ -336,7 +336,8 @@ def frag_main(out: str) -> None:
 
 
 def waves_main(out: str) -> None:
-    """The fragment-order kernel at T = 8 and 16 (one and two mma column tiles) per 27B product: the shape chosen
+    """The fragment-order kernel at T = 1..16 (one or two mma column tiles) per 27B product, called as the engine
+    calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): the shape chosen
     without weighing waves ("default": the shape before session 32) against x in fragment order (xorder), 2 or 4
     warps sharing each block's K, and the shape fragment_shape picks weighing the waves of resident programs
     (NINFER_FRAGMENT_WAVES, the default now); µs and fraction of copy."""
@@ -349,16 +350,17 @@ def waves_main(out: str) -> None:
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
-        for t in (8, 16):
+        defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
+        for t in (1, 2, 4, 8, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
                 fl.FRAGMENT_WAVES = name == "waves"
-                us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, **kwargs))
+                us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
             fl.FRAGMENT_WAVES = setting
             row[f"t{t}_waves_shape"] = fl.fragment_shape(planes[id(w)].blocks, planes[id(w)].groups // fl.CHUNK,
-                                                         fl.FRAGMENT_TUNING["warps"], fl.FRAGMENT_TUNING["programs"], 0,
-                                                         fl.resident_programs(w.fmt.bits, 1 if t <= 8 else 2, 4))
+                                                         fl.FRAGMENT_TUNING["warps"], fl.FRAGMENT_TUNING["programs"],
+                                                         int(defer), fl.resident_programs(w.fmt.bits, 1 if t <= 8 else 2, 4))
         rows.append(row)
         print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()}), flush=True)
     _save(out, peak, rows)
