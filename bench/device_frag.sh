@@ -357,13 +357,16 @@ s32)  # session 32 (~250 s): T = 8 / 16 layer products per shape option (default
     echo "spec 4 lanes waves=$w t=$(el)"
   done
   ;;
-s33)  # next (~300 s): every fragment-order product at T = 1..16 as the engine calls it (partials left to the norm for
+s33)  # next (~400 s): every fragment-order product at T = 1..16 as the engine calls it (partials left to the norm for
   # MLP down / GDN out) over the shape options, to choose warps sharing K per (product, T) on the H200 (session 32's
   # H100 sweep at T = 8 without the engine's partials: gate_up 44.7 -> 39.9 us with 4 warps sharing K); then 27B lanes
   PYTHONPATH=. timeout 200 python bench/gemv_compare.py "$OUT/s33-shapes.json" waves 2>&1 | grep "{" | cut -c1-3000
   echo "per product t=$(el)"
-  timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s33-lanes.json" 2>&1 | grep "│ bf16"
-  echo "lanes t=$(el)"
+  for ks in "" "34816x5120@1-8=4"; do  # the lead: gate_up with 4 warps sharing K at 1-8 rows
+    NINFER_FRAGMENT_KS=$ks timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s33-lanes-ks${ks:+-gate-up-4}.json" 2>&1 | grep "│ bf16"
+    echo "lanes NINFER_FRAGMENT_KS='$ks' t=$(el)"
+  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

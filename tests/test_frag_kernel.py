@@ -358,6 +358,21 @@ def test_fragment_order_shapes_cover_every_chunk_once():
     assert fragment_shape(320, 68, 4, 528)[:2] == (1, 4)  # MLP down: 4 warps per block
 
 
+def test_warps_sharing_k_chosen_per_product_and_rows(monkeypatch):
+    """NINFER_FRAGMENT_KS names warps sharing K for a product (ROWSxCOLS) over a span of rows; other products and
+    row counts keep the automatic shape; a malformed entry stops with a one-line error."""
+    import runtime.kernels.qgemm_fragment_layout as fl
+
+    table = fl.parse_warps_sharing_k("34816x5120@2-8=4, 5120x17408@16=2")
+    assert table == {(34816, 5120): [(2, 8, 4)], (5120, 17408): [(16, 16, 2)]}
+    monkeypatch.setattr(fl, "WARPS_SHARING_K", table)
+    assert [fl.chosen_warps_sharing_k(34816, 5120, t) for t in (1, 2, 8, 9)] == [0, 4, 4, 0]
+    assert fl.chosen_warps_sharing_k(5120, 17408, 16) == 2 and fl.chosen_warps_sharing_k(16384, 5120, 4) == 0
+    for bad in ("34816x5120=4", "34816x5120@2-8=3", "34816x5120@0-8=4", "34816x5120@9-8=4", "ax5120@2=4"):
+        with pytest.raises(SystemExit, match="NINFER_FRAGMENT_KS entry"):
+            fl.parse_warps_sharing_k(bad)
+
+
 def test_fragment_shape_weighs_the_waves_of_resident_programs(monkeypatch):
     """With the programs the GPU holds at once (resident_programs: 5 per SM for Q4 at T <= 8, 4 at T = 16 by the
     kernel's registers), a one-split product that overflows a wave by a little takes more warps per block where

@@ -412,6 +412,36 @@ FRAGMENT_WAVES = os.environ.get("NINFER_FRAGMENT_WAVES", "on") == "on"
 KERNEL_REGISTERS = {(4, 1): 91, (4, 2): 106, (5, 1): 96, (5, 2): 139}
 
 
+def parse_warps_sharing_k(text: str) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+    """NINFER_FRAGMENT_KS: warps sharing each block's K for chosen products and row counts, for side-by-side runs
+    before a choice becomes a default: entries ROWSxCOLS@T=KS or ROWSxCOLS@T1-T2=KS (KS 1, 2 or 4), comma-separated,
+    e.g. 34816x5120@2-8=4 (MLP gate_up of the 27B at 2-8 rows). -> {(rows, cols): [(t1, t2, ks)]}; a malformed
+    entry stops with a one-line error naming the variable and the form."""
+    table: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        try:
+            shape, rest = entry.split("@")
+            span, ks = rest.split("=")
+            rows, cols = (int(v) for v in shape.lower().split("x"))
+            t1, _, t2 = span.partition("-")
+            t1, t2, ks = int(t1), int(t2 or t1), int(ks)
+            if ks not in (1, 2, 4) or not 1 <= t1 <= t2 <= 16:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"ninfer: NINFER_FRAGMENT_KS entry {entry!r} is not ROWSxCOLS@T=KS or "
+                             "ROWSxCOLS@T1-T2=KS (T 1-16, KS 1, 2 or 4); unset it for the defaults") from None
+        table.setdefault((rows, cols), []).append((t1, t2, ks))
+    return table
+
+
+WARPS_SHARING_K = parse_warps_sharing_k(os.environ.get("NINFER_FRAGMENT_KS", ""))
+
+
+def chosen_warps_sharing_k(rows: int, cols: int, t: int) -> int:
+    """NINFER_FRAGMENT_KS's warps sharing K for this product at t rows, 0 where it names none."""
+    return next((ks for t1, t2, ks in WARPS_SHARING_K.get((rows, cols), ()) if t1 <= t <= t2), 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
@@ -479,7 +509,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     warps = warps or FRAGMENT_TUNING["warps"]
     programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
+    ksplit = (FRAGMENT_TUNING["ksplit"] or chosen_warps_sharing_k(fp.rows, fp.cols, t)) if ksplit is None else ksplit
     if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
         ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
     nt = 1 if t <= 8 else 2
