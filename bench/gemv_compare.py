@@ -357,10 +357,9 @@ def waves_main(out: str) -> None:
                 fl.FRAGMENT_WAVES = name == "waves"
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
+            fl.FRAGMENT_WAVES = True
+            row[f"t{t}_waves_shape"] = fl.layout_shape(planes[id(w)], t, defer_sum=defer)
             fl.FRAGMENT_WAVES = setting
-            row[f"t{t}_waves_shape"] = fl.fragment_shape(planes[id(w)].blocks, planes[id(w)].groups // fl.CHUNK,
-                                                         fl.FRAGMENT_TUNING["warps"], fl.FRAGMENT_TUNING["programs"],
-                                                         int(defer), fl.resident_programs(w.fmt.bits, 1 if t <= 8 else 2, 4))
         rows.append(row)
         print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()}), flush=True)
     _save(out, peak, rows)

@@ -451,7 +451,7 @@ def _multiprocessors() -> int:
 def resident_programs(bits: int, nt: int, warps: int) -> int:
     """Programs of `warps` warps the GPU holds at once (64K registers and at most 64 warps per SM, registers
     allocated per warp in 256s): Q4 at T <= 8 5 per SM, at T = 9..16 4; Q5 5 and 3."""
-    regs = -(-KERNEL_REGISTERS[bits, nt] // 8) * 8
+    regs = triton.cdiv(KERNEL_REGISTERS[bits, nt], 8) * 8
     per_sm = min(64, 65536 // (regs * 32)) // warps
     return max(1, per_sm) * _multiprocessors()
 
@@ -497,6 +497,20 @@ def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: 
     return bw, ks, triton.cdiv(chunks, size), size
 
 
+def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs: int | None = None,
+                 ksplit: int | None = None, defer_sum: bool = False) -> tuple[int, int, int, int]:
+    """fragment_shape of qgemm_fragment_layout's launch for t rows of x (benchmarks report it too): warps sharing K
+    from the argument, else NINFER_FRAGMENT_TILE, else NINFER_FRAGMENT_KS for this product; a product whose partials
+    the next norm sums splits K across programs only; the waves of resident programs weighed (NINFER_FRAGMENT_WAVES)."""
+    warps = warps or FRAGMENT_TUNING["warps"]
+    programs = programs or FRAGMENT_TUNING["programs"]
+    ksplit = (FRAGMENT_TUNING["ksplit"] or chosen_warps_sharing_k(fp.rows, fp.cols, t)) if ksplit is None else ksplit
+    if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
+        ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
+    resident = resident_programs(fp.fmt.bits, 1 if t <= 8 else 2, warps) if FRAGMENT_WAVES else 0
+    return fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit, resident)
+
+
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xorder: int | None = None) -> torch.Tensor | SplitPartials:
@@ -507,14 +521,9 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                          f"{fp.cols}] (1-16 bf16 rows of the matrix's width)")
     x = aligned_rows(x)
     warps = warps or FRAGMENT_TUNING["warps"]
-    programs = programs or FRAGMENT_TUNING["programs"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    ksplit = (FRAGMENT_TUNING["ksplit"] or chosen_warps_sharing_k(fp.rows, fp.cols, t)) if ksplit is None else ksplit
-    if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
-        ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
     nt = 1 if t <= 8 else 2
-    resident = resident_programs(fp.fmt.bits, nt, warps) if FRAGMENT_WAVES else 0
-    bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit, resident)
+    bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
     x_fragment = t > 1 and bool(FRAGMENT_TUNING["xorder"] if xorder is None else xorder)
     if x_fragment:
         x = fragment_order_x(x, nt)
