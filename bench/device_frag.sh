@@ -26,8 +26,7 @@
 #                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
-#                        bash bench/device_frag.sh s32       # T = 8 / 16 product shapes; MTP3 rounds, wave-aware shape
-#                        bash bench/device_frag.sh s33       # every product's shapes at T = 1..16 as the engine calls it
+#                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -346,27 +345,30 @@ s31)  # session 31's one call (~450 s): 35B-A3B lanes with both session-29 opt-i
   shared_experts 100
   moe_opt_in_tests
   ;;
-s32)  # session 32 (~250 s): T = 8 / 16 layer products per shape option (default, x in fragment order, 2 / 4 warps
-  # sharing K, the wave-aware shape), then 4 lanes of batched MTP3 rounds (16-row verify blocks) with the wave-aware
-  # shape off / on (the default since session 32)
-  PYTHONPATH=. timeout 110 python bench/gemv_compare.py "$OUT/s32-waves.json" waves 2>&1 | grep "{" | cut -c1-1500
+s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since session 33) — its GPU tests, every
+  # fragment-order product at T = 1..16 over the shape options, then rule off / on end to end: 27B lanes (bf16,
+  # rk4v4-e8), batched MTP3 rounds over 1-4 lanes, one plain lane with every product in fragment order, 35B-A3B lanes
+  timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s33-tests.log" 2>&1
+  grep -E "^E |passed|failed|FAILED" "$OUT/s33-tests.log" | head -12
+  echo "tests t=$(el)"
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s33-shapes.json" shapes 2>&1 | grep "{" | cut -c1-3500
   echo "per product t=$(el)"
-  for w in off on; do
-    NINFER_FRAGMENT_WAVES=$w timeout 90 $B --lanes 4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s32-spec-waves-$w.json" 2>&1 | grep "│ bf16"
-    echo "spec 4 lanes waves=$w t=$(el)"
+  for r in off on; do
+    NINFER_FRAGMENT_KS_RULE=$r timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16,rk4v4-e8 \
+      --json-out "$OUT/s33-lanes-rule-$r.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
+    echo "lanes rule $r t=$(el)"
+    NINFER_FRAGMENT_KS_RULE=$r timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s33-spec-rule-$r.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes rule $r t=$(el)"
   done
-  ;;
-s33)  # next (~400 s): every fragment-order product at T = 1..16 as the engine calls it (partials left to the norm for
-  # MLP down / GDN out) over the shape options, to choose warps sharing K per (product, T) on the H200 (session 32's
-  # H100 sweep at T = 8 without the engine's partials: gate_up 44.7 -> 39.9 us with 4 warps sharing K); then 27B lanes
-  PYTHONPATH=. timeout 200 python bench/gemv_compare.py "$OUT/s33-shapes.json" waves 2>&1 | grep "{" | cut -c1-3000
-  echo "per product t=$(el)"
-  for ks in "" "34816x5120@1-8=4"; do  # the lead: gate_up with 4 warps sharing K at 1-8 rows
-    NINFER_FRAGMENT_KS=$ks timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s33-lanes-ks${ks:+-gate-up-4}.json" 2>&1 | grep "│ bf16"
-    echo "lanes NINFER_FRAGMENT_KS='$ks' t=$(el)"
+  for mode in auto layout auto; do  # one plain lane: Q4 on the dp4a GEMV or in fragment order (gate_up 4 warps / K)
+    NINFER_GEMV_FRAG=$mode timeout 60 $B --depths 8k --kv-dtype bf16 --decode-tokens 64 \
+      --json-out "$OUT/s33-one-lane-$mode.json" 2>&1 | grep "│ bf16"
+    echo "one lane $mode t=$(el)"
   done
+  timeout 90 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 --depths 8k --kv-dtype bf16 \
+    --json-out "$OUT/s33-moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "moe lanes t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

@@ -6,12 +6,12 @@ the lanes kernel against the int8 tensor-core one at T = 2, 3, 4, 8; `float_code
 products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at T = 1 and 4, next to the Q4 product;
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
-products. `waves`: the fragment-order kernel at T = 1..16 over its shape options (x order, warps sharing K, the
-wave-weighing shape), called as the engine calls it. `t1`: the decode
+products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
+the loop's shape, the engine's measured choice), called as the engine calls it. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|waves]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes]
 """
 
 from __future__ import annotations
@@ -335,39 +335,38 @@ def frag_main(out: str) -> None:
     _save(out, peak, rows)
 
 
-def waves_main(out: str) -> None:
+def shapes_main(out: str) -> None:
     """The fragment-order kernel at T = 1..16 (one or two mma column tiles) per 27B product, called as the engine
-    calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): the shape chosen
-    without weighing waves ("default": the shape before session 32) against x in fragment order (xorder), 2 or 4
-    warps sharing each block's K, and the shape fragment_shape picks weighing the waves of resident programs
-    (NINFER_FRAGMENT_WAVES, the default now); µs and fraction of copy."""
+    calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): fragment_shape's loop
+    alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, and the shape the engine
+    picks ("chosen": the measured rule); µs and fraction of copy."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     rows = []
-    setting = fl.FRAGMENT_WAVES
-    variants = {"default": {}, "xorder": {"xorder": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "waves": {}}
+    setting = fl.FRAGMENT_KS_RULE
+    variants = {"loop": {}, "ks1": {"ksplit": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "chosen": {}}
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
         defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
-        for t in (1, 2, 4, 8, 16):
+        for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
-                fl.FRAGMENT_WAVES = name == "waves"
+                fl.FRAGMENT_KS_RULE = name == "chosen"
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
-            fl.FRAGMENT_WAVES = True
-            row[f"t{t}_waves_shape"] = fl.layout_shape(planes[id(w)], t, defer_sum=defer)
-            fl.FRAGMENT_WAVES = setting
+            fl.FRAGMENT_KS_RULE = True
+            row[f"t{t}_chosen_shape"] = fl.layout_shape(planes[id(w)], t, defer_sum=defer)
+            fl.FRAGMENT_KS_RULE = setting
         rows.append(row)
         print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()}), flush=True)
     _save(out, peak, rows)
 
 
 def main(out: str, mode: str = "sweep") -> None:
-    if mode == "waves":
-        return waves_main(out)
+    if mode == "shapes":
+        return shapes_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":

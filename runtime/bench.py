@@ -437,7 +437,7 @@ def kernel_switches() -> dict:
             "swiglu_epilogue": ql.SWIGLU_EPILOGUE, "attention_frag": FRAG_ATTENTION["mode"],
             "rmsnorm_spread_splits": rn.SPREAD_MAX_SPLITS, "moe_decode": engine_module.MOE_DECODE,
             "attention_launches": engine_module.ATTENTION_LAUNCHES, "weight_cache": engine_module.WEIGHT_CACHE,
-            "fragment_tile": dict(fl.FRAGMENT_TUNING), "fragment_waves": fl.FRAGMENT_WAVES,
+            "fragment_tile": dict(fl.FRAGMENT_TUNING), "fragment_ks_rule": fl.FRAGMENT_KS_RULE,
             "fragment_ks": {f"{r}x{c}": spans for (r, c), spans in fl.WARPS_SHARING_K.items()}}
 
 

@@ -340,9 +340,9 @@ def test_fragment_order_shapes_cover_every_chunk_once():
     from runtime.kernels.qgemm_fragment_layout import fragment_shape
 
     for blocks, chunks in ((320, 68), (2176, 20), (1024, 20), (896, 20), (320, 24), (4, 2), (64, 8), (1, 10)):
-        for warps, programs, ksplit, resident in ((4, 528, 0, 0), (4, 1056, 0, 0), (8, 528, 0, 0), (4, 528, 1, 0),
-                                                  (4, 528, 2, 0), (4, 528, 0, 528), (4, 528, 0, 396), (8, 528, 0, 264)):
-            bw, ks, splits, size = fragment_shape(blocks, chunks, warps, programs, ksplit, resident)
+        for warps, programs, ksplit in ((4, 528, 0), (4, 1056, 0), (8, 528, 0), (4, 528, 1), (4, 528, 2),
+                                        (4, 528, 4), (8, 264, 4)):
+            bw, ks, splits, size = fragment_shape(blocks, chunks, warps, programs, ksplit)
             assert size % (2 * ks) == 0 and bw * ks == max(warps, ks) and (not ksplit or ks == ksplit)
             covered = [0] * chunks
             for split in range(splits):
@@ -373,21 +373,31 @@ def test_warps_sharing_k_chosen_per_product_and_rows(monkeypatch):
             fl.parse_warps_sharing_k(bad)
 
 
-def test_fragment_shape_weighs_the_waves_of_resident_programs(monkeypatch):
-    """With the programs the GPU holds at once (resident_programs: 5 per SM for Q4 at T <= 8, 4 at T = 16 by the
-    kernel's registers), a one-split product that overflows a wave by a little takes more warps per block where
-    its waves x chunks per warp are fewer; a product that fits one wave, or splits K anyway, keeps its shape."""
+def test_measured_rule_picks_warps_sharing_k_per_product_and_rows(monkeypatch):
+    """The measured rule (FRAGMENT_KS_RULE) at the 27B's shapes: MLP gate_up (2,176 blocks: its whole-K warps fill
+    the GPU) takes 4 warps sharing K at every row count; MLP down and GDN out (partials summed by the next norm)
+    split K across programs up to 8 rows and share K between 4 warps at 9-16; GDN qkvz and attention qgkv keep the
+    loop's 2. NINFER_FRAGMENT_KS still overrides it, and with the rule off every product takes the loop."""
     import runtime.kernels.qgemm_fragment_layout as fl
 
-    monkeypatch.setattr(fl, "_multiprocessors", lambda: 132)  # the H100 / H200
-    assert (fl.resident_programs(4, 1, 4), fl.resident_programs(4, 2, 4), fl.resident_programs(5, 2, 4)) == \
-        (660, 528, 396)
-    gate_up = (2176, 20, 4, 528, 0)  # MLP gate_up: 544 programs of whole-K warps
-    assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 1, 4)) == (4, 1, 1, 20)  # one wave of 660: as is
-    assert fl.fragment_shape(*gate_up, fl.resident_programs(4, 2, 4)) == (2, 2, 1, 20)  # 2 x 20 -> 3 x 10 chunks
-    assert fl.fragment_shape(1024, 20, 4, 528, 0, 528) == fl.fragment_shape(1024, 20, 4, 528)  # 512: one wave
-    assert fl.fragment_shape(320, 68, 4, 528, 0, 396) == fl.fragment_shape(320, 68, 4, 528)  # already 4 warps
-    assert fl.fragment_shape(40, 68, 4, 528, 0, 528) == fl.fragment_shape(40, 68, 4, 528)  # K split: as is
+    class Planes:  # the geometry layout_shape reads
+        def __init__(self, rows, cols, bits=4):
+            self.rows, self.cols, self.blocks, self.groups = rows, cols, rows // 16, cols // 64
+
+    gate_up, down, gdn_out, qkvz = Planes(34816, 5120), Planes(5120, 17408, 5), Planes(5120, 6144, 5), \
+        Planes(16384, 5120)
+    monkeypatch.setattr(fl, "WARPS_SHARING_K", {})
+    monkeypatch.setattr(fl, "FRAGMENT_KS_RULE", True)
+    monkeypatch.setitem(fl.FRAGMENT_TUNING, "ksplit", 0)
+    assert {t: fl.layout_shape(gate_up, t)[:3] for t in (1, 8, 16)} == {1: (1, 4, 1), 8: (1, 4, 1), 16: (1, 4, 1)}
+    for fp in (down, gdn_out):
+        assert [fl.layout_shape(fp, t, defer_sum=True)[1] for t in (1, 8, 9, 16)] == [1, 1, 4, 4]
+        assert fl.layout_shape(fp, 8, defer_sum=True)[2] > 1  # K across programs, partials left to the norm
+    assert [fl.layout_shape(qkvz, t)[:3] for t in (1, 16)] == [(2, 2, 1)] * 2
+    monkeypatch.setattr(fl, "WARPS_SHARING_K", fl.parse_warps_sharing_k("34816x5120@16=2"))
+    assert fl.layout_shape(gate_up, 16)[1] == 2 and fl.layout_shape(gate_up, 8)[1] == 4
+    monkeypatch.setattr(fl, "FRAGMENT_KS_RULE", False)
+    assert fl.layout_shape(gate_up, 8)[:2] == (4, 1) and fl.layout_shape(down, 16, defer_sum=True)[1] == 1
 
 
 @pytest.mark.parametrize("fmt,t,n,k,shape", [("Q4G64_F16S", 1, 40, 1024, (4, 528, 0)), ("Q5G64_F16S", 1, 32, 2048, (4, 3, 2)),

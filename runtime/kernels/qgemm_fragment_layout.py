@@ -403,13 +403,25 @@ FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "pro
                                   {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0})
 
 
-# fragment_shape weighs the waves of resident programs (see there). H100, session 32 (`bench/gemv_compare.py OUT
-# waves`): MLP gate_up at T = 16 82.4 -> 66.1 us, every other product and T unchanged (the same shape); 27B, 4 lanes
-# of batched MTP3 rounds (16-row verify blocks): 19.47 -> 18.05 ms a round. NINFER_FRAGMENT_WAVES=off restores.
-FRAGMENT_WAVES = os.environ.get("NINFER_FRAGMENT_WAVES", "on") == "on"
-# registers per thread of the bf16 fragment-order kernel (pair order) by (code bits, column tiles), from its sm_90
-# SASS (`python bench/sass_count.py q4|q5`, Triton 3.9; the device's 3.6 within a register or two)
-KERNEL_REGISTERS = {(4, 1): 91, (4, 2): 106, (5, 1): 96, (5, 2): 139}
+# Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
+# `bench/gemv_compare.py OUT shapes`, every 27B fragment-order product at T = 1, 2, 4, 8, 16 as the engine calls it):
+# a product whose 16-row blocks alone fill the GPU's warps (MLP gate_up: one split of whole-K warps) is faster with 4
+# warps sharing each block's K at every T (T = 8 44.6 -> 39.6 us, T = 16 66.2 -> 63.0); one whose K-split partials
+# the next norm sums (MLP down, GDN out) splits K across programs only up to 8 rows and lets 4 warps share K at 9-16
+# (T = 16: down 36.2 -> 30.5, GDN out 14.5 -> 13.0); the others keep fragment_shape's loop (4 warps slower there).
+# 27B, 4 lanes of batched MTP3 rounds 18.06 -> 17.02 ms, 8 lanes 10.71 -> 10.37 ms a step.
+# NINFER_FRAGMENT_KS_RULE=off leaves every product to fragment_shape's loop, for side-by-side runs.
+FRAGMENT_KS_RULE = os.environ.get("NINFER_FRAGMENT_KS_RULE", "on") != "off"
+
+
+def measured_warps_sharing_k(blocks: int, chunks: int, warps: int, programs: int, t: int, defer_sum: bool) -> int:
+    """Warps sharing each block's K for a product of `blocks` 16-row blocks and `chunks` 4-group chunks at t rows
+    (FRAGMENT_KS_RULE, see there); 0 leaves the choice to fragment_shape."""
+    if chunks < 8:  # fewer than two chunks for each of 4 warps
+        return 1 if defer_sum else 0
+    if defer_sum:
+        return 4 if t > 8 else 1
+    return 4 if blocks * 2 > programs * warps else 0
 
 
 def parse_warps_sharing_k(text: str) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
@@ -442,20 +454,6 @@ def chosen_warps_sharing_k(rows: int, cols: int, t: int) -> int:
     return next((ks for t1, t2, ks in WARPS_SHARING_K.get((rows, cols), ()) if t1 <= t <= t2), 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
-        if torch.cuda.is_available() else 132
-
-
-def resident_programs(bits: int, nt: int, warps: int) -> int:
-    """Programs of `warps` warps the GPU holds at once (64K registers and at most 64 warps per SM, registers
-    allocated per warp in 256s): Q4 at T <= 8 5 per SM, at T = 9..16 4; Q5 5 and 3."""
-    regs = triton.cdiv(KERNEL_REGISTERS[bits, nt], 8) * 8
-    per_sm = min(64, 65536 // (regs * 32)) // warps
-    return max(1, per_sm) * _multiprocessors()
-
-
 def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
     """x [T, K] (T <= 8 nt) in the order the fragment kernels read it: per 64-lane group and 8-row column tile,
     two halves of 32 thread slots x 8 lanes (thread 4g + c: row g of the tile, lanes 16c + 8 half ..), rows past
@@ -467,29 +465,17 @@ def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
     return padded.view(nt, 8, groups, 4, 2, 8).permute(2, 0, 4, 1, 3, 5).contiguous().view(-1)
 
 
-def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0,
-                   resident: int = 0) -> tuple[int, int, int, int]:
+def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0) -> tuple[int, int, int, int]:
     """(blocks per program, warps per block, splits, chunks per split). About programs x warps warps in all
     keep enough loads in flight: a product with few 16-row blocks (MLP down 5120 x 17408: 320) first lets up to 4
     warps of a program share each block's K (summed in the program, no extra launch), then splits K across
     programs (float32 partials, summed by finish_splits or the next rmsnorm). Each split is a multiple of
-    2 x warps-per-block chunks (every warp's loop steps two), the last one taking what is left. With `resident`
-    (programs the GPU holds at once, resident_programs) a product of one split whose programs overflow one wave
-    by a little takes more warps per block where that ends sooner: the waves it needs times each warp's chunks
-    (MLP gate_up at T = 16: 544 programs of whole-K warps against 528 resident, two waves of 20 chunks, against
-    three of 10 with 2 warps per block)."""
+    2 x warps-per-block chunks (every warp's loop steps two), the last one taking what is left."""
     ks = ksplit
     if not ks:
         ks = 1
         while ks < 4 and blocks * ks * 2 <= programs * warps and chunks >= 4 * ks:
             ks *= 2
-        if resident and blocks * ks * 2 > programs * warps:  # one split: the loop above stopped on the blocks
-
-            def finish(k: int) -> tuple[int, int]:  # (waves x chunks per warp, k) with k warps per block
-                waves = triton.cdiv(triton.cdiv(blocks, max(1, warps // k)), resident)
-                return waves * 2 * triton.cdiv(chunks, 2 * k), k
-
-            ks = min(finish(k) for k in (ks, 2 * ks, 4 * ks) if k <= min(4, warps) and chunks >= 2 * k)[1]
     bw = max(1, warps // ks)
     per_split = triton.cdiv(blocks, bw)
     wanted = max(1, min(programs * warps // (per_split * bw * ks), chunks // (2 * ks)))
@@ -500,15 +486,19 @@ def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: 
 def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs: int | None = None,
                  ksplit: int | None = None, defer_sum: bool = False) -> tuple[int, int, int, int]:
     """fragment_shape of qgemm_fragment_layout's launch for t rows of x (benchmarks report it too): warps sharing K
-    from the argument, else NINFER_FRAGMENT_TILE, else NINFER_FRAGMENT_KS for this product; a product whose partials
-    the next norm sums splits K across programs only; the waves of resident programs weighed (NINFER_FRAGMENT_WAVES)."""
+    from the argument, else NINFER_FRAGMENT_TILE, else NINFER_FRAGMENT_KS for this product, else the measured rule
+    (measured_warps_sharing_k); with the rule off, a product whose partials the next norm sums splits K across
+    programs only (their sum costs no launch) and the rest take fragment_shape's loop."""
     warps = warps or FRAGMENT_TUNING["warps"]
     programs = programs or FRAGMENT_TUNING["programs"]
-    ksplit = (FRAGMENT_TUNING["ksplit"] or chosen_warps_sharing_k(fp.rows, fp.cols, t)) if ksplit is None else ksplit
-    if not ksplit and defer_sum:  # partials the next rmsnorm sums cost no launch: K split across programs only
-        ksplit = 1  # (the shape measured on the H200); warps share K in a program where a sum would be a launch
-    resident = resident_programs(fp.fmt.bits, 1 if t <= 8 else 2, warps) if FRAGMENT_WAVES else 0
-    return fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit, resident)
+    blocks, chunks = fp.blocks, fp.groups // CHUNK
+    if ksplit is None:
+        ksplit = FRAGMENT_TUNING["ksplit"] or chosen_warps_sharing_k(fp.rows, fp.cols, t)
+    if not ksplit and FRAGMENT_KS_RULE:
+        ksplit = measured_warps_sharing_k(blocks, chunks, warps, programs, t, defer_sum)
+    if not ksplit and defer_sum:
+        ksplit = 1
+    return fragment_shape(blocks, chunks, warps, programs, ksplit)
 
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
