@@ -1,9 +1,11 @@
 """Where one decode step's GPU time goes: kernel time per kernel name over eager decode steps of a
 full-size random shape (the kernels are the same ones the CUDA graph replays).
 
-    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill] [KV_DTYPE] [LANES]
+    PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill|mtp|dflash2] [KV_DTYPE] [LANES]
 
-With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead. LANES (e.g. `1,4`)
+With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead; with `mtp` / `dflash2`, one
+batched speculative round per lane count (3 / 7 drafts, every draft forced accepted: drafting and the verify
+block) instead of a decode step. LANES (e.g. `1,4`)
 profiles a step over that many lanes each (4,096 tokens of context per lane), on one engine planned for
 the most of them (so every count takes the kernels a server with that many lanes takes), and prints
 the kernels side by side: what each added lane costs, and where.
@@ -42,12 +44,37 @@ def _profile(eng: Engine, lanes: list[int], steps: int, prefill: list[int] | Non
     return rows
 
 
+def _profile_rounds(eng: Engine, lanes: list[int], rounds: int) -> dict:
+    """Kernel time per batched speculative round over `lanes` (drafts forced accepted), as _profile."""
+    from runtime.bench import _synthetic_context
+
+    spec, gen = eng.speculator, torch.Generator().manual_seed(0)
+    for lane in lanes:
+        _synthetic_context(eng, 4096, gen, lane)
+    nxt, budget = [1] * len(lanes), [1 << 30] * len(lanes)
+    nxt = [new[-1] for new in spec.round(lanes, nxt, budget)]  # compile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            nxt = [new[-1] for new in spec.round(lanes, nxt, budget)]
+        torch.cuda.synchronize()
+    return {ev.key: {"us_per_step": t / rounds, "calls_per_step": ev.count / rounds} for ev in prof.key_averages()
+            if (t := getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0))}
+
+
 def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lanes: str = "1", steps: int = 4) -> None:
     counts = [int(n) for n in lanes.split(",")]
-    art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=False)
+    spec = mode if mode in ("mtp", "dflash2") else "none"
+    drafts = {"mtp": 3, "dflash2": 7}.get(mode, 3)
+    art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=spec == "mtp",
+                               dflash2=spec == "dflash2")
     eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048, kv_dtype=kv_dtype,
-                                  max_concurrency=max(counts)), device="cuda", cuda_graphs=False, random_weights_seed=0)
-    if mode == "prefill":
+                                  max_concurrency=max(counts), spec=spec, draft_tokens=drafts),
+                 device="cuda", cuda_graphs=False, random_weights_seed=0)
+    if spec != "none":
+        eng.speculator.forced_accept = drafts
+        results = {n: _profile_rounds(eng, list(range(n)), steps) for n in counts}
+    elif mode == "prefill":
         prompt = list(range(1, 8193))
         eng.prefill(0, prompt)
         eng.reset_lane(0)
@@ -57,7 +84,8 @@ def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lan
             eng.prefill(lane, list(range(1 + lane, 4097 + lane)))
         results = {n: _profile(eng, list(range(n)), steps) for n in counts}
     totals = {n: sum(r["us_per_step"] for r in rows.values()) for n, rows in results.items()}
-    what = "prefill of 8,192 tokens" if mode == "prefill" else "decode step"
+    what = {"prefill": "prefill of 8,192 tokens", "mtp": "MTP3 round", "dflash2": "DFlash2 K = 7 round"}.get(
+        mode, "decode step")
     for n, rows in results.items():
         print(f"{shape} {mode} {n} lane(s): kernel time per {what} {totals[n] / 1000:.2f} ms over "
               f"{sum(r['calls_per_step'] for r in rows.values()):.0f} kernels")
