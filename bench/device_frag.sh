@@ -27,7 +27,6 @@
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
-#                        bash bench/device_frag.sh s33-gdn   # GDN verify blocks with inputs up front: DFlash2, MTP3 lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -370,21 +369,6 @@ s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since se
   timeout 90 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 --depths 8k --kv-dtype bf16 \
     --json-out "$OUT/s33-moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
-  ;;
-s33-gdn)  # session 33 (~300 s): the GDN recurrence of verify blocks with every token's inputs loaded and projected
-  # up front (NINFER_GDN_BLOCK, default on) — its GPU tests, then DFlash2 K = 7 at one lane and MTP3 rounds over
-  # 1-4 lanes with it off / on (drafts forced accepted)
-  timeout 90 python -m pytest -q -p no:cacheprovider tests/test_kernels.py -k gdn_fused 2>&1 | \
-    grep -iE "passed|failed|error|assert" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  for g in off on; do
-    NINFER_GDN_BLOCK=$g timeout 90 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 \
-      --decode-tokens 64 --json-out "$OUT/s33-dflash2-gdn-$g.json" 2>&1 | grep "│ bf16"
-    echo "dflash2 gdn block $g t=$(el)"
-    NINFER_GDN_BLOCK=$g timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s33-spec-gdn-$g.json" 2>&1 | grep "│ bf16"
-    echo "spec lanes gdn block $g t=$(el)"
-  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

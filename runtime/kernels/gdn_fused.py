@@ -10,7 +10,6 @@ layer input (`projections`), a launch less per layer.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -21,9 +20,6 @@ from .launch import LAUNCH, pdl_wait
 
 L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
-# Several tokens of a lane (verify blocks) load, normalize and project every token's inputs before the first step
-# (_gdn_block_steps); NINFER_GDN_BLOCK=off runs them one token after another as one token runs, for side-by-side runs.
-GDN_BLOCK = os.environ.get("NINFER_GDN_BLOCK", "on") != "off"
 
 
 @triton.jit
@@ -32,62 +28,10 @@ def _softplus(x):
 
 
 @triton.jit
-def _gdn_block_steps(x_ptr, alpha_ptr, beta_ptr, o_ptr, h_ptr, wa_ptr, wb_ptr, s, base, tile, b, h, hk, dk, dv, a_log,
-                     dt_bias, T, HV, slot_elems, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
-                     DK: tl.constexpr, DV: tl.constexpr, SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The recurrence over T <= BLOCK_T tokens with every token's inputs loaded, normalized and (PROJECT)
-    projected before the first step, in one pass over K for all of them: the token loop then carries only
-    the state, where one token after another used to wait on its own loads and projection. Returns the
-    state after the last token (snapshots after each with SNAPSHOT)."""
-    tt = tl.arange(0, BLOCK_T)
-    t_ok = tt < T
-    rows = b * T + tt
-    xr = x_ptr + rows[:, None] * stride_x
-    q_all = tl.load(xr + hk * DK + dk[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-    k_all = tl.load(xr + key_dim + hk * DK + dk[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-    v_all = tl.load(xr + 2 * key_dim + h * DV + dv[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-    q_all = q_all * tl.rsqrt(tl.sum(q_all * q_all, axis=1) + eps)[:, None] * q_scale
-    k_all = k_all * tl.rsqrt(tl.sum(k_all * k_all, axis=1) + eps)[:, None]
-    if PROJECT:
-        acc_a = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-        acc_b = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            hx = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-            acc_a += tl.load(wa_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :] * hx
-            acc_b += tl.load(wb_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :] * hx
-        alpha_all = tl.sum(acc_a, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
-        beta_all = tl.sum(acc_b, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        alpha_all = tl.load(alpha_ptr + rows * stride_ab + h, mask=t_ok, other=0.0).to(tl.float32)
-        beta_all = tl.load(beta_ptr + rows * stride_ab + h, mask=t_ok, other=0.0).to(tl.float32)
-    decay_all = tl.exp(-tl.exp(a_log) * _softplus(alpha_all + dt_bias))
-    beta_all = tl.sigmoid(beta_all)
-    for t in range(T):
-        pick = tt == t
-        q = tl.sum(tl.where(pick[:, None], q_all, 0.0), axis=0)
-        k = tl.sum(tl.where(pick[:, None], k_all, 0.0), axis=0)
-        v = tl.sum(tl.where(pick[:, None], v_all, 0.0), axis=0)
-        s = s * tl.sum(tl.where(pick, decay_all, 0.0), axis=0)
-        remembered = tl.sum(s * k[:, None], axis=0)
-        delta = (v - remembered) * tl.sum(tl.where(pick, beta_all, 0.0), axis=0)
-        s = s + k[:, None] * delta[None, :]
-        o = tl.sum(s * q[:, None], axis=0)
-        tl.store(o_ptr + ((b * T + t) * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
-        if SNAPSHOT:
-            tl.store(base + (t + 1) * slot_elems + tile, s)
-    return s
-
-
-@triton.jit
 def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
                       h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,44 +46,39 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
     s = tl.load(base + tile)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if BLOCK_T > 1:  # several tokens (verify blocks): _gdn_block_steps
-        s = _gdn_block_steps(x_ptr, alpha_ptr, beta_ptr, o_ptr, h_ptr, wa_ptr, wb_ptr, s, base, tile, b, h, hk, dk, dv,
-                             a_log, dt_bias, T, HV, slot_elems, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
-                             DK, DV, SNAPSHOT, PROJECT, K, BLOCK_K, BLOCK_T)
-    else:
-        for t in range(T):
-            row = b * T + t
-            xr = x_ptr + row * stride_x
-            q = tl.load(xr + hk * DK + dk).to(tl.float32)
-            k = tl.load(xr + key_dim + hk * DK + dk).to(tl.float32)
-            v = tl.load(xr + 2 * key_dim + h * DV + dv).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * q_scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-            if PROJECT:  # alpha, beta = this head's rows of the two projections . the layer input row
-                acc_a = tl.zeros((BLOCK_K,), tl.float32)
-                acc_b = tl.zeros((BLOCK_K,), tl.float32)
-                for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every block's loads go out together
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = ks < K
-                    hx = tl.load(h_ptr + row * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    acc_a += tl.load(wa_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
-                    acc_b += tl.load(wb_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
-                # rounded to the activation dtype, as the separate projection stores them
-                alpha = tl.sum(acc_a, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
-                beta_raw = tl.sum(acc_b, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
-            else:
-                alpha = tl.load(alpha_ptr + row * stride_ab + h).to(tl.float32)
-                beta_raw = tl.load(beta_ptr + row * stride_ab + h).to(tl.float32)
-            g = -tl.exp(a_log) * _softplus(alpha + dt_bias)
-            beta = tl.sigmoid(beta_raw)
-            s = s * tl.exp(g)
-            remembered = tl.sum(s * k[:, None], axis=0)
-            delta = (v - remembered) * beta
-            s = s + k[:, None] * delta[None, :]
-            o = tl.sum(s * q[:, None], axis=0)
-            tl.store(o_ptr + (row * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
-            if SNAPSHOT:
-                tl.store(base + (t + 1) * slot_elems + tile, s)
+    for t in range(T):
+        row = b * T + t
+        xr = x_ptr + row * stride_x
+        q = tl.load(xr + hk * DK + dk).to(tl.float32)
+        k = tl.load(xr + key_dim + hk * DK + dk).to(tl.float32)
+        v = tl.load(xr + 2 * key_dim + h * DV + dv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * q_scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        if PROJECT:  # alpha, beta = this head's rows of the two projections . the layer input row
+            acc_a = tl.zeros((BLOCK_K,), tl.float32)
+            acc_b = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every block's loads go out together
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                hx = tl.load(h_ptr + row * stride_h + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc_a += tl.load(wa_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
+                acc_b += tl.load(wb_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32) * hx
+            # rounded to the activation dtype, as the separate projection stores them
+            alpha = tl.sum(acc_a, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+            beta_raw = tl.sum(acc_b, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            alpha = tl.load(alpha_ptr + row * stride_ab + h).to(tl.float32)
+            beta_raw = tl.load(beta_ptr + row * stride_ab + h).to(tl.float32)
+        g = -tl.exp(a_log) * _softplus(alpha + dt_bias)
+        beta = tl.sigmoid(beta_raw)
+        s = s * tl.exp(g)
+        remembered = tl.sum(s * k[:, None], axis=0)
+        delta = (v - remembered) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + (row * HV + h) * DV + dv, o.to(o_ptr.dtype.element_ty))
+        if SNAPSHOT:
+            tl.store(base + (t + 1) * slot_elems + tile, s)
     tl.store(base + tile, s)
 
 
@@ -174,12 +113,10 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         h = wa = wb = alpha  # unread
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
     block_v = dv if interpreted() else min(32, dv)
-    block_t = triton.next_power_of_2(t) if GDN_BLOCK and t > 1 else 1
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
         key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
-        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0,
-        BLOCK_K=1024 if block_t == 1 else max(64, 2048 // block_t), BLOCK_T=block_t, **LAUNCH)
+        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **LAUNCH)
     return o
 
 
