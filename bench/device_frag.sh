@@ -27,6 +27,7 @@
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
+#                        bash bench/device_frag.sh s34       # x loaded a chunk ahead (T <= 8): per product, lanes, MTP3
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -369,6 +370,23 @@ s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since se
   timeout 90 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 --depths 8k --kv-dtype bf16 \
     --json-out "$OUT/s33-moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
+  ;;
+s34)  # next (~400 s): x loaded a chunk ahead in the fragment-order kernel (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8;
+  # 104 registers against 91 for Q4) — its GPU tests, every product's shapes incl. the xahead variant, then 27B lanes
+  # and batched MTP3 rounds without / with it
+  timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s34-tests.log" 2>&1
+  grep -E "^E |passed|failed|FAILED" "$OUT/s34-tests.log" | head -12
+  echo "tests t=$(el) (no FAILED line = passed)"
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s34-shapes.json" shapes 2>&1 | grep "{" | cut -c1-3500
+  echo "per product t=$(el)"
+  for tile in "" "2,4,528,0,1"; do
+    NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s34-lanes-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"
+    echo "lanes NINFER_FRAGMENT_TILE='$tile' t=$(el)"
+    NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s34-spec-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes NINFER_FRAGMENT_TILE='$tile' t=$(el)"
+  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

@@ -7,7 +7,7 @@ products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at 
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
-the loop's shape, the engine's measured choice), called as the engine calls it. `t1`: the decode
+the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
@@ -288,14 +288,14 @@ def frag_main(out: str) -> None:
 
         kernels = {"frag": lambda x, w, y, tile: qgemm_rows_frag(x, w, y, tile[1], tile[2], hint=tile[0]),
                    "layout": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w), y, tile[1], tile[2], tile[0],
-                                                                         ksplit=tile[3], xorder=tile[4]),
+                                                                         ksplit=tile[3], xahead=tile[4]),
                    "lanes": lambda x, w, y, tile: qgemm_fragment_layout(x, layout_of(w, "lanes"), y, tile[1], tile[2],
-                                                                        tile[0], ksplit=tile[3], xorder=tile[4]),
+                                                                        tile[0], ksplit=tile[3], xahead=tile[4]),
                    "int8": lambda x, w, y, tile: qgemm_fragment_int8(x, bytes_of(w), y, words_of(x, w), tile[1], tile[2],
                                                                      tile[0], ksplit=tile[3])}
-        # layout: warps per block chosen per product (k0), K split across programs only (k1), x in fragment order (x1)
+        # layout: warps per block chosen per product (k0), K split across programs only (k1), x a chunk ahead (x1)
         sweeps = {"frag": FRAG_TILES, "layout": [(*tile, 0, 0) for tile in FRAG_TILES]
-                  + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (0, 4, 528, 0, 1), (0, 4, 1056, 0, 1)],
+                  + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0), (2, 4, 528, 0, 1), (2, 4, 528, 4, 1)],
                   "int8": [(*tile, 0, 0) for tile in FRAG_TILES] + [(2, 4, 528, 1, 0), (2, 4, 1056, 1, 0)]}
 
         def label(tile):
@@ -338,14 +338,16 @@ def frag_main(out: str) -> None:
 def shapes_main(out: str) -> None:
     """The fragment-order kernel at T = 1..16 (one or two mma column tiles) per 27B product, called as the engine
     calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): fragment_shape's loop
-    alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, and the shape the engine
-    picks ("chosen": the measured rule); µs and fraction of copy."""
+    alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
+    picks ("chosen": the measured rule), and that shape with x loaded a chunk ahead ("xahead", T <= 8); µs and
+    fraction of copy."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     rows = []
     setting = fl.FRAGMENT_KS_RULE
-    variants = {"loop": {}, "ks1": {"ksplit": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "chosen": {}}
+    variants = {"loop": {}, "ks1": {"ksplit": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "chosen": {},
+                "xahead": {"xahead": 1}}  # the chosen shape, x loaded a chunk ahead (T <= 8)
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -353,7 +355,9 @@ def shapes_main(out: str) -> None:
         for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
-                fl.FRAGMENT_KS_RULE = name == "chosen"
+                if name.startswith("xahead") and t > 8:
+                    continue
+                fl.FRAGMENT_KS_RULE = name == "chosen" or name.startswith("xahead")
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
             fl.FRAGMENT_KS_RULE = True

@@ -233,33 +233,19 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     fp = fragment_planes(w)
     x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
     want = frag.frag_reference(x, w)
-    # (warps, programs, ksplit, x in fragment order)
-    configs = ((4, 528, 4, 0), (4, 3, 1, 1), (4, 6, 2, 0)) if kernel_device == "cpu" else \
-        ((4, 528, 1, 0), (4, 528, 2, 1), (4, 528, 4, 0), (4, 4000, 4, 1), (8, 2000, 2, 0), (4, 528, 0, 1))
+    # (warps, programs, ksplit, x loaded a chunk ahead)
+    configs = ((4, 528, 4, 0), (4, 3, 1, 1), (4, 6, 2, 1)) if kernel_device == "cpu" else \
+        ((4, 528, 1, 0), (4, 528, 2, 1), (4, 528, 4, 1), (4, 4000, 4, 1), (8, 2000, 2, 1), (4, 528, 0, 1))
     shapes = set()
-    for warps, programs, ksplit, xorder in configs:
+    for warps, programs, ksplit, xahead in configs:
         shapes.add(fragment_shape(fp.blocks, fp.groups // 4, warps, programs, ksplit))
         y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
-        qgemm_fragment_layout(x, fp, y, warps=warps, programs=programs, ksplit=ksplit, xorder=xorder)
-        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (warps, programs, ksplit, xorder)
+        qgemm_fragment_layout(x, fp, y, warps=warps, programs=programs, ksplit=ksplit, xahead=xahead)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (warps, programs, ksplit, xahead)
     chunks = fp.groups // 4
     last_share = [(splits - 1) * size + (ks - 1) * (size // ks) for _, ks, splits, size in shapes]
     assert max(last_share) >= chunks  # the last split's last warp share starts past K: it sums nothing
     assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
-
-
-def test_x_in_fragment_order_puts_each_thread_slot_in_place():
-    """fragment_order_x: thread 4g + c of column tile j reads, per group and half h, row g + 8j's lanes
-    16c + 8h .. + 8 (rows past T zero)."""
-    from runtime.kernels.qgemm_fragment_layout import fragment_order_x
-
-    x = torch.arange(11 * 128, dtype=torch.float32).view(11, 128).to(torch.bfloat16)
-    xf = fragment_order_x(x, 2).view(2, 2, 2, 32, 8)  # [group, tile, half, thread, lane]
-    for gi, tile, half, lane in ((0, 0, 0, 0), (1, 0, 1, 13), (1, 1, 0, 9), (0, 1, 1, 31)):
-        g, c, row = lane // 4, lane % 4, lane // 4 + 8 * tile
-        k0 = gi * 64 + c * 16 + half * 8
-        want = x[row, k0 : k0 + 8] if row < 11 else torch.zeros(8, dtype=x.dtype)
-        assert torch.equal(xf[gi, tile, half, lane], want), (gi, tile, half, lane)
 
 
 def test_artifact_planes_kernel_runs_whole(kernel_device):

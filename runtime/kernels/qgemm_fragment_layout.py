@@ -280,6 +280,10 @@ def _chunk_load_asm(bits: int, hint: str) -> str:
 _CHUNK_CONSTRAINTS_Q4 = tl.constexpr(",".join(["=r"] * 20 + ["l", "l", "l", "r"]))
 _CHUNK_CONSTRAINTS_Q5 = tl.constexpr(",".join(["=r"] * 24 + ["l", "l", "l", "r"]))
 _WORDS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 6 + ["l"] * 2))
+_WORDS_X_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14))
+# one group's x fragment of this thread (one column tile): its 16 lanes of row g, 8 registers
+_X_GROUP_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];")
+_X_GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"]))
 
 
 @triton.jit
@@ -303,6 +307,45 @@ def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, X_GROUP: tl.con
     args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * X_GROUP, xa1 + gi * X_GROUP]
     return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
                                      pack=1)
+
+
+@triton.jit
+def _x_group(xa0, gi):
+    """Group gi's x fragment of this thread (_X_GROUP_ASM; x rows of 128 bytes per 64-lane group)."""
+    return tl.inline_asm_elementwise(_X_GROUP_ASM, _X_GROUP_CONSTRAINTS, [xa0 + gi * 128], dtype=(tl.int32,) * 8,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_x(xa0, ci):
+    """Chunk ci's x (its 4 groups' fragments, 32 registers), loaded in one go."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_group(xa0, ci * 4)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _x_group(xa0, ci * 4 + 1)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _x_group(xa0, ci * 4 + 2)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _x_group(xa0, ci * 4 + 3)
+    return (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+            c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7)
+
+
+@triton.jit
+def _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, COMPUTE_ASM: tl.constexpr):
+    """_word_group with the group's x fragment already loaded (_compute_asm with x_regs)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
+    return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _chunk_product_x(acc, chunk, xs, COMPUTE_ASM: tl.constexpr):
+    """_chunk_product over a chunk's x loaded beforehand (_chunk_x)."""
+    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
+    (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+     e0, e1, e2, e3, e4, e5, e6, e7, d0, d1, d2, d3, d4, d5, d6, d7) = xs
+    acc = _word_group_x(acc, c0, c1, c2, c3, s0, h0, a0, a1, a2, a3, a4, a5, a6, a7, COMPUTE_ASM)
+    acc = _word_group_x(acc, c4, c5, c6, c7, s1, h1, b0, b1, b2, b3, b4, b5, b6, b7, COMPUTE_ASM)
+    acc = _word_group_x(acc, c8, c9, c10, c11, s2, h2, e0, e1, e2, e3, e4, e5, e6, e7, COMPUTE_ASM)
+    return _word_group_x(acc, c12, c13, c14, c15, s3, h3, d0, d1, d2, d3, d4, d5, d6, d7, COMPUTE_ASM)
 
 
 @triton.jit
@@ -367,40 +410,49 @@ def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.cons
 @triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
                                   G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
-                                  BITS: tl.constexpr, X_FRAGMENT: tl.constexpr, LOAD_ASM: tl.constexpr,
+                                  BITS: tl.constexpr, X_AHEAD: tl.constexpr, LOAD_ASM: tl.constexpr,
                                   COMPUTE_ASM: tl.constexpr):
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
-    split's float32 partials."""
+    split's float32 partials. X_AHEAD (one column tile): each chunk's x is loaded a chunk ahead, as the code words
+    are, instead of inside each group's product right before its mma."""
     pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
         codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM)
     pdl_wait()
     g, c = lane // 4, lane % 4
-    if X_FRAGMENT:  # x in fragment order (fragment_order_x): per group and column tile, 2 x 32 lanes x 16 bytes
-        x_group: tl.constexpr = NT * 1024
-        xa0 = (x_ptr + lane * 8).to(tl.int64, bitcast=True)
-        xa1 = xa0 + 1024
-    else:
-        x_group: tl.constexpr = 128
-        xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
-        xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+    xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
+    xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-        acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, G // 4 - 1), x_group, COMPUTE_ASM)
-        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-        acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, G // 4 - 1), x_group, COMPUTE_ASM)
-        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+    last = G // 4 - 1
+    if X_AHEAD:
+        x0 = _chunk_x(xa0, tl.minimum(first, last))
+        for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):
+            x1 = _chunk_x(xa0, tl.minimum(first + ci + 1, last))
+            acc = _chunk_product_x(acc, c0, x0, COMPUTE_ASM)
+            c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
+            x0 = _chunk_x(xa0, tl.minimum(first + ci + 2, last))
+            acc = _chunk_product_x(acc, c1, x1, COMPUTE_ASM)
+            c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+    else:
+        for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
+            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), 128, COMPUTE_ASM)
+            c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
+            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), 128, COMPUTE_ASM)
+            c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
 
 
-# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xorder 1 puts
-# x of 2+ rows in fragment order first (fragment_order_x: one launch more, a warp's x loads 512-byte runs where
-# they touch 8 rows' lines; not yet measured, so off)
-# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xorder]]
-FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xorder"),
-                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xorder": 0})
+# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead 1 loads x
+# of up to 8 rows a chunk ahead (the kernel's X_AHEAD; Nsight Compute, session 33: the kernel waits on loads, x's
+# L1 hits among them, so row blocks stall more than one row. Its sm_90 SASS puts each chunk's x loads in the loop
+# step before, at 104 registers for Q4 / 128 for Q5 against 91 / 96: 4 programs of 4 warps per SM instead of 5.
+# Loading a chunk's x in one go at its start compiled to the same SASS as today's: ptxas sinks the loads back to
+# their groups. Not yet measured, so 0)
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead]]
+FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead"),
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": 0})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -454,17 +506,6 @@ def chosen_warps_sharing_k(rows: int, cols: int, t: int) -> int:
     return next((ks for t1, t2, ks in WARPS_SHARING_K.get((rows, cols), ()) if t1 <= t <= t2), 0)
 
 
-def fragment_order_x(x: torch.Tensor, nt: int) -> torch.Tensor:
-    """x [T, K] (T <= 8 nt) in the order the fragment kernels read it: per 64-lane group and 8-row column tile,
-    two halves of 32 thread slots x 8 lanes (thread 4g + c: row g of the tile, lanes 16c + 8 half ..), rows past
-    T zero. A warp's x load is then one 512-byte run instead of 8 rows' lines."""
-    t, k = x.shape
-    padded = torch.zeros(8 * nt, k, dtype=x.dtype, device=x.device)
-    padded[:t] = x
-    groups = k // GROUP
-    return padded.view(nt, 8, groups, 4, 2, 8).permute(2, 0, 4, 1, 3, 5).contiguous().view(-1)
-
-
 def fragment_shape(blocks: int, chunks: int, warps: int, programs: int, ksplit: int = 0) -> tuple[int, int, int, int]:
     """(blocks per program, warps per block, splits, chunks per split). About programs x warps warps in all
     keep enough loads in flight: a product with few 16-row blocks (MLP down 5120 x 17408: 320) first lets up to 4
@@ -503,8 +544,9 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
-                          ksplit: int | None = None, xorder: int | None = None) -> torch.Tensor | SplitPartials:
-    """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only)."""
+                          ksplit: int | None = None, xahead: int | None = None) -> torch.Tensor | SplitPartials:
+    """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x of up to 8 rows
+    loaded a chunk ahead (the kernel's X_AHEAD; 16 rows load it inside each group's product)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -514,16 +556,14 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
     nt = 1 if t <= 8 else 2
     bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
-    x_fragment = t > 1 and bool(FRAGMENT_TUNING["xorder"] if xorder is None else xorder)
-    if x_fragment:
-        x = fragment_order_x(x, nt)
+    x_ahead = bool(FRAGMENT_TUNING["xahead"] if xahead is None else xahead) and nt == 1
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
-                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_FRAGMENT=x_fragment,
+                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_AHEAD=x_ahead,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True,
-                                                                 x_half=512 if x_fragment else 16, pairs=fp.pairs),
+                                        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
+                                                                 x_regs=x_ahead),
                                         num_warps=bw * ks, **LAUNCH)
     return finish_splits(target, y, defer_sum)
