@@ -48,16 +48,14 @@ def _nibble_pair(dst: str, word: str, j: int, bits: int, high: str | None) -> st
             f"lop3.b32 {dst}, {src}, 0x000F000F, hx, 0x6A; ")
 
 
-def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16, pairs: bool = False,
-                 x_regs: bool = False) -> str:
+def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x_regs: bool = False) -> str:
     """One 64-lane group of 16 rows (per warp) times NT x 8 columns of x: d = A.B per 16-lane step, then
     acc += scale(row) * d. Operands: $0-$7 acc out, $8-$15 acc in, then either (packed) $16/$17 code words
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
     (words: each operand one loaded register, so no instruction waits on a load before the group's turn)
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
-    halves (unused for Q4), $22/$23 x addresses. `x_half`: bytes from a thread's first 8 x lanes to its next 8
-    (16 in row order; 512 when x is in fragment order, each load then one 512-byte run per warp). `x_regs`
-    (words, one column tile): x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as addresses.
+    halves (unused for Q4), $22/$23 x addresses (a thread's 16 lanes of x: two 16-byte loads). `x_regs` (words, one
+    column tile): x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as addresses.
 
     `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
@@ -73,10 +71,10 @@ def _compute_asm(bits: int, nt: int, words: bool = False, x_half: int = 16, pair
         lines += [f"mov.b32 x{i}, ${22 + i};" for i in range(8)]
     else:
         lines.append(f"ld.global.nc.v4.b32 {{x0, x1, x2, x3}}, [{xg}]; "
-                     f"ld.global.nc.v4.b32 {{x4, x5, x6, x7}}, [{xg}+{x_half}];")
+                     f"ld.global.nc.v4.b32 {{x4, x5, x6, x7}}, [{xg}+16];")
     if nt == 2:
         lines.append(f"ld.global.nc.v4.b32 {{x8, x9, x10, x11}}, [{xg8}]; "
-                     f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+{x_half}];")
+                     f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+16];")
     if words:
         lines.append("mov.b32 w0, $16; mov.b32 w1, $17; mov.b32 w2, $18; mov.b32 w3, $19; mov.b32 {s0, s1}, $20; "
                      "mov.b32 {s2, s3}, $21;")
