@@ -27,7 +27,7 @@
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
-#                        bash bench/device_frag.sh s34       # x loaded a chunk ahead (T <= 8): per product, lanes, MTP3
+#                        bash bench/device_frag.sh s34       # SwiGLU in the gate/up launch; x loaded a chunk ahead (T <= 8)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -371,14 +371,20 @@ s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since se
     --json-out "$OUT/s33-moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
   ;;
-s34)  # next (~400 s): x loaded a chunk ahead in the fragment-order kernel (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8;
-  # 104 registers against 91 for Q4) — its GPU tests, every product's shapes incl. the xahead variant, then 27B lanes
-  # and batched MTP3 rounds without / with it
+s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragment kernels (incl. SwiGLU in the gate/up
+  # launch), every product's shapes incl. x loaded a chunk ahead (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8; 104
+  # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, then lanes and batched MTP3
+  # rounds without / with x ahead
   timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s34-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/s34-tests.log" | head -12
   echo "tests t=$(el) (no FAILED line = passed)"
   PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s34-shapes.json" shapes 2>&1 | grep "{" | cut -c1-3500
   echo "per product t=$(el)"
+  for sw in off 2 4; do  # SwiGLU in the gate/up launch (opt-in) against the swiglu kernel after it
+    NINFER_SWIGLU_FRAGMENT=$sw timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s34-lanes-swiglu-$sw.json" 2>&1 | grep "│ bf16"
+    echo "lanes NINFER_SWIGLU_FRAGMENT=$sw t=$(el)"
+  done
   for tile in "" "2,4,528,0,1"; do
     NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s34-lanes-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"

@@ -87,7 +87,7 @@ def main(codec: str = "int4") -> dict:
     return out
 
 
-def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0) -> dict:
+def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, swiglu: bool = False) -> dict:
     """The fragment-order product's key loop (qgemm_fragment_layout, T <= 8 (nt 1) or <= 16 (nt 2), one K share
     per warp, 4 warps): SASS instructions per 64-lane group and warp (two 4-group chunks per loop step); `pairs`:
     code words in pair order (_compute_asm)."""
@@ -96,13 +96,14 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0) -
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "high_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*fp32",
            "N": "i32", "T": "i32", "K": "i32", "BLOCKS": "i32", "CHUNKS_PER_SPLIT": "i32",
-           **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "X_AHEAD", "LOAD_ASM", "COMPUTE_ASM")}}
-    const = {"G": 80, "NT": nt, "BW": 4, "KS": 1, "BITS": bits, "X_AHEAD": xahead,
+           **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "X_AHEAD", "LOAD_ASM", "COMPUTE_ASM", "SWIGLU")}}
+    const = {"G": 80, "NT": nt, "BW": 2 if swiglu else 4, "KS": 2 if swiglu else 1, "BITS": bits, "X_AHEAD": xahead,
+             "SWIGLU": swiglu,
              "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
              "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead))}
     sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4)
     ops = _loop(sass)
-    return {"bits": bits, "nt": nt, "pairs": pairs, "xahead": xahead,
+    return {"bits": bits, "nt": nt, "pairs": pairs, "xahead": xahead, "swiglu": swiglu,
             "instructions_per_group": sum(ops.values()) / 8, "top": dict(ops.most_common(8)),
             "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 
@@ -134,6 +135,7 @@ if __name__ == "__main__":
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), pairs, nt)))
             if nt == 1:  # x loaded a chunk ahead
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, 1)))
+            print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, swiglu=True)))  # SwiGLU in the launch
             print(json.dumps(fragment_int8_gemv(int(sys.argv[1][1]), nt)))
         sys.exit()
     args = [a for a in sys.argv[1:] if not a.startswith("--")]

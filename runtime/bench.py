@@ -438,6 +438,7 @@ def kernel_switches() -> dict:
             "rmsnorm_spread_splits": rn.SPREAD_MAX_SPLITS, "moe_decode": engine_module.MOE_DECODE,
             "attention_launches": engine_module.ATTENTION_LAUNCHES, "weight_cache": engine_module.WEIGHT_CACHE,
             "fragment_tile": dict(fl.FRAGMENT_TUNING), "fragment_ks_rule": fl.FRAGMENT_KS_RULE,
+            "swiglu_fragment": ql.SWIGLU_FRAGMENT_KS,
             "fragment_ks": {f"{r}x{c}": spans for (r, c), spans in fl.WARPS_SHARING_K.items()}}
 
 

@@ -488,17 +488,20 @@ def test_int8_fragment_order_lays_out_and_generates(wide_q4, int8, monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
                     "emulated on the CPU in tests/test_frag_kernel.py")
-@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8"])
+@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8", "swiglu"])
 def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
     layout: every 1..16-row product in fragment order; int8: NINFER_FRAGMENT_INT8=on, those products on the int8
-    kernel, their inputs as dp4a words) matches the reference runtime, and 4 lanes decoding at once give the logits
-    of the kernels turned off."""
+    kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch) matches the
+    reference runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
     if mode == "int8":
         monkeypatch.setattr(fl, "FRAGMENT_INT8", "on")
+        mode = "auto"
+    if mode == "swiglu":
+        monkeypatch.setattr(ql, "SWIGLU_FRAGMENT_KS", 2)
         mode = "auto"
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)

@@ -248,6 +248,51 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
 
 
+@pytest.mark.parametrize("fmt,t,ks", [("Q4G64_F16S", 1, 2), ("Q5G64_F16S", 5, 4), ("Q4G64_F16S", 11, 1)])
+def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, fmt, t, ks):
+    """qgemm_fragment_swiglu (a program per gate block and its up block, SwiGLU in the store) gives bit for bit
+    what the fragment-order product at the same warps sharing K and the swiglu kernel give; a pair whose halves
+    do not split at a block boundary is refused."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout, qgemm_fragment_swiglu
+    from runtime.kernels.swiglu import swiglu
+
+    n, k = (64, 1024) if kernel_device == "cpu" else (34816, 5120)
+    fp = fragment_planes(_packed(n, k, fmt, seed=5, device=kernel_device))
+    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
+    pair = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+    qgemm_fragment_layout(x, fp, pair, warps=ks, programs=1, ksplit=ks)  # one split, as the fused launch
+    want = swiglu(pair) if kernel_device == "cuda" else swiglu_reference_rows(pair)
+    got = torch.full((t, n // 2), float("nan"), device=kernel_device, dtype=torch.bfloat16)
+    qgemm_fragment_swiglu(x, fp, got, ksplit=ks)
+    assert torch.equal(got, want)
+    odd = fragment_planes(_packed(48, 512, fmt, seed=6, device=kernel_device))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm_fragment_swiglu(x[:, :512], odd, torch.empty(t, 24, device=kernel_device, dtype=torch.bfloat16))
+
+
+def test_qlinear_swiglu_takes_fragment_order_when_asked(kernel_device, monkeypatch):
+    """The engine's MLP call (qlinear_swiglu) runs a gate/up pair in fragment order through the fused launch with
+    NINFER_SWIGLU_FRAGMENT set, and leaves it to the product and the swiglu kernel without."""
+    import runtime.kernels as kernels
+    from runtime.kernels import qlinear as ql
+    from runtime.kernels.qgemm_fragment_layout import qgemm_fragment_swiglu, to_fragment_layout
+
+    monkeypatch.setattr(kernels, "CPU_KERNELS", "triton")
+    w = to_fragment_layout(_packed(64, 1024, "Q4G64_F16S", seed=3, device=kernel_device))
+    x = torch.randn(3, 1024, device=kernel_device).to(torch.bfloat16)
+    monkeypatch.setattr(ql, "SWIGLU_FRAGMENT_KS", 0)
+    assert ql.qlinear_swiglu(x, w) is None
+    monkeypatch.setattr(ql, "SWIGLU_FRAGMENT_KS", 2)
+    want = qgemm_fragment_swiglu(x, w.fragment, torch.empty(3, 32, device=kernel_device, dtype=torch.bfloat16), 2)
+    assert torch.equal(ql.qlinear_swiglu(x, w), want)
+
+
+def swiglu_reference_rows(pair: torch.Tensor) -> torch.Tensor:
+    """The swiglu kernel's arithmetic in torch (float32 from the stored bf16 halves, rounded once)."""
+    g, u = pair.float().chunk(2, dim=-1)
+    return (g * torch.sigmoid(g) * u).to(pair.dtype)
+
+
 def test_artifact_planes_kernel_runs_whole(kernel_device):
     """qgemm_rows_frag end to end (on a CPU: interpreted, its PTX emulated), K split across programs."""
     w = _packed(40, 1024, "Q5G64_F16S", seed=2, device=kernel_device)

@@ -135,7 +135,7 @@ def _qgemm_fragment_int8_kernel(xq_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr
     """qgemm_fragment_layout's program shape (BW 16-row blocks, a K-split shared by KS warps per block, summed in
     the program) over x's dp4a words (xq_ptr: bytes, ROW_BYTES per row of x; group scales at SCALES_AT)."""
     pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
-        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM)
+        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM, False)
     pdl_wait()
     g, c = lane // 4, lane % 4
     xq = xq_ptr.to(tl.pointer_type(tl.int8))

@@ -359,13 +359,18 @@ def _chunk_product(acc, chunk, xa0, xa1, ci, X_GROUP: tl.constexpr, COMPUTE_ASM:
 
 @triton.jit
 def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
-                     BW: tl.constexpr, KS: tl.constexpr):
+                     BW: tl.constexpr, KS: tl.constexpr, PAIRED: tl.constexpr):
     """This thread's share: byte addresses at its first chunk, that chunk's index and how many it sums. Warp w
     takes block w % BW of the program and the (w // BW)-th share of the split (the last split is shorter: a
-    share may be empty); a warp past the last block reads the last one (valid memory), its rows are not stored."""
+    share may be empty); a warp past the last block reads the last one (valid memory), its rows are not stored.
+    PAIRED (BW = 2, a gate/up pair): the program's two blocks are block pid of the first half of the rows and
+    block pid of the second."""
     warp = tid // 32
     lane = tid % 32
-    block = tl.minimum(pid * BW + warp % BW, BLOCKS - 1).to(tl.int64)
+    if PAIRED:
+        block = (pid + (warp % 2) * (BLOCKS // 2)).to(tl.int64)
+    else:
+        block = tl.minimum(pid * BW + warp % BW, BLOCKS - 1).to(tl.int64)
     per_warp = CHUNKS_PER_SPLIT // KS
     first = split * CHUNKS_PER_SPLIT + (warp // BW) * per_warp
     count = tl.minimum(tl.maximum(G // 4 - first, 0), per_warp)
@@ -377,7 +382,7 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 @triton.jit
 def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr, BW: tl.constexpr,
-                   KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
+                   KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr, PAIRED: tl.constexpr):
     """A fragment-order program's ids, zeros of its shape, each thread's lane, its chunk addresses
     (_chunk_addresses) and first two chunks: weights are never written during inference, so they are fetched
     before waiting on x's writer."""
@@ -386,7 +391,7 @@ def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G:
     zero = tl.zeros([32 * BW * KS], tl.int32)
     tid = _thread_ids(zero)
     ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
-                                                CHUNKS_PER_SPLIT, G, BW, KS)
+                                                CHUNKS_PER_SPLIT, G, BW, KS, PAIRED)
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
     c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
     return pid, split, zero, tid % 32, ca, sa, ha, first, count, c0, c1
@@ -408,17 +413,46 @@ def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.cons
 
 
 @triton.jit
+def _gate_times_up(a, ty: tl.constexpr):
+    """silu(gate) * up from a paired program's accumulator [64] (gate block's 32 threads, then up block's): each
+    rounded to ty first, as the product would store them, then the swiglu kernel's arithmetic."""
+    g, u = tl.split(tl.permute(tl.reshape(a, (2, 32)), (1, 0)))
+    g = g.to(ty).to(tl.float32)
+    u = u.to(ty).to(tl.float32)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _store_swiglu(out_ptr, acc, pid, T, N, KS: tl.constexpr, NT: tl.constexpr):
+    """A paired program's accumulators (gate block pid, up block pid; KS warps sharing K summed first) stored as
+    silu(gate) * up: rows pid * 16 .. + 15 of out [T, N] (N = the pair's rows / 2)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    if KS > 1:
+        a0, a1, a2, a3 = (tl.sum(tl.reshape(a0, (KS, 64)), axis=0), tl.sum(tl.reshape(a1, (KS, 64)), axis=0),
+                          tl.sum(tl.reshape(a2, (KS, 64)), axis=0), tl.sum(tl.reshape(a3, (KS, 64)), axis=0))
+        a4, a5, a6, a7 = (tl.sum(tl.reshape(a4, (KS, 64)), axis=0), tl.sum(tl.reshape(a5, (KS, 64)), axis=0),
+                          tl.sum(tl.reshape(a6, (KS, 64)), axis=0), tl.sum(tl.reshape(a7, (KS, 64)), axis=0))
+    ty: tl.constexpr = out_ptr.dtype.element_ty
+    y = (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
+         _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
+    threads = tl.arange(0, 32)
+    _store_rows(out_ptr, y, 0, T, N, pid * 16 + threads // 4, threads % 4, NT)
+
+
+@triton.jit
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
                                   G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
                                   BITS: tl.constexpr, X_AHEAD: tl.constexpr, LOAD_ASM: tl.constexpr,
-                                  COMPUTE_ASM: tl.constexpr):
+                                  COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
     split's float32 partials. X_AHEAD (one column tile): each chunk's x is loaded a chunk ahead, as the code words
-    are, instead of inside each group's product right before its mma."""
+    are, instead of inside each group's product right before its mma. SWIGLU (BW = 2, one split): the program
+    multiplies block pid of a gate/up pair's gate rows and of its up rows and stores silu(gate) * up (N: the
+    output's width, half the pair's rows)."""
     pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
-        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM)
+        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM, SWIGLU)
     pdl_wait()
     g, c = lane // 4, lane % 4
     xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
@@ -441,7 +475,10 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
             c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
             acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), 128, COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
-    _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
+    if SWIGLU:
+        _store_swiglu(out_ptr, acc, pid, T, N, KS, NT)
+    else:
+        _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
 
 
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead 1 loads x
@@ -565,5 +602,45 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
                                                                  x_regs=x_ahead),
-                                        num_warps=bw * ks, **LAUNCH)
+                                        SWIGLU=False, num_warps=bw * ks, **LAUNCH)
     return finish_splits(target, y, defer_sum)
+
+
+# SwiGLU in the gate/up product's launch for 1-16 rows over fragment order (qgemm_fragment_swiglu): a launch less per
+# MLP layer in an engine of several lanes or with speculation, the warps sharing each block's K (2 warps: 4 per
+# program, the shape gate_up took at 2-16 rows before session 33). Not yet measured, so off:
+# NINFER_SWIGLU_FRAGMENT=2|4 turns it on with that many warps sharing K.
+SWIGLU_FRAGMENT_KS = {"off": 0, "1": 1, "2": 2, "4": 4}.get(os.environ.get("NINFER_SWIGLU_FRAGMENT", "off"), -1)
+if SWIGLU_FRAGMENT_KS < 0:
+    raise SystemExit("ninfer: NINFER_SWIGLU_FRAGMENT is off, 1, 2 or 4 (warps sharing K); unset it for the default")
+
+
+def swiglu_pair_supported(fp: FragmentPlanes) -> bool:
+    """Whether a gate/up pair in fragment order splits into gate and up at a 16-row block boundary."""
+    return fp.rows % 32 == 0
+
+
+def qgemm_fragment_swiglu(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, ksplit: int | None = None,
+                          hint: int | None = None) -> torch.Tensor:
+    """y [T, I] = silu(x @ G^T) * (x @ U^T) for a gate/up pair W = [G; U] [2I, K] in fragment order, bf16 x with
+    1..16 rows, in one launch: a program per 16-row block pair, `ksplit` warps sharing each block's K (GPU only;
+    the numbers the product and the swiglu kernel give, bit for bit, at the same warps sharing K)."""
+    t, k = x.shape
+    ks = ksplit or SWIGLU_FRAGMENT_KS or 2
+    if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols or not swiglu_pair_supported(fp) \
+            or y.shape != (t, fp.rows // 2) or ks not in (1, 2, 4):
+        raise ValueError(f"qgemm_fragment_swiglu: {t} rows of {x.dtype} with {k} columns into {tuple(y.shape)} against "
+                         f"[{fp.rows}, {fp.cols}] (1-16 bf16 rows of the pair's width, rows a multiple of 32; 1, 2 or "
+                         "4 warps sharing K)")
+    x = aligned_rows(x)
+    nt = 1 if t <= 8 else 2
+    chunks = fp.groups // CHUNK
+    size = 2 * ks * triton.cdiv(chunks, 2 * ks)  # one split: every warp's share even
+    high = fp.high if fp.high is not None else fp.codes
+    hint = FRAGMENT_TUNING["hint"] if hint is None else hint
+    _qgemm_fragment_layout_kernel[(fp.blocks // 2, 1)](
+        x, fp.codes, high, fp.scales, y, fp.rows // 2, t, k, fp.blocks, size, G=fp.groups, NT=nt, BW=2, KS=ks,
+        BITS=fp.fmt.bits, X_AHEAD=False, LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
+        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs), SWIGLU=True, num_warps=2 * ks,
+        **LAUNCH)
+    return y

@@ -24,7 +24,8 @@ from ..memory_plan import weight_cache_picks  # the weight cache's choice, as `n
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemm_fragment_int8 import qgemm_fragment_int8
-from .qgemm_fragment_layout import fragment_order, qgemm_fragment_layout, row_planes
+from .qgemm_fragment_layout import (SWIGLU_FRAGMENT_KS, fragment_order, qgemm_fragment_layout, qgemm_fragment_swiglu,
+                                    row_planes, swiglu_pair_supported)
 from .qgemm_rows_frag import frag_supported, qgemm_rows_frag
 from .qgemv_lanes import qgemv_lanes
 from .qgemv_int8 import (INT8_BITS, QuantizedX, SplitPartials, finish_splits, qgemm_rows_int8, qgemm_rows_mma,
@@ -598,9 +599,15 @@ SWIGLU_EPILOGUE = os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") != "0"
 def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = None) -> torch.Tensor | None:
     """silu(gate) * up of one row of x times a gate/up pair w [2I, K], in the product's own launch (the dp4a
     GEMV's epilogue; a launch less per MLP in a decode step): [1, I] in x's dtype, the numbers qlinear then
-    swiglu give. None where that kernel does not take the product (several rows, the fragment kernels, a K
-    split): the caller multiplies and runs swiglu."""
+    swiglu give. Over planes in fragment order, 1-16 rows with NINFER_SWIGLU_FRAGMENT (qgemm_fragment_swiglu).
+    None where no such kernel takes the product (several rows on the artifact's planes, a K split): the caller
+    multiplies and runs swiglu."""
     t = x.shape[0]
+    if w.fragment is not None and w.fragment.order != "bytes":  # 1-16 rows in fragment order (opt-in)
+        if not SWIGLU_FRAGMENT_KS or torch_path(x) or x.dtype != torch.bfloat16 or not 1 <= t <= 16 \
+                or x.shape[1] != w.cols or not swiglu_pair_supported(w.fragment):
+            return None
+        return qgemm_fragment_swiglu(x, w.fragment, torch.empty(t, w.rows // 2, dtype=x.dtype, device=x.device))
     if not SWIGLU_EPILOGUE or t != 1 or torch_path(x) or w.rows % 2 or x.shape[1] != w.cols \
             or GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or w.fragment is not None \
             or (x.dtype == torch.bfloat16 and uses_frag(w, t)):
