@@ -373,8 +373,9 @@ s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since se
   ;;
 s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragment kernels (incl. SwiGLU in the gate/up
   # launch), every product's shapes incl. x loaded a chunk ahead (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8; 104
-  # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, then lanes and batched MTP3
-  # rounds without / with x ahead
+  # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, MTP3 and DFlash2 K = 7 with
+  # --draft-vocab 0 / 32768, then lanes and batched MTP3 rounds without / with x ahead (split over two calls if
+  # the first runs long: each run prints its elapsed time)
   timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s34-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/s34-tests.log" | head -12
   echo "tests t=$(el) (no FAILED line = passed)"
@@ -384,6 +385,14 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
     NINFER_SWIGLU_FRAGMENT=$sw timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s34-lanes-swiglu-$sw.json" 2>&1 | grep "│ bf16"
     echo "lanes NINFER_SWIGLU_FRAGMENT=$sw t=$(el)"
+  done
+  for dv in 0 32768; do  # drafts from the whole head / its first 32K token ids (forced acceptance)
+    timeout 90 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
+      --draft-vocab $dv --json-out "$OUT/s34-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
+    echo "mtp3 draft vocab $dv t=$(el)"
+    timeout 90 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
+      --draft-vocab $dv --json-out "$OUT/s34-dflash2-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
+    echo "dflash2 K=7 draft vocab $dv t=$(el)"
   done
   for tile in "" "2,4,528,0,1"; do
     NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \

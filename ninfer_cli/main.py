@@ -339,6 +339,7 @@ def generate(
     spec: Annotated[Spec, typer.Option(help="Speculative decoding (triton runtime): mtp drafts from the MTP head, dflash2 from the DFlash2 drafter.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
+    draft_vocab: Annotated[int, typer.Option(min=0, help="Draft from the output head's first N token ids only (a view: no memory; cheaper drafting, drafts outside those ids never proposed; 0 = the whole head).")] = 0,
     vision: Annotated[bool, typer.Option("--vision", help="Load the vision tower (needed for --image).")] = False,
     image: Annotated[Optional[list[Path]], typer.Option(help="An image file placed before the prompt (repeatable; needs --vision).")] = None,
     verify_weights: VerifyWeightsOpt = False,
@@ -359,7 +360,7 @@ def generate(
 
         options = PlanOptions(max_context=max_context, kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk),
                               spec=spec.value, draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision,
-                              weight_cache=weight_cache.value)
+                              weight_cache=weight_cache.value, draft_vocab=draft_vocab)
         if temperature > 0:
             params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     elif temperature > 0 or spec != Spec.none:
@@ -401,6 +402,7 @@ def bench(
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per round (1..15).")] = 3,
     accepted_drafts: Annotated[Optional[int], typer.Option(help="Force this many accepted drafts per round (random weights have no real acceptance).")] = None,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced head.")] = False,
+    draft_vocab: Annotated[int, typer.Option(min=0, help="Draft from the output head's first N token ids only (a view: no memory; cheaper drafting, drafts outside those ids never proposed; 0 = the whole head).")] = 0,
     prefill_chunk: PrefillChunkOpt = "auto",
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
     lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane); with --spec, batched speculative rounds too.")] = None,
@@ -451,12 +453,12 @@ def bench(
                                   prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
                                   prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
                                   spec=spec.value, draft_tokens=draft_tokens, accepted_drafts=accepted_drafts,
-                                  log=lambda m: err.print(m))
+                                  lm_head_draft=lm_head_draft, draft_vocab=draft_vocab, log=lambda m: err.print(m))
         plotter, printer = plot_lanes, _print_lanes
     else:
         opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
                             decode_tokens=decode_tokens, spec=spec.value, draft_tokens=draft_tokens,
-                            accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft,
+                            accepted_drafts=accepted_drafts, lm_head_draft=lm_head_draft, draft_vocab=draft_vocab,
                             prefill_chunk=parse_prefill_chunk(prefill_chunk), prefill_limit=_tokens(prefill_limit),
                             random_weights_seed=seed)
         results = run_bench(artifact, opts, log=lambda m: err.print(m))
@@ -673,6 +675,7 @@ def serve(
     spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head, dflash2 with the DFlash2 drafter.")] = Spec.none,
     draft_tokens: Annotated[int, typer.Option(help="Draft tokens per speculative round (1..15).")] = 3,
     lm_head_draft: Annotated[bool, typer.Option("--lm-head-draft", help="Draft with the reduced frequency-ranked head.")] = False,
+    draft_vocab: Annotated[int, typer.Option(min=0, help="Draft from the output head's first N token ids only (a view: no memory; cheaper drafting, drafts outside those ids never proposed; 0 = the whole head).")] = 0,
     vision: Annotated[bool, typer.Option("--vision", help="Accept image inputs (needs the vision tower).")] = False,
     allow_local_images: Annotated[Optional[Path], typer.Option("--allow-local-images", help="With --vision: accept image_url paths / file:// URLs under this directory (off by default).")] = None,
     allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="With --vision: fetch http(s) image URLs.")] = False,
@@ -704,7 +707,8 @@ def serve(
     options = PlanOptions(max_context=8192 if auto else _tokens(max_context), max_concurrency=max_concurrency,
                           kv_dtype=kv_dtype.value, prefill_chunk=parse_prefill_chunk(prefill_chunk), spec=spec.value,
                           draft_tokens=draft_tokens, lm_head_draft=lm_head_draft, vision=vision,
-                          shared_prefill_chunk=prefill_chunk_shared, weight_cache=weight_cache.value)
+                          shared_prefill_chunk=prefill_chunk_shared, weight_cache=weight_cache.value,
+                          draft_vocab=draft_vocab)
     if kv_capacity is None and auto and device.startswith("cuda"):
         kv_capacity = "auto"  # the longest context that fits, as `ninfer fit` computes it
     if kv_capacity is not None:

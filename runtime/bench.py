@@ -26,6 +26,7 @@ class BenchOptions:
     draft_tokens: int = 3
     accepted_drafts: int | None = None  # force this many accepted drafts per round (random weights)
     lm_head_draft: bool = False
+    draft_vocab: int = 0
     prefill_chunk: int = 0  # 0 = auto (runtime.memory_plan.resolve_prefill_chunk)
     prefill_limit: int = 262_144
     random_weights_seed: int | None = None
@@ -119,7 +120,8 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
     max_context = -(-(max(opts.depths) + margin) // 64) * 64
     for kv in opts.kv_dtypes:
         plan_opts = PlanOptions(max_context=max_context, kv_dtype=kv, prefill_chunk=opts.prefill_chunk,
-                                spec=opts.spec, draft_tokens=opts.draft_tokens, lm_head_draft=opts.lm_head_draft)
+                                spec=opts.spec, draft_tokens=opts.draft_tokens, lm_head_draft=opts.lm_head_draft,
+                                draft_vocab=opts.draft_vocab)
         resident_before = 0
         if device.startswith("cuda"):
             gc.collect()  # the previous engine (its MTP drafter refers back to it) and its graphs' pools
@@ -224,7 +226,8 @@ def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[
 def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], steps: int = 32,
                     prefill_tokens: int = 0, prefill_chunk: int = 0, device: str = "cuda",
                     random_weights_seed: int | None = None, spec: str = "none", draft_tokens: int = 3,
-                    accepted_drafts: int | None = None, log=print) -> dict:
+                    accepted_drafts: int | None = None, lm_head_draft: bool = False, draft_vocab: int = 0,
+                    log=print) -> dict:
     """Decode with several lanes at once: each lane holds `depth` tokens (synthetic context), and one
     step decodes one token for every lane. Per lane count: step time, aggregate and per-lane tok/s,
     the step time over the one-lane step, and the ideal (one read of the weights serves every lane;
@@ -241,6 +244,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     top = max(lanes)
     results = {"artifact": str(path), "mode": "lanes", "lanes": lanes, "depth": depth, "steps": steps,
                "spec": spec, "draft_tokens": draft_tokens if spec != "none" else 0, "accepted_drafts": accepted_drafts,
+               "lm_head_draft": lm_head_draft, "draft_vocab": draft_vocab,
                "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "rows": []}
     bw = copy_bandwidth(device) if device.startswith("cuda") else 0.0
     results["copy_bandwidth_bytes_per_s"] = bw
@@ -248,7 +252,8 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     max_context = -(-(max(depth, prefill_tokens) + steps + spec_room + 64) // 64) * 64
     for kv in kv_dtypes:
         engine = Engine(path, PlanOptions(max_context=max_context, kv_dtype=kv, max_concurrency=top,
-                                          prefill_chunk=prefill_chunk, spec=spec, draft_tokens=draft_tokens),
+                                          prefill_chunk=prefill_chunk, spec=spec, draft_tokens=draft_tokens,
+                                          lm_head_draft=lm_head_draft, draft_vocab=draft_vocab),
                         device=device, random_weights_seed=random_weights_seed)
         if engine.speculator is not None:
             engine.speculator.forced_accept = accepted_drafts

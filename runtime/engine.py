@@ -349,6 +349,10 @@ class Engine:
         # tokens covered by the lane's turn checkpoint (0 = none): its KV prefix plus the GDN state
         # saved in checkpoint_slot, so a prompt that diverges later can resume there
         self.checkpoint_at = [0] * lanes
+        # --draft-vocab: drafts from the output head's first rows (token ids 0..N-1; BPE ids run roughly from
+        # frequent to rare), a view of its planes
+        self.draft_head = self.lin["text/output_head"].rows(0, min(self.opts.draft_vocab, self.token_limit)) \
+            if self.opts.draft_vocab else None
         # the speculative decoder (runtime/speculate.py), None without --spec
         self.speculator = None
         if self.opts.spec == "mtp":

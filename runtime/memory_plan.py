@@ -60,6 +60,9 @@ def parse_bytes(text: str) -> int:
     return int(number * base ** power)
 
 
+MIN_DRAFT_VOCAB = 256
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     max_context: int
@@ -71,6 +74,8 @@ class PlanOptions:
     spec: str = "none"
     draft_tokens: int = 3
     lm_head_draft: bool = False
+    # draft with the output head's first N rows (token ids 0..N-1) instead of all of it: a view, no bytes of its own
+    draft_vocab: int = 0
     vision: bool = False
     cuda_graphs: bool = True
     # "auto": dense copies of the layer products in memory the plan leaves spare (faster prefill); "off"
@@ -104,6 +109,13 @@ class PlanOptions:
             raise MemoryPlanError("--lm-head-draft needs --spec mtp or --spec dflash2")
         if self.lm_head_draft and "lm_head_draft" not in components:
             raise MemoryPlanError("--lm-head-draft needs an artifact with the lm_head_draft component")
+        if self.draft_vocab and self.spec == "none":
+            raise MemoryPlanError("--draft-vocab needs --spec mtp or --spec dflash2")
+        if self.draft_vocab and self.lm_head_draft:
+            raise MemoryPlanError("--draft-vocab and --lm-head-draft both choose the drafting head; give one")
+        if self.draft_vocab and not MIN_DRAFT_VOCAB <= self.draft_vocab <= cfg.vocab_size:
+            raise MemoryPlanError(f"--draft-vocab {self.draft_vocab}: give {MIN_DRAFT_VOCAB}..{cfg.vocab_size} token ids "
+                                  "(drafts come from the output head's first N rows), or 0 for the whole head")
         if self.vision and "vision" not in components:
             raise MemoryPlanError("--vision needs an artifact that carries the vision tower")
         if self.weight_cache not in ("auto", "off"):

@@ -113,6 +113,8 @@ class Speculator:
         e = self.e
         if e.opts.lm_head_draft:
             return e.vec[DRAFT_TOKEN_IDS], e.lin[DRAFT_HEAD](h.contiguous()).float()
+        if e.draft_head is not None:  # the head's first rows: column i is token id i
+            return None, e.draft_head(h.contiguous()).float()
         return None, e.head_logits(h.contiguous())
 
     def propose(self, h: torch.Tensor) -> torch.Tensor:

@@ -62,9 +62,10 @@ def _oracle(eng, want, k, spoil_every=0):
 
 
 @exact_only_on_cpu
-@pytest.mark.parametrize("k,lm_head_draft", [(3, False), (2, True)])
-def test_dflash2_greedy_equals_plain_greedy(setup, k, lm_head_draft):
-    eng = _engine(setup["artifacts"]["q4"], spec="dflash2", draft_tokens=k, lm_head_draft=lm_head_draft)
+@pytest.mark.parametrize("k,lm_head_draft,draft_vocab", [(3, False, 0), (2, True, 0), (2, False, 256)])
+def test_dflash2_greedy_equals_plain_greedy(setup, k, lm_head_draft, draft_vocab):
+    eng = _engine(setup["artifacts"]["q4"], spec="dflash2", draft_tokens=k, lm_head_draft=lm_head_draft,
+                  draft_vocab=draft_vocab)
     assert eng.generate(PROMPT, NEW) == setup["want"]["q4"]
     s = eng.speculator.stats
     assert s.rounds >= 1 and s.drafted == s.rounds * k and len(s.as_dict()["acceptance_by_position"]) == k

@@ -52,6 +52,38 @@ def test_speculative_greedy_equals_plain_greedy(artifacts, name, k, lm_head_draf
     assert len(s.as_dict()["acceptance_by_position"]) == k
 
 
+@pytest.mark.parametrize("spec_k", [1, 3])
+@exact_only_on_cpu
+def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(artifacts, spec_k):
+    """--draft-vocab N: the drafter scores only the output head's first N rows (a view of its planes, no bytes
+    of its own), so every draft is a token id below N; the output stays plain greedy's, token for token."""
+    path = artifacts["dense"]
+    want = _plain(path)
+    eng = _engine(path, spec="mtp", draft_tokens=spec_k, draft_vocab=256)
+    assert eng.draft_head.packed.base.data_ptr() == eng.lin["text/output_head"].packed.base.data_ptr()
+    proposed = []
+    real = eng.speculator.propose
+
+    def spy(h):
+        drafts = real(h)
+        proposed.append(drafts.clone())
+        return drafts
+
+    eng.speculator.propose = spy
+    assert eng.generate(PROMPT, NEW) == want
+    assert proposed and all(int(d.max()) < 256 for d in proposed)
+    assert eng.speculator.stats.drafted == eng.speculator.stats.rounds * spec_k
+
+
+def test_a_draft_vocabulary_is_checked_where_it_is_given(artifacts):
+    for kw, words in ((dict(draft_vocab=256), "needs --spec"), (dict(spec="mtp", draft_vocab=100), "256..384"),
+                      (dict(spec="mtp", draft_vocab=1000), "256..384")):
+        with pytest.raises(MemoryPlanError, match=words):
+            _engine(artifacts["dense"], **kw)
+    with pytest.raises(MemoryPlanError, match="give one"):
+        _engine(artifacts["draft-head"], spec="mtp", draft_vocab=256, lm_head_draft=True)
+
+
 @exact_only_on_cpu
 def test_matching_drafts_are_all_accepted(artifacts, monkeypatch):
     """An oracle drafter that proposes the true greedy continuation: every draft is accepted, each
