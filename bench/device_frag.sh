@@ -28,6 +28,7 @@
 #                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
 #                        bash bench/device_frag.sh s34       # SwiGLU in the gate/up launch; x loaded a chunk ahead (T <= 8)
+#                        bash bench/device_frag.sh s34b      # --draft-vocab 32768 against the whole head: MTP3, DFlash2
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -373,9 +374,8 @@ s33)  # session 33 (~450 s): the measured warps-sharing-K rule (default since se
   ;;
 s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragment kernels (incl. SwiGLU in the gate/up
   # launch), every product's shapes incl. x loaded a chunk ahead (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8; 104
-  # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, MTP3 and DFlash2 K = 7 with
-  # --draft-vocab 0 / 32768, then lanes and batched MTP3 rounds without / with x ahead (split over two calls if
-  # the first runs long: each run prints its elapsed time)
+  # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, then lanes and batched MTP3
+  # rounds without / with x ahead
   timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s34-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/s34-tests.log" | head -12
   echo "tests t=$(el) (no FAILED line = passed)"
@@ -386,14 +386,6 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
       --json-out "$OUT/s34-lanes-swiglu-$sw.json" 2>&1 | grep "│ bf16"
     echo "lanes NINFER_SWIGLU_FRAGMENT=$sw t=$(el)"
   done
-  for dv in 0 32768; do  # drafts from the whole head / its first 32K token ids (forced acceptance)
-    timeout 90 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
-      --draft-vocab $dv --json-out "$OUT/s34-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
-    echo "mtp3 draft vocab $dv t=$(el)"
-    timeout 90 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
-      --draft-vocab $dv --json-out "$OUT/s34-dflash2-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
-    echo "dflash2 K=7 draft vocab $dv t=$(el)"
-  done
   for tile in "" "2,4,528,0,1"; do
     NINFER_FRAGMENT_TILE=$tile timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s34-lanes-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"
@@ -402,6 +394,20 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
       --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s34-spec-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"
     echo "spec lanes NINFER_FRAGMENT_TILE='$tile' t=$(el)"
   done
+  ;;
+s34b)  # next, second call (~300 s): --draft-vocab 32768 (drafts from the output head's first 32K token ids, a view)
+  # against the whole head: MTP3 and DFlash2 K = 7 at one lane (forced acceptance), then MTP3 rounds over 1-4 lanes
+  for dv in 0 32768; do  # drafts from the whole head / its first 32K token ids (forced acceptance)
+    timeout 110 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
+      --draft-vocab $dv --json-out "$OUT/s34b-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
+    echo "mtp3 draft vocab $dv t=$(el)"
+    timeout 110 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
+      --draft-vocab $dv --json-out "$OUT/s34b-dflash2-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
+    echo "dflash2 K=7 draft vocab $dv t=$(el)"
+  done
+  timeout 120 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
+    --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s34b-spec-lanes-draft-vocab.json" 2>&1 | grep "│ bf16"
+  echo "spec lanes draft vocab t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
