@@ -395,8 +395,9 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
     echo "spec lanes NINFER_FRAGMENT_TILE='$tile' t=$(el)"
   done
   ;;
-s34b)  # next, second call (~300 s): --draft-vocab 32768 (drafts from the output head's first 32K token ids, a view)
-  # against the whole head: MTP3 and DFlash2 K = 7 at one lane (forced acceptance), then MTP3 rounds over 1-4 lanes
+s34b)  # next, second call (~420 s): --draft-vocab 32768 (drafts from the output head's first 32K token ids, a view)
+  # against the whole head: MTP3 and DFlash2 K = 7 at one lane (forced acceptance), MTP3 rounds over 1-4 lanes; then
+  # one plain lane on the dp4a GEMV against every product in fragment order with SwiGLU in its launch
   for dv in 0 32768; do  # drafts from the whole head / its first 32K token ids (forced acceptance)
     timeout 110 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
       --draft-vocab $dv --json-out "$OUT/s34b-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
@@ -408,6 +409,12 @@ s34b)  # next, second call (~300 s): --draft-vocab 32768 (drafts from the output
   timeout 120 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
     --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s34b-spec-lanes-draft-vocab.json" 2>&1 | grep "│ bf16"
   echo "spec lanes draft vocab t=$(el)"
+  # one plain lane: Q4 on the dp4a GEMV with SwiGLU in its launch (auto), or every product in fragment order
+  # (gate_up at 0.92 of copy on the H100) with SwiGLU in the fragment launch (2 / 4 warps sharing K)
+  one auto NINFER_GEMV_FRAG=auto
+  one layout-swiglu2 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=2
+  one layout-swiglu4 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=4
+  one auto-again NINFER_GEMV_FRAG=auto
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
