@@ -604,9 +604,9 @@ def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = Non
     multiplies and runs swiglu."""
     t = x.shape[0]
     if w.fragment is not None and w.fragment.order != "bytes":  # 1-16 rows in fragment order (opt-in)
-        if not SWIGLU_FRAGMENT_KS or torch_path(x) or x.dtype != torch.bfloat16 or not 1 <= t <= 16 \
-                or x.shape[1] != w.cols or not swiglu_pair_supported(w.fragment):
-            return None
+        if not SWIGLU_FRAGMENT_KS or torch_path(x) or interpreted() or x.dtype != torch.bfloat16 \
+                or not 1 <= t <= 16 or x.shape[1] != w.cols or not swiglu_pair_supported(w.fragment):
+            return None  # (interpreted: qlinear's dense fallback, as for every fragment-order product)
         return qgemm_fragment_swiglu(x, w.fragment, torch.empty(t, w.rows // 2, dtype=x.dtype, device=x.device))
     if not SWIGLU_EPILOGUE or t != 1 or torch_path(x) or w.rows % 2 or x.shape[1] != w.cols \
             or GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or w.fragment is not None \
