@@ -592,11 +592,13 @@ def _print_lanes(r: dict) -> None:
         forced = r.get("accepted_drafts")
         t = Table(title=f"batched {escape(r['spec'])} rounds, {r['draft_tokens']} drafts per lane"
                         + (f", {forced} accepted (forced)" if forced is not None else ""))
-        for col in ("KV", "lanes", "round ms", "x plain step", "tokens per lane and round", "per lane tok/s",
-                    "aggregate tok/s", "x plain", "of one lane's x"):
+        for col in ("KV", "lanes", "round ms", "x plain step", "drafts ms", "verify ms", "verify x step",
+                    "tokens per lane and round", "per lane tok/s", "aggregate tok/s", "x plain", "of one lane's x"):
             t.add_column(col, justify="right", no_wrap=True)
         for row in r["rows"]:
             t.add_row(row["kv_dtype"], str(row["lanes"]), f"{row['spec_round_ms']:.2f}", f"{row['spec_round_vs_step']:.2f}",
+                      f"{row.get('spec_draft_ms', 0):.2f}", f"{row.get('spec_verify_ms', 0):.2f}",
+                      f"{row.get('spec_verify_vs_step', 0):.2f}",
                       f"{row['spec_tokens_per_lane_round']:.2f}", f"{row['spec_per_lane_tok_s']:.1f}",
                       f"{row['spec_aggregate_tok_s']:.0f}", f"{row['spec_vs_plain']:.2f}",
                       f"{row['spec_vs_plain_of_one_lane']:.2f}")

@@ -203,9 +203,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[float, int]:
+def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[float, int, float, float]:
     """Batched speculative rounds for lanes `ids` from `depth` tokens of synthetic context: two untimed (graph
-    capture), then `rounds` timed; returns (seconds, tokens the lanes gained in the timed rounds)."""
+    capture), then `rounds` timed; returns (seconds, tokens the lanes gained in the timed rounds, and a round's
+    drafting and verify-forward ms by CUDA events)."""
+    from .speculate import phase_ms
+
     spec = engine.speculator
     for lane in ids:
         _synthetic_context(engine, depth, gen, lane)
@@ -213,6 +216,7 @@ def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[
     for _ in range(2):
         nxt = [new[-1] for new in spec.round(ids, nxt, budget)]
     spec.stats = SpecStats(accepted_at=[0] * spec.k)
+    spec.phase_events = []
     _sync(engine)
     t0, gained = time.perf_counter(), 0
     for _ in range(rounds):
@@ -220,7 +224,10 @@ def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[
         gained += sum(map(len, emitted))
         nxt = [new[-1] for new in emitted]
     _sync(engine)
-    return time.perf_counter() - t0, gained
+    secs = time.perf_counter() - t0
+    draft_ms, verify_ms = phase_ms(spec.phase_events)
+    spec.phase_events = None
+    return secs, gained, draft_ms, verify_ms
 
 
 def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], steps: int = 32,
@@ -283,8 +290,11 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
                 row["ideal_aggregate_tok_s"] = n * bw / (shared + n * per_lane)
                 row["of_ideal"] = row["aggregate_tok_s"] / row["ideal_aggregate_tok_s"]
             if engine.speculator is not None:
-                secs, gained = _spec_rounds(engine, ids, depth, steps, gen)
-                row.update(spec_round_ms=secs / steps * 1e3, spec_round_vs_step=secs / steps / step,
+                secs, gained, draft_ms, verify_ms = _spec_rounds(engine, ids, depth, steps, gen)
+                # issue 20: a verify block of K + 1 rows a lane against the plain step of as many lanes
+                row.update(spec_draft_ms=draft_ms, spec_verify_ms=verify_ms,
+                           spec_verify_vs_step=verify_ms / (step * 1e3),
+                           spec_round_ms=secs / steps * 1e3, spec_round_vs_step=secs / steps / step,
                            spec_tokens_per_lane_round=gained / (steps * n), spec_per_lane_tok_s=gained / n / secs,
                            spec_aggregate_tok_s=gained / secs, spec_vs_plain=gained / n / secs * step,
                            spec_stats=engine.speculator.stats.as_dict())

@@ -43,6 +43,9 @@ class Speculator:
         # benchmarks on random weights: accept exactly this many drafts per round (speed at a given
         # acceptance; the output is then no longer the target's greedy output)
         self.forced_accept: int | None = None
+        # benchmarks: a list collects each round's CUDA events (start, drafts done, verify done), so the drafting
+        # and the verify forward are timed apart (phase_ms)
+        self.phase_events: list | None = None
 
     def can_speculate(self, lane: int) -> bool:
         """Drafting needs a current drafter state and room for K+1 verified positions in the lane's pages."""
@@ -68,11 +71,20 @@ class Speculator:
         # captured in a CUDA graph on a GPU, so these steps stay eager
         if e.cfg.is_moe and len(lanes) * (k + 1) > 16:
             e._eager_keys.update({("draft", key), ("verify", key)})
+        timed = self.phase_events is not None and dev.type == "cuda"
+        if timed:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
         drafts = self._draft_block(lanes, lanes_t, held, next_tokens, key)
+        if timed:
+            marks[1].record()
         verify_tokens = torch.cat([torch.tensor(next_tokens, device=dev)[:, None], drafts], dim=1)
         positions = torch.tensor(held, device=dev)[:, None] + torch.arange(k + 1, device=dev)[None]
         e.ctx_len[lanes_t] = torch.tensor([L + k + 1 for L in held], device=dev, dtype=torch.int32)
         logits, aux = e.run_step(("verify", key), self._verify, lanes_t, verify_tokens, positions)
+        if timed:
+            marks[2].record()
+            self.phase_events.append(marks)
         draft_rows = drafts.tolist()
         greedy = torch.argmax(logits, dim=-1).tolist()
         results = []
@@ -122,6 +134,16 @@ class Speculator:
         ids, logits = self.proposal_logits(h)
         best = torch.argmax(logits, dim=-1)
         return ids[best].long() if ids is not None else best
+
+
+def phase_ms(events: list) -> tuple[float, float]:
+    """Mean (drafting ms, verify-forward ms) of the rounds whose events Speculator.phase_events collected (after a
+    synchronize)."""
+    if not events:
+        return 0.0, 0.0
+    draft = sum(a.elapsed_time(b) for a, b, _ in events) / len(events)
+    verify = sum(b.elapsed_time(c) for _, b, c in events) / len(events)
+    return draft, verify
 
 
 def _per_lane(value, b: int):

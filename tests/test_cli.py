@@ -225,9 +225,29 @@ def test_lanes_bench_runs_batched_speculative_rounds(tiny_with_mtp, tmp_path, ca
         assert row["spec_per_lane_tok_s"] > 0 and row["spec_aggregate_tok_s"] == pytest.approx(
             row["lanes"] * row["spec_per_lane_tok_s"])
     assert r["rows"][0]["spec_vs_plain_of_one_lane"] == 1.0
+    assert r["rows"][0]["spec_verify_ms"] == 0.0  # drafting and verify are timed apart by CUDA events only
     r["copy_bandwidth_bytes_per_s"] = 0.0
     main._print_lanes(r)
     out = " ".join(capsys.readouterr().out.split())
     assert "batched mtp rounds, 2 drafts per lane, 2 accepted (forced)" in out and "of one lane's x" in out
+    assert "verify x step" in out
     none = run_lanes_bench(art, [1], 40, ["bf16"], steps=2, device="cpu", log=lambda m: None)
     assert "spec_round_ms" not in none["rows"][0]
+    vocab = run_lanes_bench(art, [1], 40, ["bf16"], steps=2, device="cpu", spec="mtp", draft_tokens=2,
+                            accepted_drafts=2, draft_vocab=256, log=lambda m: None)  # the lanes bench passes it on
+    assert vocab["draft_vocab"] == 256 and vocab["rows"][0]["spec_tokens_per_lane_round"] == 3
+
+
+def test_speculative_round_phases_average_their_events():
+    """phase_ms: a round's drafting is start -> drafts done, its verify forward drafts done -> verify done."""
+    from runtime.speculate import phase_ms
+
+    class Mark:
+        def __init__(self, at):
+            self.at = at
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    assert phase_ms([]) == (0.0, 0.0)
+    assert phase_ms([(Mark(0), Mark(2), Mark(7)), (Mark(10), Mark(14), Mark(17))]) == (3.0, 4.0)
