@@ -376,7 +376,8 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
   # launch), every product's shapes incl. x loaded a chunk ahead (NINFER_FRAGMENT_TILE=2,4,528,0,1, T <= 8; 104
   # registers against 91 for Q4), 27B lanes with NINFER_SWIGLU_FRAGMENT off / 2 / 4, then lanes and batched MTP3
   # rounds without / with x ahead
-  timeout 120 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py > "$OUT/s34-tests.log" 2>&1
+  timeout 150 python -m pytest -q -n 4 --tb=short -p no:cacheprovider tests/test_frag_kernel.py tests/test_engine.py \
+    -k "frag or swiglu" > "$OUT/s34-tests.log" 2>&1
   grep -E "^E |passed|failed|FAILED" "$OUT/s34-tests.log" | head -12
   echo "tests t=$(el) (no FAILED line = passed)"
   PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s34-shapes.json" shapes 2>&1 | grep "{" | cut -c1-3500
