@@ -14,7 +14,9 @@ register, so the kernel builds B without byte permutes. The int8 kernel (qgemm_f
 words in the artifact's lane order and a Q5 group's 32 high bits of a thread permuted so that each code byte's
 bit sits under it ("byte order": FragmentPlanes.order). The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
-(PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form.
+(PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form. Two options of the same
+kernel: x of up to 8 rows loaded a chunk ahead (X_AHEAD), and a gate/up pair's program taking a gate block and its
+up block and storing silu(gate) * up (SWIGLU, qgemm_fragment_swiglu).
 
 `FragmentPlanes` holds the permuted planes; `fragment_planes(w)` builds them from a PackedLinear (torch ops,
 any device) and `row_planes` undoes it for any row range (prefill, references). Rows are padded to 16 with
