@@ -22,10 +22,11 @@ def main(label: str, t: str, ks: str = "") -> None:
     defer = label.startswith(("mlp down", "gdn out"))
     planes = [fl.fragment_planes(random_packed(n, k, fmt)[0]) for _ in range(4)]
     x, y = _xy(int(t), k, n)
+    ksplit = int(ks) if ks else None
     for fp in planes:
-        fl.qgemm_fragment_layout(x, fp, y, defer_sum=defer, ksplit=int(ks) if ks else None)
+        fl.qgemm_fragment_layout(x, fp, y, defer_sum=defer, ksplit=ksplit)
     torch.cuda.synchronize()
-    print(label, "T =", t, "shape", fl.layout_shape(planes[0], int(t), ksplit=int(ks) if ks else None, defer_sum=defer))
+    print(label, "T =", t, "shape", fl.layout_shape(planes[0], int(t), ksplit=ksplit, defer_sum=defer))
 
 
 if __name__ == "__main__":

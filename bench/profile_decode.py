@@ -36,6 +36,11 @@ def _profile(eng: Engine, lanes: list[int], steps: int, prefill: list[int] | Non
                 logits = eng.decode_step(lanes, tokens)
                 tokens = logits.argmax(-1).tolist()
         torch.cuda.synchronize()
+    return _kernel_times(prof, steps)
+
+
+def _kernel_times(prof, steps: int) -> dict:
+    """GPU time and launches per step of each kernel name a profile saw over `steps` steps."""
     rows = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
@@ -58,8 +63,7 @@ def _profile_rounds(eng: Engine, lanes: list[int], rounds: int) -> dict:
         for _ in range(rounds):
             nxt = [new[-1] for new in spec.round(lanes, nxt, budget)]
         torch.cuda.synchronize()
-    return {ev.key: {"us_per_step": t / rounds, "calls_per_step": ev.count / rounds} for ev in prof.key_averages()
-            if (t := getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0))}
+    return _kernel_times(prof, rounds)
 
 
 def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lanes: str = "1", steps: int = 4) -> None:

@@ -255,14 +255,14 @@ def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, 
     what the fragment-order product at the same warps sharing K and the swiglu kernel give; a pair whose halves
     do not split at a block boundary is refused."""
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout, qgemm_fragment_swiglu
-    from runtime.kernels.swiglu import swiglu
+    from runtime.kernels.swiglu import swiglu, swiglu_reference
 
     n, k = (64, 1024) if kernel_device == "cpu" else (34816, 5120)
     fp = fragment_planes(_packed(n, k, fmt, seed=5, device=kernel_device))
     x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
     pair = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.bfloat16)
     qgemm_fragment_layout(x, fp, pair, warps=ks, programs=1, ksplit=ks)  # one split, as the fused launch
-    want = swiglu(pair) if kernel_device == "cuda" else swiglu_reference_rows(pair)
+    want = swiglu(pair) if kernel_device == "cuda" else swiglu_reference(pair)
     got = torch.full((t, n // 2), float("nan"), device=kernel_device, dtype=torch.bfloat16)
     qgemm_fragment_swiglu(x, fp, got, ksplit=ks)
     assert torch.equal(got, want)
@@ -290,12 +290,6 @@ def test_qlinear_swiglu_takes_fragment_order_when_asked(kernel_device, monkeypat
         monkeypatch.setattr(ql, "interpreted", lambda: False)  # the PTX emulator stands in for the GPU here
     want = qgemm_fragment_swiglu(x, w.fragment, torch.empty(3, 32, device=kernel_device, dtype=torch.bfloat16), 2)
     assert torch.equal(ql.qlinear_swiglu(x, w), want)
-
-
-def swiglu_reference_rows(pair: torch.Tensor) -> torch.Tensor:
-    """The swiglu kernel's arithmetic in torch (float32 from the stored bf16 halves, rounded once)."""
-    g, u = pair.float().chunk(2, dim=-1)
-    return (g * torch.sigmoid(g) * u).to(pair.dtype)
 
 
 def test_artifact_planes_kernel_runs_whole(kernel_device):

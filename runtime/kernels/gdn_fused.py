@@ -10,7 +10,6 @@ layer input (`projections`), a launch less per layer.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

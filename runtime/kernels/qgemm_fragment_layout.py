@@ -286,6 +286,7 @@ _WORDS_X_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14
 # one group's x fragment of this thread (one column tile): its 16 lanes of row g, 8 registers
 _X_GROUP_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];")
 _X_GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"]))
+X_GROUP_BYTES: tl.constexpr = tl.constexpr(128)  # one 64-lane group of an x row, bf16
 
 
 @triton.jit
@@ -302,19 +303,19 @@ def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
 
 
 @triton.jit
-def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, X_GROUP: tl.constexpr, COMPUTE_ASM: tl.constexpr):
-    """acc + one group's contribution from its loaded words (_compute_asm, words form); x's groups X_GROUP bytes
+def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, COMPUTE_ASM: tl.constexpr):
+    """acc + one group's contribution from its loaded words (_compute_asm, words form); x's groups X_GROUP_BYTES
     apart."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * X_GROUP, xa1 + gi * X_GROUP]
+    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * X_GROUP_BYTES, xa1 + gi * X_GROUP_BYTES]
     return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
                                      pack=1)
 
 
 @triton.jit
 def _x_group(xa0, gi):
-    """Group gi's x fragment of this thread (_X_GROUP_ASM; x rows of 128 bytes per 64-lane group)."""
-    return tl.inline_asm_elementwise(_X_GROUP_ASM, _X_GROUP_CONSTRAINTS, [xa0 + gi * 128], dtype=(tl.int32,) * 8,
+    """Group gi's x fragment of this thread (_X_GROUP_ASM)."""
+    return tl.inline_asm_elementwise(_X_GROUP_ASM, _X_GROUP_CONSTRAINTS, [xa0 + gi * X_GROUP_BYTES], dtype=(tl.int32,) * 8,
                                      is_pure=False, pack=1)
 
 
@@ -351,12 +352,12 @@ def _chunk_product_x(acc, chunk, xs, COMPUTE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _chunk_product(acc, chunk, xa0, xa1, ci, X_GROUP: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
-    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, X_GROUP, COMPUTE_ASM)
-    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, X_GROUP, COMPUTE_ASM)
-    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, X_GROUP, COMPUTE_ASM)
-    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, X_GROUP, COMPUTE_ASM)
+    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, COMPUTE_ASM)
+    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
+    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
+    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
 
 
 @triton.jit
@@ -400,15 +401,23 @@ def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G:
 
 
 @triton.jit
-def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr):
-    """A program's accumulators stored (_store_rows): the KS warps sharing each block's K summed first (Triton
-    reduces across warps), then the block's rows from the first warp of each."""
+def _sum_warp_shares(acc, BW: tl.constexpr, KS: tl.constexpr):
+    """A program's accumulators [32 * BW * KS] with the KS warps sharing each block's K summed (Triton reduces
+    across warps): [32 * BW], block slot by block slot."""
     if KS > 1:
         a0, a1, a2, a3, a4, a5, a6, a7 = acc
         acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
                tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
                tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
                tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
+    return acc
+
+
+@triton.jit
+def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr):
+    """A program's accumulators stored (_store_rows): the KS warps sharing each block's K summed first (Triton
+    reduces across warps), then the block's rows from the first warp of each."""
+    acc = _sum_warp_shares(acc, BW, KS)
     first_warps = tl.arange(0, 32 * BW)
     row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
     _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
@@ -428,12 +437,7 @@ def _gate_times_up(a, ty: tl.constexpr):
 def _store_swiglu(out_ptr, acc, pid, T, N, KS: tl.constexpr, NT: tl.constexpr):
     """A paired program's accumulators (gate block pid, up block pid; KS warps sharing K summed first) stored as
     silu(gate) * up: rows pid * 16 .. + 15 of out [T, N] (N = the pair's rows / 2)."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = acc
-    if KS > 1:
-        a0, a1, a2, a3 = (tl.sum(tl.reshape(a0, (KS, 64)), axis=0), tl.sum(tl.reshape(a1, (KS, 64)), axis=0),
-                          tl.sum(tl.reshape(a2, (KS, 64)), axis=0), tl.sum(tl.reshape(a3, (KS, 64)), axis=0))
-        a4, a5, a6, a7 = (tl.sum(tl.reshape(a4, (KS, 64)), axis=0), tl.sum(tl.reshape(a5, (KS, 64)), axis=0),
-                          tl.sum(tl.reshape(a6, (KS, 64)), axis=0), tl.sum(tl.reshape(a7, (KS, 64)), axis=0))
+    a0, a1, a2, a3, a4, a5, a6, a7 = _sum_warp_shares(acc, 2, KS)
     ty: tl.constexpr = out_ptr.dtype.element_ty
     y = (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
          _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
@@ -473,9 +477,9 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     else:
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), 128, COMPUTE_ASM)
+            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), COMPUTE_ASM)
             c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), 128, COMPUTE_ASM)
+            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     if SWIGLU:
         _store_swiglu(out_ptr, acc, pid, T, N, KS, NT)
