@@ -29,6 +29,7 @@
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
 #                        bash bench/device_frag.sh s34       # SwiGLU in the gate/up launch; x loaded a chunk ahead (T <= 8)
 #                        bash bench/device_frag.sh s34b      # --draft-vocab 32768 against the whole head: MTP3, DFlash2
+#                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -416,6 +417,30 @@ s34b)  # next, second call (~420 s): --draft-vocab 32768 (drafts from the output
   one layout-swiglu2 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=2
   one layout-swiglu4 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=4
   one auto-again NINFER_GEMV_FRAG=auto
+  ;;
+s35)  # session 34 (~420 s): x a chunk ahead by default at 2-8 rows — GPU tests, 27B lanes bf16 and rk4v4-e8, SwiGLU in
+  # the gate/up launch off / 2 (now with x ahead), batched MTP3 rounds over 1-4 lanes, MTP3 drafts from the whole
+  # head / its first 32K token ids
+  timeout 150 python -m pytest -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py tests/test_engine.py \
+    -k "frag or swiglu" 2>&1 | tail -4
+  echo "tests t=$(el)"
+  for kv in bf16 rk4v4-e8; do
+    timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype $kv --json-out "$OUT/s35-lanes-$kv.json" 2>&1 | grep "│ $kv"
+    echo "lanes $kv t=$(el)"
+  done
+  for sw in off 2; do
+    NINFER_SWIGLU_FRAGMENT=$sw timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s35-lanes-swiglu-$sw.json" 2>&1 | grep "│ bf16"
+    echo "lanes NINFER_SWIGLU_FRAGMENT=$sw t=$(el)"
+  done
+  timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
+    --decode-tokens 32 --json-out "$OUT/s35-spec-lanes.json" 2>&1 | grep "│ bf16"
+  echo "spec lanes t=$(el)"
+  for dv in 0 32768; do
+    timeout 100 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
+      --draft-vocab $dv --json-out "$OUT/s35-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
+    echo "mtp3 draft vocab $dv t=$(el)"
+  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

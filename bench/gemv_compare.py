@@ -346,8 +346,9 @@ def shapes_main(out: str) -> None:
     peak = copy_bandwidth()
     rows = []
     setting = fl.FRAGMENT_KS_RULE
-    variants = {"loop": {}, "ks1": {"ksplit": 1}, "ks2": {"ksplit": 2}, "ks4": {"ksplit": 4}, "chosen": {},
-                "xahead": {"xahead": 1}}  # the chosen shape, x loaded a chunk ahead (T <= 8)
+    variants = {"loop": {"xahead": 0}, "ks1": {"ksplit": 1, "xahead": 0}, "ks2": {"ksplit": 2, "xahead": 0},
+                "ks4": {"ksplit": 4, "xahead": 0}, "chosen": {"xahead": 0},
+                "xahead": {"xahead": 1}}  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's from 2)
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}

@@ -248,6 +248,15 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
 
 
+def test_x_loaded_ahead_from_two_to_eight_rows_by_default():
+    """The measured default (session 34): x a chunk ahead at 2-8 rows; an explicit first row count or 0 overrides."""
+    from runtime.kernels.qgemm_fragment_layout import loads_x_ahead
+
+    assert [t for t in range(1, 17) if loads_x_ahead(t)] == list(range(2, 9))
+    assert [t for t in range(1, 17) if loads_x_ahead(t, 1)] == list(range(1, 9))
+    assert not any(loads_x_ahead(t, 0) for t in range(1, 17))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate
 @pytest.mark.parametrize("fmt,t,ks", [("Q4G64_F16S", 1, 2), ("Q5G64_F16S", 5, 4), ("Q4G64_F16S", 11, 1)])
 def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, fmt, t, ks):
