@@ -30,6 +30,7 @@
 #                        bash bench/device_frag.sh s34       # SwiGLU in the gate/up launch; x loaded a chunk ahead (T <= 8)
 #                        bash bench/device_frag.sh s34b      # --draft-vocab 32768 against the whole head: MTP3, DFlash2
 #                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
+#                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -441,6 +442,22 @@ s35)  # session 34 (~420 s): x a chunk ahead by default at 2-8 rows — GPU test
       --draft-vocab $dv --json-out "$OUT/s35-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
     echo "mtp3 draft vocab $dv t=$(el)"
   done
+  ;;
+s36)  # session 34, second (~300 s): one plain lane with every product in fragment order now that x a chunk ahead
+  # makes its T = 1 Q4 products 0.87-0.91 of copy — bench auto / layout / layout + SwiGLU in the gate/up launch, the
+  # kernel profile of auto and layout, lanes with the rule's one-row x ahead
+  DECODE=64
+  one auto NINFER_GEMV_FRAG=auto
+  one layout NINFER_GEMV_FRAG=layout
+  one layout-swiglu4 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=4
+  one auto-again NINFER_GEMV_FRAG=auto
+  for mode in auto layout; do
+    NINFER_GEMV_FRAG=$mode timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s36-profile-$mode.json" decode \
+      bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
+    echo "profile $mode t=$(el)"
+  done
+  timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s36-lanes-bf16.json" 2>&1 | grep "│ bf16"
+  echo "lanes t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

@@ -248,13 +248,18 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
 
 
-def test_x_loaded_ahead_from_two_to_eight_rows_by_default():
-    """The measured default (session 34): x a chunk ahead at 2-8 rows; an explicit first row count or 0 overrides."""
+def test_x_loaded_ahead_by_the_measured_rule():
+    """The measured default (session 34): x a chunk ahead at 2-8 rows, at one row only for Q4 codes with two warps
+    sharing K in one split; an explicit first row count or 0 overrides."""
     from runtime.kernels.qgemm_fragment_layout import loads_x_ahead
 
-    assert [t for t in range(1, 17) if loads_x_ahead(t)] == list(range(2, 9))
-    assert [t for t in range(1, 17) if loads_x_ahead(t, 1)] == list(range(1, 9))
-    assert not any(loads_x_ahead(t, 0) for t in range(1, 17))
+    loop, shared4, split = (2, 2, 1, 20), (1, 4, 1, 24), (4, 1, 6, 12)
+    assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, split)] == list(range(2, 9))
+    assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 4, loop)] == list(range(1, 9))
+    assert not loads_x_ahead(1, -1, 4, shared4) and not loads_x_ahead(1, -1, 5, loop)
+    assert [t for t in range(1, 17) if loads_x_ahead(t, 1, 5, split)] == list(range(1, 9))
+    assert [t for t in range(1, 17) if loads_x_ahead(t, 3)] == list(range(3, 9))
+    assert not any(loads_x_ahead(t, 0, 4, loop) for t in range(1, 17))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate

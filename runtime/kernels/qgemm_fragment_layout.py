@@ -15,7 +15,7 @@ words in the artifact's lane order and a Q5 group's 32 high bits of a thread per
 bit sits under it ("byte order": FragmentPlanes.order). The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form. Two options of the same
-kernel: x loaded a chunk ahead (X_AHEAD; by default at 2-8 rows), and a gate/up pair's program taking a gate block
+kernel: x loaded a chunk ahead (X_AHEAD; by a measured rule, loads_x_ahead), and a gate/up pair's program taking a gate block
 and its up block and storing silu(gate) * up (SWIGLU, qgemm_fragment_swiglu).
 
 `FragmentPlanes` holds the permuted planes; `fragment_planes(w)` builds them from a PackedLinear (torch ops,
@@ -487,16 +487,11 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
         _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
 
 
-# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead N loads x a
-# chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never. Nsight Compute (session 33): the kernel waits on
-# loads, x's L1 hits among them, so row blocks stall more than one row; with x a chunk ahead its sm_90 SASS issues a
-# chunk's x loads in the loop step before, at 104 registers for Q4 / 128 for Q5 against 91 / 96. Measured on the
-# H100 (session 34, `bench/gemv_compare.py OUT shapes`, 27B products as the engine calls them), at 2-8 rows faster
-# on every product (T = 8: gate_up 39.2 -> 35.4 us, qgkv 20.1 -> 16.3, GDN qkvz 20.9 -> 17.7, MLP down 23.6 -> 22.3,
-# GDN out 9.9 -> 9.8), at one row slower on the Q5 products the engine runs there (MLP down 21.9 -> 26.8 us); 8
-# lanes 10.59 -> 9.89 ms a step, 2 lanes of batched MTP3 rounds 13.04 -> 11.95 ms. So from 2 rows.
+# warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead N >= 1 loads
+# x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead).
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead]]
 FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead"),
-                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": 2})
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -586,17 +581,31 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
     return fragment_shape(blocks, chunks, warps, programs, ksplit)
 
 
-def loads_x_ahead(t: int, xahead: int | None = None) -> bool:
-    """Whether a t-row product loads x a chunk ahead (FRAGMENT_TUNING's xahead unless `xahead` is given)."""
+# x a chunk ahead (X_AHEAD), the measured rule. Nsight Compute (session 33): the kernel waits on loads, x's L1 hits
+# among them, so row blocks stall more than one row; with x a chunk ahead its sm_90 SASS issues a chunk's x loads in
+# the loop step before, at 104 registers for Q4 / 128 for Q5 against 91 / 96. Measured on the H100 (session 34,
+# `bench/gemv_compare.py OUT shapes`, 27B products as the engine calls them): at 2-8 rows faster on every product
+# (T = 8: gate_up 39.2 -> 35.4 us, qgkv 20.1 -> 16.3, GDN qkvz 20.9 -> 17.7, MLP down 23.6 -> 22.3, GDN out 9.9 ->
+# 9.8; 8 lanes 10.59 -> 9.89 ms a step, 2 lanes of batched MTP3 rounds 13.04 -> 11.95 ms); at one row faster for the
+# Q4 products whose two warps share K in one split (GDN qkvz 17.8 -> 16.1, qgkv 17.0 -> 14.7) and slower for the rest
+# (gate_up with 4 warps sharing K 33.8 -> 36.1, the Q5 products at 128 registers: MLP down 21.9 -> 26.8).
+def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None
+                  ) -> bool:
+    """Whether a t-row product of `bits`-bit codes launched in `shape` (layout_shape's) loads x a chunk ahead:
+    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
-    return 0 < first <= t <= 8
+    if first >= 0:
+        return 0 < first <= t <= 8
+    if t == 1:
+        return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
+    return 2 <= t <= 8
 
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xahead: int | None = None) -> torch.Tensor | SplitPartials:
-    """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead` N: x loaded a chunk
-    ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never (9-16 rows load it inside each group's product)."""
+    """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
+    ahead (loads_x_ahead; 9-16 rows load it inside each group's product)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -606,7 +615,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
     nt = 1 if t <= 8 else 2
     bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
-    x_ahead = loads_x_ahead(t, xahead)
+    x_ahead = loads_x_ahead(t, xahead, fp.fmt.bits, (bw, ks, split, size))
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
@@ -651,7 +660,7 @@ def qgemm_fragment_swiglu(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     size = 2 * ks * triton.cdiv(chunks, 2 * ks)  # one split: every warp's share even
     high = fp.high if fp.high is not None else fp.codes
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    x_ahead = loads_x_ahead(t, xahead)
+    x_ahead = loads_x_ahead(t, xahead, fp.fmt.bits, (2, ks, 1, size))
     _qgemm_fragment_layout_kernel[(fp.blocks // 2, 1)](
         x, fp.codes, high, fp.scales, y, fp.rows // 2, t, k, fp.blocks, size, G=fp.groups, NT=nt, BW=2, KS=ks,
         BITS=fp.fmt.bits, X_AHEAD=x_ahead, LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
