@@ -31,6 +31,7 @@
 #                        bash bench/device_frag.sh s34b      # --draft-vocab 32768 against the whole head: MTP3, DFlash2
 #                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
 #                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
+#                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -458,6 +459,20 @@ s36)  # session 34, second (~300 s): one plain lane with every product in fragme
   done
   timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s36-lanes-bf16.json" 2>&1 | grep "│ bf16"
   echo "lanes t=$(el)"
+  ;;
+s37)  # session 34, third (~280 s): the first column tile's x a chunk ahead at 9-16 rows (xwide, opt-in) — its GPU
+  # test, every product's shapes (variant xwide at T = 12, 16), batched MTP3 rounds over 1-4 lanes without / with it
+  timeout 100 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
+    -k "nine_to_sixteen or every_k_share" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s37-shapes.json" shapes 2>&1 | grep "{" | \
+    python -c "import json,sys; [print(r['op'], {k: v for k, v in r.items() if k.startswith(('t12', 't16')) and ('chosen_us' in k or 'xwide' in k)}) for r in map(json.loads, sys.stdin)]"
+  echo "per product t=$(el)"
+  for xw in 0 1; do
+    NINFER_FRAGMENT_TILE=2,4,528,0,-1,$xw timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp \
+      --draft-tokens 3 --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s37-spec-xwide-$xw.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes xwide=$xw t=$(el)"
+  done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts

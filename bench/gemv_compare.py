@@ -339,8 +339,8 @@ def shapes_main(out: str) -> None:
     """The fragment-order kernel at T = 1..16 (one or two mma column tiles) per 27B product, called as the engine
     calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): fragment_shape's loop
     alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
-    picks ("chosen": the measured rule), and that shape with x loaded a chunk ahead ("xahead", T <= 8); µs and
-    fraction of copy."""
+    picks ("chosen": the measured rule, x in place), and that shape with x loaded a chunk ahead ("xahead", T <= 8;
+    "xwide", 9-16 rows: the first column tile's x); µs and fraction of copy."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
@@ -348,7 +348,8 @@ def shapes_main(out: str) -> None:
     setting = fl.FRAGMENT_KS_RULE
     variants = {"loop": {"xahead": 0}, "ks1": {"ksplit": 1, "xahead": 0}, "ks2": {"ksplit": 2, "xahead": 0},
                 "ks4": {"ksplit": 4, "xahead": 0}, "chosen": {"xahead": 0},
-                "xahead": {"xahead": 1}}  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's from 2)
+                "xahead": {"xahead": 1},  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's: a rule)
+                "xwide": {}}  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -356,10 +357,12 @@ def shapes_main(out: str) -> None:
         for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
-                if name == "xahead" and t > 8:
+                if name == "xahead" and t > 8 or name == "xwide" and t <= 8:
                     continue
-                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead")
+                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide")
+                fl.FRAGMENT_TUNING["xwide"] = int(name == "xwide")
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
+                fl.FRAGMENT_TUNING["xwide"] = 0
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
             fl.FRAGMENT_KS_RULE = True
             row[f"t{t}_chosen_shape"] = fl.layout_shape(planes[id(w)], t, defer_sum=defer)

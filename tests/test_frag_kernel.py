@@ -262,6 +262,25 @@ def test_x_loaded_ahead_by_the_measured_rule():
     assert not any(loads_x_ahead(t, 0, 4, loop) for t in range(1, 17))
 
 
+@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 9)])
+def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkeypatch, fmt, t):
+    """xwide: 9-16 rows load the first column tile's x a chunk ahead and the second tile's in each group's product;
+    the same sums as the group sums, with warps sharing K and with K split across programs."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2048)
+    w = _packed(n, k, fmt, seed=13, device=kernel_device)
+    fp = fl.fragment_planes(w)
+    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
+    want = frag.frag_reference(x, w)
+    monkeypatch.setitem(fl.FRAGMENT_TUNING, "xwide", 1)
+    assert fl.loads_x_ahead(t) and not fl.loads_x_ahead(t, 0)
+    for programs, ksplit in ((528, 2), (3, 1)):
+        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
+        fl.qgemm_fragment_layout(x, fp, y, warps=4, programs=programs, ksplit=ksplit)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (programs, ksplit)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate
 @pytest.mark.parametrize("fmt,t,ks", [("Q4G64_F16S", 1, 2), ("Q5G64_F16S", 5, 4), ("Q4G64_F16S", 11, 1)])
 def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, fmt, t, ks):

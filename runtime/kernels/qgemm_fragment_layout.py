@@ -283,6 +283,7 @@ _CHUNK_CONSTRAINTS_Q4 = tl.constexpr(",".join(["=r"] * 20 + ["l", "l", "l", "r"]
 _CHUNK_CONSTRAINTS_Q5 = tl.constexpr(",".join(["=r"] * 24 + ["l", "l", "l", "r"]))
 _WORDS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 6 + ["l"] * 2))
 _WORDS_X_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14))
+_WORDS_X2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14 + ["l"]))  # + 2nd tile's x address
 # one group's x fragment of this thread (one column tile): its 16 lanes of row g, 8 registers
 _X_GROUP_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];")
 _X_GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"]))
@@ -331,24 +332,31 @@ def _chunk_x(xa0, ci):
 
 
 @triton.jit
-def _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, COMPUTE_ASM: tl.constexpr):
-    """_word_group with the group's x fragment already loaded (_compute_asm with x_regs)."""
+def _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, xa1, gi, NT: tl.constexpr,
+                  COMPUTE_ASM: tl.constexpr):
+    """_word_group with the group's x fragment of the first column tile already loaded (_compute_asm with x_regs);
+    with two column tiles the second tile's x is loaded in the product, from xa1."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
+    if NT == 2:
+        return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X2_CONSTRAINTS, args + [xa1 + gi * X_GROUP_BYTES],
+                                         dtype=(tl.float32,) * 8, is_pure=False, pack=1)
     return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
                                      pack=1)
 
 
 @triton.jit
-def _chunk_product_x(acc, chunk, xs, COMPUTE_ASM: tl.constexpr):
-    """_chunk_product over a chunk's x loaded beforehand (_chunk_x)."""
+def _chunk_product_x(acc, chunk, xs, xa1, ci, NT: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+    """_chunk_product over a chunk's x loaded beforehand (_chunk_x; the first column tile's)."""
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
      e0, e1, e2, e3, e4, e5, e6, e7, d0, d1, d2, d3, d4, d5, d6, d7) = xs
-    acc = _word_group_x(acc, c0, c1, c2, c3, s0, h0, a0, a1, a2, a3, a4, a5, a6, a7, COMPUTE_ASM)
-    acc = _word_group_x(acc, c4, c5, c6, c7, s1, h1, b0, b1, b2, b3, b4, b5, b6, b7, COMPUTE_ASM)
-    acc = _word_group_x(acc, c8, c9, c10, c11, s2, h2, e0, e1, e2, e3, e4, e5, e6, e7, COMPUTE_ASM)
-    return _word_group_x(acc, c12, c13, c14, c15, s3, h3, d0, d1, d2, d3, d4, d5, d6, d7, COMPUTE_ASM)
+    acc = _word_group_x(acc, c0, c1, c2, c3, s0, h0, a0, a1, a2, a3, a4, a5, a6, a7, xa1, ci * 4, NT, COMPUTE_ASM)
+    acc = _word_group_x(acc, c4, c5, c6, c7, s1, h1, b0, b1, b2, b3, b4, b5, b6, b7, xa1, ci * 4 + 1, NT, COMPUTE_ASM)
+    acc = _word_group_x(acc, c8, c9, c10, c11, s2, h2, e0, e1, e2, e3, e4, e5, e6, e7, xa1, ci * 4 + 2, NT,
+                        COMPUTE_ASM)
+    return _word_group_x(acc, c12, c13, c14, c15, s3, h3, d0, d1, d2, d3, d4, d5, d6, d7, xa1, ci * 4 + 3, NT,
+                         COMPUTE_ASM)
 
 
 @triton.jit
@@ -453,8 +461,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
-    split's float32 partials. X_AHEAD (one column tile): each chunk's x is loaded a chunk ahead, as the code words
-    are, instead of inside each group's product right before its mma. SWIGLU (BW = 2, one split): the program
+    split's float32 partials. X_AHEAD: each chunk's x (of the first column tile) is loaded a chunk ahead, as the code
+    words are, instead of inside each group's product right before its mma. SWIGLU (BW = 2, one split): the program
     multiplies block pid of a gate/up pair's gate rows and of its up rows and stores silu(gate) * up (N: the
     output's width, half the pair's rows)."""
     pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
@@ -470,10 +478,10 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
         x0 = _chunk_x(xa0, tl.minimum(first, last))
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):
             x1 = _chunk_x(xa0, tl.minimum(first + ci + 1, last))
-            acc = _chunk_product_x(acc, c0, x0, COMPUTE_ASM)
+            acc = _chunk_product_x(acc, c0, x0, xa1, tl.minimum(first + ci, last), NT, COMPUTE_ASM)
             c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
             x0 = _chunk_x(xa0, tl.minimum(first + ci + 2, last))
-            acc = _chunk_product_x(acc, c1, x1, COMPUTE_ASM)
+            acc = _chunk_product_x(acc, c1, x1, xa1, tl.minimum(first + ci + 1, last), NT, COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     else:
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
@@ -488,10 +496,11 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
 
 
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead N >= 1 loads
-# x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead).
-# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead]]
-FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead"),
-                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1})
+# x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead); xwide 1
+# loads the first column tile's x a chunk ahead at 9-16 rows too (32 more registers; not yet measured, so 0).
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide]]]
+FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead", "xwide"),
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": 0})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -592,8 +601,11 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None
                   ) -> bool:
     """Whether a t-row product of `bits`-bit codes launched in `shape` (layout_shape's) loads x a chunk ahead:
-    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above."""
+    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; 9-16 rows
+    (the first column tile's x) where FRAGMENT_TUNING's xwide is set and `xahead` is not 0."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
+    if t > 8:
+        return bool(FRAGMENT_TUNING["xwide"]) and first != 0
     if first >= 0:
         return 0 < first <= t <= 8
     if t == 1:
@@ -605,7 +617,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xahead: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
-    ahead (loads_x_ahead; 9-16 rows load it inside each group's product)."""
+    ahead (loads_x_ahead)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "

@@ -54,8 +54,9 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
     (words: each operand one loaded register, so no instruction waits on a load before the group's turn)
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
-    halves (unused for Q4), $22/$23 x addresses (a thread's 16 lanes of x: two 16-byte loads). `x_regs` (words, one
-    column tile): x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as addresses.
+    halves (unused for Q4), $22/$23 x addresses (a thread's 16 lanes of x: two 16-byte loads). `x_regs` (words): the
+    first column tile's x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as an address; with two column tiles
+    $30 is the second tile's x address.
 
     `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
@@ -66,9 +67,10 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     lines = ["{ .reg .b32 w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
              ".reg .b32 x<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
     if x_regs:
-        if not words or nt != 1:
-            raise ValueError("_compute_asm: x in registers takes code words and one column tile")
+        if not words:
+            raise ValueError("_compute_asm: x in registers takes code words")
         lines += [f"mov.b32 x{i}, ${22 + i};" for i in range(8)]
+        xg8 = "$30"  # two column tiles: the second tile's x still loaded here
     else:
         lines.append(f"ld.global.nc.v4.b32 {{x0, x1, x2, x3}}, [{xg}]; "
                      f"ld.global.nc.v4.b32 {{x4, x5, x6, x7}}, [{xg}+16];")
