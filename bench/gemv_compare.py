@@ -360,9 +360,10 @@ def shapes_main(out: str) -> None:
                 if name == "xahead" and t > 8 or name == "xwide" and t <= 8:
                     continue
                 fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide")
-                fl.FRAGMENT_TUNING["xwide"] = int(name == "xwide")
+                wide = fl.FRAGMENT_TUNING["xwide"]
+                fl.FRAGMENT_TUNING["xwide"] = 1 if name == "xwide" else wide
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
-                fl.FRAGMENT_TUNING["xwide"] = 0
+                fl.FRAGMENT_TUNING["xwide"] = wide
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
             fl.FRAGMENT_KS_RULE = True
             row[f"t{t}_chosen_shape"] = fl.layout_shape(planes[id(w)], t, defer_sum=defer)

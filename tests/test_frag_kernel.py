@@ -250,12 +250,14 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
 
 def test_x_loaded_ahead_by_the_measured_rule():
     """The measured default (session 34): x a chunk ahead at 2-8 rows, at one row only for Q4 codes with two warps
-    sharing K in one split; an explicit first row count or 0 overrides."""
+    sharing K in one split, at 9-16 rows only for Q4 codes with four; an explicit first row count or 0 overrides."""
     from runtime.kernels.qgemm_fragment_layout import loads_x_ahead
 
     loop, shared4, split = (2, 2, 1, 20), (1, 4, 1, 24), (4, 1, 6, 12)
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, split)] == list(range(2, 9))
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 4, loop)] == list(range(1, 9))
+    assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 4, shared4)] == list(range(2, 17))  # gate_up: 9-16 too
+    assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, shared4)] == list(range(2, 9))
     assert not loads_x_ahead(1, -1, 4, shared4) and not loads_x_ahead(1, -1, 5, loop)
     assert [t for t in range(1, 17) if loads_x_ahead(t, 1, 5, split)] == list(range(1, 9))
     assert [t for t in range(1, 17) if loads_x_ahead(t, 3)] == list(range(3, 9))

@@ -497,10 +497,10 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
 
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead N >= 1 loads
 # x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead); xwide 1
-# loads the first column tile's x a chunk ahead at 9-16 rows too (32 more registers; not yet measured, so 0).
+# loads the first column tile's x a chunk ahead at 9-16 rows too, 0 never, -1 by the measured rule.
 # side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide]]]
 FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead", "xwide"),
-                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": 0})
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": -1})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -597,15 +597,22 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # (T = 8: gate_up 39.2 -> 35.4 us, qgkv 20.1 -> 16.3, GDN qkvz 20.9 -> 17.7, MLP down 23.6 -> 22.3, GDN out 9.9 ->
 # 9.8; 8 lanes 10.59 -> 9.89 ms a step, 2 lanes of batched MTP3 rounds 13.04 -> 11.95 ms); at one row faster for the
 # Q4 products whose two warps share K in one split (GDN qkvz 17.8 -> 16.1, qgkv 17.0 -> 14.7) and slower for the rest
-# (gate_up with 4 warps sharing K 33.8 -> 36.1, the Q5 products at 128 registers: MLP down 21.9 -> 26.8).
+# (gate_up with 4 warps sharing K 33.8 -> 36.1, the Q5 products at 128 registers: MLP down 21.9 -> 26.8). At 9-16
+# rows (two mma column tiles) only the first tile's x fits ahead (Q4 153 registers against 106, Q5 145 against 139):
+# faster for the Q4 product whose 4 warps share K in one split (MLP gate_up T = 12 54.6 -> 49.0 us, T = 16 63.4 ->
+# 51.7), slightly slower for the others (qgkv T = 16 27.1 -> 29.1, GDN qkvz 29.3 -> 30.7, MLP down even); batched
+# MTP3 rounds over 4 lanes (16 rows) 17.10 -> 16.33 ms with it on every product.
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None
                   ) -> bool:
     """Whether a t-row product of `bits`-bit codes launched in `shape` (layout_shape's) loads x a chunk ahead:
-    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; 9-16 rows
-    (the first column tile's x) where FRAGMENT_TUNING's xwide is set and `xahead` is not 0."""
+    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; at 9-16 rows
+    (the first column tile's x) by FRAGMENT_TUNING's xwide (1 always, 0 never, -1 the rule) unless `xahead` is 0."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
     if t > 8:
-        return bool(FRAGMENT_TUNING["xwide"]) and first != 0
+        wide = FRAGMENT_TUNING["xwide"]
+        if first == 0 or wide == 0:
+            return False
+        return wide > 0 or bits == 4 and shape is not None and shape[1] == 4 and shape[2] == 1
     if first >= 0:
         return 0 < first <= t <= 8
     if t == 1:
