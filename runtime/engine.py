@@ -33,7 +33,8 @@ from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
-from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
+from .kernels.qgemm_fragment_layout import fragment_copy, fragment_rows, fragment_supported, takes_fragment_layout, \
+    to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
                              qlinear_swiglu, takes_quantized_x)
@@ -59,6 +60,9 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # Opt-in (NINFER_MOE_SHARED_APART=4, say): with NINFER_DENSE_ROWS=on at 2 rows it did not gain on an H100 (session
 # 32, bench/RESULTS.md §2): the three launches more cost what the rows' repeated reads of the shared matrices do.
 MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
+# the output head's 2-16-row products on the fragment kernel over a fragment-order copy in memory the plan leaves
+# spare (Engine._keep_head_fragment; built on a CPU, not yet measured on a GPU, so off unless NINFER_HEAD_FRAGMENT=on)
+HEAD_FRAGMENT = os.environ.get("NINFER_HEAD_FRAGMENT", "off")
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
@@ -148,7 +152,10 @@ class QuantLinear:
         base = p.base.view(p.rows, -1)[begin:end].reshape(-1)
         high = p.high.view(p.rows, -1)[begin:end].reshape(-1) if p.high is not None else None
         scale = p.scale.view(p.rows, g)[begin:end].reshape(-1)
-        return QuantLinear(PackedLinear(base, high, scale, end - begin, p.cols, f))
+        view = PackedLinear(base, high, scale, end - begin, p.cols, f)
+        if p.rows_fragment is not None and begin == 0 and end % 16 == 0:  # the head's first rows (--draft-vocab)
+            view.rows_fragment = fragment_rows(p.rows_fragment, end)
+        return QuantLinear(view)
 
 
 @dataclass
@@ -233,6 +240,9 @@ class Engine:
         if ATTENTION_LAUNCHES not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_ATTENTION_LAUNCHES={ATTENTION_LAUNCHES!r} is not an attention path; use "
                                   "fused or separate (or unset it)")
+        if HEAD_FRAGMENT not in ("on", "off"):
+            raise MemoryPlanError(f"NINFER_HEAD_FRAGMENT={HEAD_FRAGMENT!r} is not a head path; use on or off (or "
+                                  "unset it)")
         if WEIGHT_CACHE not in ("auto", "off"):
             raise MemoryPlanError(f"NINFER_WEIGHT_CACHE={WEIGHT_CACHE!r} is not a weight-cache mode; use auto or off "
                                   "(or unset it)")
@@ -253,9 +263,35 @@ class Engine:
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
         self._ride_pool = None  # memory pool of the prefill-with-riders graphs
+        spare = available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes) if on_gpu else 0
+        self.head_fragment_bytes = 0
+        if on_gpu and HEAD_FRAGMENT == "on" and self.rows_per_step > 1:
+            spare -= self._keep_head_fragment(spare)
         self.weight_cache_bytes = 0
         if on_gpu and opts.weight_cache == "auto" and WEIGHT_CACHE != "off":
-            self._keep_dense_weights(available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes))
+            self._keep_dense_weights(spare)
+
+    def _keep_head_fragment(self, spare_bytes: int) -> int:
+        """NINFER_HEAD_FRAGMENT=on: a fragment-order copy of the output head in memory the plan leaves spare, for
+        its 2-16-row products (several lanes, verify blocks, drafts of several lanes); one row keeps the dp4a
+        GEMV on the artifact's planes. Returns the bytes it took (0: not taken, and why on stderr)."""
+        head = self.lin.get("text/output_head")
+        w = head.packed if isinstance(head, QuantLinear) else None
+        if w is None or w.fragment is not None or not fragment_supported(w.fmt, w.cols) or w.rows % 16:
+            print("ninfer: NINFER_HEAD_FRAGMENT=on: the output head is not a Q4/Q5/Q6 matrix the fragment kernel "
+                  "takes; its row blocks keep their kernel", file=sys.stderr)
+            return 0
+        size = sum(t.numel() * t.element_size() for t in (w.base, w.high, w.scale) if t is not None)
+        if size > spare_bytes:
+            print(f"ninfer: NINFER_HEAD_FRAGMENT=on: the output head's fragment-order copy ({size / 2**30:.2f} GiB) "
+                  f"does not fit the memory the plan leaves spare ({max(spare_bytes, 0) / 2**30:.2f} GiB); a "
+                  "shorter --max-context frees it", file=sys.stderr)
+            return 0
+        w.rows_fragment = fragment_copy(w)
+        self.head_fragment_bytes = size
+        print(f"ninfer: the output head's 2-16-row products on a fragment-order copy in spare memory "
+              f"({size / 2**30:.2f} GiB)", file=sys.stderr)
+        return size
 
     def _keep_dense_weights(self, spare_bytes: int) -> None:
         """Memory the plan leaves unused (the context asked for is shorter than the card allows) holds dense

@@ -197,7 +197,7 @@ def run_warp_lanes(asm: str, inputs: list[np.ndarray], n_outputs: int, memory, t
             m = re.fullmatch(r"\[(\S+?)(?:\+(\d+))?\]", src)
             addrs = get(m.group(1)) + np.uint64(int(m.group(2) or 0))
             names = _names(dst)
-            width = 2 if op.endswith(".b16") else 4
+            width = 2 if op.endswith(".b16") else 8 if op.endswith(".b64") else 4
             loaded = [regs.get(n, np.zeros(32, np.uint64)).copy() for n in names]
             for lane in range(32):
                 if active is not None and not active[lane]:
@@ -236,7 +236,7 @@ def _alu(op: str, args: tuple[str, ...], get):
         for i, n in enumerate(names):
             out = out + (get(n) << np.uint64(width * i))
         return out
-    if op in ("mov.b32", "mov.f32", "mov.u32", "mov.b16"):
+    if op in ("mov.b32", "mov.f32", "mov.u32", "mov.b16", "mov.b64"):
         return get(args[1]).copy()
     if op == "cvt.u32.u16":
         return get(args[1]) & np.uint64(0xFFFF)

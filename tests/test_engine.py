@@ -488,15 +488,21 @@ def test_int8_fragment_order_lays_out_and_generates(wide_q4, int8, monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
                     "emulated on the CPU in tests/test_frag_kernel.py")
-@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8", "swiglu"])
+@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8", "swiglu", "head"])
 def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
     layout: every 1..16-row product in fragment order; int8: NINFER_FRAGMENT_INT8=on, those products on the int8
-    kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch) matches the
-    reference runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
+    kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch; head:
+    NINFER_HEAD_FRAGMENT=on, the Q6 output head's row blocks on a fragment-order copy) matches the reference
+    runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
+    import runtime.engine as engine_module
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
+    head = mode == "head"
+    if head:
+        monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "on")
+        mode = "auto"
     if mode == "int8":
         monkeypatch.setattr(fl, "FRAGMENT_INT8", "on")
         mode = "auto"
@@ -505,6 +511,8 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
         mode = "auto"
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
+    if head:
+        assert engine.head_fragment_bytes > 0 and engine.lin["text/output_head"].packed.rows_fragment is not None
     if mode != "rows":
         assert any(getattr(lin, "packed", None) is not None and lin.packed.fragment is not None
                    for lin in engine.lin.values())
@@ -513,6 +521,7 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     steps, first = {}, None
     for m in (mode, "off"):  # fresh engines: the layout is chosen at bind
         monkeypatch.setattr(ql, "FRAG_MODE", m)
+        monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "on" if head and m != "off" else "off")
         e = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
         prefilled = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
         first = first or prefilled  # the same next tokens for both (a near tie may round either way)

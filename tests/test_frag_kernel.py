@@ -78,8 +78,9 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
         for ci in range(chunks):
             loads = [[codes + (block * fp.groups + ci * 4) * 512 + lane * 16,
                       scales + ((block * chunks + ci) * 8 + lane // 4) * 16,
-                      high + (block * chunks + ci) * 512 + lane * 16, 1] for lane in range(32)]
-            words = 24 if fp.fmt.bits == 5 else 20
+                      high + (block * chunks + ci) * (1024 if fp.fmt.bits == 6 else 512) + lane * 16, 1]
+                     for lane in range(32)]
+            words = 20 if fp.fmt.bits == 4 else 24
             chunk = run_warp(fl._chunk_load_asm(fp.fmt.bits, ""), loads, words, mem)
             for j in range(4):
                 gi = ci * 4 + j
@@ -87,7 +88,7 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
                     xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
-                    high_bits = chunk[lane][20 + j] if fp.fmt.bits == 5 else 0
+                    high_bits = chunk[lane][20 + j] if fp.fmt.bits != 4 else 0
                     args.append(acc[lane] + chunk[lane][4 * j : 4 * j + 4] + [chunk[lane][16 + j], high_bits] + xa)
                 acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs), args, 8, mem)
         for lane in range(32):
@@ -100,12 +101,16 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("order", ["pairs", "lanes", "bytes"])
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
 @pytest.mark.parametrize("n", [16, 21])
 def test_fragment_layout_round_trips(fmt, n, order):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes, row_planes
 
     w = _packed(n, 1024, fmt, seed=n)
+    if fmt == "Q6G64_F16S" and order == "bytes":  # the int8 kernel's order takes Q4/Q5 only
+        with pytest.raises(ValueError, match="Q6 has no byte order"):
+            fragment_planes(w, order)
+        return
     fp = fragment_planes(w, order)
     assert fp.codes.numel() == fp.blocks * 16 * 512 and fp.scales.numel() == fp.blocks * 16 * 16
     base, high, scale = row_planes(fp)
@@ -119,7 +124,7 @@ def test_fragment_layout_round_trips(fmt, n, order):
 
 
 @pytest.mark.parametrize("order", ["pairs", "lanes"])
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
 @pytest.mark.parametrize("t,n", [(1, 16), (6, 21), (12, 16)])
 def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, order):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes
@@ -222,7 +227,24 @@ def test_fragment_kernels_on_the_gpu(kernel, fmt, t, n, k):
     assert ((y16.float() - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
-@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 1), ("Q5G64_F16S", 11), ("Q4G64_F16S", 5)])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fragment kernels are inline PTX for NVIDIA GPUs (sm_80+); "
+                    "their PTX is checked on the CPU by the warp emulator tests above")
+@pytest.mark.parametrize("t,n,k", [(1, 64, 512), (4, 4096, 5120), (8, 5120, 1024), (13, 70, 512), (16, 1000, 2048)])
+def test_q6_fragment_order_kernel_on_the_gpu(t, n, k):
+    """Q6 (the output head's format) in fragment order: the group sums at 1-16 rows, x in place and ahead."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes, qgemm_fragment_layout
+
+    w = _packed(n, k, "Q6G64_F16S", seed=n + k, device="cuda")
+    fp = fragment_planes(w)
+    x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    want = frag.frag_reference(x, w)
+    for xahead in (0, 1):
+        y = torch.full((t, n), float("nan"), device="cuda", dtype=torch.float32)
+        qgemm_fragment_layout(x, fp, y, xahead=xahead)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, xahead
+
+
+@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 1), ("Q5G64_F16S", 11), ("Q4G64_F16S", 5), ("Q6G64_F16S", 6)])
 def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     """Warps sharing a block's K in a program (one share empty), K-splits across programs (the last one short)
     and both together give the same product as the group sums."""
@@ -264,7 +286,7 @@ def test_x_loaded_ahead_by_the_measured_rule():
     assert not any(loads_x_ahead(t, 0, 4, loop) for t in range(1, 17))
 
 
-@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 9)])
+@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 9), ("Q6G64_F16S", 13)])
 def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkeypatch, fmt, t):
     """xwide: 9-16 rows load the first column tile's x a chunk ahead and the second tile's in each group's product;
     the same sums as the group sums, with warps sharing K and with K split across programs."""
@@ -508,3 +530,44 @@ def test_int8_fragment_kernel_on_the_gpu(fmt, t, n, k):
         got = qgemm_fragment_int8(x, w, y, defer_sum=defer)
         got = got.parts.sum(0) if hasattr(got, "parts") else got
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4, defer
+
+
+def test_fragment_copy_and_its_first_rows_are_the_fragment_planes():
+    """The output head's fragment-order copy (built in row steps beside the artifact's planes) is fragment_planes'
+    permutation; its first-rows view (--draft-vocab's head) is the permutation of those rows."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    w = _packed(48, 1024, "Q6G64_F16S", seed=3)
+    before = (w.base.clone(), w.high.clone(), w.scale.clone())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fl, "CONVERT_ROWS", 16)  # three row steps
+        copy = fl.fragment_copy(w)
+    want = fl.fragment_planes(w)
+    assert torch.equal(copy.codes, want.codes) and torch.equal(copy.scales, want.scales)
+    assert torch.equal(copy.high, want.high) and copy.order == "pairs"
+    assert all(torch.equal(a, b) for a, b in zip(before, (w.base, w.high, w.scale)))  # the artifact's planes stay
+    head = fl.fragment_rows(copy, 32)
+    first = fl.fragment_planes(PackedLinear(w.base[: 32 * 512], w.high[: 32 * 256], w.scale.view(torch.uint8)[: 32 * 32],
+                                            32, 1024, w.fmt))
+    assert torch.equal(head.codes, first.codes) and torch.equal(head.high, first.high)
+    assert torch.equal(head.scales, first.scales) and head.rows == 32
+    with pytest.raises(ValueError, match="whole 16-row blocks"):
+        fl.fragment_rows(copy, 20)
+
+
+def test_qlinear_takes_the_rows_fragment_copy_for_row_blocks_only(monkeypatch):
+    """With a fragment-order copy beside the planes (NINFER_HEAD_FRAGMENT), 2-16 bf16 rows go to the fragment-order
+    kernel over the copy; one row keeps the artifact's planes."""
+    from runtime.kernels import qlinear as ql
+    from runtime.kernels.qgemm_fragment_layout import fragment_copy
+
+    w = _packed(32, 512, "Q6G64_F16S", seed=4)
+    w.rows_fragment = fragment_copy(w)
+    calls = []
+    monkeypatch.setattr(ql, "torch_path", lambda x: False)
+    monkeypatch.setattr(ql, "interpreted", lambda: False)
+    monkeypatch.setattr(ql, "qgemm_fragment_layout", lambda x, fp, y, defer_sum=False: calls.append((x.shape[0], fp)) or y)
+    monkeypatch.setattr(ql, "_gemv_vec", lambda x, w, y, xq, defer: calls.append((1, None)) or y)
+    for t in (1, 4, 16):
+        ql.qlinear(torch.zeros(t, 512, dtype=torch.bfloat16), w)
+    assert [(t, fp is w.rows_fragment) for t, fp in calls] == [(1, False), (4, True), (16, True)]

@@ -72,8 +72,11 @@ class FragmentPlanes:
         return self.cols // GROUP
 
 
+LAYOUT_BITS = (*FRAG_BITS, 6)  # Q6 in pair or lane order only (the bf16 kernel; no int8 byte order)
+
+
 def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
-    return fmt.bits in FRAG_BITS and fmt.group_size == GROUP and cols % (2 * CHUNK * GROUP) == 0
+    return fmt.bits in LAYOUT_BITS and fmt.group_size == GROUP and cols % (2 * CHUNK * GROUP) == 0
 
 
 # side-by-side runs: NINFER_FRAGMENT_PAIRS=0 keeps the artifact's lane order inside code words (the kernel then
@@ -91,7 +94,7 @@ def fragment_order(bits: int) -> str:
     if FRAGMENT_INT8 not in FRAGMENT_INT8_MODES:
         raise ValueError(f"NINFER_FRAGMENT_INT8={FRAGMENT_INT8!r} is not one of {', '.join(FRAGMENT_INT8_MODES)}; "
                          "unset it for off")
-    if FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5):
+    if bits != 6 and (FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5)):
         return "bytes"
     return "pairs" if PAIR_ORDER else "lanes"
 
@@ -159,6 +162,26 @@ def high_to_byte_order(high: torch.Tensor, inverse: bool = False) -> torch.Tenso
     return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32).view(torch.uint8).view(high.shape)
 
 
+def _q6_fields(pairs: bool) -> list[tuple[int, int]]:
+    """(source field, destination field) of a thread's 16 two-bit Q6 high fields of one row and group: the
+    artifact holds lane m (of the thread's 16) at bits 2m, 2m + 1 of its 32-bit word; the kernel (_q6_pair) wants
+    code word w's nibble n (lane 8w + n, or 8w + (0, 2, 4, 6, 1, 3, 5, 7)[n] in pair order) at field n + 4w for n <
+    4 and 8 + (n - 4) + 4w for n >= 4, so that one shift brings a nibble pair's fields under bits 4-5 and 20-21."""
+    return [(8 * w + (_PAIR_BITS[n] if pairs else n), (n if n < 4 else 4 + n) + 4 * w) for w in range(2) for n in range(8)]
+
+
+def q6_high_to_fields(words: torch.Tensor, pairs: bool, inverse: bool = False) -> torch.Tensor:
+    """int32 Q6 high words (one per thread, row and group: 16 two-bit fields) -> the kernel's field order, or
+    back."""
+    src = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(src)
+    for a, b in _q6_fields(pairs):
+        if inverse:
+            a, b = b, a
+        out |= ((src >> (2 * a)) & 3) << (2 * b)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
 def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
     """Permute a PackedLinear's planes into fragment order (a copy; the caller may free the original); `order`
     (default fragment_order(bits)): see FragmentPlanes."""
@@ -183,6 +206,14 @@ def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
     scale = rows_of(w.scale.view(torch.float16), groups)
     scales = scale.reshape(blocks, 2, 8, groups // CHUNK, CHUNK).permute(0, 3, 2, 4, 1).contiguous()
     high = None
+    if w.fmt.bits == 6:
+        if order == "bytes":
+            raise ValueError("fragment layout: Q6 has no byte order (the int8 fragment kernel takes Q4/Q5)")
+        h = rows_of(w.high.view(torch.uint8), groups * 16).contiguous().view(torch.int32)  # thread c's word at c
+        h = q6_high_to_fields(h, pairs)
+        # per (block, chunk): groups 0-1 then 2-3, each 512 bytes: lane 4g + c's (group, row g / g + 8) words
+        high = h.reshape(blocks, 2, 8, groups // CHUNK, 2, 2, 4).permute(0, 3, 4, 2, 6, 5, 1).contiguous()
+        high = high.view(torch.uint8)
     if w.fmt.bits == 5:
         h = rows_of(w.high.view(torch.uint8), groups * 8)  # 8 bytes per group: thread c's 2 bytes at 2c
         if pairs:
@@ -240,6 +271,40 @@ def to_fragment_layout(w, order: str | None = None):
     return w
 
 
+def fragment_copy(w) -> FragmentPlanes:
+    """A fragment-order copy of a PackedLinear's planes (pair order) beside them, built CONVERT_ROWS rows at a time
+    (the temporaries stay small): for a matrix whose one-row products stay on the artifact's planes and whose row
+    blocks take the fragment kernel (the output head; kernels/qlinear.py's rows_fragment)."""
+    if not fragment_supported(w.fmt, w.cols) or w.rows % ROWS_PER_BLOCK:
+        raise ValueError(f"fragment copy: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6, K a multiple of 512 and "
+                         "rows a multiple of 16")
+    from .qlinear import PackedLinear
+
+    base, scale = w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1)
+    high = w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None
+    codes, scales = torch.empty_like(base).view(-1), torch.empty_like(scale).view(-1)
+    high_copy = torch.empty_like(high).view(-1) if high is not None else None
+    for r0 in range(0, w.rows, CONVERT_ROWS):
+        r1 = min(w.rows, r0 + CONVERT_ROWS)
+        part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
+                            scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
+        fp = fragment_planes(part, "pairs")
+        codes[r0 * base.shape[1] : r1 * base.shape[1]].copy_(fp.codes)
+        scales[r0 * scale.shape[1] : r1 * scale.shape[1]].copy_(fp.scales)
+        if high is not None:
+            high_copy[r0 * high.shape[1] : r1 * high.shape[1]].copy_(fp.high)
+    return FragmentPlanes(codes, scales, high_copy, w.rows, w.cols, w.fmt, "pairs")
+
+
+def fragment_rows(fp: FragmentPlanes, n: int) -> FragmentPlanes:
+    """The first n rows (whole 16-row blocks) of a matrix in fragment order, a view: every plane is block-major."""
+    if n % ROWS_PER_BLOCK or not 0 < n <= fp.rows:
+        raise ValueError(f"fragment rows: {n} rows of {fp.rows} (whole 16-row blocks)")
+    part = n * fp.groups  # elements per plane scale with rows x groups
+    return FragmentPlanes(fp.codes[: part * 32], fp.scales[: part], None if fp.high is None else
+                          fp.high[: part * fp.high.numel() // (fp.rows * fp.groups)], n, fp.cols, fp.fmt, fp.order)
+
+
 def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     """Rows [row0, row0 + n) back in the artifact's row-split planes (uint8 base, uint8 high or None, float16
     scales), for the prefill's dequantization and the references; only the 16-row blocks holding them are
@@ -251,6 +316,11 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     base = fp.codes.view(fp.blocks, groups, 8, 4, 2, 8)[b0:b1].permute(0, 4, 2, 1, 3, 5).reshape(rows, groups * 32)
     scale = fp.scales.view(fp.blocks, chunks, 8, CHUNK, 2)[b0:b1].permute(0, 4, 2, 1, 3).reshape(rows, groups)
     high = None
+    if fp.high is not None and fp.fmt.bits == 6:
+        words = fp.high.view(torch.int32).view(fp.blocks, chunks, 2, 8, 4, 2, 2)[b0:b1].permute(0, 6, 3, 1, 2, 5, 4)
+        words = q6_high_to_fields(words.reshape(rows, groups * 4), fp.pairs, inverse=True)
+        return (codes_from_pair_order(base[first : first + n]) if fp.pairs else base[first : first + n],
+                words.view(torch.uint8).view(rows, groups * 16)[first : first + n], scale[first : first + n])
     if fp.high is not None:
         high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1]
         if fp.order == "bytes":
@@ -266,24 +336,32 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
 def _chunk_load_asm(bits: int, hint: str) -> str:
     """4 groups of this thread's rows, each output one loaded register: $0-$15 code words (group j's at 4j..4j + 3:
     row g's two, row g + 8's two), $16-$19 group j's (row g, row g + 8) scales, Q5: $20-$23 group j's high-bit
-    halves; then the inputs: codes, scales, high-bit addresses, load or not."""
-    outputs = 24 if bits == 5 else 20
+    halves, Q6: $20-$23 group j's 64 high bits; then the inputs: codes, scales, high-bit addresses, load or not."""
+    outputs = 20 if bits == 4 else 24
     codes, scales, high, ok = (f"${outputs + i}" for i in range(4))
     ld = f"@p ld.global.nc{hint}"
-    lines = [f"{{ .reg .pred p; setp.ne.s32 p, {ok}, 0;"] + [f"mov.b32 ${i}, 0;" for i in range(outputs)]
+    lines = [f"{{ .reg .pred p; setp.ne.s32 p, {ok}, 0;"] + [f"mov.b{64 if bits == 6 and i >= 20 else 32} ${i}, 0;"
+                                                           for i in range(outputs)]
     lines += [f"{ld}.v4.b32 {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, [{codes}+{512 * j}];"
               for j in range(4)]
     lines.append(f"@p ld.global.nc.v4.b32 {{$16, $17, $18, $19}}, [{scales}];")  # a line shared by the quad: L1
     if bits == 5:
         lines.append(f"{ld}.v4.b32 {{$20, $21, $22, $23}}, [{high}];")
+    if bits == 6:  # 64 bits a group (rows g and g + 8): groups 0-1, then 2-3 one 512-byte run later
+        lines.append(f"{ld}.v2.b64 {{$20, $21}}, [{high}]; {ld}.v2.b64 {{$22, $23}}, [{high}+512];")
     return " ".join(lines) + " }"
 
 
 _CHUNK_CONSTRAINTS_Q4 = tl.constexpr(",".join(["=r"] * 20 + ["l", "l", "l", "r"]))
 _CHUNK_CONSTRAINTS_Q5 = tl.constexpr(",".join(["=r"] * 24 + ["l", "l", "l", "r"]))
+_CHUNK_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=r"] * 20 + ["=l"] * 4 + ["l", "l", "l", "r"]))
 _WORDS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 6 + ["l"] * 2))
 _WORDS_X_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14))
 _WORDS_X2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14 + ["l"]))  # + 2nd tile's x address
+# Q6: the group's high bits one 64-bit operand
+_WORDS_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] * 3))
+_WORDS_X_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] + ["r"] * 8))
+_WORDS_X2_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] + ["r"] * 8 + ["l"]))
 # one group's x fragment of this thread (one column tile): its 16 lanes of row g, 8 registers
 _X_GROUP_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];")
 _X_GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"]))
@@ -292,23 +370,31 @@ X_GROUP_BYTES: tl.constexpr = tl.constexpr(128)  # one 64-lane group of an x row
 
 @triton.jit
 def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
-    """The 20 (Q4) or 24 (Q5) words of chunk ci (groups 4ci..4ci + 3) of this thread's rows, loaded when ok;
-    Q4's 4 high-bit words are zeros."""
-    args = [ca + ci * 2048, sa + ci * 128, ha + ci * 512, ok.to(tl.int32)]
-    if BITS == 5:
-        return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q5, args, dtype=(tl.int32,) * 24,
-                                         is_pure=False, pack=1)
-    zero = ok.to(tl.int32) * 0
-    return tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q4, args, dtype=(tl.int32,) * 20, is_pure=False,
-                                     pack=1) + (zero, zero, zero, zero)
+    """The 20 (Q4) or 24 (Q5, Q6: its 4 high-bit words 64-bit) words of chunk ci (groups 4ci..4ci + 3) of this
+    thread's rows, loaded when ok; Q4's 4 high-bit words are zeros."""
+    args = [ca + ci * 2048, sa + ci * 128, ha + ci * (1024 if BITS == 6 else 512), ok.to(tl.int32)]
+    if BITS == 6:  # one return statement: Triton checks every return's type, even under a constexpr branch
+        chunk = tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q6, args,
+                                          dtype=(tl.int32,) * 20 + (tl.int64,) * 4, is_pure=False, pack=1)
+    elif BITS == 5:
+        chunk = tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q5, args, dtype=(tl.int32,) * 24,
+                                          is_pure=False, pack=1)
+    else:
+        zero = ok.to(tl.int32) * 0
+        chunk = tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q4, args, dtype=(tl.int32,) * 20,
+                                          is_pure=False, pack=1) + (zero, zero, zero, zero)
+    return chunk
 
 
 @triton.jit
-def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, COMPUTE_ASM: tl.constexpr):
+def _word_group(acc, w0, w1, w2, w3, scales, high, xa0, xa1, gi, BITS: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     """acc + one group's contribution from its loaded words (_compute_asm, words form); x's groups X_GROUP_BYTES
     apart."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, xa0 + gi * X_GROUP_BYTES, xa1 + gi * X_GROUP_BYTES]
+    if BITS == 6:
+        return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS_Q6, args, dtype=(tl.float32,) * 8,
+                                         is_pure=False, pack=1)
     return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
                                      pack=1)
 
@@ -333,11 +419,17 @@ def _chunk_x(xa0, ci):
 
 @triton.jit
 def _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, xa1, gi, NT: tl.constexpr,
-                  COMPUTE_ASM: tl.constexpr):
+                  BITS: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     """_word_group with the group's x fragment of the first column tile already loaded (_compute_asm with x_regs);
     with two column tiles the second tile's x is loaded in the product, from xa1."""
     a0, a1, a2, a3, a4, a5, a6, a7 = acc
     args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
+    if BITS == 6:
+        if NT == 2:
+            return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X2_CONSTRAINTS_Q6, args + [xa1 + gi * X_GROUP_BYTES],
+                                             dtype=(tl.float32,) * 8, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X_CONSTRAINTS_Q6, args, dtype=(tl.float32,) * 8,
+                                         is_pure=False, pack=1)
     if NT == 2:
         return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X2_CONSTRAINTS, args + [xa1 + gi * X_GROUP_BYTES],
                                          dtype=(tl.float32,) * 8, is_pure=False, pack=1)
@@ -346,31 +438,33 @@ def _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6,
 
 
 @triton.jit
-def _chunk_product_x(acc, chunk, xs, xa1, ci, NT: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+def _chunk_product_x(acc, chunk, xs, xa1, ci, NT: tl.constexpr, BITS: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     """_chunk_product over a chunk's x loaded beforehand (_chunk_x; the first column tile's)."""
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
     (a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
      e0, e1, e2, e3, e4, e5, e6, e7, d0, d1, d2, d3, d4, d5, d6, d7) = xs
-    acc = _word_group_x(acc, c0, c1, c2, c3, s0, h0, a0, a1, a2, a3, a4, a5, a6, a7, xa1, ci * 4, NT, COMPUTE_ASM)
-    acc = _word_group_x(acc, c4, c5, c6, c7, s1, h1, b0, b1, b2, b3, b4, b5, b6, b7, xa1, ci * 4 + 1, NT, COMPUTE_ASM)
-    acc = _word_group_x(acc, c8, c9, c10, c11, s2, h2, e0, e1, e2, e3, e4, e5, e6, e7, xa1, ci * 4 + 2, NT,
+    acc = _word_group_x(acc, c0, c1, c2, c3, s0, h0, a0, a1, a2, a3, a4, a5, a6, a7, xa1, ci * 4, NT, BITS,
                         COMPUTE_ASM)
+    acc = _word_group_x(acc, c4, c5, c6, c7, s1, h1, b0, b1, b2, b3, b4, b5, b6, b7, xa1, ci * 4 + 1, NT,
+                        BITS, COMPUTE_ASM)
+    acc = _word_group_x(acc, c8, c9, c10, c11, s2, h2, e0, e1, e2, e3, e4, e5, e6, e7, xa1, ci * 4 + 2, NT,
+                        BITS, COMPUTE_ASM)
     return _word_group_x(acc, c12, c13, c14, c15, s3, h3, d0, d1, d2, d3, d4, d5, d6, d7, xa1, ci * 4 + 3, NT,
-                         COMPUTE_ASM)
+                         BITS, COMPUTE_ASM)
 
 
 @triton.jit
-def _chunk_product(acc, chunk, xa0, xa1, ci, COMPUTE_ASM: tl.constexpr):
+def _chunk_product(acc, chunk, xa0, xa1, ci, BITS: tl.constexpr, COMPUTE_ASM: tl.constexpr):
     (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
-    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, COMPUTE_ASM)
-    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, COMPUTE_ASM)
-    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, COMPUTE_ASM)
-    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, COMPUTE_ASM)
+    acc = _word_group(acc, c0, c1, c2, c3, s0, h0, xa0, xa1, ci * 4, BITS, COMPUTE_ASM)
+    acc = _word_group(acc, c4, c5, c6, c7, s1, h1, xa0, xa1, ci * 4 + 1, BITS, COMPUTE_ASM)
+    acc = _word_group(acc, c8, c9, c10, c11, s2, h2, xa0, xa1, ci * 4 + 2, BITS, COMPUTE_ASM)
+    return _word_group(acc, c12, c13, c14, c15, s3, h3, xa0, xa1, ci * 4 + 3, BITS, COMPUTE_ASM)
 
 
 @triton.jit
 def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
-                     BW: tl.constexpr, KS: tl.constexpr, PAIRED: tl.constexpr):
+                     BW: tl.constexpr, KS: tl.constexpr, PAIRED: tl.constexpr, BITS: tl.constexpr):
     """This thread's share: byte addresses at its first chunk, that chunk's index and how many it sums. Warp w
     takes block w % BW of the program and the (w // BW)-th share of the split (the last split is shorter: a
     share may be empty); a warp past the last block reads the last one (valid memory), its rows are not stored.
@@ -387,7 +481,10 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
     count = tl.minimum(tl.maximum(G // 4 - first, 0), per_warp)
     ca = (codes_ptr + (block * G + first * 4) * 512 + lane * 16).to(tl.int64, bitcast=True)
     sa = (scales_ptr + ((block * (G // 4) + first) * 8 + lane // 4) * 8).to(tl.int64, bitcast=True)
-    ha = (high_ptr + (block * (G // 4) + first) * 512 + lane * 16).to(tl.int64, bitcast=True)
+    if BITS == 6:  # 1,024 high bytes a chunk (_chunk_load_asm)
+        ha = (high_ptr + (block * (G // 4) + first) * 1024 + lane * 16).to(tl.int64, bitcast=True)
+    else:
+        ha = (high_ptr + (block * (G // 4) + first) * 512 + lane * 16).to(tl.int64, bitcast=True)
     return ca, sa, ha, first, count
 
 
@@ -402,7 +499,7 @@ def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G:
     zero = tl.zeros([32 * BW * KS], tl.int32)
     tid = _thread_ids(zero)
     ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
-                                                CHUNKS_PER_SPLIT, G, BW, KS, PAIRED)
+                                                CHUNKS_PER_SPLIT, G, BW, KS, PAIRED, BITS)
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
     c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
     return pid, split, zero, tid % 32, ca, sa, ha, first, count, c0, c1
@@ -478,16 +575,16 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
         x0 = _chunk_x(xa0, tl.minimum(first, last))
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):
             x1 = _chunk_x(xa0, tl.minimum(first + ci + 1, last))
-            acc = _chunk_product_x(acc, c0, x0, xa1, tl.minimum(first + ci, last), NT, COMPUTE_ASM)
+            acc = _chunk_product_x(acc, c0, x0, xa1, tl.minimum(first + ci, last), NT, BITS, COMPUTE_ASM)
             c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
             x0 = _chunk_x(xa0, tl.minimum(first + ci + 2, last))
-            acc = _chunk_product_x(acc, c1, x1, xa1, tl.minimum(first + ci + 1, last), NT, COMPUTE_ASM)
+            acc = _chunk_product_x(acc, c1, x1, xa1, tl.minimum(first + ci + 1, last), NT, BITS, COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     else:
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), COMPUTE_ASM)
+            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), BITS, COMPUTE_ASM)
             c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), COMPUTE_ASM)
+            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), BITS, COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     if SWIGLU:
         _store_swiglu(out_ptr, acc, pid, T, N, KS, NT)
@@ -608,6 +705,8 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; at 9-16 rows
     (the first column tile's x) by FRAGMENT_TUNING's xwide (1 always, 0 never, -1 the rule) unless `xahead` is 0."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
+    if first < 0 and bits == 6:  # Q6 with x ahead: 156 registers against 96 (sm_90 SASS); not measured
+        return False
     if t > 8:
         wide = FRAGMENT_TUNING["xwide"]
         if first == 0 or wide == 0:

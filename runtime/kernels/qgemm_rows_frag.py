@@ -48,13 +48,32 @@ def _nibble_pair(dst: str, word: str, j: int, bits: int, high: str | None) -> st
             f"lop3.b32 {dst}, {src}, 0x000F000F, hx, 0x6A; ")
 
 
+def _q6_pair(dst: str, word: str, j: int, w: int, high: str) -> str:
+    """Q6's bf16 pair (element j, element j + 4) of code word w (0 or 1) of a row as 128 + 32 + q (exact): bits 4
+    and 5 of u come from `high`, which holds word 0's elements j and j + 4 at bits 2j and 16 + 2j and word 1's at
+    8 + 2j and 24 + 2j (qgemm_fragment_layout's Q6 high fields), shifted to bits 4-5 and 20-21; they flip 0x20
+    (u ^ 32 = q + 32)."""
+    src = word if j == 0 else "t"
+    out = "" if j == 0 else f"shr.u32 t, {word}, {4 * j}; "
+    shift = 4 - 2 * j if w == 0 else -(4 + 2 * j)
+    if shift > 0:
+        out += f"shl.b32 hs, {high}, {shift}; "
+    elif shift < 0:
+        out += f"shr.u32 hs, {high}, {-shift}; "
+    else:
+        out += f"mov.b32 hs, {high}; "
+    return out + (f"lop3.b32 hx, hs, 0x00300030, 0x43204320, 0x6A; "
+                  f"lop3.b32 {dst}, {src}, 0x000F000F, hx, 0x6A; ")
+
+
 def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x_regs: bool = False) -> str:
     """One 64-lane group of 16 rows (per warp) times NT x 8 columns of x: d = A.B per 16-lane step, then
     acc += scale(row) * d. Operands: $0-$7 acc out, $8-$15 acc in, then either (packed) $16/$17 code words
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
     (words: each operand one loaded register, so no instruction waits on a load before the group's turn)
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
-    halves (unused for Q4), $22/$23 x addresses (a thread's 16 lanes of x: two 16-byte loads). `x_regs` (words): the
+    halves (unused for Q4; Q6: 64 bits, row g's 32 then row g + 8's, see _q6_pair), $22/$23 x addresses (a thread's
+    16 lanes of x: two 16-byte loads). `x_regs` (words): the
     first column tile's x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as an address; with two column tiles
     $30 is the second tile's x address.
 
@@ -62,7 +81,9 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
     pair they make lines up with one register of x as loaded, and B needs no byte permutes (8 fewer instructions
     per group and column tile)."""
-    offset = "0xC308C308" if bits == 4 else "0xC310C310"  # -(128 + 2^(b-1)) in bf16
+    if bits == 6 and not words:
+        raise ValueError("_compute_asm: Q6 takes code words (fragment order)")
+    offset = {4: "0xC308C308", 5: "0xC310C310", 6: "0xC320C320"}[bits]  # -(128 + 2^(b-1)) in bf16
     xg, xg8 = ("$22", "$23") if words else ("$19", "$20")
     lines = ["{ .reg .b32 w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
              ".reg .b32 x<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
@@ -78,8 +99,9 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         lines.append(f"ld.global.nc.v4.b32 {{x8, x9, x10, x11}}, [{xg8}]; "
                      f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+16];")
     if words:
+        high = "mov.b64 {h0, h1}, $21;" if bits == 6 else "mov.b32 {s2, s3}, $21;"  # Q6: rows g / g + 8, 64 bits
         lines.append("mov.b32 w0, $16; mov.b32 w1, $17; mov.b32 w2, $18; mov.b32 w3, $19; mov.b32 {s0, s1}, $20; "
-                     "mov.b32 {s2, s3}, $21;")
+                     + high)
     else:
         lines.append("mov.b64 {w0, w1}, $16; mov.b64 {w2, w3}, $17; mov.b64 {s0, s1, s2, s3}, $18;")
     lines += [f"mov.b32 one, 0x3F803F80; mov.b32 off, {offset};"]
@@ -94,9 +116,10 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         word_g, word_g8 = ("w0", "w2") if step < 2 else ("w1", "w3")
         high_g, high_g8 = ("ha0", "ha1") if step < 2 else ("hb0", "hb1")
         j = 2 * (step % 2)
-        for dst, word, jj, high in (("a0", word_g, j, high_g), ("a1", word_g8, j, high_g8),
-                                    ("a2", word_g, j + 1, high_g), ("a3", word_g8, j + 1, high_g8)):
-            lines.append(_nibble_pair(dst, word, jj, bits, high) + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
+        for dst, word, jj, high, row_high in (("a0", word_g, j, high_g, "h0"), ("a1", word_g8, j, high_g8, "h1"),
+                                              ("a2", word_g, j + 1, high_g, "h0"), ("a3", word_g8, j + 1, high_g8, "h1")):
+            pair = _q6_pair(dst, word, jj, step // 2, row_high) if bits == 6 else _nibble_pair(dst, word, jj, bits, high)
+            lines.append(pair + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
         i0, i1 = (step, step + 2) if step < 2 else (step + 2, step + 4)
         for tile in range(nt):
             d = ", ".join(f"d{4 * tile + i}" for i in range(4))
