@@ -32,6 +32,7 @@
 #                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
 #                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
 #                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
+#                        bash bench/device_frag.sh s38       # the Q6 head in fragment order (opt-in): tests, head, lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -472,6 +473,26 @@ s37)  # session 34, third (~280 s): the first column tile's x a chunk ahead at 9
     NINFER_FRAGMENT_TILE=2,4,528,0,-1,$xw timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp \
       --draft-tokens 3 --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s37-spec-xwide-$xw.json" 2>&1 | grep "│ bf16"
     echo "spec lanes xwide=$xw t=$(el)"
+  done
+  ;;
+s38)  # next session (~420 s): session 34's CPU-built Q6 head in fragment order (NINFER_HEAD_FRAGMENT=on, opt-in) —
+  # its GPU tests, the head's row blocks planes vs fragment copy, then lanes, batched MTP3 rounds and DFlash2 K = 7
+  # without / with it; the measured x-ahead rule's end-to-end run (gate_up at 9-16 rows)
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
+    tests/test_engine.py -k "q6 or fragment_kernels_in_the_engine or nine_to_sixteen" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  PYTHONPATH=. timeout 120 python bench/gemv_compare.py "$OUT/s38-head.json" head 2>&1 | grep "{"
+  echo "head t=$(el)"
+  for hf in off on; do
+    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
+    echo "lanes head fragment $hf t=$(el)"
+    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s38-spec-head-$hf.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes head fragment $hf t=$(el)"
+    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+      --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s38-dflash2-head-$hf.json" 2>&1 | grep "│ bf16"
+    echo "dflash2 head fragment $hf t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

@@ -7,11 +7,12 @@ products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at 
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
-the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `t1`: the decode
+the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `head`: the Q6
+output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head]
 """
 
 from __future__ import annotations
@@ -373,9 +374,37 @@ def shapes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def head_main(out: str) -> None:
+    """The output head (Q6 248320x5120) at T = 1, 2, 4, 8, 12, 16: the runtime's path on the artifact's planes (T = 1
+    the dp4a GEMV, row blocks the int8 tensor-core kernel: "planes") against the fragment-order kernel over a copy of
+    the head in fragment order (NINFER_HEAD_FRAGMENT): fragment_shape's loop with x in place ("frag"), x a chunk
+    ahead ("xahead", T <= 8; 156 registers against 96), 4 warps sharing K ("ks4"); µs and fraction of copy."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    peak = copy_bandwidth()
+    label, n, k, fmt = SHAPES[4]
+    w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+    copies = {id(c): fl.fragment_copy(c) for c in rotating.weights}
+    variants = {"frag": {"xahead": 0}, "xahead": {"xahead": 1}, "ks4": {"xahead": 0, "ksplit": 4}}
+    for t in (1, 2, 4, 8, 12, 16):
+        x, y = _xy(t, k, n)
+        us = rotating(lambda w: ql.qlinear(x, w, out=y))
+        row[f"t{t}_planes_us"], row[f"t{t}_planes_frac"] = us, nbytes / (us * 1e-6) / peak
+        for name, kwargs in variants.items():
+            if name == "xahead" and t > 8:
+                continue
+            us = rotating(lambda w: fl.qgemm_fragment_layout(x, copies[id(w)], y, **kwargs))
+            row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
+        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()
+                          if k2.startswith(f"t{t}_")}), flush=True)
+    _save(out, peak, [row])
+
+
 def main(out: str, mode: str = "sweep") -> None:
     if mode == "shapes":
         return shapes_main(out)
+    if mode == "head":
+        return head_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":
