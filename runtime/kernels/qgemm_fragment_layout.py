@@ -15,8 +15,10 @@ words in the artifact's lane order and a Q5 group's 32 high bits of a thread per
 bit sits under it ("byte order": FragmentPlanes.order). The loads write their registers straight from memory (nothing
 in a load waits for its data), so a thread keeps two chunks in flight while it computes. The group product
 (PTX, unpacking, mma) is qgemm_rows_frag's own, in its one-register-per-operand form. Two options of the same
-kernel: x loaded a chunk ahead (X_AHEAD; by a measured rule, loads_x_ahead), and a gate/up pair's program taking a gate block
-and its up block and storing silu(gate) * up (SWIGLU, qgemm_fragment_swiglu).
+kernel: x loaded a chunk ahead (X_AHEAD; by a measured rule, loads_x_ahead), and a gate/up pair's program taking a
+gate block and its up block and storing silu(gate) * up (SWIGLU, qgemm_fragment_swiglu). Q6 (the output head's
+format) takes the same kernel: its high bits, 64 per thread, group and row pair, laid out so that one shift serves
+a nibble pair (_q6_fields).
 
 `FragmentPlanes` holds the permuted planes; `fragment_planes(w)` builds them from a PackedLinear (torch ops,
 any device) and `row_planes` undoes it for any row range (prefill, references). Rows are padded to 16 with
@@ -46,8 +48,9 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 
 @dataclass
 class FragmentPlanes:
-    """A Q4/Q5 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
-    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words; `order`: "pairs" (code
+    """A Q4/Q5/Q6 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
+    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words, (Q6) [blocks, chunks, 2 group
+    pairs, 32 lanes, 2 groups, 2 rows] 32-bit words of 16 two-bit fields (_q6_fields); `order`: "pairs" (code
     words and high bytes in pair order, for the bf16 kernel), "lanes" (the artifact's order inside words and
     bytes) or "bytes" (lane-order codes, high bits in byte order: the int8 kernel's; see high_to_byte_order)."""
 
@@ -167,7 +170,8 @@ def _q6_fields(pairs: bool) -> list[tuple[int, int]]:
     artifact holds lane m (of the thread's 16) at bits 2m, 2m + 1 of its 32-bit word; the kernel (_q6_pair) wants
     code word w's nibble n (lane 8w + n, or 8w + (0, 2, 4, 6, 1, 3, 5, 7)[n] in pair order) at field n + 4w for n <
     4 and 8 + (n - 4) + 4w for n >= 4, so that one shift brings a nibble pair's fields under bits 4-5 and 20-21."""
-    return [(8 * w + (_PAIR_BITS[n] if pairs else n), (n if n < 4 else 4 + n) + 4 * w) for w in range(2) for n in range(8)]
+    return [(8 * w + (_PAIR_BITS[n] if pairs else n), (n if n < 4 else 4 + n) + 4 * w)
+            for w in range(2) for n in range(8)]
 
 
 def q6_high_to_fields(words: torch.Tensor, pairs: bool, inverse: bool = False) -> torch.Tensor:
