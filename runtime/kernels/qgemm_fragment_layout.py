@@ -239,8 +239,9 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 
 def in_place_supported(w) -> bool:
     """Q4/Q5, K a multiple of 512 (so the planes have no K padding) and whole 16-row blocks (no row padding):
-    the fragment-order planes then fill exactly the artifact's plane bytes."""
-    return fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+    the fragment-order planes then fill exactly the artifact's plane bytes. Q6 layer products (the q6 recipe) keep
+    the artifact's planes until the Q6 kernel is measured; the output head takes a copy (fragment_copy)."""
+    return w.fmt.bits in FRAG_BITS and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
 
 
 def takes_fragment_layout(name: str, w) -> bool:
@@ -249,55 +250,52 @@ def takes_fragment_layout(name: str, w) -> bool:
             and in_place_supported(w))
 
 
-def to_fragment_layout(w, order: str | None = None):
-    """Permute a PackedLinear's planes into fragment order in place (CONVERT_ROWS rows at a time, so the
-    temporary stays small; a 16-row block's bytes stay inside the block's own byte ranges) and attach the
-    FragmentPlanes views; returns w. `order`: as fragment_planes."""
-    order = fragment_order(w.fmt.bits) if order is None else order
-    if not in_place_supported(w):
-        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
-                         "rows a multiple of 16")
+def _permute_rows(w, order: str, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> FragmentPlanes:
+    """w's planes permuted into fragment order CONVERT_ROWS rows at a time (a small temporary; rows a multiple of
+    16, so a step's blocks fill exactly its rows' byte ranges) into `into` ([rows, -1] views of codes, scales,
+    high: w's own planes, in place, or new ones)."""
     from .qlinear import PackedLinear
 
     base, scale = w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1)
     high = w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None
+    codes, scales, high_out = into
     for r0 in range(0, w.rows, CONVERT_ROWS):
         r1 = min(w.rows, r0 + CONVERT_ROWS)
         part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
                             scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
         fp = fragment_planes(part, order)
-        base[r0:r1].reshape(-1).copy_(fp.codes)
-        scale[r0:r1].reshape(-1).copy_(fp.scales)
-        if high is not None:
-            high[r0:r1].reshape(-1).copy_(fp.high)
-    w.fragment = FragmentPlanes(base.view(-1), scale.view(-1), None if high is None else high.view(-1), w.rows,
-                                w.cols, w.fmt, order)
+        codes[r0:r1].reshape(-1).copy_(fp.codes)
+        scales[r0:r1].reshape(-1).copy_(fp.scales)
+        if high_out is not None:
+            high_out[r0:r1].reshape(-1).copy_(fp.high)
+    return FragmentPlanes(codes.view(-1), scales.view(-1), None if high_out is None else high_out.view(-1), w.rows,
+                          w.cols, w.fmt, order)
+
+
+def to_fragment_layout(w, order: str | None = None):
+    """Permute a PackedLinear's planes into fragment order in place and attach the FragmentPlanes views; returns w.
+    `order`: as fragment_planes."""
+    order = fragment_order(w.fmt.bits) if order is None else order
+    if not in_place_supported(w):
+        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
+                         "rows a multiple of 16")
+    planes = (w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1),
+              w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None)
+    w.fragment = _permute_rows(w, order, planes)
     return w
 
 
 def fragment_copy(w) -> FragmentPlanes:
-    """A fragment-order copy of a PackedLinear's planes (pair order) beside them, built CONVERT_ROWS rows at a time
-    (the temporaries stay small): for a matrix whose one-row products stay on the artifact's planes and whose row
-    blocks take the fragment kernel (the output head; kernels/qlinear.py's rows_fragment)."""
+    """A fragment-order copy of a PackedLinear's planes (pair order) beside them: for a matrix whose one-row
+    products stay on the artifact's planes and whose row blocks take the fragment kernel (the output head;
+    kernels/qlinear.py's rows_fragment)."""
     if not fragment_supported(w.fmt, w.cols) or w.rows % ROWS_PER_BLOCK:
         raise ValueError(f"fragment copy: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6, K a multiple of 512 and "
                          "rows a multiple of 16")
-    from .qlinear import PackedLinear
-
-    base, scale = w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1)
-    high = w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None
-    codes, scales = torch.empty_like(base).view(-1), torch.empty_like(scale).view(-1)
-    high_copy = torch.empty_like(high).view(-1) if high is not None else None
-    for r0 in range(0, w.rows, CONVERT_ROWS):
-        r1 = min(w.rows, r0 + CONVERT_ROWS)
-        part = PackedLinear(base[r0:r1].reshape(-1), None if high is None else high[r0:r1].reshape(-1),
-                            scale[r0:r1].reshape(-1).view(torch.uint8), r1 - r0, w.cols, w.fmt)
-        fp = fragment_planes(part, "pairs")
-        codes[r0 * base.shape[1] : r1 * base.shape[1]].copy_(fp.codes)
-        scales[r0 * scale.shape[1] : r1 * scale.shape[1]].copy_(fp.scales)
-        if high is not None:
-            high_copy[r0 * high.shape[1] : r1 * high.shape[1]].copy_(fp.high)
-    return FragmentPlanes(codes, scales, high_copy, w.rows, w.cols, w.fmt, "pairs")
+    planes = (torch.empty_like(w.base.view(torch.uint8)).view(w.rows, -1),
+              torch.empty_like(w.scale.view(torch.float16)).view(w.rows, -1),
+              torch.empty_like(w.high.view(torch.uint8)).view(w.rows, -1) if w.high is not None else None)
+    return _permute_rows(w, "pairs", planes)
 
 
 def fragment_rows(fp: FragmentPlanes, n: int) -> FragmentPlanes:
