@@ -33,6 +33,7 @@
 #                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
 #                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
 #                        bash bench/device_frag.sh s38       # the Q6 head in fragment order (opt-in): tests, head, lanes
+#                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -493,6 +494,23 @@ s38)  # next session (~420 s): session 34's CPU-built Q6 head in fragment order 
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
       --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s38-dflash2-head-$hf.json" 2>&1 | grep "│ bf16"
     echo "dflash2 head fragment $hf t=$(el)"
+  done
+  ;;
+s39)  # next session (~300 s): the GDN recurrence's tiles (value columns x warps per program; fewer warps trade the
+  # per-token cross-warp reductions for registers) — per shape, then the tile with the least summed time against the
+  # default in plain lanes 1 / 8 and batched MTP3 rounds over 1 / 4 lanes, and DFlash2 K = 7
+  timeout 100 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k gdn_fused 2>&1 | tail -1
+  PYTHONPATH=. timeout 150 python bench/gdn_compare.py "$OUT/s39-gdn.json" 2>&1 | grep "{"
+  best=$(python -c "import json; rows = json.load(open('$OUT/s39-gdn.json')); keys = [k for k in rows[0] if k.endswith('_us')]; print(min(keys, key=lambda k: sum(r[k] for r in rows))[:-3].replace('x', ','))")
+  echo "gdn tiles t=$(el), least summed time: $best"
+  for tile in "" "$best"; do
+    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 1,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s39-lanes-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
+    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s39-spec-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
+    NINFER_GDN_TILE=$tile timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+      --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s39-dflash2-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
+    echo "NINFER_GDN_TILE='$tile' t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

@@ -259,13 +259,22 @@ def test_swiglu(t, inter):
     _check(swiglu(gu, out=_poison((t, inter))), swiglu_reference(gu))
 
 
+@pytest.mark.parametrize("tile", [None, (16, 1), (64, 2)])
 @pytest.mark.parametrize("project", [False, True])
 @pytest.mark.parametrize("b,t,hk,ratio,dk,dv", [(1, 1, 2, 2, 16, 32), (2, 3, 1, 3, 32, 64)])
-def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv, project):
+def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv, project, tile, monkeypatch):
     """Preparation folded into the recurrence (l2 norm, key-head sharing, decay, beta, and with
     `project` the alpha/beta projections) == the separate torch ops + recurrent reference; snapshots
-    into slots 1..T of a lane-indexed stack."""
+    into slots 1..T of a lane-indexed stack; on a GPU at other tiles too (NINFER_GDN_TILE: value columns per
+    program, warps)."""
+    from runtime.kernels import gdn_fused as gf
     from runtime.kernels.gdn_fused import gdn_fused, gdn_fused_reference
+
+    if tile is not None:
+        if DEVICE != "cuda":
+            pytest.skip("GDN tiles choose a GPU launch's shape; the interpreter runs one tile")
+        monkeypatch.setitem(gf.GDN_TUNING, "block_v", tile[0])
+        monkeypatch.setitem(gf.GDN_TUNING, "warps", tile[1])
 
     hv = hk * ratio
     x = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE).to(DTYPE)

@@ -14,11 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreted, torch_path
+from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 
 L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
+# value columns per program and warps per program. A program's state tile is [DK, BLOCK_V]; every token reduces it
+# over DK twice (and q, k and the alpha/beta dots once each), across the warps that split DK — so fewer warps trade
+# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps
+GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 32, "warps": 4})
 
 
 @triton.jit
@@ -111,11 +115,15 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
         h = wa = wb = alpha  # unread
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
-    block_v = dv if interpreted() else min(32, dv)
+    block_v = dv if interpreted() else min(GDN_TUNING["block_v"], dv)
+    if dv % block_v or block_v & (block_v - 1) or GDN_TUNING["warps"] not in (1, 2, 4, 8):
+        raise SystemExit(f"ninfer: NINFER_GDN_TILE={GDN_TUNING['block_v']},{GDN_TUNING['warps']} does not fit value "
+                         f"heads of {dv} (block_v a power of two dividing it; 1, 2, 4 or 8 warps); unset it")
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
         key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
-        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, **LAUNCH)
+        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024,
+        num_warps=GDN_TUNING["warps"], **LAUNCH)
     return o
 
 
