@@ -484,6 +484,9 @@ s38)  # next session (~420 s): session 34's CPU-built Q6 head in fragment order 
   echo "tests t=$(el)"
   PYTHONPATH=. timeout 120 python bench/gemv_compare.py "$OUT/s38-head.json" head 2>&1 | grep "{"
   echo "head t=$(el)"
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s38-shapes.json" shapes 2>&1 | grep "{" | \
+    python -c "import json,sys; [print(r['op'], {k: v for k, v in r.items() if k.startswith(('t12', 't16')) and k.endswith('_us')}) for r in map(json.loads, sys.stdin)]"
+  echo "per product (xwide with 4 warps sharing K) t=$(el)"
   for hf in off on; do
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"

@@ -341,7 +341,8 @@ def shapes_main(out: str) -> None:
     calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): fragment_shape's loop
     alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
     picks ("chosen": the measured rule, x in place), and that shape with x loaded a chunk ahead ("xahead", T <= 8;
-    "xwide", 9-16 rows: the first column tile's x); µs and fraction of copy."""
+    "xwide", 9-16 rows: the first column tile's x; "xwide4": that with 4 warps sharing K); µs and fraction of copy.
+    The "chosen" columns keep x in place; the engine's own rule is loads_x_ahead."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
@@ -350,7 +351,8 @@ def shapes_main(out: str) -> None:
     variants = {"loop": {"xahead": 0}, "ks1": {"ksplit": 1, "xahead": 0}, "ks2": {"ksplit": 2, "xahead": 0},
                 "ks4": {"ksplit": 4, "xahead": 0}, "chosen": {"xahead": 0},
                 "xahead": {"xahead": 1},  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's: a rule)
-                "xwide": {}}  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
+                "xwide": {},  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
+                "xwide4": {"ksplit": 4}}  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -358,11 +360,11 @@ def shapes_main(out: str) -> None:
         for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
-                if name == "xahead" and t > 8 or name == "xwide" and t <= 8:
+                if name == "xahead" and t > 8 or name.startswith("xwide") and t <= 8:
                     continue
-                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide")
+                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide", "xwide4")
                 wide = fl.FRAGMENT_TUNING["xwide"]
-                fl.FRAGMENT_TUNING["xwide"] = 1 if name == "xwide" else wide
+                fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 fl.FRAGMENT_TUNING["xwide"] = wide
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
