@@ -34,6 +34,7 @@
 #                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
 #                        bash bench/device_frag.sh s38       # the Q6 head in fragment order (opt-in): tests, head, lanes
 #                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
+#                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -514,6 +515,22 @@ s39)  # next session (~300 s): the GDN recurrence's tiles (value columns x warps
     NINFER_GDN_TILE=$tile timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
       --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s39-dflash2-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
     echo "NINFER_GDN_TILE='$tile' t=$(el)"
+  done
+  ;;
+s40)  # next session (~250 s): one plain lane with GDN qkvz and attention qgkv in fragment order (their one-row
+  # products with x a chunk ahead: 16.1 / 14.7 us isolated against the dp4a GEMV's 19.4 / 17.1 on the H100), gate_up
+  # and the head on the dp4a GEMV; alternated twice against the default, then both profiled
+  DECODE=128
+  Q="gdn/query_key_value_z,attention/query_gate_key_value"
+  one warm NINFER_FRAGMENT_ONE_LANE=  # compiles; not compared
+  for run in 1 2; do
+    one "auto-$run" NINFER_FRAGMENT_ONE_LANE=
+    one "qkv-fragment-$run" NINFER_FRAGMENT_ONE_LANE=$Q
+  done
+  for q in "" "$Q"; do
+    NINFER_FRAGMENT_ONE_LANE=$q timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s40-profile${q:+-qkv}.json" \
+      decode bf16 2>&1 | grep -A12 "kernel time" | cut -c1-150
+    echo "profile NINFER_FRAGMENT_ONE_LANE='$q' t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

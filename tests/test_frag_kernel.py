@@ -571,3 +571,18 @@ def test_qlinear_takes_the_rows_fragment_copy_for_row_blocks_only(monkeypatch):
     for t in (1, 4, 16):
         ql.qlinear(torch.zeros(t, 512, dtype=torch.bfloat16), w)
     assert [(t, fp is w.rows_fragment) for t, fp in calls] == [(1, False), (4, True), (16, True)]
+
+
+def test_one_lane_engines_lay_out_the_named_products(monkeypatch):
+    """NINFER_FRAGMENT_ONE_LANE names products a one-lane engine lays out in fragment order too (their one-row
+    products on the fragment-order kernel); others keep the default choice."""
+    from runtime.kernels import qlinear as ql
+
+    monkeypatch.setattr(ql, "FRAG_MODE", "auto")
+    monkeypatch.setattr(ql, "FRAGMENT_ONE_LANE", ("gdn/query_key_value_z", "attention/query_gate_key_value"))
+    assert ql.fragment_layout_enabled(1, 4, "text/layers/0/gdn/query_key_value_z")
+    assert ql.fragment_layout_enabled(1, 4, "text/layers/3/attention/query_gate_key_value")
+    assert not ql.fragment_layout_enabled(1, 4, "text/layers/0/mlp/gate_up")
+    assert ql.fragment_layout_enabled(1, 5, "text/layers/0/mlp/down") and ql.fragment_layout_enabled(4, 4)
+    monkeypatch.setattr(ql, "FRAGMENT_ONE_LANE", ())
+    assert not ql.fragment_layout_enabled(1, 4, "text/layers/0/gdn/query_key_value_z")

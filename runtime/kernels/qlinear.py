@@ -100,16 +100,27 @@ FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
 FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 
 
-def fragment_layout_enabled(rows_per_step: int, bits: int) -> bool:
+# Products an engine of one plain lane lays out in fragment order too (their one-row products then run on the
+# fragment-order kernel; object-name suffixes, comma-separated). Isolated on the H100 (session 34) the one-row GDN
+# qkvz and attention qgkv products with x a chunk ahead take 16.1 / 14.7 µs against the dp4a GEMV's 19.4 / 17.1, but
+# every product in fragment order was slower end to end (126.8 against 130.1 tok/s, gate_up losing its SwiGLU
+# epilogue); not yet measured for these two alone, so empty: e.g.
+# NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value
+FRAGMENT_ONE_LANE = tuple(n for n in os.environ.get("NINFER_FRAGMENT_ONE_LANE", "").split(",") if n)
+
+
+def fragment_layout_enabled(rows_per_step: int, bits: int, name: str = "") -> bool:
     """Whether an engine that multiplies up to `rows_per_step` rows of x per decode step (lanes x verify
     block) re-lays out its `bits`-bit layer products (Q4/Q5) in fragment order: under auto, for several rows,
     and for Q5 even at one row (its one-row product beats the dp4a GEMV there: MLP down 23.7 against 24.6 µs,
     GDN out 11.0 against 11.4; Q4's does not: gate_up 30.3 against 28.2); with NINFER_FRAGMENT_INT8=on, Q4 too
-    (the int8 fragment kernel is meant for one row as well)."""
+    (the int8 fragment kernel is meant for one row as well); object `name` too where it ends with one of
+    NINFER_FRAGMENT_ONE_LANE's suffixes."""
     if FRAG_MODE not in FRAG_MODES:
         raise ValueError(f"NINFER_GEMV_FRAG={FRAG_MODE!r} is not one of {', '.join(FRAG_MODES)}; unset it for auto")
     return FRAG_MODE == "layout" or (FRAG_MODE == "auto" and (rows_per_step > 1 or bits == 5
-                                                              or fragment_order(bits) == "bytes"))
+                                                              or fragment_order(bits) == "bytes"
+                                                              or bool(name) and name.endswith(FRAGMENT_ONE_LANE)))
 
 
 def uses_frag(w: "PackedLinear", t: int) -> bool:
