@@ -32,7 +32,8 @@
 #                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
 #                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
 #                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
-#                        bash bench/device_frag.sh s38       # the Q6 head in fragment order (opt-in): tests, head, lanes
+#                        bash bench/device_frag.sh s38       # the Q6 head in fragment order, 9-16-row tiles split (opt-ins)
+#                        bash bench/device_frag.sh s38b      # lanes, MTP3, DFlash2 with the Q6 head copy off / on
 #                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
 #                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
@@ -477,17 +478,27 @@ s37)  # session 34, third (~280 s): the first column tile's x a chunk ahead at 9
     echo "spec lanes xwide=$xw t=$(el)"
   done
   ;;
-s38)  # next session (~420 s): session 34's CPU-built Q6 head in fragment order (NINFER_HEAD_FRAGMENT=on, opt-in) —
-  # its GPU tests, the head's row blocks planes vs fragment copy, then lanes, batched MTP3 rounds and DFlash2 K = 7
-  # without / with it; the measured x-ahead rule's end-to-end run (gate_up at 9-16 rows)
+s38)  # next session (~400 s): session 34's CPU-built options — GPU tests (Q6 kernel, the head's copy in the engine,
+  # 9-16 rows' column tiles split across warps), the Q6 head's row blocks on the runtime's path vs the fragment-order
+  # copy, every product's 9-16-row variants (xwide with 4 warps sharing K, split tiles), batched MTP3 rounds over 1,
+  # 3, 4 lanes with the tiles in each warp / split (the measured x-ahead rule's end-to-end run too)
   timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
-    tests/test_engine.py -k "q6 or fragment_kernels_in_the_engine or nine_to_sixteen" 2>&1 | tail -2
+    tests/test_engine.py -k "q6 or fragment_kernels_in_the_engine or nine_to_sixteen or column_tiles" 2>&1 | tail -2
   echo "tests t=$(el)"
   PYTHONPATH=. timeout 120 python bench/gemv_compare.py "$OUT/s38-head.json" head 2>&1 | grep "{"
   echo "head t=$(el)"
   PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s38-shapes.json" shapes 2>&1 | grep "{" | \
     python -c "import json,sys; [print(r['op'], {k: v for k, v in r.items() if k.startswith(('t12', 't16')) and k.endswith('_us')}) for r in map(json.loads, sys.stdin)]"
-  echo "per product (xwide with 4 warps sharing K) t=$(el)"
+  echo "per product (9-16 rows: xwide with 4 warps sharing K, column tiles split across warps) t=$(el)"
+  for tiles in 1 2; do  # 9-16 rows' column tiles in each warp / split across twice the warps
+    NINFER_FRAGMENT_TILE=2,4,528,0,-1,-1,$tiles timeout 100 $B --lanes 1,3,4 --depths 8k --kv-dtype bf16 --spec mtp \
+      --draft-tokens 3 --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s38-spec-tiles-$tiles.json" 2>&1 | \
+      grep "│ bf16"
+    echo "spec lanes tiles=$tiles t=$(el)"
+  done
+  ;;
+s38b)  # next session, right after s38 (~200 s): lanes, batched MTP3 rounds and DFlash2 K = 7 with the output head's
+  # row blocks on the int8 row kernel (off) / the Q6 fragment-order copy (NINFER_HEAD_FRAGMENT=on)
   for hf in off on; do
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"

@@ -341,7 +341,8 @@ def shapes_main(out: str) -> None:
     calls it (MLP down and GDN out leave their K-split partials to the next norm: defer_sum): fragment_shape's loop
     alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
     picks ("chosen": the measured rule, x in place), and that shape with x loaded a chunk ahead ("xahead", T <= 8;
-    "xwide", 9-16 rows: the first column tile's x; "xwide4": that with 4 warps sharing K); µs and fraction of copy.
+    "xwide", 9-16 rows: the first column tile's x; "xwide4": that with 4 warps sharing K; "split" / "splitx": 9-16
+    rows' two column tiles on twice the warps, x in place / ahead); µs and fraction of copy.
     The "chosen" columns keep x in place; the engine's own rule is loads_x_ahead."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
@@ -352,7 +353,9 @@ def shapes_main(out: str) -> None:
                 "ks4": {"ksplit": 4, "xahead": 0}, "chosen": {"xahead": 0},
                 "xahead": {"xahead": 1},  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's: a rule)
                 "xwide": {},  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
-                "xwide4": {"ksplit": 4}}  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
+                "xwide4": {"ksplit": 4},  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
+                "split": {"tiles": 2, "xahead": 0},  # 9-16 rows: the column tiles on twice the warps, x in place
+                "splitx": {"tiles": 2, "xahead": 1}}  # the same, x a chunk ahead
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -360,9 +363,9 @@ def shapes_main(out: str) -> None:
         for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
             for name, kwargs in variants.items():
-                if name == "xahead" and t > 8 or name.startswith("xwide") and t <= 8:
+                if name == "xahead" and t > 8 or name.startswith(("xwide", "split")) and t <= 8:
                     continue
-                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide", "xwide4")
+                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide", "xwide4", "split", "splitx")
                 wide = fl.FRAGMENT_TUNING["xwide"]
                 fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))

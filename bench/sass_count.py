@@ -87,7 +87,8 @@ def main(codec: str = "int4") -> dict:
     return out
 
 
-def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, swiglu: bool = False) -> dict:
+def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, swiglu: bool = False, cs: int = 1
+                  ) -> dict:
     """The fragment-order product's key loop (qgemm_fragment_layout, T <= 8 (nt 1) or <= 16 (nt 2), one K share
     per warp, 4 warps): SASS instructions per 64-lane group and warp (two 4-group chunks per loop step); `pairs`:
     code words in pair order (_compute_asm)."""
@@ -96,14 +97,15 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, s
 
     sig = {"x_ptr": "*bf16", "codes_ptr": "*u8", "high_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*fp32",
            "N": "i32", "T": "i32", "K": "i32", "BLOCKS": "i32", "CHUNKS_PER_SPLIT": "i32",
-           **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "X_AHEAD", "LOAD_ASM", "COMPUTE_ASM", "SWIGLU")}}
+           **{k: "constexpr" for k in ("G", "NT", "BW", "KS", "BITS", "X_AHEAD", "LOAD_ASM", "COMPUTE_ASM", "SWIGLU",
+                                       "CS")}}
     const = {"G": 80, "NT": nt, "BW": 2 if swiglu else 4, "KS": 2 if swiglu else 1, "BITS": bits, "X_AHEAD": xahead,
-             "SWIGLU": swiglu,
+             "SWIGLU": swiglu, "CS": cs,
              "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
              "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead))}
-    sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4)
+    sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4 * cs)
     ops = _loop(sass)
-    return {"bits": bits, "nt": nt, "pairs": pairs, "xahead": xahead, "swiglu": swiglu,
+    return {"bits": bits, "nt": nt, "pairs": pairs, "xahead": xahead, "swiglu": swiglu, "cs": cs,
             "instructions_per_group": sum(ops.values()) / 8, "top": dict(ops.most_common(8)),
             "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 

@@ -305,6 +305,23 @@ def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkey
         assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (programs, ksplit)
 
 
+@pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 11), ("Q6G64_F16S", 9)])
+def test_column_tiles_split_across_warps(kernel_device, fmt, t):
+    """tiles = 2: 9-16 rows' two 8-column tiles of x on twice the warps (each warp one tile over the same chunks),
+    with warps sharing K, K split across programs, x in place and ahead: the group sums."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2048)
+    w = _packed(n, k, fmt, seed=17, device=kernel_device)
+    fp = fl.fragment_planes(w)
+    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
+    want = frag.frag_reference(x, w)
+    for programs, ksplit, xahead in ((528, 2, 0), (3, 1, 1), (528, 4, -1)):
+        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
+        fl.qgemm_fragment_layout(x, fp, y, warps=4, programs=programs, ksplit=ksplit, xahead=xahead, tiles=2)
+        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (programs, ksplit, xahead)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate
 @pytest.mark.parametrize("fmt,t,ks", [("Q4G64_F16S", 1, 2), ("Q5G64_F16S", 5, 4), ("Q4G64_F16S", 11, 1)])
 def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, fmt, t, ks):

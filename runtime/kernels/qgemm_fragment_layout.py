@@ -492,14 +492,16 @@ def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, C
 
 @triton.jit
 def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr, BW: tl.constexpr,
-                   KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr, PAIRED: tl.constexpr):
+                   KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr, PAIRED: tl.constexpr,
+                   CS: tl.constexpr = 1):
     """A fragment-order program's ids, zeros of its shape, each thread's lane, its chunk addresses
     (_chunk_addresses) and first two chunks: weights are never written during inference, so they are fetched
-    before waiting on x's writer."""
+    before waiting on x's writer. CS (column split): the program's warps repeat CS times, each repeat for one
+    8-column tile of x, over the same chunks (their second reads are L1 hits)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    zero = tl.zeros([32 * BW * KS], tl.int32)
-    tid = _thread_ids(zero)
+    zero = tl.zeros([32 * BW * KS * CS], tl.int32)
+    tid = _thread_ids(zero) % (32 * BW * KS)  # CS column tiles: their warps read the same chunks
     ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS,
                                                 CHUNKS_PER_SPLIT, G, BW, KS, PAIRED, BITS)
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
@@ -508,26 +510,34 @@ def _program_start(codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G:
 
 
 @triton.jit
-def _sum_warp_shares(acc, BW: tl.constexpr, KS: tl.constexpr):
-    """A program's accumulators [32 * BW * KS] with the KS warps sharing each block's K summed (Triton reduces
-    across warps): [32 * BW], block slot by block slot."""
+def _sum_share(a, BW: tl.constexpr, KS: tl.constexpr, CS: tl.constexpr):
+    """One accumulator [CS * KS * 32 * BW] summed over its KS shares: [CS * 32 * BW]."""
+    return tl.reshape(tl.sum(tl.reshape(a, (CS, KS, 32 * BW)), axis=1), (CS * 32 * BW,))
+
+
+@triton.jit
+def _sum_warp_shares(acc, BW: tl.constexpr, KS: tl.constexpr, CS: tl.constexpr = 1):
+    """A program's accumulators [CS * 32 * BW * KS] with the KS warps sharing each block's K summed (Triton
+    reduces across warps): [CS * 32 * BW], column tile by tile, block slot by block slot."""
     if KS > 1:
         a0, a1, a2, a3, a4, a5, a6, a7 = acc
-        acc = (tl.sum(tl.reshape(a0, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a1, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a2, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a3, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a4, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a5, (KS, 32 * BW)), axis=0),
-               tl.sum(tl.reshape(a6, (KS, 32 * BW)), axis=0), tl.sum(tl.reshape(a7, (KS, 32 * BW)), axis=0))
+        acc = (_sum_share(a0, BW, KS, CS), _sum_share(a1, BW, KS, CS), _sum_share(a2, BW, KS, CS),
+               _sum_share(a3, BW, KS, CS), _sum_share(a4, BW, KS, CS), _sum_share(a5, BW, KS, CS),
+               _sum_share(a6, BW, KS, CS), _sum_share(a7, BW, KS, CS))
     return acc
 
 
 @triton.jit
-def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr):
+def _store_program(out_ptr, acc, pid, split, T, N, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
+                   CS: tl.constexpr = 1):
     """A program's accumulators stored (_store_rows): the KS warps sharing each block's K summed first (Triton
-    reduces across warps), then the block's rows from the first warp of each."""
-    acc = _sum_warp_shares(acc, BW, KS)
-    first_warps = tl.arange(0, 32 * BW)
-    row0 = (pid * BW + first_warps // 32) * 16 + (first_warps % 32) // 4
-    _store_rows(out_ptr, acc, split, T, N, row0, first_warps % 4, NT)
+    reduces across warps), then the block's rows from the first warp of each (of each column tile: its columns 8
+    further)."""
+    acc = _sum_warp_shares(acc, BW, KS, CS)
+    first_warps = tl.arange(0, CS * 32 * BW)
+    tile, slot = first_warps // (32 * BW), first_warps % (32 * BW)
+    row0 = (pid * BW + slot // 32) * 16 + (slot % 32) // 4
+    _store_rows(out_ptr, acc, split, T, N, row0, slot % 4 + 4 * tile, NT)  # columns 2c + 8 * tile
 
 
 @triton.jit
@@ -556,21 +566,23 @@ def _store_swiglu(out_ptr, acc, pid, T, N, KS: tl.constexpr, NT: tl.constexpr):
 def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, N, T, K, BLOCKS, CHUNKS_PER_SPLIT,
                                   G: tl.constexpr, NT: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
                                   BITS: tl.constexpr, X_AHEAD: tl.constexpr, LOAD_ASM: tl.constexpr,
-                                  COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
+                                  COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr, CS: tl.constexpr = 1):
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
     split's float32 partials. X_AHEAD: each chunk's x (of the first column tile) is loaded a chunk ahead, as the code
     words are, instead of inside each group's product right before its mma. SWIGLU (BW = 2, one split): the program
     multiplies block pid of a gate/up pair's gate rows and of its up rows and stores silu(gate) * up (N: the
-    output's width, half the pair's rows)."""
+    output's width, half the pair's rows). CS = 2 (NT = 1, 9-16 rows): the warps repeat for x's second 8-column
+    tile (the same chunks, read again from L1), so each warp multiplies one column tile."""
     pid, split, zero, lane, ca, sa, ha, first, count, c0, c1 = _program_start(
-        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM, SWIGLU)
+        codes_ptr, scales_ptr, high_ptr, BLOCKS, CHUNKS_PER_SPLIT, G, BW, KS, BITS, LOAD_ASM, SWIGLU, CS)
     pdl_wait()
     g, c = lane // 4, lane % 4
+    g = g + 8 * (_thread_ids(zero) // (32 * BW * KS))  # x's rows of this warp's column tile
     xa0 = (x_ptr + tl.minimum(g, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
     xa1 = (x_ptr + tl.minimum(g + 8, T - 1).to(tl.int64) * K + c * 16).to(tl.int64, bitcast=True)
-    f = tl.zeros([32 * BW * KS], tl.float32)
+    f = tl.zeros([32 * BW * KS * CS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
     last = G // 4 - 1
     if X_AHEAD:
@@ -591,15 +603,19 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     if SWIGLU:
         _store_swiglu(out_ptr, acc, pid, T, N, KS, NT)
     else:
-        _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT)
+        _store_program(out_ptr, acc, pid, split, T, N, BW, KS, NT, CS)
 
 
 # warps: per program; ksplit 0 chooses the warps sharing a block's K per product (fragment_shape); xahead N >= 1 loads
 # x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead); xwide 1
-# loads the first column tile's x a chunk ahead at 9-16 rows too, 0 never, -1 by the measured rule.
-# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide]]]
-FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE", ("hint", "warps", "programs", "ksplit", "xahead", "xwide"),
-                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": -1})
+# loads the first column tile's x a chunk ahead at 9-16 rows too, 0 never, -1 by the measured rule; tiles 2 splits
+# 9-16 rows' two 8-column tiles of x across twice the warps of a program (each then multiplies one tile, as at 8 rows;
+# the second warp's chunk loads hit L1), 1 keeps both in each warp (not yet measured, so 1).
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide[,tiles]]]]
+FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE",
+                                  ("hint", "warps", "programs", "ksplit", "xahead", "xwide", "tiles"),
+                                  {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": -1,
+                                   "tiles": 1})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -723,9 +739,11 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
 
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
-                          ksplit: int | None = None, xahead: int | None = None) -> torch.Tensor | SplitPartials:
+                          ksplit: int | None = None, xahead: int | None = None,
+                          tiles: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
-    ahead (loads_x_ahead)."""
+    ahead (loads_x_ahead); `tiles` (else FRAGMENT_TUNING's): 9-16 rows' two 8-column tiles of x in each warp (1)
+    or split across twice the warps (2: the kernel's CS; each warp then as at 8 rows, x ahead by its rule)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -733,9 +751,10 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     x = aligned_rows(x)
     warps = warps or FRAGMENT_TUNING["warps"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    nt = 1 if t <= 8 else 2
+    cs = 2 if t > 8 and (FRAGMENT_TUNING["tiles"] if tiles is None else tiles) == 2 else 1
+    nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
     bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
-    x_ahead = loads_x_ahead(t, xahead, fp.fmt.bits, (bw, ks, split, size))
+    x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size))
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
@@ -744,7 +763,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
                                                                  x_regs=x_ahead),
-                                        SWIGLU=False, num_warps=bw * ks, **LAUNCH)
+                                        SWIGLU=False, CS=cs, num_warps=bw * ks * cs, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 
