@@ -383,20 +383,22 @@ def head_main(out: str) -> None:
     """The output head (Q6 248320x5120) at T = 1, 2, 4, 8, 12, 16: the runtime's path on the artifact's planes (T = 1
     the dp4a GEMV, row blocks the int8 tensor-core kernel: "planes") against the fragment-order kernel over a copy of
     the head in fragment order (NINFER_HEAD_FRAGMENT): fragment_shape's loop with x in place ("frag"), x a chunk
-    ahead ("xahead", T <= 8; 156 registers against 96), 4 warps sharing K ("ks4"); µs and fraction of copy."""
+    ahead ("xahead", T <= 8; 156 registers against 96), 4 warps sharing K ("ks4"), 9-16 rows' column tiles split
+    across warps ("split"); µs and fraction of copy."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     label, n, k, fmt = SHAPES[4]
     w, nbytes, row, rotating = _rotating(label, n, k, fmt)
     copies = {id(c): fl.fragment_copy(c) for c in rotating.weights}
-    variants = {"frag": {"xahead": 0}, "xahead": {"xahead": 1}, "ks4": {"xahead": 0, "ksplit": 4}}
+    variants = {"frag": {"xahead": 0}, "xahead": {"xahead": 1}, "ks4": {"xahead": 0, "ksplit": 4},
+                "split": {"xahead": 0, "tiles": 2}}  # 9-16 rows: the column tiles on twice the warps
     for t in (1, 2, 4, 8, 12, 16):
         x, y = _xy(t, k, n)
         us = rotating(lambda w: ql.qlinear(x, w, out=y))
         row[f"t{t}_planes_us"], row[f"t{t}_planes_frac"] = us, nbytes / (us * 1e-6) / peak
         for name, kwargs in variants.items():
-            if name == "xahead" and t > 8:
+            if name == "xahead" and t > 8 or name == "split" and t <= 8:
                 continue
             us = rotating(lambda w: fl.qgemm_fragment_layout(x, copies[id(w)], y, **kwargs))
             row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
