@@ -497,7 +497,8 @@ s38)  # next session (~400 s): session 34's CPU-built options — GPU tests (Q6 
     echo "spec lanes tiles=$tiles t=$(el)"
   done
   ;;
-s38b)  # next session, right after s38 (~200 s): lanes, batched MTP3 rounds and DFlash2 K = 7 with the output head's
+s38b)  # next session, right after s38 (~260 s): lanes, batched MTP3 rounds and DFlash2 K = 7 (and 35B-A3B lanes) with
+  # the output head's
   # row blocks on the int8 row kernel (off) / the Q6 fragment-order copy (NINFER_HEAD_FRAGMENT=on)
   for hf in off on; do
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
@@ -509,6 +510,9 @@ s38b)  # next session, right after s38 (~200 s): lanes, batched MTP3 rounds and 
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
       --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s38-dflash2-head-$hf.json" 2>&1 | grep "│ bf16"
     echo "dflash2 head fragment $hf t=$(el)"
+    NINFER_HEAD_FRAGMENT=$hf timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
+      --depths 8k --kv-dtype bf16 --json-out "$OUT/s38b-moe-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes head fragment $hf t=$(el)"  # its T = 8 head: 222 us of an 8-lane step (session 29)
   done
   ;;
 s39)  # next session (~300 s): the GDN recurrence's tiles (value columns x warps per program; fewer warps trade the
