@@ -498,8 +498,7 @@ s38)  # next session (~400 s): session 34's CPU-built options — GPU tests (Q6 
   done
   ;;
 s38b)  # next session, right after s38 (~260 s): lanes, batched MTP3 rounds and DFlash2 K = 7 (and 35B-A3B lanes) with
-  # the output head's
-  # row blocks on the int8 row kernel (off) / the Q6 fragment-order copy (NINFER_HEAD_FRAGMENT=on)
+  # the output head's row blocks on the int8 row kernel (off) / the Q6 fragment-order copy (NINFER_HEAD_FRAGMENT=on)
   for hf in off on; do
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
