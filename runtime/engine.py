@@ -33,7 +33,7 @@ from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
-from .kernels.qgemm_fragment_layout import fragment_copy, fragment_rows, fragment_supported, takes_fragment_layout, \
+from .kernels.qgemm_fragment_layout import copy_supported, fragment_copy, fragment_rows, takes_fragment_layout, \
     to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
@@ -221,6 +221,11 @@ class Engine:
         # rows of x a decode step multiplies at most: the lanes' verify blocks when speculating
         self.rows_per_step = self.lanes * (1 + (opts.draft_tokens if opts.spec != "none" else 0))
         self._bind_weights()
+        # memory the plan leaves spare: the head's fragment-order copy first (before _bind_state takes views of the
+        # head), then the weight cache
+        spare = available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes) if on_gpu else 0
+        self.head_fragment_bytes = self._keep_head_fragment(spare) \
+            if on_gpu and HEAD_FRAGMENT == "on" and self.rows_per_step > 1 else 0
         self._bind_state()
         self.vision = None
         if opts.vision:
@@ -263,13 +268,9 @@ class Engine:
         self._graphs: dict[tuple, tuple] = {}
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
         self._ride_pool = None  # memory pool of the prefill-with-riders graphs
-        spare = available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes) if on_gpu else 0
-        self.head_fragment_bytes = 0
-        if on_gpu and HEAD_FRAGMENT == "on" and self.rows_per_step > 1:
-            spare -= self._keep_head_fragment(spare)
         self.weight_cache_bytes = 0
         if on_gpu and opts.weight_cache == "auto" and WEIGHT_CACHE != "off":
-            self._keep_dense_weights(spare)
+            self._keep_dense_weights(spare - self.head_fragment_bytes)
 
     def _keep_head_fragment(self, spare_bytes: int) -> int:
         """NINFER_HEAD_FRAGMENT=on: a fragment-order copy of the output head in memory the plan leaves spare, for
@@ -277,7 +278,7 @@ class Engine:
         GEMV on the artifact's planes. Returns the bytes it took (0: not taken, and why on stderr)."""
         head = self.lin.get("text/output_head")
         w = head.packed if isinstance(head, QuantLinear) else None
-        if w is None or w.fragment is not None or not fragment_supported(w.fmt, w.cols) or w.rows % 16:
+        if w is None or not copy_supported(w):
             print("ninfer: NINFER_HEAD_FRAGMENT=on: the output head is not a Q4/Q5/Q6 matrix the fragment kernel "
                   "takes; its row blocks keep their kernel", file=sys.stderr)
             return 0
@@ -288,7 +289,6 @@ class Engine:
                   "shorter --max-context frees it", file=sys.stderr)
             return 0
         w.rows_fragment = fragment_copy(w)
-        self.head_fragment_bytes = size
         print(f"ninfer: the output head's 2-16-row products on a fragment-order copy in spare memory "
               f"({size / 2**30:.2f} GiB)", file=sys.stderr)
         return size

@@ -285,13 +285,19 @@ def to_fragment_layout(w, order: str | None = None):
     return w
 
 
+def copy_supported(w) -> bool:
+    """Q4/Q5/Q6, K a multiple of 512, whole 16-row blocks, planes not already in fragment order: fragment_copy
+    takes it."""
+    return w.fragment is None and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+
+
 def fragment_copy(w) -> FragmentPlanes:
     """A fragment-order copy of a PackedLinear's planes (pair order) beside them: for a matrix whose one-row
     products stay on the artifact's planes and whose row blocks take the fragment kernel (the output head;
     kernels/qlinear.py's rows_fragment)."""
-    if not fragment_supported(w.fmt, w.cols) or w.rows % ROWS_PER_BLOCK:
-        raise ValueError(f"fragment copy: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6, K a multiple of 512 and "
-                         "rows a multiple of 16")
+    if not copy_supported(w):
+        raise ValueError(f"fragment copy: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6, K a multiple of 512, "
+                         "rows a multiple of 16 and planes in the artifact's order")
     planes = (torch.empty_like(w.base.view(torch.uint8)).view(w.rows, -1),
               torch.empty_like(w.scale.view(torch.float16)).view(w.rows, -1),
               torch.empty_like(w.high.view(torch.uint8)).view(w.rows, -1) if w.high is not None else None)
