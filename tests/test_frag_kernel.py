@@ -100,6 +100,26 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
     return out
 
 
+def _layout_case(kernel_device, fmt, t, seed, cpu_k):
+    """A product for the fragment-order kernel's option tests: its planes, t rows of x and the exact group sums
+    (the GPU takes the MLP down's K and 320 rows; the CPU's interpreter a small K)."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+
+    n, k = (320, 17408) if kernel_device == "cuda" else (40, cpu_k)
+    w = _packed(n, k, fmt, seed=seed, device=kernel_device)
+    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
+    return fragment_planes(w), x, frag.frag_reference(x, w)
+
+
+def _layout_error(x, fp, want, **options) -> float:
+    """The fragment-order kernel's largest error against `want`, relative to its largest value, with `options`."""
+    from runtime.kernels.qgemm_fragment_layout import qgemm_fragment_layout
+
+    y = torch.full((x.shape[0], fp.rows), float("nan"), device=x.device, dtype=torch.float32)
+    qgemm_fragment_layout(x, fp, y, **options)
+    return ((y - want).abs().max() / want.abs().max()).item()
+
+
 @pytest.mark.parametrize("order", ["pairs", "lanes", "bytes"])
 @pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
 @pytest.mark.parametrize("n", [16, 21])
@@ -248,22 +268,17 @@ def test_q6_fragment_order_kernel_on_the_gpu(t, n, k):
 def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     """Warps sharing a block's K in a program (one share empty), K-splits across programs (the last one short)
     and both together give the same product as the group sums."""
-    from runtime.kernels.qgemm_fragment_layout import fragment_planes, fragment_shape, qgemm_fragment_layout
+    from runtime.kernels.qgemm_fragment_layout import fragment_shape
 
-    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2560)
-    w = _packed(n, k, fmt, seed=11, device=kernel_device)
-    fp = fragment_planes(w)
-    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
-    want = frag.frag_reference(x, w)
+    fp, x, want = _layout_case(kernel_device, fmt, t, seed=11, cpu_k=2560)
     # (warps, programs, ksplit, x loaded a chunk ahead)
     configs = ((4, 528, 4, 0), (4, 3, 1, 1), (4, 6, 2, 1)) if kernel_device == "cpu" else \
         ((4, 528, 1, 0), (4, 528, 2, 1), (4, 528, 4, 1), (4, 4000, 4, 1), (8, 2000, 2, 1), (4, 528, 0, 1))
     shapes = set()
     for warps, programs, ksplit, xahead in configs:
         shapes.add(fragment_shape(fp.blocks, fp.groups // 4, warps, programs, ksplit))
-        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
-        qgemm_fragment_layout(x, fp, y, warps=warps, programs=programs, ksplit=ksplit, xahead=xahead)
-        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (warps, programs, ksplit, xahead)
+        error = _layout_error(x, fp, want, warps=warps, programs=programs, ksplit=ksplit, xahead=xahead)
+        assert error < 1e-5, (warps, programs, ksplit, xahead)
     chunks = fp.groups // 4
     last_share = [(splits - 1) * size + (ks - 1) * (size // ks) for _, ks, splits, size in shapes]
     assert max(last_share) >= chunks  # the last split's last warp share starts past K: it sums nothing
@@ -292,34 +307,21 @@ def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkey
     the same sums as the group sums, with warps sharing K and with K split across programs."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
-    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2048)
-    w = _packed(n, k, fmt, seed=13, device=kernel_device)
-    fp = fl.fragment_planes(w)
-    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
-    want = frag.frag_reference(x, w)
+    fp, x, want = _layout_case(kernel_device, fmt, t, seed=13, cpu_k=2048)
     monkeypatch.setitem(fl.FRAGMENT_TUNING, "xwide", 1)
     assert fl.loads_x_ahead(t) and not fl.loads_x_ahead(t, 0)
     for programs, ksplit in ((528, 2), (3, 1)):
-        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
-        fl.qgemm_fragment_layout(x, fp, y, warps=4, programs=programs, ksplit=ksplit)
-        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (programs, ksplit)
+        assert _layout_error(x, fp, want, warps=4, programs=programs, ksplit=ksplit) < 1e-5, (programs, ksplit)
 
 
 @pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 11), ("Q6G64_F16S", 9)])
 def test_column_tiles_split_across_warps(kernel_device, fmt, t):
     """tiles = 2: 9-16 rows' two 8-column tiles of x on twice the warps (each warp one tile over the same chunks),
     with warps sharing K, K split across programs, x in place and ahead: the group sums."""
-    from runtime.kernels import qgemm_fragment_layout as fl
-
-    n, k = (320, 17408) if kernel_device == "cuda" else (40, 2048)
-    w = _packed(n, k, fmt, seed=17, device=kernel_device)
-    fp = fl.fragment_planes(w)
-    x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
-    want = frag.frag_reference(x, w)
+    fp, x, want = _layout_case(kernel_device, fmt, t, seed=17, cpu_k=2048)
     for programs, ksplit, xahead in ((528, 2, 0), (3, 1, 1), (528, 4, -1)):
-        y = torch.full((t, n), float("nan"), device=kernel_device, dtype=torch.float32)
-        fl.qgemm_fragment_layout(x, fp, y, warps=4, programs=programs, ksplit=ksplit, xahead=xahead, tiles=2)
-        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, (programs, ksplit, xahead)
+        error = _layout_error(x, fp, want, warps=4, programs=programs, ksplit=ksplit, xahead=xahead, tiles=2)
+        assert error < 1e-5, (programs, ksplit, xahead)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate
