@@ -73,9 +73,8 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     (words: each operand one loaded register, so no instruction waits on a load before the group's turn)
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
     halves (unused for Q4; Q6: 64 bits, row g's 32 then row g + 8's, see _q6_pair), $22/$23 x addresses (a thread's
-    16 lanes of x: two 16-byte loads). `x_regs` (words): the
-    first column tile's x comes in loaded, $22-$29 (_X_GROUP_ASM), instead of as an address; with two column tiles
-    $30 is the second tile's x address.
+    16 lanes of x: two 16-byte loads). `x_regs` (words): the first column tile's x comes in loaded, $22-$29
+    (_X_GROUP_ASM), instead of as an address; with two column tiles $30 is the second tile's x address.
 
     `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
