@@ -365,7 +365,7 @@ def shapes_main(out: str) -> None:
             for name, kwargs in variants.items():
                 if name == "xahead" and t > 8 or name.startswith(("xwide", "split")) and t <= 8:
                     continue
-                fl.FRAGMENT_KS_RULE = name in ("chosen", "xahead", "xwide", "xwide4", "split", "splitx")
+                fl.FRAGMENT_KS_RULE = name != "loop"  # (the ks variants name their warps sharing K themselves)
                 wide = fl.FRAGMENT_TUNING["xwide"]
                 fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
