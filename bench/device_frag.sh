@@ -36,6 +36,7 @@
 #                        bash bench/device_frag.sh s38b      # lanes, MTP3, DFlash2 with the Q6 head copy off / on
 #                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
 #                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
+#                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -498,8 +499,8 @@ s38)  # next session (~400 s): session 34's CPU-built options — GPU tests (Q6 
   done
   ;;
 s38b)  # next session, right after s38 (~260 s): lanes, batched MTP3 rounds and DFlash2 K = 7 (and 35B-A3B lanes) with
-  # the output head's row blocks on the int8 row kernel (off) / the Q6 fragment-order copy (NINFER_HEAD_FRAGMENT=on)
-  for hf in off on; do
+  # the output head's row blocks on the int8 row kernel (off) / in fragment order (auto; session 35: then a copy, "on")
+  for hf in off auto; do
     NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
       --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
     echo "lanes head fragment $hf t=$(el)"
@@ -545,6 +546,28 @@ s40)  # next session (~250 s): one plain lane with GDN qkvz and attention qgkv i
     NINFER_FRAGMENT_ONE_LANE=$q timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s40-profile${q:+-qkv}.json" \
       decode bf16 2>&1 | grep -A12 "kernel time" | cut -c1-150
     echo "profile NINFER_FRAGMENT_ONE_LANE='$q' t=$(el)"
+  done
+  ;;
+s41)  # session 35 (~450 s): the output head in fragment order in place by default (one row too) and 9-16 rows' column
+  # tiles split for GDN qkvz / attention qgkv by rule — GPU tests; one lane against the head on the artifact's planes
+  # (alternated twice); lanes; batched MTP3 rounds and DFlash2 K = 7, with and without --draft-vocab 32768
+  timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
+    tests/test_engine.py -k "column_tile or q6_head or fragment_kernels_in_the_engine" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  ONE_TIMEOUT=120 one warm NINFER_HEAD_FRAGMENT=auto  # compiles on a cold machine; not compared
+  for run in 1 2; do
+    one "head-planes-$run" NINFER_HEAD_FRAGMENT=off
+    one "head-fragment-$run" NINFER_HEAD_FRAGMENT=auto
+  done
+  timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s41-lanes.json" 2>&1 | grep "│ bf16"
+  echo "lanes t=$(el)"
+  for vocab in 0 32768; do
+    timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
+      --decode-tokens 32 --draft-vocab $vocab --json-out "$OUT/s41-spec-vocab-$vocab.json" 2>&1 | grep "│ bf16"
+    echo "spec lanes draft vocab $vocab t=$(el)"
+    timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 \
+      --decode-tokens 64 --draft-vocab $vocab --json-out "$OUT/s41-dflash2-vocab-$vocab.json" 2>&1 | grep "│ bf16"
+    echo "dflash2 draft vocab $vocab t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

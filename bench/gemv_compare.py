@@ -342,20 +342,24 @@ def shapes_main(out: str) -> None:
     alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
     picks ("chosen": the measured rule, x in place), and that shape with x loaded a chunk ahead ("xahead", T <= 8;
     "xwide", 9-16 rows: the first column tile's x; "xwide4": that with 4 warps sharing K; "split" / "splitx": 9-16
-    rows' two column tiles on twice the warps, x in place / ahead); µs and fraction of copy.
+    rows' two column tiles on twice the warps, x in place / ahead), and every measured rule ("engine"); µs and
+    fraction of copy.
     The "chosen" columns keep x in place; the engine's own rule is loads_x_ahead."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     rows = []
     setting = fl.FRAGMENT_KS_RULE
-    variants = {"loop": {"xahead": 0}, "ks1": {"ksplit": 1, "xahead": 0}, "ks2": {"ksplit": 2, "xahead": 0},
-                "ks4": {"ksplit": 4, "xahead": 0}, "chosen": {"xahead": 0},
+    one = {"tiles": 1}  # 9-16 rows: both column tiles in each warp
+    variants = {"loop": {"xahead": 0, **one}, "ks1": {"ksplit": 1, "xahead": 0, **one},
+                "ks2": {"ksplit": 2, "xahead": 0, **one}, "ks4": {"ksplit": 4, "xahead": 0, **one},
+                "chosen": {"xahead": 0, **one},
                 "xahead": {"xahead": 1},  # the chosen shape, x loaded a chunk ahead (T <= 8; the engine's: a rule)
-                "xwide": {},  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
-                "xwide4": {"ksplit": 4},  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
+                "xwide": one,  # 9-16 rows: the chosen shape with the first column tile's x a chunk ahead (xwide)
+                "xwide4": {"ksplit": 4, **one},  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
                 "split": {"tiles": 2, "xahead": 0},  # 9-16 rows: the column tiles on twice the warps, x in place
-                "splitx": {"tiles": 2, "xahead": 1}}  # the same, x a chunk ahead
+                "splitx": {"tiles": 2, "xahead": 1},  # the same, x a chunk ahead
+                "engine": {}}  # every measured rule (x ahead, xwide, split tiles): what the engine runs
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -367,7 +371,7 @@ def shapes_main(out: str) -> None:
                     continue
                 fl.FRAGMENT_KS_RULE = name != "loop"  # (the ks variants name their warps sharing K themselves)
                 wide = fl.FRAGMENT_TUNING["xwide"]
-                fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide
+                fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide if name == "engine" else 0
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 fl.FRAGMENT_TUNING["xwide"] = wide
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak

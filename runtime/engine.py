@@ -33,8 +33,8 @@ from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
-from .kernels.qgemm_fragment_layout import copy_supported, fragment_copy, fragment_rows, takes_fragment_layout, \
-    to_fragment_layout
+from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_place_supported, \
+    takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
                              qlinear_swiglu, takes_quantized_x)
@@ -60,9 +60,9 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 # Opt-in (NINFER_MOE_SHARED_APART=4, say): with NINFER_DENSE_ROWS=on at 2 rows it did not gain on an H100 (session
 # 32, bench/RESULTS.md §2): the three launches more cost what the rows' repeated reads of the shared matrices do.
 MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
-# the output head's 2-16-row products on the fragment kernel over a fragment-order copy in memory the plan leaves
-# spare (Engine._keep_head_fragment; built on a CPU, not yet measured on a GPU, so off unless NINFER_HEAD_FRAGMENT=on)
-HEAD_FRAGMENT = os.environ.get("NINFER_HEAD_FRAGMENT", "off")
+# the output head in fragment order, in place (Engine._lays_out_head): auto, or off (the artifact's planes: the dp4a
+# GEMV and the int8 row kernels) for side-by-side runs
+HEAD_FRAGMENT = os.environ.get("NINFER_HEAD_FRAGMENT", "auto")
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
 WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
@@ -145,17 +145,20 @@ class QuantLinear:
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
-        if p.fragment is not None:  # row views of fragment order would mix 16-row blocks
-            raise ValueError("QuantLinear.rows: the planes are in fragment order (only whole layer products are)")
+        if p.fragment is not None:  # fragment order is block-major: a view of the first whole 16-row blocks only
+            if begin or end % ROWS_PER_BLOCK:
+                raise ValueError(f"QuantLinear.rows: rows {begin}..{end} of planes in fragment order (the first "
+                                 f"rows only, a multiple of {ROWS_PER_BLOCK})")
+            fp = fragment_rows(p.fragment, end)
+            view = PackedLinear(fp.codes, fp.high, fp.scales, end, p.cols, p.fmt)
+            view.fragment = fp
+            return QuantLinear(view)
         g = p.groups_per_row
         f = p.fmt
         base = p.base.view(p.rows, -1)[begin:end].reshape(-1)
         high = p.high.view(p.rows, -1)[begin:end].reshape(-1) if p.high is not None else None
         scale = p.scale.view(p.rows, g)[begin:end].reshape(-1)
-        view = PackedLinear(base, high, scale, end - begin, p.cols, f)
-        if p.rows_fragment is not None and begin == 0 and end % 16 == 0:  # the head's first rows (--draft-vocab)
-            view.rows_fragment = fragment_rows(p.rows_fragment, end)
-        return QuantLinear(view)
+        return QuantLinear(PackedLinear(base, high, scale, end - begin, p.cols, f))
 
 
 @dataclass
@@ -220,12 +223,10 @@ class Engine:
         self.lanes = opts.max_concurrency
         # rows of x a decode step multiplies at most: the lanes' verify blocks when speculating
         self.rows_per_step = self.lanes * (1 + (opts.draft_tokens if opts.spec != "none" else 0))
+        if HEAD_FRAGMENT not in ("auto", "off"):
+            raise MemoryPlanError(f"NINFER_HEAD_FRAGMENT={HEAD_FRAGMENT!r} is not a head path; use auto or off (or "
+                                  "unset it)")
         self._bind_weights()
-        # memory the plan leaves spare: the head's fragment-order copy first (before _bind_state takes views of the
-        # head), then the weight cache
-        spare = available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes) if on_gpu else 0
-        self.head_fragment_bytes = self._keep_head_fragment(spare) \
-            if on_gpu and HEAD_FRAGMENT == "on" and self.rows_per_step > 1 else 0
         self._bind_state()
         self.vision = None
         if opts.vision:
@@ -245,9 +246,6 @@ class Engine:
         if ATTENTION_LAUNCHES not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_ATTENTION_LAUNCHES={ATTENTION_LAUNCHES!r} is not an attention path; use "
                                   "fused or separate (or unset it)")
-        if HEAD_FRAGMENT not in ("on", "off"):
-            raise MemoryPlanError(f"NINFER_HEAD_FRAGMENT={HEAD_FRAGMENT!r} is not a head path; use on or off (or "
-                                  "unset it)")
         if WEIGHT_CACHE not in ("auto", "off"):
             raise MemoryPlanError(f"NINFER_WEIGHT_CACHE={WEIGHT_CACHE!r} is not a weight-cache mode; use auto or off "
                                   "(or unset it)")
@@ -270,28 +268,7 @@ class Engine:
         self._ride_pool = None  # memory pool of the prefill-with-riders graphs
         self.weight_cache_bytes = 0
         if on_gpu and opts.weight_cache == "auto" and WEIGHT_CACHE != "off":
-            self._keep_dense_weights(spare - self.head_fragment_bytes)
-
-    def _keep_head_fragment(self, spare_bytes: int) -> int:
-        """NINFER_HEAD_FRAGMENT=on: a fragment-order copy of the output head in memory the plan leaves spare, for
-        its 2-16-row products (several lanes, verify blocks, drafts of several lanes); one row keeps the dp4a
-        GEMV on the artifact's planes. Returns the bytes it took (0: not taken, and why on stderr)."""
-        head = self.lin.get("text/output_head")
-        w = head.packed if isinstance(head, QuantLinear) else None
-        if w is None or not copy_supported(w):
-            print("ninfer: NINFER_HEAD_FRAGMENT=on: the output head is not a Q4/Q5/Q6 matrix the fragment kernel "
-                  "takes; its row blocks keep their kernel", file=sys.stderr)
-            return 0
-        size = sum(t.numel() * t.element_size() for t in (w.base, w.high, w.scale) if t is not None)
-        if size > spare_bytes:
-            print(f"ninfer: NINFER_HEAD_FRAGMENT=on: the output head's fragment-order copy ({size / 2**30:.2f} GiB) "
-                  f"does not fit the memory the plan leaves spare ({max(spare_bytes, 0) / 2**30:.2f} GiB); a "
-                  "shorter --max-context frees it", file=sys.stderr)
-            return 0
-        w.rows_fragment = fragment_copy(w)
-        print(f"ninfer: the output head's 2-16-row products on a fragment-order copy in spare memory "
-              f"({size / 2**30:.2f} GiB)", file=sys.stderr)
-        return size
+            self._keep_dense_weights(available_bytes - self.plan.total_bytes - weight_cache_reserve(card_bytes))
 
     def _keep_dense_weights(self, spare_bytes: int) -> None:
         """Memory the plan leaves unused (the context asked for is shorter than the card allows) holds dense
@@ -308,6 +285,15 @@ class Engine:
 
     # --- binding ------------------------------------------------------------------------
 
+    def _lays_out_head(self, name: str, packed: PackedLinear) -> bool:
+        """Whether the output head goes to fragment order (in place; NINFER_HEAD_FRAGMENT=auto): a Q6 head (the Q4 and
+        Q5 recipes') wherever fragment order is on, at one row too (H100, session 35, the 27B head: one row 321.9
+        against 350.5 us on the dp4a GEMV, 2-16 rows 324.8-400.9 against 477.3-671.5 on the int8 row kernels:
+        `bench/gemv_compare.py OUT head`); a Q4/Q5 head as the layer products of that width."""
+        if name != "text/output_head" or HEAD_FRAGMENT != "auto" or not in_place_supported(packed):
+            return False
+        return fragment_layout_enabled(self.rows_per_step if packed.fmt.bits != 6 else 2, packed.fmt.bits)
+
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
         routers: dict[str, torch.Tensor] = {}
@@ -320,7 +306,7 @@ class Engine:
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 if fragment_layout_enabled(self.rows_per_step, fmt.bits, r.name) \
-                        and takes_fragment_layout(r.name, packed):
+                        and takes_fragment_layout(r.name, packed) or self._lays_out_head(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
                 self.lin[r.name] = QuantLinear(packed)
                 continue
@@ -388,8 +374,12 @@ class Engine:
         self.checkpoint_at = [0] * lanes
         # --draft-vocab: drafts from the output head's first rows (token ids 0..N-1; BPE ids run roughly from
         # frequent to rare), a view of its planes
-        self.draft_head = self.lin["text/output_head"].rows(0, min(self.opts.draft_vocab, self.token_limit)) \
-            if self.opts.draft_vocab else None
+        self.draft_head = None
+        if self.opts.draft_vocab:
+            head, n = self.lin["text/output_head"], min(self.opts.draft_vocab, self.token_limit)
+            if getattr(head, "packed", None) is not None and head.packed.fragment is not None:
+                n = max(n - n % ROWS_PER_BLOCK, ROWS_PER_BLOCK)  # whole 16-row blocks of fragment order
+            self.draft_head = head.rows(0, n)
         # the speculative decoder (runtime/speculate.py), None without --spec
         self.speculator = None
         if self.opts.spec == "mtp":

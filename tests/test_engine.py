@@ -448,7 +448,7 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all(engine.lin[n].packed.fragment is not None for n in layout)
     with pytest.raises(ValueError, match="fragment order"):
-        engine.lin[layout[0]].rows(0, 16)
+        engine.lin[layout[0]].rows(16, 32)
     assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
     # auto: one plain lane keeps its Q4 products on the artifact's planes; several lanes (or verify blocks) take
     # fragment order
@@ -456,11 +456,37 @@ def test_wide_model_products_reach_the_fragment_kernels(wide_q4, monkeypatch):
     two_lanes = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128, max_concurrency=2), device="cpu")
     assert two_lanes.rows_per_step == 2
     assert all(two_lanes.lin[n].packed.fragment is not None for n in layout)
-    assert two_lanes.fragment_order_products == len(layout)  # the server's start-up line reports it
+    assert two_lanes.fragment_order_products == len(layout) + 1  # and the Q6 head; the server's start-up line
     engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
     assert all((engine.lin[n].packed.fragment is not None) == (engine.lin[n].packed.fmt.bits == 5) for n in layout)
     assert any(engine.lin[n].packed.fmt.bits == 5 for n in layout) and any(engine.lin[n].packed.fmt.bits == 4
                                                                           for n in layout)
+
+
+def test_the_q6_head_in_fragment_order(wide_q4, monkeypatch):
+    """A Q6 output head goes to fragment order in place even for one plain lane (NINFER_HEAD_FRAGMENT=auto): the
+    engine still generates the reference's tokens, --draft-vocab's view takes whole 16-row blocks of it (the
+    logits of those token ids), and NINFER_HEAD_FRAGMENT=off keeps the artifact's planes; a bad value is refused."""
+    import runtime.engine as engine_module
+
+    engine = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    head = engine.lin["text/output_head"]
+    assert head.packed.fmt.bits == 6 and head.packed.fragment is not None
+    assert engine.generate(PROMPT, NEW) == _reference(wide_q4, PROMPT, NEW)
+    h = torch.randn(3, head.packed.cols)
+    first = head.rows(0, 288)
+    assert first.packed.rows == 288 and torch.allclose(first(h), head(h)[:, :288], atol=1e-5)
+    with pytest.raises(ValueError, match="the first rows only"):
+        head.rows(16, 32)
+    with pytest.raises(ValueError, match="the first rows only"):
+        head.rows(0, 300)
+    monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "off")
+    planes = Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
+    assert planes.lin["text/output_head"].packed.fragment is None
+    assert torch.allclose(planes.lin["text/output_head"](h), head(h), atol=1e-5)
+    monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "on")
+    with pytest.raises(MemoryPlanError, match="NINFER_HEAD_FRAGMENT='on' is not a head path; use auto or off"):
+        Engine(wide_q4, PlanOptions(max_context=128, prefill_chunk=128), device="cpu")
 
 
 @pytest.mark.parametrize("int8", ["q5", "on"])
@@ -493,7 +519,7 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
     layout: every 1..16-row product in fragment order; int8: NINFER_FRAGMENT_INT8=on, those products on the int8
     kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch; head:
-    NINFER_HEAD_FRAGMENT=on, the Q6 output head's row blocks on a fragment-order copy) matches the reference
+    the Q6 output head in fragment order, against NINFER_HEAD_FRAGMENT=off) matches the reference
     runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
     import runtime.engine as engine_module
     from runtime.kernels import qgemm_fragment_layout as fl
@@ -501,7 +527,6 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
 
     head = mode == "head"
     if head:
-        monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "on")
         mode = "auto"
     if mode == "int8":
         monkeypatch.setattr(fl, "FRAGMENT_INT8", "on")
@@ -512,7 +537,7 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
     if head:
-        assert engine.head_fragment_bytes > 0 and engine.lin["text/output_head"].packed.rows_fragment is not None
+        assert engine.lin["text/output_head"].packed.fragment is not None
     if mode != "rows":
         assert any(getattr(lin, "packed", None) is not None and lin.packed.fragment is not None
                    for lin in engine.lin.values())
@@ -521,7 +546,7 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     steps, first = {}, None
     for m in (mode, "off"):  # fresh engines: the layout is chosen at bind
         monkeypatch.setattr(ql, "FRAG_MODE", m)
-        monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "on" if head and m != "off" else "off")
+        monkeypatch.setattr(engine_module, "HEAD_FRAGMENT", "auto" if m != "off" else "off")
         e = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)
         prefilled = [int(e.prefill(lane, p).argmax()) for lane, p in enumerate(prompts)]
         first = first or prefilled  # the same next tokens for both (a near tie may round either way)

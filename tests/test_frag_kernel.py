@@ -324,6 +324,19 @@ def test_column_tiles_split_across_warps(kernel_device, fmt, t):
         assert error < 1e-5, (programs, ksplit, xahead)
 
 
+def test_the_column_tile_split_rule():
+    """By default (tiles -1) only 9-16-row Q4 products with two warps sharing K in one split (GDN qkvz, attention
+    qgkv) split their column tiles across warps; 1 never, 2 always at 9-16 rows; never at 8 rows or fewer."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    assert fl.splits_column_tiles(12, 4, (2, 2, 1, 0), -1) and fl.splits_column_tiles(16, 4, (2, 2, 1, 0), -1)
+    assert not fl.splits_column_tiles(8, 4, (2, 2, 1, 0), -1)
+    assert not fl.splits_column_tiles(16, 4, (1, 4, 1, 0), -1)  # gate_up: 4 warps share K
+    assert not fl.splits_column_tiles(16, 5, (2, 2, 1, 0), -1) and not fl.splits_column_tiles(16, 4, (2, 2, 3, 0), -1)
+    assert not fl.splits_column_tiles(16, 4, (2, 2, 1, 0), 1)
+    assert fl.splits_column_tiles(9, 5, (1, 4, 4, 0), 2) and not fl.splits_column_tiles(8, 5, (1, 4, 4, 0), 2)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # sigmoid of a large negative gate
 @pytest.mark.parametrize("fmt,t,ks", [("Q4G64_F16S", 1, 2), ("Q5G64_F16S", 5, 4), ("Q4G64_F16S", 11, 1)])
 def test_swiglu_in_the_gate_up_launch_is_the_product_then_swiglu(kernel_device, fmt, t, ks):
@@ -552,8 +565,8 @@ def test_int8_fragment_kernel_on_the_gpu(fmt, t, n, k):
 
 
 def test_fragment_copy_and_its_first_rows_are_the_fragment_planes():
-    """The output head's fragment-order copy (built in row steps beside the artifact's planes) is fragment_planes'
-    permutation; its first-rows view (--draft-vocab's head) is the permutation of those rows."""
+    """A Q6 fragment-order copy (built in row steps beside the artifact's planes) is fragment_planes' permutation;
+    its first-rows view (--draft-vocab's head) is the permutation of those rows."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     w = _packed(48, 1024, "Q6G64_F16S", seed=3)
@@ -572,24 +585,6 @@ def test_fragment_copy_and_its_first_rows_are_the_fragment_planes():
     assert torch.equal(head.scales, first.scales) and head.rows == 32
     with pytest.raises(ValueError, match="whole 16-row blocks"):
         fl.fragment_rows(copy, 20)
-
-
-def test_qlinear_takes_the_rows_fragment_copy_for_row_blocks_only(monkeypatch):
-    """With a fragment-order copy beside the planes (NINFER_HEAD_FRAGMENT), 2-16 bf16 rows go to the fragment-order
-    kernel over the copy; one row keeps the artifact's planes."""
-    from runtime.kernels import qlinear as ql
-    from runtime.kernels.qgemm_fragment_layout import fragment_copy
-
-    w = _packed(32, 512, "Q6G64_F16S", seed=4)
-    w.rows_fragment = fragment_copy(w)
-    calls = []
-    monkeypatch.setattr(ql, "torch_path", lambda x: False)
-    monkeypatch.setattr(ql, "interpreted", lambda: False)
-    monkeypatch.setattr(ql, "qgemm_fragment_layout", lambda x, fp, y, defer_sum=False: calls.append((x.shape[0], fp)) or y)
-    monkeypatch.setattr(ql, "_gemv_vec", lambda x, w, y, xq, defer: calls.append((1, None)) or y)
-    for t in (1, 4, 16):
-        ql.qlinear(torch.zeros(t, 512, dtype=torch.bfloat16), w)
-    assert [(t, fp is w.rows_fragment) for t, fp in calls] == [(1, False), (4, True), (16, True)]
 
 
 def test_one_lane_engines_lay_out_the_named_products(monkeypatch):

@@ -238,16 +238,16 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 
 
 def in_place_supported(w) -> bool:
-    """Q4/Q5, K a multiple of 512 (so the planes have no K padding) and whole 16-row blocks (no row padding):
-    the fragment-order planes then fill exactly the artifact's plane bytes. Q6 layer products (the q6 recipe) keep
-    the artifact's planes until the Q6 kernel is measured; the output head takes a copy (fragment_copy)."""
-    return w.fmt.bits in FRAG_BITS and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+    """Q4/Q5/Q6, K a multiple of 512 (so the planes have no K padding) and whole 16-row blocks (no row padding):
+    the fragment-order planes then fill exactly the artifact's plane bytes."""
+    return w.fmt.bits in LAYOUT_BITS and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
 
 
 def takes_fragment_layout(name: str, w) -> bool:
-    """Whether the engine re-lays out object `name` (a PackedLinear) in fragment order."""
+    """Whether the engine re-lays out layer product `name` (a PackedLinear) in fragment order: Q4/Q5 (Q6 layer
+    products, the q6 recipe's, keep the artifact's planes until their kernel is measured as the head's was)."""
     return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
-            and in_place_supported(w))
+            and w.fmt.bits in FRAG_BITS and in_place_supported(w))
 
 
 def _permute_rows(w, order: str, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> FragmentPlanes:
@@ -288,13 +288,12 @@ def to_fragment_layout(w, order: str | None = None):
 def copy_supported(w) -> bool:
     """Q4/Q5/Q6, K a multiple of 512, whole 16-row blocks, planes not already in fragment order: fragment_copy
     takes it."""
-    return w.fragment is None and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+    return w.fragment is None and in_place_supported(w)
 
 
 def fragment_copy(w) -> FragmentPlanes:
-    """A fragment-order copy of a PackedLinear's planes (pair order) beside them: for a matrix whose one-row
-    products stay on the artifact's planes and whose row blocks take the fragment kernel (the output head;
-    kernels/qlinear.py's rows_fragment)."""
+    """A fragment-order copy of a PackedLinear's planes (pair order) beside them, the artifact's planes kept: for
+    side-by-side measurements of one matrix on both (bench/gemv_compare.py head)."""
     if not copy_supported(w):
         raise ValueError(f"fragment copy: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6, K a multiple of 512, "
                          "rows a multiple of 16 and planes in the artifact's order")
@@ -616,12 +615,12 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
 # x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead); xwide 1
 # loads the first column tile's x a chunk ahead at 9-16 rows too, 0 never, -1 by the measured rule; tiles 2 splits
 # 9-16 rows' two 8-column tiles of x across twice the warps of a program (each then multiplies one tile, as at 8 rows;
-# the second warp's chunk loads hit L1), 1 keeps both in each warp (not yet measured, so 1).
+# the second warp's chunk loads hit L1), 1 keeps both in each warp, -1 by the measured rule (splits_column_tiles).
 # side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide[,tiles]]]]
 FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE",
                                   ("hint", "warps", "programs", "ksplit", "xahead", "xwide", "tiles"),
                                   {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": -1,
-                                   "tiles": 1})
+                                   "tiles": -1})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -743,13 +742,28 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     return 2 <= t <= 8
 
 
+# 9-16 rows' column tiles split across twice the warps, the measured rule. H100, session 35 (`bench/gemv_compare.py
+# OUT shapes`, x ahead by its rule in each warp): faster for the Q4 products whose two warps share K in one split
+# (GDN qkvz T = 12 28.9 -> 26.0 us, T = 16 29.4 -> 26.9; attention qgkv 26.9 -> 24.7, 27.4 -> 25.4), slower for the
+# rest (MLP gate_up T = 16 51.5 -> 66.0 against its first tile's x ahead, MLP down 30.4 -> 47.1, GDN out 13.0 ->
+# 18.7): with it on every product 4 lanes of batched MTP3 rounds took 16.36 -> 20.14 ms.
+def splits_column_tiles(t: int, bits: int, shape: tuple[int, int, int, int], tiles: int | None = None) -> bool:
+    """Whether a t-row product of `bits`-bit codes launched in `shape` (layout_shape's) splits its two column tiles
+    across twice the warps: `tiles` (else FRAGMENT_TUNING's) 2 always at 9-16 rows, 1 never, -1 the rule above."""
+    tiles = FRAGMENT_TUNING["tiles"] if tiles is None else tiles
+    if t <= 8 or tiles == 1:
+        return False
+    return tiles == 2 or bits == 4 and shape[1] == 2 and shape[2] == 1
+
+
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xahead: int | None = None,
                           tiles: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
-    ahead (loads_x_ahead); `tiles` (else FRAGMENT_TUNING's): 9-16 rows' two 8-column tiles of x in each warp (1)
-    or split across twice the warps (2: the kernel's CS; each warp then as at 8 rows, x ahead by its rule)."""
+    ahead (loads_x_ahead); `tiles` (else FRAGMENT_TUNING's): 9-16 rows' two 8-column tiles of x in each warp (1),
+    split across twice the warps (2: the kernel's CS; each warp then as at 8 rows, x ahead by its rule) or by the
+    measured rule (-1: splits_column_tiles)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -757,9 +771,9 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     x = aligned_rows(x)
     warps = warps or FRAGMENT_TUNING["warps"]
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    cs = 2 if t > 8 and (FRAGMENT_TUNING["tiles"] if tiles is None else tiles) == 2 else 1
-    nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
     bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
+    cs = 2 if splits_column_tiles(t, fp.fmt.bits, (bw, ks, split, size), tiles) else 1
+    nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
     x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size))
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes

@@ -494,9 +494,6 @@ class PackedLinear:
         self.groups_per_row = self.k_pad // fmt.group_size
         self._dense: torch.Tensor | None = None
         self.fragment = None  # FragmentPlanes when the planes were re-laid out in fragment order
-        # a fragment-order copy beside the planes for 2-16 rows (the output head, NINFER_HEAD_FRAGMENT): one row
-        # stays on the artifact's planes and the dp4a GEMV
-        self.rows_fragment = None
         self.resident_dense: torch.Tensor | None = None  # the prefill GEMM's operand kept (keep_dense_copies)
 
     def dense(self) -> torch.Tensor:
@@ -581,8 +578,6 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
         if w.fragment.order == "bytes":
             return qgemm_fragment_int8(x, w, y, xq, defer_sum=defer_sum)
         return qgemm_fragment_layout(x, w.fragment, y, defer_sum=defer_sum)
-    if w.rows_fragment is not None and t > 1 and x.dtype == torch.bfloat16 and not interpreted():
-        return qgemm_fragment_layout(x, w.rows_fragment, y, defer_sum=defer_sum)
     if x.dtype == torch.bfloat16 and uses_frag(w, t):
         return qgemm_rows_frag(x, w, y, defer_sum=defer_sum)
     if t == 1:
