@@ -37,6 +37,7 @@
 #                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
 #                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
+#                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -568,6 +569,25 @@ s41)  # session 35 (~450 s): the output head in fragment order in place by defau
     timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 \
       --decode-tokens 64 --draft-vocab $vocab --json-out "$OUT/s41-dflash2-vocab-$vocab.json" 2>&1 | grep "│ bf16"
     echo "dflash2 draft vocab $vocab t=$(el)"
+  done
+  ;;
+s42)  # next session (~400 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
+  # input projection, the DFlash2 drafter's whole products) — GPU tests, per product against the runtime's W8 path,
+  # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on
+  timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
+    tests/test_speculative.py -k "int8_fragment or w8" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s42-w8.json" w8 2>&1 | grep "{"
+  echo "w8 products t=$(el)"
+  for w8 in off on; do
+    NINFER_FRAGMENT_W8=$w8 timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s42-spec-w8-$w8.json" 2>&1 | \
+      grep "│ bf16"
+    echo "spec lanes w8 $w8 t=$(el)"
+    NINFER_FRAGMENT_W8=$w8 timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+      --accepted-drafts 7 --decode-tokens 64 --draft-vocab 32768 --json-out "$OUT/s42-dflash2-w8-$w8.json" 2>&1 | \
+      grep "│ bf16"
+    echo "dflash2 w8 $w8 t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

@@ -8,7 +8,8 @@ CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
 the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `head`: the Q6
-output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `t1`: the decode
+output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
+(DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
@@ -411,11 +412,55 @@ def head_main(out: str) -> None:
     _save(out, peak, [row])
 
 
+W8_SHAPES = [("dflash2 gate_up W8", 34816, 5120, "W8G32_F16S"), ("dflash2 down W8", 5120, 17408, "W8G32_F16S"),
+             ("mtp fc W8", 5120, 10240, "W8G32_F16S"), ("shared gate_up W8", 1024, 2048, "W8G32_F16S")]
+
+
+def w8_main(out: str) -> None:
+    """W8 products (the DFlash2 drafter's, the MTP input projection, the 35B-A3B shared expert) at T = 1, 2, 4, 8,
+    12, 16: the runtime's path on the artifact's planes ("planes": the dp4a GEMV, the lanes kernel to 4 rows, the
+    dequantizing tensor-core kernel beyond) against the int8 fragment kernel over the planes in byte order
+    (NINFER_FRAGMENT_W8), x's dp4a words written beforehand as its producer would ("int8") or quantized in the
+    call's own launch ("int8_quantize"), 4 warps sharing K ("ks4"); µs, fraction of copy, relative error against
+    the plain-torch group sums."""
+    import copy
+
+    from runtime.kernels.qgemm_fragment_int8 import fragment_int8_reference, qgemm_fragment_int8
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in W8_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        laid = {}
+        for c in rotating.weights:
+            laid[id(c)] = copy.copy(c)
+            laid[id(c)].fragment = fragment_planes(c, "bytes")
+        for t in (1, 2, 4, 8, 12, 16):
+            x, y = _xy(t, k, n)
+            words = QuantizedX.empty(t, w, x.device).fill(x)
+            want = fragment_int8_reference(x, w)
+            got = qgemm_fragment_int8(x, laid[id(w)], torch.empty(t, n, device="cuda", dtype=torch.float32), words)
+            row[f"t{t}_int8_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
+            for name, fn in {"planes": lambda w: ql.qlinear(x, w, out=y),
+                             "int8": lambda w: qgemm_fragment_int8(x, laid[id(w)], y, words),
+                             "int8_quantize": lambda w: qgemm_fragment_int8(x, laid[id(w)], y),
+                             "ks4": lambda w: qgemm_fragment_int8(x, laid[id(w)], y, words, ksplit=4)}.items():
+                us = rotating(fn)
+                row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
+            print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()
+                              if k2.startswith(f"t{t}_") or k2 == "op"}), flush=True)
+        rows.append(row)
+    _save(out, peak, rows)
+
+
 def main(out: str, mode: str = "sweep") -> None:
     if mode == "shapes":
         return shapes_main(out)
     if mode == "head":
         return head_main(out)
+    if mode == "w8":
+        return w8_main(out)
     if mode == "frag":
         return frag_main(out)
     if mode == "float_codes":

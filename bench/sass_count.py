@@ -6,6 +6,7 @@ values (rk2v4-e8) at 27B shapes.
     python bench/sass_count.py [int4|int8|e8] [--json]
     python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group,
                                             # lane / pair order, x loaded ahead, the int8 kernel, 8 and 16 columns
+    python bench/sass_count.py w8           # the int8 fragment kernel over W8 (per 32-lane group), 8 and 16 columns
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, s
 
 def fragment_int8_gemv(bits: int, nt: int = 1) -> dict:
     """The int8 fragment kernel's loop (qgemm_fragment_int8, same program shape as fragment_gemv): SASS
-    instructions per 64-lane group and warp."""
+    instructions per group (64 lanes; W8: 32, the same 512 bytes of a 16-row block) and warp."""
     from runtime.kernels import qgemm_fragment_int8 as fi
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_rows_frag import HINTS
@@ -123,7 +124,10 @@ def fragment_int8_gemv(bits: int, nt: int = 1) -> dict:
                                        "COMPUTE_ASM")}}
     const = {"G": 80, "NT": nt, "BW": 4, "KS": 1, "BITS": bits, "ROW_BYTES": 4 * (4 * 640 + 160),
              "SCALES_AT": 4 * 4 * 640, "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
-             "COMPUTE_ASM": fi._int8_chunk_asm(bits, nt, 4 * 640, 4 * 80)}
+             "COMPUTE_ASM": fi._w8_chunk_asm(nt, 4 * 1280) if bits == 8 else fi._int8_chunk_asm(bits, nt, 4 * 640,
+                                                                                                4 * 80)}
+    if bits == 8:  # K 5,120: 160 groups of 32, x words hold every lane
+        const.update(G=160, ROW_BYTES=4 * (4 * 1280 + 320), SCALES_AT=4 * 4 * 1280)
     sass, usage = _sass(fi._qgemm_fragment_int8_kernel, sig, const, 4)
     ops = _loop(sass)
     return {"bits": bits, "nt": nt, "kernel": "int8", "instructions_per_group": sum(ops.values()) / 8,
@@ -139,6 +143,10 @@ if __name__ == "__main__":
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, 1)))
             print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, swiglu=True)))  # SwiGLU in the launch
             print(json.dumps(fragment_int8_gemv(int(sys.argv[1][1]), nt)))
+        sys.exit()
+    if len(sys.argv) > 1 and sys.argv[1] == "w8":
+        for nt in (1, 2):
+            print(json.dumps(fragment_int8_gemv(8, nt)))
         sys.exit()
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     result = main(*(args[:1]))

@@ -393,11 +393,12 @@ def test_artifact_planes_kernel_runs_whole(kernel_device):
     assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-@pytest.mark.parametrize("order", ["pairs", "bytes"])
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt,order", [(f, o) for f in FMTS for o in ("pairs", "bytes")]
+                         + [("Q6G64_F16S", "pairs"), ("W8G32_F16S", "bytes")])
 def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
     """to_fragment_layout permutes the planes in place (in row steps; pair order for the bf16 kernel, byte order
-    for the int8 one) and the weight still multiplies, dequantizes rows for the prefill GEMM and refuses gathers:
+    for the int8 one; Q6 the output head's, W8 byte order only) and the weight still multiplies (24 rows: on a GPU
+    Q6/W8 as blocks of 16), dequantizes rows for the prefill GEMM and refuses gathers:
     on a CPU through the torch references and then the GPU's routes interpreted, on a GPU through the kernels
     themselves; only byte order takes its input as dp4a words."""
     from runtime.kernels import qgemm_fragment_layout as fl
@@ -431,7 +432,8 @@ def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
         ql.gather_rows(w, torch.tensor([1, 2], device=device))
 
 
-def test_engine_re_lays_out_layer_products_only():
+def test_engine_re_lays_out_layer_products_only(monkeypatch):
+    from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout
 
     q4, odd = _packed(32, 512, "Q4G64_F16S", 1), _packed(24, 512, "Q4G64_F16S", 1)
@@ -443,6 +445,14 @@ def test_engine_re_lays_out_layer_products_only():
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", odd)  # 24 rows: not whole 16-row blocks
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 256, "Q4G64_F16S", 1))
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 512, "Q6G64_F16S", 1))
+    # W8 (NINFER_FRAGMENT_W8=on): the MTP input projection and the DFlash2 drafter's whole products, K % 256
+    w8 = _packed(32, 256, "W8G32_F16S", 1)
+    assert not takes_fragment_layout("mtp/input_projection", w8)  # off by default
+    monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
+    assert takes_fragment_layout("mtp/input_projection", w8) and takes_fragment_layout("dflash2/layers/1/mlp/down", w8)
+    assert not takes_fragment_layout("dflash2/layers/1/attention/query_key_value", w8)  # read through a row view
+    assert not takes_fragment_layout("text/layers/3/moe/shared_expert/gate_up", w8)
+    assert not takes_fragment_layout("mtp/input_projection", _packed(32, 128, "W8G32_F16S", 1))
 
 
 def test_x_rows_reach_the_ptx_16_byte_aligned():
@@ -522,7 +532,9 @@ def test_measured_rule_picks_warps_sharing_k_per_product_and_rows(monkeypatch):
 
 @pytest.mark.parametrize("fmt,t,n,k,shape", [("Q4G64_F16S", 1, 40, 1024, (4, 528, 0)), ("Q5G64_F16S", 1, 32, 2048, (4, 3, 2)),
                                              ("Q5G64_F16S", 6, 21, 1024, (4, 528, 0)), ("Q4G64_F16S", 11, 16, 512, (2, 4, 1)),
-                                             ("Q5G64_F16S", 16, 48, 1536, (4, 6, 4))])
+                                             ("Q5G64_F16S", 16, 48, 1536, (4, 6, 4)),
+                                             ("W8G32_F16S", 1, 40, 512, (4, 528, 0)), ("W8G32_F16S", 11, 24, 768, (2, 4, 1)),
+                                             ("W8G32_F16S", 6, 32, 1024, (4, 3, 2))])
 def test_int8_fragment_kernel_computes_the_dp4a_group_sums(kernel_device, fmt, t, n, k, shape):
     """The int8 fragment kernel (qgemm_fragment_int8; on a CPU interpreted, its PTX emulated) over planes in byte
     order, x quantized in its own launch or given as a producer's dp4a words: the dp4a GEMV's integer group sums
@@ -547,7 +559,7 @@ def test_int8_fragment_kernel_computes_the_dp4a_group_sums(kernel_device, fmt, t
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size shapes of the int8 fragment kernel (inline PTX for "
                     "NVIDIA GPUs); its PTX runs emulated on the CPU in the test above")
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", (*FMTS, "W8G32_F16S"))
 @pytest.mark.parametrize("t,n,k", [(1, 5120, 17408), (8, 16384, 5120), (16, 1000, 2048), (1, 34816, 5120)])
 def test_int8_fragment_kernel_on_the_gpu(fmt, t, n, k):
     from runtime.kernels.qgemm_fragment_int8 import fragment_int8_reference, qgemm_fragment_int8

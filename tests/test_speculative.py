@@ -52,6 +52,31 @@ def test_speculative_greedy_equals_plain_greedy(artifacts, name, k, lm_head_draf
     assert len(s.as_dict()["acceptance_by_position"]) == k
 
 
+@pytest.fixture(scope="module")
+def wide_mtp(tmp_path_factory):
+    """A tiny model with MTP wide enough (hidden 512) that its W8 input projection [512, 1024] takes fragment order."""
+    d = tmp_path_factory.mktemp("wide-mtp")
+    src = write_tiny_checkpoint(d / "hf", seed=6, layers=2, mtp_layers=1, hidden=512, intermediate=1024)
+    return convert_checkpoint(src, d / "wide-mtp.nfer", ConvertOptions(recipe="q4")).output
+
+
+@exact_only_on_cpu
+def test_w8_products_in_fragment_order_keep_speculative_greedy(wide_mtp, monkeypatch):
+    """NINFER_FRAGMENT_W8=on: a speculating engine lays out its W8 MTP input projection in byte order (the int8
+    fragment kernel's; on a CPU multiplied through the planes read back) and still generates plain greedy's tokens;
+    off (the default until measured) keeps the artifact's planes."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    want = _plain(wide_mtp)
+    monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
+    eng = _engine(wide_mtp, spec="mtp", draft_tokens=2)
+    fc = eng.lin["mtp/input_projection"].packed
+    assert fc.fmt.bits == 8 and fc.fragment is not None and fc.fragment.order == "bytes"
+    assert eng.generate(PROMPT, NEW) == want
+    monkeypatch.setattr(fl, "FRAGMENT_W8", "off")
+    assert _engine(wide_mtp, spec="mtp", draft_tokens=2).lin["mtp/input_projection"].packed.fragment is None
+
+
 @pytest.mark.parametrize("spec_k", [1, 3])
 @exact_only_on_cpu
 def test_a_draft_vocabulary_keeps_greedy_output_and_drafts_inside_it(artifacts, spec_k):

@@ -1,6 +1,6 @@
-"""The fragment-order product on int8 tensor cores (Q4/Q5, T = 1..16 rows of x): codes as unsigned bytes, x as
-the dp4a words its producer wrote (14-bit integers split into a high and a low signed byte, see qgemv_int8),
-mma.sync m16n8k32 u8 x s8 -> s32.
+"""The fragment-order product on int8 tensor cores (Q4/Q5/W8, T = 1..16 rows of x): codes as unsigned bytes (W8:
+its signed bytes as stored), x as the dp4a words its producer wrote (14-bit integers split into a high and a low
+signed byte, see qgemv_int8), mma.sync m16n8k32 u8 (W8: s8) x s8 -> s32.
 
 Why: the bf16 fragment kernel (qgemm_fragment_layout) spends 44 of its 66 SASS instructions per 16-row group
 turning nibble pairs into bf16 pairs (a logic op, a packed FMA and most of a shift per pair), and a Q5 product
@@ -19,6 +19,11 @@ of both words, then the odd lanes), each an mma with x's high bytes and one with
 words one load brings (hi_a 2c, 2c + 1; then hi_b). B's column g is x row g (g + 8 for the
 second column tile): its words 2c, 2c + 1 of hi_a, hi_b, lo_a, lo_b; the accumulators' columns 2c, 2c + 1 take
 those rows' group scales and sums.
+
+W8 (32-lane groups, a row's group 32 bytes as a Q4 group's, so the same fragment order, loads and program): the
+thread's words 2c, 2c + 1 of rows g and g + 8 are A of one k = 32 step as stored (k 4c.. the word 2c, k 16 + 4c..
+the word 2c + 1); x's dp4a words for 8-bit codes hold every lane in order, so B is x's words 2c, 2c + 1 of the
+group, one 8-byte load for the high bytes and one for the low. No offset: the codes are signed, the mma s8 x s8.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .qgemm_rows_frag import HINTS, SplitPartials, finish_splits, split_partials
 from .qgemv_int8 import QuantizedX, quantize_x
 
 _MMA = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"
+_MMA_W8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 
 
 def _code_bytes(dst: str, word: str, odd: bool, bits: int, shift: int | None) -> str:
@@ -50,6 +56,40 @@ def _code_bytes(dst: str, word: str, odd: bool, bits: int, shift: int | None) ->
         out += f"{'shl' if shift > 0 else 'shr'}.b32 hm, hw, {abs(shift)}; "
     # (~h & 0x10) per byte: the fifth bit flipped (u = q + 16); then the nibbles under it: (n & 0xF) | that
     return out + f"lop3.b32 hm, {moved}, 0x10101010, 0, 0x0C; lop3.b32 {dst}, {src}, 0x0F0F0F0F, hm, 0xEA; "
+
+
+def _w8_chunk_asm(nt: int, rw_bytes: int) -> str:
+    """_int8_chunk_asm's operands for W8: four 32-lane groups (a chunk) of 16 rows times NT x 8 columns of x; code
+    words $16-$31 (group j's at 16 + 4j: row g's words 2c, 2c + 1, then row g + 8's), $32-$35 group j's row scales,
+    $36-$39 unused, $40/$41 x's hi words of B's columns g / g + 8 at the chunk's word 2c (lo `rw_bytes` on, a
+    group 32 bytes on), $42-$45 the chunk's 4 group scales of x rows 2c, 2c + 1, 2c + 8, 2c + 9."""
+    cols = 2 * nt
+    lines = ["{ .reg .b32 xh<4>, xl<4>, z; .reg .s32 h<8>, l<8>; .reg .f32 xs<16>, ws0, ws1, f, c; "
+             ".reg .b16 sg0, sg1;", "mov.b32 z, 0;"]
+    for col in range(cols):
+        q = ", ".join(f"xs{4 * col + j}" for j in range(4))
+        lines.append(f"ld.global.nc.v4.f32 {{{q}}}, [$4{2 + col}];")
+    for j in range(4):
+        first = 16 + 4 * j
+        frag = f"{{${first}, ${first + 2}, ${first + 1}, ${first + 3}}}"  # k 4c.. rows g, g + 8; k 16 + 4c.. alike
+        lines.append(f"mov.b32 {{sg0, sg1}}, ${32 + j}; cvt.f32.f16 ws0, sg0; cvt.f32.f16 ws1, sg1;")
+        for tile in range(nt):
+            a, b = 2 * tile, 2 * tile + 1
+            addr, at = f"$4{tile}", 32 * j
+            h = ", ".join(f"h{4 * tile + i}" for i in range(4))
+            lo = ", ".join(f"l{4 * tile + i}" for i in range(4))
+            lines.append(f"ld.global.nc.v2.b32 {{xh{a}, xh{b}}}, [{addr}+{at}]; "
+                         f"ld.global.nc.v2.b32 {{xl{a}, xl{b}}}, [{addr}+{at + rw_bytes}];")
+            lines.append(f"{_MMA_W8} {{{h}}}, {frag}, {{xh{a}, xh{b}}}, {{z, z, z, z}}; "
+                         f"{_MMA_W8} {{{lo}}}, {frag}, {{xl{a}, xl{b}}}, {{z, z, z, z}};")
+            for i in range(4):
+                acc = 4 * tile + i
+                ws, xs = ("ws0" if i < 2 else "ws1"), f"xs{4 * (2 * tile + i % 2) + j}"
+                into = f"${8 + acc}" if j == 0 else f"${acc}"
+                lines.append(f"mad.lo.s32 h{acc}, h{acc}, 128, l{acc}; cvt.rn.f32.s32 f, h{acc}; "
+                             f"mul.f32 c, {ws}, {xs}; fma.rn.f32 ${acc}, f, c, {into};")
+    lines += [f"mov.f32 ${i}, ${8 + i};" for i in range(4 * nt, 8)]
+    return " ".join(lines) + " }"
 
 
 def _int8_chunk_asm(bits: int, nt: int, rw_bytes: int, gpr_bytes: int) -> str:
@@ -158,7 +198,8 @@ def _qgemm_fragment_int8_kernel(xq_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr
 def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | None = None, warps: int | None = None,
                         programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                         ksplit: int | None = None) -> torch.Tensor | SplitPartials:
-    """y [T, N] = x [T, K] @ W^T for a PackedLinear whose planes are in fragment order, byte order (T = 1..16);
+    """y [T, N] = x [T, K] @ W^T for a PackedLinear whose planes are in fragment order, byte order (Q4/Q5/W8,
+    T = 1..16);
     x as dp4a words: `xq` when its producer wrote them, else quantized here (a launch). GPU only (inline PTX)."""
     fp = w.fragment
     t, k = x.shape
@@ -174,14 +215,16 @@ def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | No
         ksplit = 1
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
-    rw_bytes = w.k_pad // 8 * 4  # one of hi_a / lo_a / hi_b / lo_b (see write_quantized_x)
+    rw_bytes = w.k_pad // (4 if fp.fmt.bits == 8 else 8) * 4  # one of hi_a / lo_a / hi_b / lo_b (write_quantized_x)
+    compute = _w8_chunk_asm(nt, rw_bytes) if fp.fmt.bits == 8 else _int8_chunk_asm(fp.fmt.bits, nt, rw_bytes,
+                                                                                     fp.groups * 4)
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     _qgemm_fragment_int8_kernel[(triton.cdiv(fp.blocks, bw), split)](
         words, fp.codes, high, fp.scales, target, fp.rows, t, fp.blocks, size, G=fp.groups, NT=nt, BW=bw, KS=ks,
         BITS=fp.fmt.bits, ROW_BYTES=words.shape[1] * 4, SCALES_AT=4 * rw_bytes,
         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-        COMPUTE_ASM=_int8_chunk_asm(fp.fmt.bits, nt, rw_bytes, fp.groups * 4), num_warps=bw * ks, **LAUNCH)
+        COMPUTE_ASM=compute, num_warps=bw * ks, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 

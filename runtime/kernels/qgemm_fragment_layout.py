@@ -48,7 +48,7 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 
 @dataclass
 class FragmentPlanes:
-    """A Q4/Q5/Q6 matrix in fragment order: codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
+    """A Q4/Q5/Q6/W8 matrix in fragment order (W8: 32-lane groups, each as a Q4 group's bytes, byte order only): codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
     8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words, (Q6) [blocks, chunks, 2 group
     pairs, 32 lanes, 2 groups, 2 rows] 32-bit words of 16 two-bit fields (_q6_fields); `order`: "pairs" (code
     words and high bytes in pair order, for the bf16 kernel), "lanes" (the artifact's order inside words and
@@ -72,14 +72,17 @@ class FragmentPlanes:
 
     @property
     def groups(self) -> int:
-        return self.cols // GROUP
+        return self.cols // self.fmt.group_size
 
 
 LAYOUT_BITS = (*FRAG_BITS, 6)  # Q6 in pair or lane order only (the bf16 kernel; no int8 byte order)
+# W8 (32 one-byte lanes a group: a group's 32 bytes a row, as a Q4 group's) in byte order only, for the int8 kernel
+W8_BITS, W8_GROUP = 8, 32
 
 
 def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
-    return fmt.bits in LAYOUT_BITS and fmt.group_size == GROUP and cols % (2 * CHUNK * GROUP) == 0
+    nibbles = fmt.bits in LAYOUT_BITS and fmt.group_size == GROUP
+    return (nibbles or fmt.bits == W8_BITS and fmt.group_size == W8_GROUP) and cols % (2 * CHUNK * fmt.group_size) == 0
 
 
 # side-by-side runs: NINFER_FRAGMENT_PAIRS=0 keeps the artifact's lane order inside code words (the kernel then
@@ -97,7 +100,7 @@ def fragment_order(bits: int) -> str:
     if FRAGMENT_INT8 not in FRAGMENT_INT8_MODES:
         raise ValueError(f"NINFER_FRAGMENT_INT8={FRAGMENT_INT8!r} is not one of {', '.join(FRAGMENT_INT8_MODES)}; "
                          "unset it for off")
-    if bits != 6 and (FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5)):
+    if bits == W8_BITS or bits != 6 and (FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5)):
         return "bytes"
     return "pairs" if PAIR_ORDER else "lanes"
 
@@ -194,8 +197,11 @@ def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
         raise ValueError(f"fragment layout: order {order!r} is not one of {', '.join(ORDERS)}")
     pairs = order == "pairs"
     if not fragment_supported(w.fmt, w.cols):
-        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5 with K a multiple of 512")
-    n, groups = w.rows, w.cols // GROUP
+        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5/Q6 with K a multiple of "
+                         "512 or W8 with K a multiple of 256")
+    if w.fmt.bits == W8_BITS and order != "bytes":
+        raise ValueError("fragment layout: W8 has byte order only (the int8 fragment kernel's)")
+    n, groups = w.rows, w.cols // w.fmt.group_size
     blocks = -(-n // ROWS_PER_BLOCK)
     pad = blocks * ROWS_PER_BLOCK - n
 
@@ -235,17 +241,28 @@ def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
 FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/query_key_value_z", "gdn/output",
                     "mlp/gate_up", "mlp/down", "mtp/input_projection")
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
+# W8 products in byte order on the int8 fragment kernel (qgemm_fragment_int8: its codes are the mma's A bytes as
+# stored), for engines of several rows a step: built on a CPU, not yet measured on a GPU, so off unless
+# NINFER_FRAGMENT_W8=on. Whole products only (the DFlash2 drafter's query/key/value is read through a row view).
+FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "off")
+if FRAGMENT_W8 not in ("on", "off"):
+    raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
+W8_OBJECTS = ("mtp/input_projection", "dflash2/feature_projection", "attention/output", "mlp/gate_up", "mlp/down")
 
 
 def in_place_supported(w) -> bool:
-    """Q4/Q5/Q6, K a multiple of 512 (so the planes have no K padding) and whole 16-row blocks (no row padding):
-    the fragment-order planes then fill exactly the artifact's plane bytes."""
-    return w.fmt.bits in LAYOUT_BITS and fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
+    """Q4/Q5/Q6 with K a multiple of 512 or W8 with K a multiple of 256 (so the planes have no K padding) and whole
+    16-row blocks (no row padding): the fragment-order planes then fill exactly the artifact's plane bytes."""
+    return fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
 
 
 def takes_fragment_layout(name: str, w) -> bool:
     """Whether the engine re-lays out layer product `name` (a PackedLinear) in fragment order: Q4/Q5 (Q6 layer
-    products, the q6 recipe's, keep the artifact's planes until their kernel is measured as the head's was)."""
+    products, the q6 recipe's, keep the artifact's planes until their kernel is measured as the head's was); W8
+    ones (the MTP input projection, the DFlash2 drafter's whole products) with NINFER_FRAGMENT_W8=on."""
+    if w.fmt.bits == W8_BITS:
+        return FRAGMENT_W8 == "on" and name.endswith(W8_OBJECTS) and name.startswith(("mtp/", "dflash2/")) \
+            and in_place_supported(w)
     return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
             and w.fmt.bits in FRAG_BITS and in_place_supported(w))
 
@@ -344,7 +361,7 @@ def _chunk_load_asm(bits: int, hint: str) -> str:
     """4 groups of this thread's rows, each output one loaded register: $0-$15 code words (group j's at 4j..4j + 3:
     row g's two, row g + 8's two), $16-$19 group j's (row g, row g + 8) scales, Q5: $20-$23 group j's high-bit
     halves, Q6: $20-$23 group j's 64 high bits; then the inputs: codes, scales, high-bit addresses, load or not."""
-    outputs = 20 if bits == 4 else 24
+    outputs = 20 if bits in (4, W8_BITS) else 24
     codes, scales, high, ok = (f"${outputs + i}" for i in range(4))
     ld = f"@p ld.global.nc{hint}"
     lines = [f"{{ .reg .pred p; setp.ne.s32 p, {ok}, 0;"] + [f"mov.b{64 if bits == 6 and i >= 20 else 32} ${i}, 0;"

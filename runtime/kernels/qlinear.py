@@ -333,21 +333,33 @@ GEMM_DEQUANT_BYTES = 64 << 20  # dense scratch per GEMM step (the memory plan re
 if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scratch may stay in L2
     GEMM_DEQUANT_BYTES = min(GEMM_DEQUANT_BYTES, int(os.environ["NINFER_GEMM_DEQUANT_MB"]) << 20)
 GEMV_MAX_T = 16
+# Q6/W8 planes in fragment order (the output head; W8 products with NINFER_FRAGMENT_W8) multiply 17-64 rows (verify
+# blocks of several lanes) as blocks of 16 rows, one weight read each (the head: 0.92 GiB a read, against a dequantized
+# bf16 copy written and read again); longer row counts dequantize rows copied back to the artifact's planes.
+SLICED_MAX_T = 64
 
 
 FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAGMENT for each fragment order
 
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [row0, row0 + n) dense (the prefill GEMM's scratch); planes in fragment order are read in place."""
+    """Rows [row0, row0 + n) dense (the prefill GEMM's scratch, and row blocks of more than 16 rows); Q4/Q5 planes
+    in fragment order are read in place, Q6 and W8 ones (the output head, W8 products in byte order) through a
+    copy of those rows back in the artifact's planes (row_planes)."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
-    base, high, scale = (w.base, w.high, w.scale) if w.fragment is None else \
-        (w.fragment.codes, w.fragment.high, w.fragment.scales)
+    fragment = 0
+    base, high, scale = w.base, w.high, w.scale
+    if w.fragment is not None and w.fmt.bits in (6, 8):
+        base, high, scale = row_planes(w.fragment, row0, n)
+        row0 = 0
+    elif w.fragment is not None:
+        base, high, scale = w.fragment.codes, w.fragment.high, w.fragment.scales
+        fragment = FRAGMENT_ORDERS[w.fragment.order]
     _dequant_kernel[(triton.cdiv(n, block_n), w.k_pad // block_k)](
         base, high if high is not None else base, scale, dense, n, w.cols, row0, GPR=w.groups_per_row, K_PAD=w.k_pad,
         BITS=w.fmt.bits, GROUP=w.fmt.group_size, HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n,
-        BLOCK_K=block_k, FRAGMENT=0 if w.fragment is None else FRAGMENT_ORDERS[w.fragment.order], **LAUNCH)
+        BLOCK_K=block_k, FRAGMENT=fragment, **LAUNCH)
     return dense
 
 
@@ -569,6 +581,10 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
+        if w.fragment is not None and w.fmt.bits in (6, 8) and t <= SLICED_MAX_T and not interpreted():
+            for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows (_gemm would copy these planes back first)
+                qlinear(x[r0 : r0 + GEMV_MAX_T], w, out=y[r0 : r0 + GEMV_MAX_T])
+            return y
         return _gemm(x, w, y)
     if xq is not None and not takes_quantized_x(w, t):
         xq = None  # this path multiplies x itself
