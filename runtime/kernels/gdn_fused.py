@@ -21,7 +21,8 @@ L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
 # value columns per program and warps per program. A program's state tile is [DK, BLOCK_V]; every token reduces it
 # over DK twice (and q, k and the alpha/beta dots once each), across the warps that split DK — so fewer warps trade
-# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps
+# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps. The sweep's least
+# summed time (64,4; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37 ms a step), so 32,4 stays.
 GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 32, "warps": 4})
 
 

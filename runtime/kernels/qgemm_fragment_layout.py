@@ -242,7 +242,7 @@ FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/q
                     "mlp/gate_up", "mlp/down", "mtp/input_projection")
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 # W8 products in byte order on the int8 fragment kernel (qgemm_fragment_int8: its codes are the mma's A bytes as
-# stored), for engines of several rows a step: built on a CPU, not yet measured on a GPU, so off unless
+# stored), for engines of several rows a step: correct on the GPU (session 35), not yet timed, so off unless
 # NINFER_FRAGMENT_W8=on. Whole products only (the DFlash2 drafter's query/key/value is read through a row view).
 FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "off")
 if FRAGMENT_W8 not in ("on", "off"):
@@ -745,7 +745,7 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; at 9-16 rows
     (the first column tile's x) by FRAGMENT_TUNING's xwide (1 always, 0 never, -1 the rule) unless `xahead` is 0."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
-    if first < 0 and bits == 6:  # Q6 with x ahead: 156 registers against 96 (sm_90 SASS); not measured
+    if first < 0 and bits == 6:  # Q6 with x ahead: 156 registers against 96, the head 1-3 % slower (session 35)
         return False
     if t > 8:
         wide = FRAGMENT_TUNING["xwide"]

@@ -104,7 +104,8 @@ FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 # fragment-order kernel; object-name suffixes, comma-separated). Isolated on the H100 (session 34) the one-row GDN
 # qkvz and attention qgkv products with x a chunk ahead take 16.1 / 14.7 µs against the dp4a GEMV's 19.4 / 17.1, but
 # every product in fragment order was slower end to end (126.8 against 130.1 tok/s, gate_up losing its SwiGLU
-# epilogue); not yet measured for these two alone, so empty: e.g.
+# epilogue), and these two alone were level with the default (session 35: 133.0 / 131.1 against 132.6 / 131.3
+# tok/s, the step's kernel time 7.51 ms both), so empty: e.g.
 # NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value
 FRAGMENT_ONE_LANE = tuple(n for n in os.environ.get("NINFER_FRAGMENT_ONE_LANE", "").split(",") if n)
 
