@@ -432,6 +432,38 @@ def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
         ql.gather_rows(w, torch.tensor([1, 2], device=device))
 
 
+@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q6G64_F16S"])
+def test_17_to_64_rows_in_fragment_order_multiply_as_16_row_blocks(fmt, monkeypatch):
+    """Verify blocks of 5+ lanes (17-64 rows) over planes in fragment order: blocks of 16 rows on the fragment-order
+    kernel (one read of the codes each), the rows of each in place in y; 65+ rows (prefill) and, for Q4/Q5 with
+    NINFER_SLICED_ROWS=0, the dequantizing GEMM."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels import qlinear as ql
+
+    w = _packed(32, 512, fmt, seed=5)
+    fl.to_fragment_layout(w)
+    calls = []
+
+    def fake_kernel(x, fp, y, defer_sum=False):
+        calls.append(x.shape[0])
+        return y.copy_(x[:, :1].expand(-1, y.shape[1]))  # each row's first value: where the rows landed
+
+    monkeypatch.setattr(ql, "torch_path", lambda x: False)
+    monkeypatch.setattr(ql, "interpreted", lambda: False)
+    monkeypatch.setattr(ql, "qgemm_fragment_layout", fake_kernel)
+    monkeypatch.setattr(ql, "_gemm", lambda x, w, y: calls.append(("gemm", x.shape[0])) or y)
+    x = torch.arange(40, dtype=torch.bfloat16)[:, None].expand(40, 512).contiguous()
+    y = ql.qlinear(x, w)
+    assert calls == [16, 16, 8] and torch.equal(y[:, 0], x[:, 0])
+    calls.clear()
+    ql.qlinear(torch.zeros(65, 512, dtype=torch.bfloat16), w)
+    assert calls == [("gemm", 65)]
+    calls.clear()
+    monkeypatch.setattr(ql, "SLICED_ROWS", False)
+    ql.qlinear(torch.zeros(24, 512, dtype=torch.bfloat16), w)
+    assert calls == ([16, 8] if fmt.startswith("Q6") else [("gemm", 24)])
+
+
 def test_engine_re_lays_out_layer_products_only(monkeypatch):
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout

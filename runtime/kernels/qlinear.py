@@ -334,10 +334,13 @@ GEMM_DEQUANT_BYTES = 64 << 20  # dense scratch per GEMM step (the memory plan re
 if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scratch may stay in L2
     GEMM_DEQUANT_BYTES = min(GEMM_DEQUANT_BYTES, int(os.environ["NINFER_GEMM_DEQUANT_MB"]) << 20)
 GEMV_MAX_T = 16
-# Q6/W8 planes in fragment order (the output head; W8 products with NINFER_FRAGMENT_W8) multiply 17-64 rows (verify
-# blocks of several lanes) as blocks of 16 rows, one weight read each (the head: 0.92 GiB a read, against a dequantized
-# bf16 copy written and read again); longer row counts dequantize rows copied back to the artifact's planes.
+# Planes in fragment order multiply 17-64 rows (verify blocks of 5+ lanes: 8 lanes of MTP3 rounds are 32 rows) as
+# blocks of 16 rows, one read of the codes each (Q4: 2 x 0.56 bytes a weight at 32 rows, ~0.6 of copy at 16 rows),
+# instead of the prefill's dequantized bf16 copy (0.56 read + 2 written + 2 read again; 8 lanes of MTP3 rounds on an
+# H100: verify 25.97 ms = 2.69 plain steps, session 35). NINFER_SLICED_ROWS=0 keeps Q4/Q5 on the dequantizing GEMM
+# for side-by-side runs (not yet measured); Q6/W8 always slice (their dequantization copies rows back first).
 SLICED_MAX_T = 64
+SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
 
 
 FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAGMENT for each fragment order
@@ -582,7 +585,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
-        if w.fragment is not None and w.fmt.bits in (6, 8) and t <= SLICED_MAX_T and not interpreted():
+        if w.fragment is not None and t <= SLICED_MAX_T and (SLICED_ROWS or w.fmt.bits in (6, 8)) \
+                and not interpreted():
             for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows (_gemm would copy these planes back first)
                 qlinear(x[r0 : r0 + GEMV_MAX_T], w, out=y[r0 : r0 + GEMV_MAX_T])
             return y
