@@ -58,6 +58,20 @@ def _code_bytes(dst: str, word: str, odd: bool, bits: int, shift: int | None) ->
     return out + f"lop3.b32 hm, {moved}, 0x10101010, 0, 0x0C; lop3.b32 {dst}, {src}, 0x0F0F0F0F, hm, 0xEA; "
 
 
+def _scaled_sums(tile: int, j: int) -> str:
+    """Group j's integer sums of column tile `tile` (x's high-byte sums h, low-byte sums l) into the accumulators:
+    (h * 128 + l) times the row's group scale (ws0 rows g, ws1 rows g + 8) and x's (its column's, group j); the
+    first group of a chunk adds to the accumulators coming in ($8-$15), the rest to the ones going out."""
+    lines = []
+    for i in range(4):
+        acc = 4 * tile + i
+        ws, xs = ("ws0" if i < 2 else "ws1"), f"xs{4 * (2 * tile + i % 2) + j}"
+        into = f"${8 + acc}" if j == 0 else f"${acc}"
+        lines.append(f"mad.lo.s32 h{acc}, h{acc}, 128, l{acc}; cvt.rn.f32.s32 f, h{acc}; "
+                     f"mul.f32 c, {ws}, {xs}; fma.rn.f32 ${acc}, f, c, {into};")
+    return " ".join(lines)
+
+
 def _w8_chunk_asm(nt: int, rw_bytes: int) -> str:
     """_int8_chunk_asm's operands for W8: four 32-lane groups (a chunk) of 16 rows times NT x 8 columns of x; code
     words $16-$31 (group j's at 16 + 4j: row g's words 2c, 2c + 1, then row g + 8's), $32-$35 group j's row scales,
@@ -82,12 +96,7 @@ def _w8_chunk_asm(nt: int, rw_bytes: int) -> str:
                          f"ld.global.nc.v2.b32 {{xl{a}, xl{b}}}, [{addr}+{at + rw_bytes}];")
             lines.append(f"{_MMA_W8} {{{h}}}, {frag}, {{xh{a}, xh{b}}}, {{z, z, z, z}}; "
                          f"{_MMA_W8} {{{lo}}}, {frag}, {{xl{a}, xl{b}}}, {{z, z, z, z}};")
-            for i in range(4):
-                acc = 4 * tile + i
-                ws, xs = ("ws0" if i < 2 else "ws1"), f"xs{4 * (2 * tile + i % 2) + j}"
-                into = f"${8 + acc}" if j == 0 else f"${acc}"
-                lines.append(f"mad.lo.s32 h{acc}, h{acc}, 128, l{acc}; cvt.rn.f32.s32 f, h{acc}; "
-                             f"mul.f32 c, {ws}, {xs}; fma.rn.f32 ${acc}, f, c, {into};")
+            lines.append(_scaled_sums(tile, j))
     lines += [f"mov.f32 ${i}, ${8 + i};" for i in range(4 * nt, 8)]
     return " ".join(lines) + " }"
 
@@ -137,12 +146,7 @@ def _int8_chunk_asm(bits: int, nt: int, rw_bytes: int, gpr_bytes: int) -> str:
                 start_l = f"{{{k0}, {k1}, {k0}, {k1}}}" if step == 0 else f"{{{lo}}}"
                 lines.append(f"{_MMA} {{{h}}}, {frag}, {{xh{xa}, xh{xa + 1}}}, {start_h}; "
                              f"{_MMA} {{{lo}}}, {frag}, {{xl{xa}, xl{xa + 1}}}, {start_l};")
-            for i in range(4):
-                acc = 4 * tile + i
-                ws, xs = ("ws0" if i < 2 else "ws1"), f"xs{4 * (2 * tile + i % 2) + j}"
-                into = f"${8 + acc}" if j == 0 else f"${acc}"
-                lines.append(f"mad.lo.s32 h{acc}, h{acc}, 128, l{acc}; cvt.rn.f32.s32 f, h{acc}; "
-                             f"mul.f32 c, {ws}, {xs}; fma.rn.f32 ${acc}, f, c, {into};")
+            lines.append(_scaled_sums(tile, j))
     lines += [f"mov.f32 ${i}, ${8 + i};" for i in range(4 * nt, 8)]
     return " ".join(lines) + " }"
 
