@@ -151,10 +151,15 @@ def k_splits(blocks: int, chunks: int, programs: int, min_chunks: int = 2) -> in
 
 @triton.jit
 def _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Dequantized W8 tile [BLOCK_N, BLOCK_K] fp32 of lanes [k0, k0 + BLOCK_K); `scale` is [BLOCK_N, groups]."""
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr = 0):
+    """Dequantized W8 tile [BLOCK_N, BLOCK_K] fp32 of lanes [k0, k0 + BLOCK_K); `scale` is [BLOCK_N, groups].
+    FRAGMENT: codes in fragment order (byte order; 32 bytes a group a row, as a Q4 group's code bytes)."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    codes = tl.load(base_ptr + rows[:, None] * K_PAD + ks[None, :], mask=row_ok[:, None], other=0)
+    if FRAGMENT:
+        code_at = _fragment_offsets(rows, ks, 8, 32, K_PAD // GROUP)
+    else:
+        code_at = rows[:, None] * K_PAD + ks[None, :]
+    codes = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0)
     q = tl.reshape(codes.to(tl.int8, bitcast=True).to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
     return tl.reshape(q * scale[:, :, None], (BLOCK_N, BLOCK_K))
 
@@ -303,8 +308,9 @@ def _qlinear_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, T, N, K, stride
 def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
                     GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                     HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
-    """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT 1 / 2: Q4/Q5 planes in fragment
-    order: 1 lane order, 2 pair order, 3 byte order) -> dense [N, K] in w_ptr's dtype (prefill GEMM path)."""
+    """Rows [row0, row0 + N) of a packed matrix (row-split planes, or FRAGMENT 1 / 2 / 3: Q4/Q5 planes in fragment
+    order: 1 lane order, 2 pair order, 3 byte order, W8's too) -> dense [N, K] in w_ptr's dtype (prefill GEMM
+    path)."""
     pdl_wait()
     local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = row0 + local
@@ -316,7 +322,7 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
     scale = tl.load(scale_ptr + scale_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
     if BITS == 8:
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K)
+        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K, FRAGMENT)
         tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
     else:
         lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K,
@@ -337,8 +343,8 @@ GEMV_MAX_T = 16
 # Planes in fragment order multiply 17-64 rows (verify blocks of 5+ lanes: 8 lanes of MTP3 rounds are 32 rows) as
 # blocks of 16 rows, one read of the codes each (Q4: 2 x 0.56 bytes a weight at 32 rows, ~0.6 of copy at 16 rows),
 # instead of the prefill's dequantized bf16 copy (0.56 read + 2 written + 2 read again; 8 lanes of MTP3 rounds on an
-# H100: verify 25.97 ms = 2.69 plain steps, session 35). NINFER_SLICED_ROWS=0 keeps Q4/Q5 on the dequantizing GEMM
-# for side-by-side runs (not yet measured); Q6/W8 always slice (their dequantization copies rows back first).
+# H100: verify 25.97 ms = 2.69 plain steps, session 35). NINFER_SLICED_ROWS=0 keeps Q4/Q5/W8 on the dequantizing
+# GEMM for side-by-side runs (not yet measured); Q6 always slices (its dequantization copies rows back first).
 SLICED_MAX_T = 64
 SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
 
@@ -347,14 +353,14 @@ FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAG
 
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [row0, row0 + n) dense (the prefill GEMM's scratch, and row blocks of more than 16 rows); Q4/Q5 planes
-    in fragment order are read in place, Q6 and W8 ones (the output head, W8 products in byte order) through a
-    copy of those rows back in the artifact's planes (row_planes)."""
+    """Rows [row0, row0 + n) dense (the prefill GEMM's scratch, and row blocks of more than 64 rows); Q4/Q5/W8
+    planes in fragment order are read in place, Q6 ones (the output head) through a copy of those rows back in the
+    artifact's planes (row_planes)."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
     fragment = 0
     base, high, scale = w.base, w.high, w.scale
-    if w.fragment is not None and w.fmt.bits in (6, 8):
+    if w.fragment is not None and w.fmt.bits == 6:
         base, high, scale = row_planes(w.fragment, row0, n)
         row0 = 0
     elif w.fragment is not None:
@@ -585,9 +591,9 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
-        if w.fragment is not None and t <= SLICED_MAX_T and (SLICED_ROWS or w.fmt.bits in (6, 8)) \
+        if w.fragment is not None and t <= SLICED_MAX_T and (SLICED_ROWS or w.fmt.bits == 6) \
                 and not interpreted():
-            for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows (_gemm would copy these planes back first)
+            for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows: a read of the codes each
                 qlinear(x[r0 : r0 + GEMV_MAX_T], w, out=y[r0 : r0 + GEMV_MAX_T])
             return y
         return _gemm(x, w, y)
