@@ -435,8 +435,8 @@ def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
 @pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q6G64_F16S"])
 def test_17_to_64_rows_in_fragment_order_multiply_as_16_row_blocks(fmt, monkeypatch):
     """Verify blocks of 5+ lanes (17-64 rows) over planes in fragment order: blocks of 16 rows on the fragment-order
-    kernel (one read of the codes each), the rows of each in place in y; 65+ rows (prefill) and, for Q4/Q5 with
-    NINFER_SLICED_ROWS=0, the dequantizing GEMM."""
+    kernel (one read of the codes each), the rows of each in place in y (a Q6 head to 256 rows); more rows (prefill)
+    and, for Q4/Q5 with NINFER_SLICED_ROWS=0, the dequantizing GEMM."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qlinear as ql
 
@@ -457,7 +457,10 @@ def test_17_to_64_rows_in_fragment_order_multiply_as_16_row_blocks(fmt, monkeypa
     assert calls == [16, 16, 8] and torch.equal(y[:, 0], x[:, 0])
     calls.clear()
     ql.qlinear(torch.zeros(65, 512, dtype=torch.bfloat16), w)
-    assert calls == [("gemm", 65)]
+    assert calls == ([16] * 4 + [1] if fmt.startswith("Q6") else [("gemm", 65)])  # Q6 (the head): to 256 rows
+    calls.clear()
+    ql.qlinear(torch.zeros(257, 512, dtype=torch.bfloat16), w)
+    assert calls == [("gemm", 257)]
     calls.clear()
     monkeypatch.setattr(ql, "SLICED_ROWS", False)
     ql.qlinear(torch.zeros(24, 512, dtype=torch.bfloat16), w)

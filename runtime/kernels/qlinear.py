@@ -346,6 +346,7 @@ GEMV_MAX_T = 16
 # H100: verify 25.97 ms = 2.69 plain steps, session 35). NINFER_SLICED_ROWS=0 keeps Q4/Q5/W8 on the dequantizing
 # GEMM for side-by-side runs (not yet measured); Q6 always slices (its dequantization copies rows back first).
 SLICED_MAX_T = 64
+SLICED_MAX_T_Q6 = 256  # the head: 16 reads (3.7 ms on an H100) still beat copying its rows back to dequantize them
 SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
 
 
@@ -591,7 +592,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
-        if w.fragment is not None and t <= SLICED_MAX_T and (SLICED_ROWS or w.fmt.bits == 6) \
+        q6 = w.fmt.bits == 6
+        if w.fragment is not None and (t <= SLICED_MAX_T and SLICED_ROWS or q6 and t <= SLICED_MAX_T_Q6) \
                 and not interpreted():
             for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows: a read of the codes each
                 qlinear(x[r0 : r0 + GEMV_MAX_T], w, out=y[r0 : r0 + GEMV_MAX_T])
