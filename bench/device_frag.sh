@@ -574,7 +574,8 @@ s41)  # session 35 (~450 s): the output head in fragment order in place by defau
 s42)  # next session (~450 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
   # input projection, the DFlash2 drafter's whole products) — GPU tests, per product against the runtime's W8 path,
   # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on; 17-64 rows as
-  # 16-row blocks (NINFER_SLICED_ROWS, default on, not yet measured) against the dequantizing GEMM at 8 lanes
+  # 16-row blocks (NINFER_SLICED_ROWS, default on, not yet measured) against the dequantizing GEMM at 8 lanes; GDN
+  # verify blocks' value tiles by rule against 32 columns always
   timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
     tests/test_speculative.py -k "int8_fragment or w8" 2>&1 | tail -2
   echo "tests t=$(el)"
@@ -594,6 +595,11 @@ s42)  # next session (~450 s): W8 products in byte order on the int8 fragment ke
     NINFER_SLICED_ROWS=$sliced timeout 100 $B --lanes 8 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
       --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s42-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
     echo "8 lanes MTP3 sliced rows $sliced t=$(el)"
+  done
+  for tile in 32,4 ""; do  # GDN verify blocks: 32 value columns always / widened by rule (gdn_block_v)
+    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s42-spec-gdn${tile:+-32}.json" 2>&1 | grep "│ bf16"
+    echo "MTP3 lanes GDN tile '$tile' t=$(el)"
   done
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at

@@ -259,6 +259,19 @@ def test_swiglu(t, inter):
     _check(swiglu(gu, out=_poison((t, inter))), swiglu_reference(gu))
 
 
+def test_gdn_value_tile_rule(monkeypatch):
+    """One-token steps keep 32 value columns a program; verify blocks of 4+ tokens widen the tile while 192+
+    programs still run (27B: 48 value heads of 128); NINFER_GDN_TILE's block_v overrides."""
+    from runtime.kernels import gdn_fused as gf
+
+    monkeypatch.setitem(gf.GDN_TUNING, "block_v", 0)
+    assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((1, 1), (8, 1), (1, 4), (1, 8))] == [32, 32, 32, 32]
+    assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((2, 4), (3, 4), (4, 4), (8, 8))] == [64, 64, 128, 128]
+    assert gf.gdn_block_v(4, 4, 48, 16) == 16  # narrow value heads: the head itself
+    monkeypatch.setitem(gf.GDN_TUNING, "block_v", 64)
+    assert gf.gdn_block_v(1, 1, 48, 128) == 64 and gf.gdn_block_v(4, 4, 48, 32) == 32
+
+
 @pytest.mark.parametrize("tile", [None, (16, 1), (64, 2)])
 @pytest.mark.parametrize("project", [False, True])
 @pytest.mark.parametrize("b,t,hk,ratio,dk,dv", [(1, 1, 2, 2, 16, 32), (2, 3, 1, 3, 32, 64)])

@@ -21,9 +21,29 @@ L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
 # value columns per program and warps per program. A program's state tile is [DK, BLOCK_V]; every token reduces it
 # over DK twice (and q, k and the alpha/beta dots once each), across the warps that split DK — so fewer warps trade
-# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps. The sweep's least
-# summed time (64,4; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37 ms a step), so 32,4 stays.
-GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 32, "warps": 4})
+# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps (block_v 0: the
+# rule, gdn_block_v). The sweep's least summed time (64,4; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37
+# ms a step), so one-token steps keep 32 columns.
+GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 0, "warps": 4})
+GDN_BLOCK_V = 32  # one-token steps, and the widest blocks' floor
+GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least this many programs run
+
+
+def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
+    """Value columns per program of a launch over `lanes` x `tokens` rows (NINFER_GDN_TILE's block_v, else a rule).
+    Each program repeats every token's preparation (q/k norms, the alpha/beta dots with the layer input) for its
+    columns, token after token, so verify blocks of 4+ tokens take the widest tile that keeps GDN_BLOCK_PROGRAMS
+    programs: H100, session 35 (`bench/gdn_compare.py`, one 27B layer, µs): 4 lanes x 4 tokens 48.99 (32 columns)
+    -> 41.30 (64) -> 35.02 (128); one lane x 4 or 8 tokens (48 programs at 128) keeps 32 (13.35 / 24.74 against
+    17.95 / 33.69); one-token steps keep 32 (1 x 1 4.17 against 4.29; 8 lanes 64 gained alone, lost in the step)."""
+    if GDN_TUNING["block_v"]:
+        return min(GDN_TUNING["block_v"], dv)
+    block_v = min(GDN_BLOCK_V, dv)
+    if tokens < 4:
+        return block_v
+    while 2 * block_v <= dv and lanes * heads_v * (dv // (2 * block_v)) >= GDN_BLOCK_PROGRAMS:
+        block_v *= 2
+    return block_v
 
 
 @triton.jit
@@ -116,7 +136,7 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
         h = wa = wb = alpha  # unread
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
-    block_v = dv if interpreted() else min(GDN_TUNING["block_v"], dv)
+    block_v = dv if interpreted() else gdn_block_v(bsz, t, hv, dv)
     if dv % block_v or block_v & (block_v - 1) or GDN_TUNING["warps"] not in (1, 2, 4, 8):
         raise SystemExit(f"ninfer: NINFER_GDN_TILE={GDN_TUNING['block_v']},{GDN_TUNING['warps']} does not fit value "
                          f"heads of {dv} (block_v a power of two dividing it; 1, 2, 4 or 8 warps); unset it")
