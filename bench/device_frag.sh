@@ -38,6 +38,7 @@
 #                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
+#                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -571,11 +572,9 @@ s41)  # session 35 (~450 s): the output head in fragment order in place by defau
     echo "dflash2 draft vocab $vocab t=$(el)"
   done
   ;;
-s42)  # next session (~450 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
+s42)  # next session (~330 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
   # input projection, the DFlash2 drafter's whole products) — GPU tests, per product against the runtime's W8 path,
-  # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on; 17-64 rows as
-  # 16-row blocks (NINFER_SLICED_ROWS, default on, not yet measured) against the dequantizing GEMM at 8 lanes; GDN
-  # verify blocks' value tiles by rule against 32 columns always
+  # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on
   timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
     tests/test_speculative.py -k "int8_fragment or w8" 2>&1 | tail -2
   echo "tests t=$(el)"
@@ -591,16 +590,23 @@ s42)  # next session (~450 s): W8 products in byte order on the int8 fragment ke
       grep "│ bf16"
     echo "dflash2 w8 $w8 t=$(el)"
   done
+  ;;
+s43)  # next session, after s42 (~300 s): 17-64 rows as 16-row blocks against the dequantizing GEMM (8 lanes of MTP3
+  # rounds), GDN verify tiles by rule against 32 columns always (2-4 lanes of MTP3 rounds), then where a DFlash2 K = 7
+  # round goes (W8 on the int8 fragment kernel)
   for sliced in 0 1; do  # 8 lanes of MTP3 rounds (32-row verify blocks): dequantizing GEMM / 16-row blocks
     NINFER_SLICED_ROWS=$sliced timeout 100 $B --lanes 8 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s42-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
+      --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s43-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
     echo "8 lanes MTP3 sliced rows $sliced t=$(el)"
   done
   for tile in 32,4 ""; do  # GDN verify blocks: 32 value columns always / widened by rule (gdn_block_v)
     NINFER_GDN_TILE=$tile timeout 100 $B --lanes 2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s42-spec-gdn${tile:+-32}.json" 2>&1 | grep "│ bf16"
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s43-spec-gdn${tile:+-32}.json" 2>&1 | grep "│ bf16"
     echo "MTP3 lanes GDN tile '$tile' t=$(el)"
   done
+  NINFER_FRAGMENT_W8=on timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s43-profile-dflash2.json" dflash2 \
+    bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
+  echo "DFlash2 round profile t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
