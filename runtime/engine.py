@@ -145,12 +145,12 @@ class QuantLinear:
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
-        if p.fragment is not None:  # fragment order is block-major: a view of the first whole 16-row blocks only
-            if begin or end % ROWS_PER_BLOCK:
-                raise ValueError(f"QuantLinear.rows: rows {begin}..{end} of planes in fragment order (the first "
-                                 f"rows only, a multiple of {ROWS_PER_BLOCK})")
-            fp = fragment_rows(p.fragment, end)
-            view = PackedLinear(fp.codes, fp.high, fp.scales, end, p.cols, p.fmt)
+        if p.fragment is not None:  # fragment order is block-major: views of whole 16-row blocks only
+            if begin % ROWS_PER_BLOCK or end % ROWS_PER_BLOCK:
+                raise ValueError(f"QuantLinear.rows: rows {begin}..{end} of planes in fragment order (whole blocks "
+                                 f"of {ROWS_PER_BLOCK} rows only)")
+            fp = fragment_rows(p.fragment, end, begin)
+            view = PackedLinear(fp.codes, fp.high, fp.scales, end - begin, p.cols, p.fmt)
             view.fragment = fp
             return QuantLinear(view)
         g = p.groups_per_row

@@ -72,6 +72,28 @@ def test_dflash2_greedy_equals_plain_greedy(setup, k, lm_head_draft, draft_vocab
 
 
 @exact_only_on_cpu
+def test_w8_drafter_products_in_fragment_order_keep_greedy(tmp_path, monkeypatch):
+    """NINFER_FRAGMENT_W8=on over a drafter wide enough (hidden 512): its feature projection, MLP gate/up and
+    query/key/value products go to byte order — the key/value rows read through a view of whole 16-row blocks —
+    and DFlash2 still generates plain greedy's tokens."""
+    from format.tiny import write_tiny_checkpoint
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    src = write_tiny_checkpoint(tmp_path / "hf", seed=8, layers=4, mtp_layers=0, hidden=512, intermediate=1024)
+    drafter = write_tiny_dflash2(tmp_path / "drafter", src, seed=7)
+    path = convert_checkpoint(src, tmp_path / "wide.nfer", ConvertOptions(recipe="q4", dflash2=drafter)).output
+    want = _engine(path).generate(PROMPT, NEW)
+    monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
+    eng = _engine(path, spec="dflash2", draft_tokens=3)
+    laid = {n for n, lin in eng.lin.items() if n.startswith("dflash2/") and getattr(lin, "packed", None) is not None
+            and lin.packed.fragment is not None}
+    assert {"dflash2/feature_projection", "dflash2/layers/0/mlp/gate_up",
+            "dflash2/layers/0/attention/query_key_value"} <= laid
+    assert eng.speculator.layers[0]["kv"].packed.fragment is not None
+    assert eng.generate(PROMPT, NEW) == want
+
+
+@exact_only_on_cpu
 def test_true_drafts_are_all_accepted(setup):
     k, want = 3, setup["want"]["q4"]
     eng = _engine(setup["artifacts"]["q4"], spec="dflash2", draft_tokens=k)

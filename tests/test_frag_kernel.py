@@ -485,7 +485,7 @@ def test_engine_re_lays_out_layer_products_only(monkeypatch):
     assert not takes_fragment_layout("mtp/input_projection", w8)  # off by default
     monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
     assert takes_fragment_layout("mtp/input_projection", w8) and takes_fragment_layout("dflash2/layers/1/mlp/down", w8)
-    assert not takes_fragment_layout("dflash2/layers/1/attention/query_key_value", w8)  # read through a row view
+    assert takes_fragment_layout("dflash2/layers/1/attention/query_key_value", w8)  # its key/value rows: a view
     assert not takes_fragment_layout("text/layers/3/moe/shared_expert/gate_up", w8)
     assert not takes_fragment_layout("mtp/input_projection", _packed(32, 128, "W8G32_F16S", 1))
 
@@ -613,7 +613,8 @@ def test_int8_fragment_kernel_on_the_gpu(fmt, t, n, k):
 
 def test_fragment_copy_and_its_first_rows_are_the_fragment_planes():
     """A Q6 fragment-order copy (built in row steps beside the artifact's planes) is fragment_planes' permutation;
-    its first-rows view (--draft-vocab's head) is the permutation of those rows."""
+    its row views of whole blocks (--draft-vocab's head, the first rows; DFlash2's key/value rows) are the
+    permutation of those rows."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     w = _packed(48, 1024, "Q6G64_F16S", seed=3)
@@ -630,8 +631,15 @@ def test_fragment_copy_and_its_first_rows_are_the_fragment_planes():
                                             32, 1024, w.fmt))
     assert torch.equal(head.codes, first.codes) and torch.equal(head.high, first.high)
     assert torch.equal(head.scales, first.scales) and head.rows == 32
+    middle = fl.fragment_rows(copy, 48, 16)
+    rows = fl.fragment_planes(PackedLinear(w.base[16 * 512 : 48 * 512], w.high[16 * 256 : 48 * 256],
+                                           w.scale.view(torch.uint8)[16 * 32 : 48 * 32], 32, 1024, w.fmt))
+    assert torch.equal(middle.codes, rows.codes) and torch.equal(middle.high, rows.high)
+    assert torch.equal(middle.scales, rows.scales) and middle.rows == 32
     with pytest.raises(ValueError, match="whole 16-row blocks"):
         fl.fragment_rows(copy, 20)
+    with pytest.raises(ValueError, match="whole 16-row blocks"):
+        fl.fragment_rows(copy, 32, 8)
 
 
 def test_one_lane_engines_lay_out_the_named_products(monkeypatch):

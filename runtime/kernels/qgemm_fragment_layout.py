@@ -243,11 +243,13 @@ FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/q
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 # W8 products in byte order on the int8 fragment kernel (qgemm_fragment_int8: its codes are the mma's A bytes as
 # stored), for engines of several rows a step: correct on the GPU (session 35), not yet timed, so off unless
-# NINFER_FRAGMENT_W8=on. Whole products only (the DFlash2 drafter's query/key/value is read through a row view).
+# NINFER_FRAGMENT_W8=on. The DFlash2 drafter's query/key/value product is also read through a view of its key/value
+# rows, whole 16-row blocks (fragment_rows).
 FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "off")
 if FRAGMENT_W8 not in ("on", "off"):
     raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
-W8_OBJECTS = ("mtp/input_projection", "dflash2/feature_projection", "attention/output", "mlp/gate_up", "mlp/down")
+W8_OBJECTS = ("mtp/input_projection", "dflash2/feature_projection", "attention/query_key_value", "attention/output",
+              "mlp/gate_up", "mlp/down")
 
 
 def in_place_supported(w) -> bool:
@@ -320,13 +322,17 @@ def fragment_copy(w) -> FragmentPlanes:
     return _permute_rows(w, "pairs", planes)
 
 
-def fragment_rows(fp: FragmentPlanes, n: int) -> FragmentPlanes:
-    """The first n rows (whole 16-row blocks) of a matrix in fragment order, a view: every plane is block-major."""
-    if n % ROWS_PER_BLOCK or not 0 < n <= fp.rows:
-        raise ValueError(f"fragment rows: {n} rows of {fp.rows} (whole 16-row blocks)")
-    part = n * fp.groups  # elements per plane scale with rows x groups
-    return FragmentPlanes(fp.codes[: part * 32], fp.scales[: part], None if fp.high is None else
-                          fp.high[: part * fp.high.numel() // (fp.rows * fp.groups)], n, fp.cols, fp.fmt, fp.order)
+def fragment_rows(fp: FragmentPlanes, end: int, begin: int = 0) -> FragmentPlanes:
+    """Rows [begin, end) (whole 16-row blocks) of a matrix in fragment order, a view: every plane is block-major."""
+    if begin % ROWS_PER_BLOCK or end % ROWS_PER_BLOCK or not 0 <= begin < end <= fp.rows:
+        raise ValueError(f"fragment rows: rows {begin}..{end} of {fp.rows} (whole 16-row blocks)")
+    per_row = fp.groups  # elements per plane scale with rows x groups
+
+    def rows_of(plane: torch.Tensor, width: int) -> torch.Tensor:
+        return plane[begin * per_row * width : end * per_row * width]
+
+    high = None if fp.high is None else rows_of(fp.high, fp.high.numel() // (fp.blocks * ROWS_PER_BLOCK * per_row))
+    return FragmentPlanes(rows_of(fp.codes, 32), rows_of(fp.scales, 1), high, end - begin, fp.cols, fp.fmt, fp.order)
 
 
 def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
