@@ -307,7 +307,7 @@ def to_fragment_layout(w, order: str | None = None):
 def copy_supported(w) -> bool:
     """Q4/Q5/Q6, K a multiple of 512, whole 16-row blocks, planes not already in fragment order: fragment_copy
     takes it."""
-    return w.fragment is None and in_place_supported(w)
+    return w.fragment is None and w.fmt.bits != W8_BITS and in_place_supported(w)
 
 
 def fragment_copy(w) -> FragmentPlanes:
