@@ -343,8 +343,8 @@ def shapes_main(out: str) -> None:
     alone ("loop": NINFER_FRAGMENT_KS_RULE=off), 1, 2 or 4 warps sharing each block's K, the shape the engine
     picks ("chosen": the measured rule, x in place), and that shape with x loaded a chunk ahead ("xahead", T <= 8;
     "xwide", 9-16 rows: the first column tile's x; "xwide4": that with 4 warps sharing K; "split" / "splitx": 9-16
-    rows' two column tiles on twice the warps, x in place / ahead), and every measured rule ("engine"); µs and
-    fraction of copy.
+    rows' two column tiles on twice the warps, x in place / ahead), and every measured rule ("engine"; at half / twice
+    the program target: "p264" / "p1056"); µs and fraction of copy.
     The "chosen" columns keep x in place; the engine's own rule is loads_x_ahead."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
@@ -360,7 +360,8 @@ def shapes_main(out: str) -> None:
                 "xwide4": {"ksplit": 4, **one},  # the same with 4 warps sharing K (gate_up's shape, where xwide gained)
                 "split": {"tiles": 2, "xahead": 0},  # 9-16 rows: the column tiles on twice the warps, x in place
                 "splitx": {"tiles": 2, "xahead": 1},  # the same, x a chunk ahead
-                "engine": {}}  # every measured rule (x ahead, xwide, split tiles): what the engine runs
+                "engine": {},  # every measured rule (x ahead, xwide, split tiles): what the engine runs
+                "p264": {"programs": 264}, "p1056": {"programs": 1056}}  # the rules at half / twice the programs
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
         planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
@@ -372,7 +373,8 @@ def shapes_main(out: str) -> None:
                     continue
                 fl.FRAGMENT_KS_RULE = name != "loop"  # (the ks variants name their warps sharing K themselves)
                 wide = fl.FRAGMENT_TUNING["xwide"]
-                fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide if name == "engine" else 0
+                rules = name == "engine" or name.startswith("p")
+                fl.FRAGMENT_TUNING["xwide"] = 1 if name.startswith("xwide") else wide if rules else 0
                 us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer, **kwargs))
                 fl.FRAGMENT_TUNING["xwide"] = wide
                 row[f"t{t}_{name}_us"], row[f"t{t}_{name}_frac"] = us, nbytes / (us * 1e-6) / peak
