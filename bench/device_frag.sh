@@ -591,9 +591,10 @@ s42)  # next session (~330 s): W8 products in byte order on the int8 fragment ke
     echo "dflash2 w8 $w8 t=$(el)"
   done
   ;;
-s43)  # next session, after s42 (~300 s): 17-64 rows as 16-row blocks against the dequantizing GEMM (8 lanes of MTP3
-  # rounds), GDN verify tiles by rule against 32 columns always (2-4 lanes of MTP3 rounds), then where a DFlash2 K = 7
-  # round goes (W8 on the int8 fragment kernel)
+s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against the dequantizing GEMM (8 lanes of MTP3
+  # rounds), GDN verify tiles by rule against 32 columns always (2-4 lanes of MTP3 rounds), every product's rules at
+  # half / twice the program target (T = 16's small products: 0.51-0.55 of copy), then where a DFlash2 K = 7 round
+  # goes (W8 on the int8 fragment kernel)
   for sliced in 0 1; do  # 8 lanes of MTP3 rounds (32-row verify blocks): dequantizing GEMM / 16-row blocks
     NINFER_SLICED_ROWS=$sliced timeout 100 $B --lanes 8 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
       --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s43-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
@@ -604,6 +605,9 @@ s43)  # next session, after s42 (~300 s): 17-64 rows as 16-row blocks against th
       --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s43-spec-gdn${tile:+-32}.json" 2>&1 | grep "│ bf16"
     echo "MTP3 lanes GDN tile '$tile' t=$(el)"
   done
+  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s43-shapes.json" shapes 2>&1 | grep "{" | \
+    python -c "import json,sys; [print(r['op'], {k: round(v, 1) for k, v in r.items() if k.endswith(('engine_us', 'p264_us', 'p1056_us'))}) for r in map(json.loads, sys.stdin)]"
+  echo "per product: the rules at 264 / 528 / 1056 programs t=$(el)"
   NINFER_FRAGMENT_W8=on timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s43-profile-dflash2.json" dflash2 \
     bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
   echo "DFlash2 round profile t=$(el)"
