@@ -574,7 +574,8 @@ s41)  # session 35 (~450 s): the output head in fragment order in place by defau
   ;;
 s42)  # next session (~330 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
   # input projection, the DFlash2 drafter's whole products) — GPU tests, per product against the runtime's W8 path,
-  # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on
+  # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on; 35B-A3B lanes
+  # routed apart (--distinct-lane-tokens)
   timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
     tests/test_speculative.py -k "int8_fragment or w8" 2>&1 | tail -2
   echo "tests t=$(el)"
@@ -590,6 +591,9 @@ s42)  # next session (~330 s): W8 products in byte order on the int8 fragment ke
       grep "│ bf16"
     echo "dflash2 w8 $w8 t=$(el)"
   done
+  timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
+    --kv-dtype bf16 --distinct-lane-tokens --json-out "$OUT/s42-moe-lanes-distinct.json" 2>&1 | grep "│ bf16"
+  echo "35B-A3B lanes, each its own token (experts apart) t=$(el)"
   ;;
 s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against the dequantizing GEMM (8 lanes of MTP3
   # rounds), GDN verify tiles by rule against 32 columns always (2-4 lanes of MTP3 rounds), every product's rules at

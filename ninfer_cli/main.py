@@ -407,6 +407,7 @@ def bench(
     prefill_limit: Annotated[str, typer.Option(help="Deeper contexts are synthetic (decode timing only).")] = "256k",
     lanes: Annotated[Optional[str], typer.Option(help="Lanes mode: decode with each lane count at once, e.g. 1,2,4,8 (at the first --depths entry per lane); with --spec, batched speculative rounds too.")] = None,
     concurrent_prefill: Annotated[Optional[str], typer.Option(help="Lanes mode: lane 0 also prefills this many tokens while the other lanes decode (inter-token gaps), e.g. 32k.")] = None,
+    distinct_lane_tokens: Annotated[bool, typer.Option("--distinct-lane-tokens", help="Lanes mode: each lane feeds its own token, so a MoE routes the lanes apart as independent requests would (default: one token for all, the lanes share their experts).")] = False,
     kernels: Annotated[Optional[str], typer.Option(help="Kernels mode: every distinct quantized product of the model at these row counts of x, e.g. 1,2,4,8 (microseconds, fraction of copy bandwidth).")] = None,
     plot_png: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of tok/s vs depth (or vs lanes).")] = None,
     json_out: Annotated[Optional[Path], typer.Option(help="Also write the results JSON to this file.")] = None,
@@ -453,7 +454,8 @@ def bench(
                                   prefill_tokens=_tokens(concurrent_prefill) if concurrent_prefill else 0,
                                   prefill_chunk=parse_prefill_chunk(prefill_chunk), random_weights_seed=seed,
                                   spec=spec.value, draft_tokens=draft_tokens, accepted_drafts=accepted_drafts,
-                                  lm_head_draft=lm_head_draft, draft_vocab=draft_vocab, log=lambda m: err.print(m))
+                                  lm_head_draft=lm_head_draft, draft_vocab=draft_vocab,
+                                  distinct_tokens=distinct_lane_tokens, log=lambda m: err.print(m))
         plotter, printer = plot_lanes, _print_lanes
     else:
         opts = BenchOptions(depths=[_tokens(d) for d in depths.split(",")], kv_dtypes=kv_dtype.split(","),
@@ -579,7 +581,8 @@ def _print_lanes(r: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"{escape(r['artifact'])} on {escape(r['device'])}, {r['depth']} tokens per lane "
+    apart = ", each lane its own token" if r.get("lane_tokens") == "distinct" else ""
+    t = Table(title=f"{escape(r['artifact'])} on {escape(r['device'])}, {r['depth']} tokens per lane{apart} "
                     f"(copy {r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)")
     for col in ("KV", "lanes", "step ms", "x one lane", "aggregate tok/s", "per lane tok/s", "ideal tok/s", "of ideal"):
         t.add_column(col, justify="right", no_wrap=True)

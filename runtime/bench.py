@@ -198,12 +198,38 @@ def _weight_and_lane_bytes(engine, depth: int) -> tuple[int, int]:
     return one - per_lane, per_lane
 
 
+def _routed_bytes(engine) -> int:
+    """The routed experts' bytes one token reads (its k of E experts in every MoE layer; 0 for a dense model)."""
+    c = engine.cfg
+    return sum(r.nbytes * c.experts_per_token // c.num_experts for r in engine.plan.arenas["weights"].regions
+               if "/moe/experts_" in r.name and engine.art.objects[r.name].component == "text")
+
+
+def _step_bytes(engine, shared: int, per_lane: int, n: int, distinct: bool) -> float:
+    """Bytes a decode step of n lanes reads at least: the weights once (with lanes of distinct tokens, a MoE's
+    routed experts as many as n independent top-k picks are expected to cover: E (1 - (1 - k/E)^n) of them a
+    layer; with the same token every lane picks the same k), plus each lane's KV and state."""
+    routed = _routed_bytes(engine)
+    if distinct and routed:
+        c = engine.cfg
+        covered = c.num_experts * (1 - (1 - c.experts_per_token / c.num_experts) ** n) / c.experts_per_token
+        shared += routed * (covered - 1)
+    return shared + n * per_lane
+
+
+def lane_tokens(n: int, distinct: bool, vocab: int) -> list[int]:
+    """The token each of n lanes feeds every bench step: the same one, or distinct ones (so a MoE routes the
+    lanes apart, as independent requests would be)."""
+    return [1 + 7919 * i % (vocab - 1) for i in range(n)] if distinct else [1] * n
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[float, int, float, float]:
+def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen, distinct: bool = False
+                 ) -> tuple[float, int, float, float]:
     """Batched speculative rounds for lanes `ids` from `depth` tokens of synthetic context: two untimed (graph
     capture), then `rounds` timed; returns (seconds, tokens the lanes gained in the timed rounds, and a round's
     drafting and verify-forward ms by CUDA events)."""
@@ -212,7 +238,7 @@ def _spec_rounds(engine, ids: list[int], depth: int, rounds: int, gen) -> tuple[
     spec = engine.speculator
     for lane in ids:
         _synthetic_context(engine, depth, gen, lane)
-    nxt, budget = [1] * len(ids), [1 << 30] * len(ids)
+    nxt, budget = lane_tokens(len(ids), distinct, engine.cfg.vocab_size), [1 << 30] * len(ids)
     for _ in range(2):
         nxt = [new[-1] for new in spec.round(ids, nxt, budget)]
     spec.stats = SpecStats(accepted_at=[0] * spec.k)
@@ -234,7 +260,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
                     prefill_tokens: int = 0, prefill_chunk: int = 0, device: str = "cuda",
                     random_weights_seed: int | None = None, spec: str = "none", draft_tokens: int = 3,
                     accepted_drafts: int | None = None, lm_head_draft: bool = False, draft_vocab: int = 0,
-                    log=print) -> dict:
+                    distinct_tokens: bool = False, log=print) -> dict:
     """Decode with several lanes at once: each lane holds `depth` tokens (synthetic context), and one
     step decodes one token for every lane. Per lane count: step time, aggregate and per-lane tok/s,
     the step time over the one-lane step, and the ideal (one read of the weights serves every lane;
@@ -244,7 +270,9 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     With `spec` (mtp / dflash2), each lane count also runs `steps` batched speculative rounds (every lane
     drafts, one verify forward for all; `accepted_drafts` forces acceptance on random weights): round time,
     tokens per lane per second and their ratio to the plain step's at the same lane count (issue 20: batched
-    rounds keep one lane's ratio)."""
+    rounds keep one lane's ratio). `distinct_tokens`: every lane feeds its own token (a MoE then routes the lanes
+    apart, as independent requests; the ideal counts the experts they are expected to cover), else all feed the
+    same one (a MoE's lanes share their experts: the best case)."""
     from .engine import Engine
 
     gen = torch.Generator().manual_seed(0)
@@ -252,6 +280,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
     results = {"artifact": str(path), "mode": "lanes", "lanes": lanes, "depth": depth, "steps": steps,
                "spec": spec, "draft_tokens": draft_tokens if spec != "none" else 0, "accepted_drafts": accepted_drafts,
                "lm_head_draft": lm_head_draft, "draft_vocab": draft_vocab,
+               "lane_tokens": "distinct" if distinct_tokens else "same",
                "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "rows": []}
     bw = copy_bandwidth(device) if device.startswith("cuda") else 0.0
     results["copy_bandwidth_bytes_per_s"] = bw
@@ -273,7 +302,7 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
             ids = list(range(n))
             for lane in ids:
                 _synthetic_context(engine, depth, gen, lane)
-            tokens = [1] * n
+            tokens = lane_tokens(n, distinct_tokens, engine.cfg.vocab_size)
             for _ in range(3):  # capture this batch size's graph, compile kernels
                 engine.decode_step(ids, tokens)
             _sync(engine)
@@ -285,12 +314,12 @@ def run_lanes_bench(path, lanes: list[int], depth: int, kv_dtypes: list[str], st
             base_step = base_step or step
             row = {"kv_dtype": kv, "lanes": n, "depth": depth, "step_ms": step * 1e3, "aggregate_tok_s": n / step,
                    "per_lane_tok_s": 1 / step, "step_vs_one_lane": step / base_step,
-                   "bytes_per_step": shared + n * per_lane}
+                   "bytes_per_step": _step_bytes(engine, shared, per_lane, n, distinct_tokens)}
             if bw:
-                row["ideal_aggregate_tok_s"] = n * bw / (shared + n * per_lane)
+                row["ideal_aggregate_tok_s"] = n * bw / row["bytes_per_step"]
                 row["of_ideal"] = row["aggregate_tok_s"] / row["ideal_aggregate_tok_s"]
             if engine.speculator is not None:
-                secs, gained, draft_ms, verify_ms = _spec_rounds(engine, ids, depth, steps, gen)
+                secs, gained, draft_ms, verify_ms = _spec_rounds(engine, ids, depth, steps, gen, distinct_tokens)
                 # issue 20: a verify block of K + 1 rows a lane against the plain step of as many lanes
                 row.update(spec_draft_ms=draft_ms, spec_verify_ms=verify_ms,
                            spec_verify_vs_step=verify_ms / (step * 1e3),

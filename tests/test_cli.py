@@ -238,6 +238,22 @@ def test_lanes_bench_runs_batched_speculative_rounds(tiny_with_mtp, tmp_path, ca
     assert vocab["draft_vocab"] == 256 and vocab["rows"][0]["spec_tokens_per_lane_round"] == 3
 
 
+def test_lanes_bench_with_distinct_tokens_counts_the_experts_they_cover(hf_moe, tmp_path):
+    """--distinct-lane-tokens: every lane feeds its own token (a MoE routes them apart) and the ideal counts the
+    routed experts n independent top-k picks are expected to cover (the same token: every lane the same k)."""
+    from format.convert import ConvertOptions, convert_checkpoint
+    from runtime.bench import lane_tokens, run_lanes_bench
+
+    assert lane_tokens(3, False, 100) == [1, 1, 1] and len(set(lane_tokens(8, True, 400))) == 8
+    art = convert_checkpoint(hf_moe, tmp_path / "m.nfer", ConvertOptions(recipe="q4")).output
+    same, apart = (run_lanes_bench(art, [1, 2, 4], 40, ["bf16"], steps=2, device="cpu", distinct_tokens=d,
+                                   log=lambda m: None) for d in (False, True))
+    assert same["lane_tokens"] == "same" and apart["lane_tokens"] == "distinct"
+    bytes_same, bytes_apart = ([row["bytes_per_step"] for row in r["rows"]] for r in (same, apart))
+    assert bytes_apart[0] == pytest.approx(bytes_same[0])  # one lane: its own k experts either way
+    assert bytes_apart[1] > bytes_same[1] and bytes_apart[2] - bytes_same[2] > bytes_apart[1] - bytes_same[1]
+
+
 def test_speculative_round_phases_average_their_events():
     """phase_ms: a round's drafting is start -> drafts done, its verify forward drafts done -> verify done."""
     from runtime.speculate import phase_ms
