@@ -46,7 +46,10 @@ def main(out: str) -> None:
                                                projections=(h, wa, wb))) * 1e3
             row[f"{block_v}x{warps}_us"] = round(us, 2)
             row[f"{block_v}x{warps}_maxdiff"] = float((got - want).abs().max())
-        gf.GDN_TUNING.update(block_v=0, warps=4)  # the rule
+        gf.GDN_TUNING.update(block_v=0, warps=4)  # the rule (gdn_block_v), as the engine runs it
+        row["rule_block_v"] = gf.gdn_block_v(lanes, t, HV, DV)
+        row["rule_us"] = round(graph_ms(lambda: gf.gdn_fused(x, None, None, a_log, dt_bias, s, idx, HK, snapshot, out=o,
+                                                             projections=(h, wa, wb))) * 1e3, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(out, "w") as f:
