@@ -604,9 +604,9 @@ s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against th
       --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s43-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
     echo "8 lanes MTP3 sliced rows $sliced t=$(el)"
   done
-  for tile in 32,4 ""; do  # GDN verify blocks: 32 value columns always / widened by rule (gdn_block_v)
+  for tile in "" 0; do  # GDN verify blocks: 32 value columns always (default) / widened by rule (gdn_block_v, opt-in)
     NINFER_GDN_TILE=$tile timeout 100 $B --lanes 2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s43-spec-gdn${tile:+-32}.json" 2>&1 | grep "│ bf16"
+      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s43-spec-gdn${tile:+-rule}.json" 2>&1 | grep "│ bf16"
     echo "MTP3 lanes GDN tile '$tile' t=$(el)"
   done
   PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s43-shapes.json" shapes 2>&1 | grep "{" | \

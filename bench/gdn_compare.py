@@ -20,7 +20,7 @@ from runtime.kernels import gdn_fused as gf
 HK, HV, DK, DV, K = 16, 48, 128, 128, 5120  # 27B GDN heads and hidden width
 SHAPES = [(1, 1), (8, 1), (1, 4), (4, 4), (1, 8)]  # (lanes, tokens per lane)
 TILES = [(32, 4), (32, 2), (32, 1), (16, 1), (16, 2), (64, 4), (64, 2), (128, 4)]  # (block_v, warps); first: the
-# one-token default (verify blocks of 4+ tokens over several lanes widen it by rule: gdn_block_v)
+# default (NINFER_GDN_TILE=0: verify blocks of 4+ tokens over several lanes widen it by rule, gdn_block_v)
 
 
 def main(out: str) -> None:
@@ -46,10 +46,11 @@ def main(out: str) -> None:
                                                projections=(h, wa, wb))) * 1e3
             row[f"{block_v}x{warps}_us"] = round(us, 2)
             row[f"{block_v}x{warps}_maxdiff"] = float((got - want).abs().max())
-        gf.GDN_TUNING.update(block_v=0, warps=4)  # the rule (gdn_block_v), as the engine runs it
+        gf.GDN_TUNING.update(block_v=0, warps=4)  # the rule (gdn_block_v; NINFER_GDN_TILE=0)
         row["rule_block_v"] = gf.gdn_block_v(lanes, t, HV, DV)
         row["rule_us"] = round(graph_ms(lambda: gf.gdn_fused(x, None, None, a_log, dt_bias, s, idx, HK, snapshot, out=o,
                                                              projections=(h, wa, wb))) * 1e3, 2)
+        gf.GDN_TUNING.update(block_v=TILES[0][0], warps=TILES[0][1])
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(out, "w") as f:

@@ -260,10 +260,12 @@ def test_swiglu(t, inter):
 
 
 def test_gdn_value_tile_rule(monkeypatch):
-    """One-token steps keep 32 value columns a program; verify blocks of 4+ tokens widen the tile while 192+
-    programs still run (27B: 48 value heads of 128); NINFER_GDN_TILE's block_v overrides."""
+    """NINFER_GDN_TILE=0 (the rule, opt-in): one-token steps keep 32 value columns a program; verify blocks of 4+
+    tokens widen the tile while 192+ programs still run (27B: 48 value heads of 128); a block_v is taken as given
+    (32 by default)."""
     from runtime.kernels import gdn_fused as gf
 
+    assert gf.gdn_block_v(4, 4, 48, 128) == 32  # the default
     monkeypatch.setitem(gf.GDN_TUNING, "block_v", 0)
     assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((1, 1), (8, 1), (1, 4), (1, 8))] == [32, 32, 32, 32]
     assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((2, 4), (3, 4), (4, 4), (8, 8))] == [64, 64, 128, 128]

@@ -23,14 +23,16 @@ PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; pref
 # over DK twice (and q, k and the alpha/beta dots once each), across the warps that split DK — so fewer warps trade
 # barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps (block_v 0: the
 # rule, gdn_block_v). The sweep's least summed time (64,4; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37
-# ms a step), so one-token steps keep 32 columns.
-GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 0, "warps": 4})
-GDN_BLOCK_V = 32  # one-token steps, and the widest blocks' floor
+# ms a step) though it won isolated, so the rule (wider tiles for verify blocks only) stays opt-in until measured in
+# the engine: NINFER_GDN_TILE=0.
+GDN_BLOCK_V = 32  # the default, and the rule's one-token steps and floor
+GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": GDN_BLOCK_V, "warps": 4})
 GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least this many programs run
 
 
 def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
-    """Value columns per program of a launch over `lanes` x `tokens` rows (NINFER_GDN_TILE's block_v, else a rule).
+    """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v (default 32),
+    or with block_v 0 a rule.
     Each program repeats every token's preparation (q/k norms, the alpha/beta dots with the layer input) for its
     columns, token after token, so verify blocks of 4+ tokens take the widest tile that keeps GDN_BLOCK_PROGRAMS
     programs: H100, session 35 (`bench/gdn_compare.py`, one 27B layer, µs): 4 lanes x 4 tokens 48.99 (32 columns)
