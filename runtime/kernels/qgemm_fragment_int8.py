@@ -36,7 +36,7 @@ from .launch import LAUNCH, pdl_wait
 from .qgemm_fragment_layout import (CHUNK, FRAGMENT_TUNING, _chunk_load_asm, _load_chunk, _program_start,
                                     _store_program, fragment_shape)
 from .qgemm_rows_frag import HINTS, SplitPartials, finish_splits, split_partials
-from .qgemv_int8 import QuantizedX, quantize_x
+from .qgemv_int8 import QuantizedX, _lanes, quantize_x
 
 _MMA = "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32"
 _MMA_W8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
@@ -219,7 +219,7 @@ def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | No
         ksplit = 1
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
-    rw_bytes = w.k_pad // (4 if fp.fmt.bits == 8 else 8) * 4  # one of hi_a / lo_a / hi_b / lo_b (write_quantized_x)
+    rw_bytes = w.k_pad // _lanes(fp.fmt.bits) * 4  # one of hi_a / lo_a / hi_b / lo_b (write_quantized_x)
     compute = _w8_chunk_asm(nt, rw_bytes) if fp.fmt.bits == 8 else _int8_chunk_asm(fp.fmt.bits, nt, rw_bytes,
                                                                                      fp.groups * 4)
     target = split_partials(y, split)

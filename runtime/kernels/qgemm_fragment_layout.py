@@ -48,8 +48,8 @@ ROWS_PER_BLOCK = 16  # rows of one warp's mma fragments
 
 @dataclass
 class FragmentPlanes:
-    """A Q4/Q5/Q6/W8 matrix in fragment order (W8: 32-lane groups, each as a Q4 group's bytes, byte order only): codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks,
-    8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words, (Q6) [blocks, chunks, 2 group
+    """A Q4/Q5/Q6/W8 matrix in fragment order (W8: 32-lane groups, each as a Q4 group's bytes, byte order only):
+    codes [blocks, groups, 32 lanes, 16 bytes], scales [blocks, chunks, 8, 4, 2] float16, high (Q5) [blocks, chunks, 32 lanes, 4, 2 rows] 16-bit words, (Q6) [blocks, chunks, 2 group
     pairs, 32 lanes, 2 groups, 2 rows] 32-bit words of 16 two-bit fields (_q6_fields); `order`: "pairs" (code
     words and high bytes in pair order, for the bf16 kernel), "lanes" (the artifact's order inside words and
     bytes) or "bytes" (lane-order codes, high bits in byte order: the int8 kernel's; see high_to_byte_order)."""
@@ -296,8 +296,8 @@ def to_fragment_layout(w, order: str | None = None):
     `order`: as fragment_planes."""
     order = fragment_order(w.fmt.bits) if order is None else order
     if not in_place_supported(w):
-        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5, K a multiple of 512 and "
-                         "rows a multiple of 16")
+        raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] needs Q4/Q5/Q6 with K a multiple of "
+                         "512 or W8 with K a multiple of 256, and rows a multiple of 16")
     planes = (w.base.view(torch.uint8).view(w.rows, -1), w.scale.view(torch.float16).view(w.rows, -1),
               w.high.view(torch.uint8).view(w.rows, -1) if w.high is not None else None)
     w.fragment = _permute_rows(w, order, planes)
@@ -349,9 +349,8 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     if fp.high is not None and fp.fmt.bits == 6:
         words = fp.high.view(torch.int32).view(fp.blocks, chunks, 2, 8, 4, 2, 2)[b0:b1].permute(0, 6, 3, 1, 2, 5, 4)
         words = q6_high_to_fields(words.reshape(rows, groups * 4), fp.pairs, inverse=True)
-        return (codes_from_pair_order(base[first : first + n]) if fp.pairs else base[first : first + n],
-                words.view(torch.uint8).view(rows, groups * 16)[first : first + n], scale[first : first + n])
-    if fp.high is not None:
+        high = words.view(torch.uint8).view(rows, groups * 16)[first : first + n]
+    elif fp.high is not None:
         high = fp.high.view(fp.blocks, chunks, 8, 4, CHUNK, 2, 2)[b0:b1]
         if fp.order == "bytes":
             high = high_to_byte_order(high, inverse=True)
@@ -400,8 +399,8 @@ X_GROUP_BYTES: tl.constexpr = tl.constexpr(128)  # one 64-lane group of an x row
 
 @triton.jit
 def _load_chunk(ca, sa, ha, ci, ok, BITS: tl.constexpr, LOAD_ASM: tl.constexpr):
-    """The 20 (Q4) or 24 (Q5, Q6: its 4 high-bit words 64-bit) words of chunk ci (groups 4ci..4ci + 3) of this
-    thread's rows, loaded when ok; Q4's 4 high-bit words are zeros."""
+    """The 20 (Q4, W8) or 24 (Q5, Q6: its 4 high-bit words 64-bit) words of chunk ci (groups 4ci..4ci + 3) of this
+    thread's rows, loaded when ok; Q4's and W8's 4 high-bit words are zeros."""
     args = [ca + ci * 2048, sa + ci * 128, ha + ci * (1024 if BITS == 6 else 512), ok.to(tl.int32)]
     if BITS == 6:  # one return statement: Triton checks every return's type, even under a constexpr branch
         chunk = tl.inline_asm_elementwise(LOAD_ASM, _CHUNK_CONSTRAINTS_Q6, args,

@@ -592,9 +592,8 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
     x = x.contiguous()
     y = out if out is not None else torch.empty(t, w.rows, dtype=x.dtype, device=x.device)
     if t > GEMV_MAX_T:
-        q6 = w.fmt.bits == 6
-        if w.fragment is not None and (t <= SLICED_MAX_T and SLICED_ROWS or q6 and t <= SLICED_MAX_T_Q6) \
-                and not interpreted():
+        sliced = SLICED_MAX_T_Q6 if w.fmt.bits == 6 else SLICED_MAX_T if SLICED_ROWS else 0
+        if w.fragment is not None and t <= sliced and not interpreted():
             for r0 in range(0, t, GEMV_MAX_T):  # blocks of 16 rows: a read of the codes each
                 qlinear(x[r0 : r0 + GEMV_MAX_T], w, out=y[r0 : r0 + GEMV_MAX_T])
             return y
