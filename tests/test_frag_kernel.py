@@ -480,9 +480,10 @@ def test_engine_re_lays_out_layer_products_only(monkeypatch):
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", odd)  # 24 rows: not whole 16-row blocks
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 256, "Q4G64_F16S", 1))
     assert not takes_fragment_layout("text/layers/3/mlp/gate_up", _packed(32, 512, "Q6G64_F16S", 1))
-    # W8 (NINFER_FRAGMENT_W8=on): the MTP input projection and the DFlash2 drafter's whole products, K % 256
+    # W8 (unless NINFER_FRAGMENT_W8=off): the MTP input projection and the DFlash2 drafter's whole products, K % 256
     w8 = _packed(32, 256, "W8G32_F16S", 1)
-    assert not takes_fragment_layout("mtp/input_projection", w8)  # off by default
+    monkeypatch.setattr(fl, "FRAGMENT_W8", "off")
+    assert not takes_fragment_layout("mtp/input_projection", w8)
     monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
     assert takes_fragment_layout("mtp/input_projection", w8) and takes_fragment_layout("dflash2/layers/1/mlp/down", w8)
     assert takes_fragment_layout("dflash2/layers/1/attention/query_key_value", w8)  # its key/value rows: a view

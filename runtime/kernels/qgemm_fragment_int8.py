@@ -217,6 +217,11 @@ def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | No
     ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
     if not ksplit and defer_sum:  # partials the next rmsnorm sums: K split across programs only
         ksplit = 1
+    if not ksplit and fp.fmt.bits == 8:
+        # W8: 4 warps sharing each block's K at least ties fragment_shape's loop on every product measured (H100,
+        # session 36, `bench/gemv_compare.py OUT w8`: DFlash2 gate_up 34816 x 5120 at T = 1 / 4 / 8 / 16 0.85 / 0.82
+        # / 0.78 / 0.39 -> 1.00 / 0.94 / 0.85 / 0.53 of copy; the loop already picks 4 for MLP down, MTP fc)
+        ksplit = 4
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
     rw_bytes = w.k_pad // _lanes(fp.fmt.bits) * 4  # one of hi_a / lo_a / hi_b / lo_b (write_quantized_x)

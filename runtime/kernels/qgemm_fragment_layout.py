@@ -242,10 +242,12 @@ FRAGMENT_OBJECTS = ("attention/query_gate_key_value", "attention/output", "gdn/q
                     "mlp/gate_up", "mlp/down", "mtp/input_projection")
 CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 # W8 products in byte order on the int8 fragment kernel (qgemm_fragment_int8: its codes are the mma's A bytes as
-# stored), for engines of several rows a step: correct on the GPU (session 35), not yet timed, so off unless
-# NINFER_FRAGMENT_W8=on. The DFlash2 drafter's query/key/value product is also read through a view of its key/value
-# rows, whole 16-row blocks (fragment_rows).
-FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "off")
+# stored), for engines of several rows a step. Measured on the H100 (session 36, `bench/device_frag.sh s42`): at 2-8
+# rows 0.73-0.82 of copy against the planes' dequantizing row kernel at 0.40-0.86 (4 rows: 0.40-0.63 -> 0.76-0.82);
+# end to end level for MTP3 lanes, DFlash2 K = 7 619.1 -> 624.7 tok/s. NINFER_FRAGMENT_W8=off keeps the planes. The
+# DFlash2 drafter's query/key/value product is also read through a view of its key/value rows, whole 16-row blocks
+# (fragment_rows).
+FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "on")
 if FRAGMENT_W8 not in ("on", "off"):
     raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
 W8_OBJECTS = ("mtp/input_projection", "dflash2/feature_projection", "attention/query_key_value", "attention/output",
@@ -261,7 +263,7 @@ def in_place_supported(w) -> bool:
 def takes_fragment_layout(name: str, w) -> bool:
     """Whether the engine re-lays out layer product `name` (a PackedLinear) in fragment order: Q4/Q5 (Q6 layer
     products, the q6 recipe's, keep the artifact's planes until their kernel is measured as the head's was); W8
-    ones (the MTP input projection, the DFlash2 drafter's whole products) with NINFER_FRAGMENT_W8=on."""
+    ones (the MTP input projection, the DFlash2 drafter's whole products) unless NINFER_FRAGMENT_W8=off."""
     if w.fmt.bits == W8_BITS:
         return FRAGMENT_W8 == "on" and name.endswith(W8_OBJECTS) and name.startswith(("mtp/", "dflash2/")) \
             and in_place_supported(w)
