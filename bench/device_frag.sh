@@ -39,6 +39,7 @@
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
+#                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s44       # W8 in byte order by default (4 warps sharing K): tests, products, DFlash2
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
@@ -631,6 +632,28 @@ s44)  # session 36 (~200 s): W8 in byte order by default, 4 warps sharing K for 
       grep "│ bf16"
     echo "dflash2 lanes w8 $w8 t=$(el)"
   done
+  ;;
+h200)  # issues 20 and 21's headline numbers on whichever card comes (~520 s; meant for the H200, the issues' card):
+  # 27B lanes 1-8 (bf16, rk4v4-e8), MTP3 lanes and DFlash2 K = 7 (forced accept, --draft-vocab 32768), 35B-A3B lanes
+  # (alike / each its own token), then one lane at depth with real prefill (27B bf16 + rk4v4-e8, 35B-A3B at 8K)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 120 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16,rk4v4-e8 --json-out "$OUT/h200-lanes.json" 2>&1 | \
+    grep -E "│ (bf16|rk4v4)"
+  echo "27B lanes t=$(el)"
+  timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
+    --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/h200-mtp3-lanes.json" 2>&1 | grep "│ bf16"
+  echo "MTP3 lanes t=$(el)"
+  timeout 80 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
+    --draft-vocab 32768 --json-out "$OUT/h200-dflash2.json" 2>&1 | grep "│ bf16"
+  echo "DFlash2 t=$(el)"
+  for tokens in "" --distinct-lane-tokens; do
+    timeout 90 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
+      --kv-dtype bf16 $tokens --json-out "$OUT/h200-moe-lanes${tokens:+-distinct}.json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes '$tokens' t=$(el)"
+  done
+  timeout 240 $B --depths 8k,32k,128k,200k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
+    --json-out "$OUT/h200-depths.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
+  echo "27B depths t=$(el)"
   ;;
 shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
   # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
