@@ -54,20 +54,19 @@ def decode_bytes(engine, depth: int) -> int:
     the routed share of the experts), the KV of every full-attention layer at `depth`, GDN state
     read and written."""
     c, art = engine.cfg, engine.art
-    total = 0
+    total = _routed_bytes(engine)
     for r in engine.plan.arenas["weights"].regions:
         e = art.objects[r.name]
-        if e.component != "text":
+        if e.component != "text" or _is_routed_expert(r.name):
             continue
-        if r.name == "text/token_embedding":
-            total += r.nbytes // e.shape[0]
-        elif "/moe/experts_" in r.name:
-            total += r.nbytes * c.experts_per_token // c.num_experts
-        else:
-            total += r.nbytes
+        total += r.nbytes // e.shape[0] if r.name == "text/token_embedding" else r.nbytes
     full = sum(c.is_full_attention(i) for i in range(c.num_layers))
     kv_token = engine.codec.bytes_per_token_head(c.head_dim) * c.num_kv_heads * full
     return total + kv_token * depth + gdn_state_bytes(engine)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return "/moe/experts_" in name
 
 
 def gdn_state_bytes(engine) -> int:
@@ -202,7 +201,7 @@ def _routed_bytes(engine) -> int:
     """The routed experts' bytes one token reads (its k of E experts in every MoE layer; 0 for a dense model)."""
     c = engine.cfg
     return sum(r.nbytes * c.experts_per_token // c.num_experts for r in engine.plan.arenas["weights"].regions
-               if "/moe/experts_" in r.name and engine.art.objects[r.name].component == "text")
+               if _is_routed_expert(r.name) and engine.art.objects[r.name].component == "text")
 
 
 def _step_bytes(engine, shared: int, per_lane: int, n: int, distinct: bool) -> float:
