@@ -39,6 +39,7 @@
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
+#                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s44       # W8 in byte order by default (4 warps sharing K): tests, products, DFlash2
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
@@ -632,6 +633,44 @@ s44)  # session 36 (~200 s): W8 in byte order by default, 4 warps sharing K for 
       grep "│ bf16"
     echo "dflash2 lanes w8 $w8 t=$(el)"
   done
+  ;;
+next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 rows as 16-row blocks against the
+  # dequantizing GEMM (8 lanes of MTP3 rounds); DFlash2 lanes 1-2 with W8 off / on; 27B lanes, MTP3 lanes, 35B-A3B lanes
+  # with every default; then on an H200 the depth table (issue 21), on an H100 the GDN verify-tile rule off / on
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 100 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
+    tests/test_speculative.py tests/test_dflash2.py -k "int8_fragment or w8 or W8" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  for sliced in 0 1; do  # 8 lanes of MTP3 rounds (32-row verify blocks): dequantizing GEMM / 16-row blocks
+    NINFER_SLICED_ROWS=$sliced timeout 90 $B --lanes 8 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/n36-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
+    echo "8 lanes MTP3 sliced rows $sliced t=$(el)"
+  done
+  for w8 in off on; do
+    NINFER_FRAGMENT_W8=$w8 timeout 80 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+      --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/n36-dflash2-w8-$w8.json" 2>&1 | \
+      grep "│ bf16"
+    echo "dflash2 lanes w8 $w8 t=$(el)"
+  done
+  timeout 80 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/n36-lanes.json" 2>&1 | grep "│ bf16"
+  echo "27B lanes t=$(el)"
+  timeout 80 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
+    --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/n36-mtp3-lanes.json" 2>&1 | grep "│ bf16"
+  echo "MTP3 lanes t=$(el)"
+  timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
+    --kv-dtype bf16 --json-out "$OUT/n36-moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "35B-A3B lanes t=$(el)"
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    timeout $((575 - $(el))) $B --depths 8k,32k,128k,200k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
+      --json-out "$OUT/n36-depths.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
+    echo "27B depths t=$(el)"
+  else
+    for tile in "" 0; do  # GDN verify blocks: 32 value columns always (default) / widened by rule (opt-in)
+      NINFER_GDN_TILE=$tile timeout 80 $B --lanes 2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+        --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/n36-spec-gdn${tile:+-rule}.json" 2>&1 | grep "│ bf16"
+      echo "MTP3 lanes GDN tile '$tile' t=$(el)"
+    done
+  fi
   ;;
 h200)  # issues 20 and 21's headline numbers on whichever card comes (~520 s; meant for the H200, the issues' card):
   # 27B lanes 1-8 (bf16, rk4v4-e8), MTP3 lanes and DFlash2 K = 7 (forced accept, --draft-vocab 32768), 35B-A3B lanes
