@@ -306,7 +306,7 @@ class Engine:
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 if fragment_layout_enabled(self.rows_per_step, fmt.bits, r.name) \
-                        and takes_fragment_layout(r.name, packed) or self._lays_out_head(r.name, packed):
+                        and takes_fragment_layout(r.name, packed, self.rows_per_step) or self._lays_out_head(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
                 self.lin[r.name] = QuantLinear(packed)
                 continue

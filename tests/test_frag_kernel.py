@@ -486,6 +486,8 @@ def test_engine_re_lays_out_layer_products_only(monkeypatch):
     assert not takes_fragment_layout("mtp/input_projection", w8)
     monkeypatch.setattr(fl, "FRAGMENT_W8", "on")
     assert takes_fragment_layout("mtp/input_projection", w8) and takes_fragment_layout("dflash2/layers/1/mlp/down", w8)
+    assert takes_fragment_layout("mtp/input_projection", w8, 8)
+    assert not takes_fragment_layout("mtp/input_projection", w8, 16)  # 9-16 rows: the planes read W8 faster
     assert takes_fragment_layout("dflash2/layers/1/attention/query_key_value", w8)  # its key/value rows: a view
     assert not takes_fragment_layout("text/layers/3/moe/shared_expert/gate_up", w8)
     assert not takes_fragment_layout("mtp/input_projection", _packed(32, 128, "W8G32_F16S", 1))

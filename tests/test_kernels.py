@@ -1,6 +1,8 @@
 """Every Triton kernel against its torch reference: fresh random inputs, NaN-poisoned outputs, odd
 shapes, and a relative-error tolerance named per dtype. On CPU they run under TRITON_INTERPRET=1."""
 
+import os
+
 import pytest
 import torch
 
@@ -260,16 +262,18 @@ def test_swiglu(t, inter):
 
 
 def test_gdn_value_tile_rule(monkeypatch):
-    """NINFER_GDN_TILE=0 (the rule, opt-in): one-token steps keep 32 value columns a program; verify blocks of 4+
-    tokens widen the tile while 192+ programs still run (27B: 48 value heads of 128); a block_v is taken as given
-    (32 by default)."""
+    """The rule (default, NINFER_GDN_TILE unset or block_v 0): one-token steps keep 32 value columns a program;
+    verify blocks of 4+ tokens widen the tile while 192+ programs still run (27B: 48 value heads of 128); a block_v
+    given is taken as given."""
     from runtime.kernels import gdn_fused as gf
 
-    assert gf.gdn_block_v(4, 4, 48, 128) == 32  # the default
+    assert gf.GDN_TUNING["block_v"] == 0 or "NINFER_GDN_TILE" in os.environ  # the rule by default
     monkeypatch.setitem(gf.GDN_TUNING, "block_v", 0)
     assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((1, 1), (8, 1), (1, 4), (1, 8))] == [32, 32, 32, 32]
     assert [gf.gdn_block_v(lanes, t, 48, 128) for lanes, t in ((2, 4), (3, 4), (4, 4), (8, 8))] == [64, 64, 128, 128]
     assert gf.gdn_block_v(4, 4, 48, 16) == 16  # narrow value heads: the head itself
+    monkeypatch.setitem(gf.GDN_TUNING, "block_v", 32)
+    assert gf.gdn_block_v(4, 4, 48, 128) == 32
     monkeypatch.setitem(gf.GDN_TUNING, "block_v", 64)
     assert gf.gdn_block_v(1, 1, 48, 128) == 64 and gf.gdn_block_v(4, 4, 48, 32) == 32
 

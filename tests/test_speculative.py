@@ -62,9 +62,9 @@ def wide_mtp(tmp_path_factory):
 
 @exact_only_on_cpu
 def test_w8_products_in_fragment_order_keep_speculative_greedy(wide_mtp, monkeypatch):
-    """NINFER_FRAGMENT_W8=on: a speculating engine lays out its W8 MTP input projection in byte order (the int8
-    fragment kernel's; on a CPU multiplied through the planes read back) and still generates plain greedy's tokens;
-    off (the default until measured) keeps the artifact's planes."""
+    """NINFER_FRAGMENT_W8=on (the default): a speculating engine of up to 8 rows a step lays out its W8 MTP input
+    projection in byte order (the int8 fragment kernel's; on a CPU multiplied through the planes read back) and
+    still generates plain greedy's tokens; off keeps the artifact's planes."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     want = _plain(wide_mtp)

@@ -21,18 +21,19 @@ L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
 # value columns per program and warps per program. A program's state tile is [DK, BLOCK_V]; every token reduces it
 # over DK twice (and q, k and the alpha/beta dots once each), across the warps that split DK — so fewer warps trade
-# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps (block_v 0: the
-# rule, gdn_block_v). The sweep's least summed time (64,4; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37
-# ms a step) though it won isolated, so the rule (wider tiles for verify blocks only) stays opt-in until measured in
-# the engine: NINFER_GDN_TILE=0.
-GDN_BLOCK_V = 32  # the default, and the rule's one-token steps and floor
-GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": GDN_BLOCK_V, "warps": 4})
+# barriers for registers. Side-by-side runs (bench/gdn_compare.py): NINFER_GDN_TILE=block_v,warps (block_v 0, the
+# default: the rule, gdn_block_v; 32,4 the tile of every launch before session 36). The sweep's least summed time
+# (64,4 everywhere; session 35, H100) lost end to end (8 lanes 9.91 -> 10.37 ms a step) though it won isolated; the
+# rule widens verify blocks only, and won in the engine (H100, session 36, `bash bench/device_frag.sh next36`, MTP3
+# rounds, 32,4 -> rule: verify of 4 lanes x 4 tokens 13.01 -> 12.56 ms, of 2 lanes 9.42 -> 9.46).
+GDN_BLOCK_V = 32  # the rule's one-token steps and floor
+GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 0, "warps": 4})
 GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least this many programs run
 
 
 def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
-    """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v (default 32),
-    or with block_v 0 this rule. Each program repeats every token's preparation (q/k norms, the alpha/beta dots with the layer input) for its
+    """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v where given,
+    else (block_v 0, the default) this rule. Each program repeats every token's preparation (q/k norms, the alpha/beta dots with the layer input) for its
     columns, token after token, so verify blocks of 4+ tokens take the widest tile that keeps GDN_BLOCK_PROGRAMS
     programs: H100, session 35 (`bench/gdn_compare.py`, one 27B layer, µs): 4 lanes x 4 tokens 48.99 (32 columns)
     -> 41.30 (64) -> 35.02 (128); one lane x 4 or 8 tokens (48 programs at 128) keeps 32 (13.35 / 24.74 against

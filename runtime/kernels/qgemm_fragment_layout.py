@@ -250,6 +250,10 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "on")
 if FRAGMENT_W8 not in ("on", "off"):
     raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
+# W8 in byte order only for engines of at most W8_MAX_ROWS rows a step: at 12-16 rows (two mma column tiles) the int8
+# kernel read W8 at 0.39-0.63 of copy against the planes' 0.55-0.65, and DFlash2 over 2 lanes (16-row drafter
+# blocks) lost 1,011 -> 985 tok/s (session 36, H100); MTP3 over 4 lanes was level (14.09 / 14.05 ms a round).
+W8_MAX_ROWS = 8
 W8_OBJECTS = ("mtp/input_projection", "dflash2/feature_projection", "attention/query_key_value", "attention/output",
               "mlp/gate_up", "mlp/down")
 
@@ -260,13 +264,14 @@ def in_place_supported(w) -> bool:
     return fragment_supported(w.fmt, w.cols) and w.rows % ROWS_PER_BLOCK == 0
 
 
-def takes_fragment_layout(name: str, w) -> bool:
-    """Whether the engine re-lays out layer product `name` (a PackedLinear) in fragment order: Q4/Q5 (Q6 layer
-    products, the q6 recipe's, keep the artifact's planes until their kernel is measured as the head's was); W8
-    ones (the MTP input projection, the DFlash2 drafter's whole products) unless NINFER_FRAGMENT_W8=off."""
+def takes_fragment_layout(name: str, w, rows_per_step: int = 1) -> bool:
+    """Whether an engine multiplying up to `rows_per_step` rows a step re-lays out layer product `name` (a
+    PackedLinear) in fragment order: Q4/Q5 (Q6 layer products, the q6 recipe's, keep the artifact's planes until
+    their kernel is measured as the head's was); W8 ones (the MTP input projection, the DFlash2 drafter's whole
+    products) up to W8_MAX_ROWS rows a step unless NINFER_FRAGMENT_W8=off."""
     if w.fmt.bits == W8_BITS:
-        return FRAGMENT_W8 == "on" and name.endswith(W8_OBJECTS) and name.startswith(("mtp/", "dflash2/")) \
-            and in_place_supported(w)
+        return FRAGMENT_W8 == "on" and rows_per_step <= W8_MAX_ROWS and name.endswith(W8_OBJECTS) \
+            and name.startswith(("mtp/", "dflash2/")) and in_place_supported(w)
     return (name.endswith(FRAGMENT_OBJECTS) and (name.startswith("text/layers/") or name.startswith("mtp/"))
             and w.fmt.bits in FRAG_BITS and in_place_supported(w))
 

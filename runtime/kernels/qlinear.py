@@ -342,9 +342,10 @@ if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scr
 GEMV_MAX_T = 16
 # Planes in fragment order multiply 17-64 rows (verify blocks of 5+ lanes: 8 lanes of MTP3 rounds are 32 rows) as
 # blocks of 16 rows, one read of the codes each (Q4: 2 x 0.56 bytes a weight at 32 rows, ~0.6 of copy at 16 rows),
-# instead of the prefill's dequantized bf16 copy (0.56 read + 2 written + 2 read again; 8 lanes of MTP3 rounds on an
-# H100: verify 25.97 ms = 2.69 plain steps, session 35). NINFER_SLICED_ROWS=0 keeps Q4/Q5/W8 on the dequantizing
-# GEMM for side-by-side runs (not yet measured); Q6 always slices (its dequantization copies rows back first).
+# instead of the prefill's dequantized bf16 copy (0.56 read + 2 written + 2 read again). H100, session 36 (`bash
+# bench/device_frag.sh next36`, 8 lanes of MTP3 rounds, dequantizing GEMM -> 16-row blocks): verify 26.31 -> 23.93
+# ms, round 30.03 -> 26.61 ms, 1,065 -> 1,202 tok/s. NINFER_SLICED_ROWS=0 keeps Q4/Q5/W8 on the dequantizing GEMM
+# for side-by-side runs; Q6 always slices (its dequantization copies rows back first).
 SLICED_MAX_T = 64
 SLICED_MAX_T_Q6 = 256  # the head: 16 reads (3.7 ms on an H100) still beat copying its rows back to dequantize them
 SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
