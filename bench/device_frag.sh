@@ -39,6 +39,7 @@
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
+#                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions in one launch vs torch ops
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s44       # W8 in byte order by default (4 warps sharing K): tests, products, DFlash2
@@ -632,6 +633,18 @@ s44)  # session 36 (~200 s): W8 in byte order by default, 4 warps sharing K for 
       --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s44-dflash2-w8-$w8.json" 2>&1 | \
       grep "│ bf16"
     echo "dflash2 lanes w8 $w8 t=$(el)"
+  done
+  ;;
+s45)  # session 36 (~150 s): the DFlash2 drafter's dynamic convolutions in one launch (block_conv) against the torch
+  # ops (NINFER_DFLASH2_CONV=torch), GPU test, then DFlash2 K = 7 over 1-2 lanes alternated twice
+  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k block_conv \
+    2>&1 | tail -1
+  echo "tests t=$(el)"
+  for conv in torch kernel torch kernel; do
+    NINFER_DFLASH2_CONV=$conv timeout 60 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+      --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s45-dflash2-conv-$conv-$(el).json" \
+      2>&1 | grep "│ bf16" | tail -2
+    echo "dflash2 conv $conv t=$(el)"
   done
   ;;
 next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 rows as 16-row blocks against the

@@ -23,13 +23,22 @@ next draft (inside its CUDA graph), so the host never waits for them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from format.binding import load_dflash2_config
 
+from .kernels.block_conv import block_conv, block_conv_reference
 from .reference_ops import apply_partial_rope, rope_cos_sin
 from .speculate import Speculator
+
+# the drafter's dynamic convolutions: one launch a call (block_conv), or NINFER_DFLASH2_CONV=torch for the plain-torch
+# ops (~9 launches a call, four calls a layer) in side-by-side runs
+CONV_KERNEL = os.environ.get("NINFER_DFLASH2_CONV", "kernel")
+if CONV_KERNEL not in ("kernel", "torch"):
+    raise SystemExit(f"ninfer: NINFER_DFLASH2_CONV={CONV_KERNEL!r}: use kernel or torch (or unset it)")
 
 
 class DFlash2State(Speculator):
@@ -172,14 +181,13 @@ class DFlash2State(Speculator):
                 self.values.dtype)
         self.slot_positions[lane_idx, slot] = positions.to(torch.int32)
 
-    def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """Dynamic short convolution along each lane's block, causal inside it: x [N, B, H] float32,
-        delta [N, B, taps, groups] (per row and channel group), base [taps, H]."""
-        weight = base + delta.repeat_interleave(self.d.conv_group_size, dim=-1)  # [N, B, taps, H]
-        out = weight[:, :, 0] * x
-        for offset in range(1, weight.shape[2]):
-            out[:, offset:] += weight[:, offset:, offset] * x[:, :-offset]
-        return out
+    def _conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, residual: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dynamic short convolution along each lane's block, causal inside it (block_conv, one launch): x [N, B, H]
+        float32, delta [N, B, taps, groups] (per row and channel group), base [taps, H]; plus `residual`."""
+        if CONV_KERNEL == "torch":  # side-by-side runs: the reference's ~9 launches a call
+            return block_conv_reference(x, delta, base, self.d.conv_group_size, residual).to(out_dtype or x.dtype)
+        return block_conv(x, delta, base, self.d.conv_group_size, residual, out_dtype)
 
     def _attention_mask(self, lanes_t, qpos) -> torch.Tensor:
         """Which keys each block row reads, [N, 1, B, W + B]: context slots holding a committed position
@@ -218,8 +226,8 @@ class DFlash2State(Speculator):
             projection, base = layer["attn_conv"]
             x = self._norm(h, layer["input_norm"])
             delta = projection(x.to(act)).float().view(shape)
-            x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0]).view(n * b, -1)
-            qkv = layer["qkv"](x.to(act)).float()
+            x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0], out_dtype=act).view(n * b, -1)
+            qkv = layer["qkv"](x).float()
             q = apply_partial_rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]),
                                    *tables)
             k = self._norm(qkv[:, q_rows : q_rows + d.kv_rows].view(n * b, d.num_kv_heads, d.head_dim), layer["k_norm"])
@@ -228,14 +236,14 @@ class DFlash2State(Speculator):
             mixed = self._attend(j, lanes_t, q.view(n, b, d.num_heads, d.head_dim),
                                  k.view(n, b, d.num_kv_heads, d.head_dim), v.view(n, b, d.num_kv_heads, d.head_dim), mask)
             out = layer["out"](mixed.to(act)).float().view(n, b, -1)
-            h = h + self._conv(out, delta[:, :, 1], base[1]).view(n * b, -1)
+            h = self._conv(out, delta[:, :, 1], base[1], residual=h.view(n, b, -1)).view(n * b, -1)
             projection, base = layer["mlp_conv"]
             x = self._norm(h, layer["post_norm"])
             delta = projection(x.to(act)).float().view(shape)
-            x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0]).view(n * b, -1)
-            gate, up = layer["gate_up"](x.to(act)).float().chunk(2, dim=-1)
+            x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0], out_dtype=act).view(n * b, -1)
+            gate, up = layer["gate_up"](x).float().chunk(2, dim=-1)
             out = layer["down"]((F.silu(gate) * up).to(act)).float().view(n, b, -1)
-            h = h + self._conv(out, delta[:, :, 1], base[1]).view(n * b, -1)
+            h = self._conv(out, delta[:, :, 1], base[1], residual=h.view(n, b, -1)).view(n * b, -1)
         return self._norm(h, self.final_norm).view(n, b, -1)
 
     def select(self, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -1167,3 +1167,23 @@ def test_dense_rows(t):
     _check(got.cpu(), dense_rows_reference(x.cpu(), w.cpu()))
     with pytest.raises(ValueError, match="at most 16 rows"):
         dense_rows(torch.zeros(MAX_ROWS + 1, 200, device=DEVICE, dtype=DTYPE), w)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n,b,taps,h,group", [(1, 8, 4, 64, 16), (2, 5, 3, 96, 32), (3, 4, 4, 1100, 4)])
+def test_block_conv_matches_reference(n, b, taps, h, group, residual):
+    """The DFlash2 drafter's dynamic convolution in one launch == the plain-torch ops: every tap of every row,
+    none reaching before its block, delta read through the strided view the drafter passes (one side of a
+    [N, B, 2, taps, groups] projection), the residual added, the next product's dtype written."""
+    from runtime.kernels.block_conv import block_conv, block_conv_reference
+
+    g = torch.Generator().manual_seed(n * 100 + h)
+    x = torch.randn(n, b, h, generator=g).to(DEVICE)
+    both = torch.randn(n, b, 2, taps, h // group, generator=g).to(DEVICE)
+    base = torch.randn(taps, h, generator=g).to(DEVICE)
+    res = torch.randn(n, b, h, generator=g).to(DEVICE) if residual else None
+    want = block_conv_reference(x, both[:, :, 1], base, group, res)
+    _check(block_conv(x, both[:, :, 1], base, group, res), want, torch.float32)
+    _check(block_conv(x, both[:, :, 1], base, group, res, out_dtype=DTYPE), want)
+    with pytest.raises(ValueError, match="block_conv"):
+        block_conv(x, both[:, :, 1, :-1], base, group)
