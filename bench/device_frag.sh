@@ -42,7 +42,6 @@
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions in one launch vs torch ops
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
-#                        bash bench/device_frag.sh s44       # W8 in byte order by default (4 warps sharing K): tests, products, DFlash2
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -619,21 +618,6 @@ s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against th
   NINFER_FRAGMENT_W8=on timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s43-profile-dflash2.json" dflash2 \
     bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
   echo "DFlash2 round profile t=$(el)"
-  ;;
-s44)  # session 36 (~200 s): W8 in byte order by default, 4 warps sharing K for W8 on the int8 fragment kernel —
-  # GPU tests, per product (the "int8" column is the new default), DFlash2 K = 7 one lane and 2 lanes off / on
-  timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
-    tests/test_speculative.py tests/test_dflash2.py -k "int8_fragment or w8 or W8" 2>&1 | tail -2
-  echo "tests t=$(el)"
-  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s44-w8.json" w8 2>&1 | grep "{" | \
-    python -c "import json,sys; [print(r['op'], {k: round(v, 2) for k, v in r.items() if k.endswith('frac')}) for r in map(json.loads, sys.stdin)]"
-  echo "w8 products t=$(el)"
-  for w8 in off on; do
-    NINFER_FRAGMENT_W8=$w8 timeout 100 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
-      --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s44-dflash2-w8-$w8.json" 2>&1 | \
-      grep "│ bf16"
-    echo "dflash2 lanes w8 $w8 t=$(el)"
-  done
   ;;
 s45)  # session 36 (~150 s): the DFlash2 drafter's dynamic convolutions in one launch (block_conv) against the torch
   # ops (NINFER_DFLASH2_CONV=torch), GPU test, then DFlash2 K = 7 over 1-2 lanes alternated twice
