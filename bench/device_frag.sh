@@ -619,13 +619,13 @@ s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against th
     bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
   echo "DFlash2 round profile t=$(el)"
   ;;
-s45)  # session 36 (~150 s): the DFlash2 drafter's dynamic convolutions in one launch (block_conv) against the torch
+s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's dynamic convolutions in one launch (block_conv) against the torch
   # ops (NINFER_DFLASH2_CONV=torch), GPU test, then DFlash2 K = 7 over 1-2 lanes alternated twice
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k block_conv \
     2>&1 | tail -1
   echo "tests t=$(el)"
   for conv in torch kernel torch kernel; do
-    NINFER_DFLASH2_CONV=$conv timeout 60 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
+    NINFER_DFLASH2_CONV=$conv timeout 40 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
       --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s45-dflash2-conv-$conv-$(el).json" \
       2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 conv $conv t=$(el)"
