@@ -34,9 +34,11 @@ from .kernels.block_conv import block_conv, block_conv_reference
 from .reference_ops import apply_partial_rope, rope_cos_sin
 from .speculate import Speculator
 
-# the drafter's dynamic convolutions: one launch a call (block_conv), or NINFER_DFLASH2_CONV=torch for the plain-torch
-# ops (~9 launches a call, four calls a layer) in side-by-side runs
-CONV_KERNEL = os.environ.get("NINFER_DFLASH2_CONV", "kernel")
+# the drafter's dynamic convolutions: the plain-torch ops (~9 launches a call, four calls a layer: ~180 of a DFlash2
+# K = 7 round's ~580 torch launches, 1.31 ms on an H100 eager) or, with NINFER_DFLASH2_CONV=kernel, one launch a call
+# (block_conv, the residual add and the next product's dtype inside). Opt-in until the GPU has run it: built and
+# checked under the interpreter (session 36, after the device budget was spent); `bash bench/device_frag.sh s45`.
+CONV_KERNEL = os.environ.get("NINFER_DFLASH2_CONV", "torch")
 if CONV_KERNEL not in ("kernel", "torch"):
     raise SystemExit(f"ninfer: NINFER_DFLASH2_CONV={CONV_KERNEL!r}: use kernel or torch (or unset it)")
 
@@ -185,7 +187,7 @@ class DFlash2State(Speculator):
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dynamic short convolution along each lane's block, causal inside it (block_conv, one launch): x [N, B, H]
         float32, delta [N, B, taps, groups] (per row and channel group), base [taps, H]; plus `residual`."""
-        if CONV_KERNEL == "torch":  # side-by-side runs: the reference's ~9 launches a call
+        if CONV_KERNEL == "torch":  # the reference's ~9 launches a call
             return block_conv_reference(x, delta, base, self.d.conv_group_size, residual).to(out_dtype or x.dtype)
         return block_conv(x, delta, base, self.d.conv_group_size, residual, out_dtype)
 
