@@ -553,7 +553,8 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             scale.view(torch.float16).copy_((torch.rand(scale.numel() // 2, device=device, generator=gen) * 1e-3).half())
             w = PackedLinear(base, high, scale, n, k, fmt)
             # as an engine multiplying up to that many rows per step binds it
-            if fragment_layout_enabled(max(row_counts), fmt.bits, names[0]) and takes_fragment_layout(names[0], w, max(row_counts)):
+            rows = max(row_counts)
+            if fragment_layout_enabled(rows, fmt.bits, names[0]) and takes_fragment_layout(names[0], w, rows):
                 to_fragment_layout(w)
             weights.append(w)
         short = names[0].split("/layers/")[-1].split("/", 1)[-1] if "/layers/" in names[0] else names[0].split("/")[-1]

@@ -305,8 +305,9 @@ class Engine:
             if isinstance(fmt, GroupedFormat):
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
-                if fragment_layout_enabled(self.rows_per_step, fmt.bits, r.name) \
-                        and takes_fragment_layout(r.name, packed, self.rows_per_step) or self._lays_out_head(r.name, packed):
+                rows = self.rows_per_step
+                if fragment_layout_enabled(rows, fmt.bits, r.name) and takes_fragment_layout(r.name, packed, rows) \
+                        or self._lays_out_head(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
                 self.lin[r.name] = QuantLinear(packed)
                 continue

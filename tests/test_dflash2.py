@@ -73,9 +73,9 @@ def test_dflash2_greedy_equals_plain_greedy(setup, k, lm_head_draft, draft_vocab
 
 @exact_only_on_cpu
 def test_w8_drafter_products_in_fragment_order_keep_greedy(tmp_path, monkeypatch):
-    """NINFER_FRAGMENT_W8=on (the default) over a drafter wide enough (hidden 512), one lane of K = 3 (4 rows): its feature projection, MLP gate/up and
-    query/key/value products go to byte order — the key/value rows read through a view of whole 16-row blocks —
-    and DFlash2 still generates plain greedy's tokens."""
+    """NINFER_FRAGMENT_W8=on (the default) over a drafter wide enough (hidden 512), one lane of K = 3 (4 rows): its
+    feature projection, MLP gate/up and query/key/value products go to byte order — the key/value rows read
+    through a view of whole 16-row blocks — and DFlash2 still generates plain greedy's tokens."""
     from format.tiny import write_tiny_checkpoint
     from runtime.kernels import qgemm_fragment_layout as fl
 

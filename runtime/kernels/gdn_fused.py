@@ -32,12 +32,13 @@ GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least t
 
 
 def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
-    """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v where given,
-    else (block_v 0, the default) this rule. Each program repeats every token's preparation (q/k norms, the alpha/beta dots with the layer input) for its
-    columns, token after token, so verify blocks of 4+ tokens take the widest tile that keeps GDN_BLOCK_PROGRAMS
-    programs: H100, session 35 (`bench/gdn_compare.py`, one 27B layer, µs): 4 lanes x 4 tokens 48.99 (32 columns)
-    -> 41.30 (64) -> 35.02 (128); one lane x 4 or 8 tokens (48 programs at 128) keeps 32 (13.35 / 24.74 against
-    17.95 / 33.69); one-token steps keep 32 (1 x 1 4.17 against 4.29; 8 lanes 64 gained alone, lost in the step)."""
+    """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v where given, else
+    (block_v 0, the default) this rule. Each program repeats every token's preparation (q/k norms, the alpha/beta
+    dots with the layer input) for its columns, token after token, so verify blocks of 4+ tokens take the widest
+    tile that keeps GDN_BLOCK_PROGRAMS programs: H100, session 35 (`bench/gdn_compare.py`, one 27B layer, µs): 4
+    lanes x 4 tokens 48.99 (32 columns) -> 41.30 (64) -> 35.02 (128); one lane x 4 or 8 tokens (48 programs at 128)
+    keeps 32 (13.35 / 24.74 against 17.95 / 33.69); one-token steps keep 32 (1 x 1 4.17 against 4.29; 8 lanes 64
+    gained alone, lost in the step)."""
     if GDN_TUNING["block_v"]:
         return min(GDN_TUNING["block_v"], dv)
     block_v = min(GDN_BLOCK_V, dv)
