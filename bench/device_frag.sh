@@ -39,7 +39,7 @@
 #                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
-#                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions in one launch vs torch ops
+#                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
@@ -619,16 +619,16 @@ s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against th
     bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
   echo "DFlash2 round profile t=$(el)"
   ;;
-s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's dynamic convolutions in one launch (block_conv) against the torch
-  # ops (NINFER_DFLASH2_CONV=torch), GPU test, then DFlash2 K = 7 over 1-2 lanes alternated twice
-  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k block_conv \
-    2>&1 | tail -1
+s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutions and query / key norm + RoPE in one
+  # launch each (NINFER_DFLASH2_KERNELS=fused) against the torch ops, GPU tests, then DFlash2 K = 7 alternated twice
+  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py \
+    -k "block_conv or head_norm_rope" 2>&1 | tail -1
   echo "tests t=$(el)"
-  for conv in torch kernel torch kernel; do
-    NINFER_DFLASH2_CONV=$conv timeout 40 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
-      --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s45-dflash2-conv-$conv-$(el).json" \
-      2>&1 | grep "│ bf16" | tail -2
-    echo "dflash2 conv $conv t=$(el)"
+  for kernels in torch fused torch fused; do
+    NINFER_DFLASH2_KERNELS=$kernels timeout 40 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 \
+      --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
+      --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
+    echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
 next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 rows as 16-row blocks against the

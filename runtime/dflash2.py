@@ -31,16 +31,19 @@ import torch.nn.functional as F
 from format.binding import load_dflash2_config
 
 from .kernels.block_conv import block_conv, block_conv_reference
+from .kernels.head_norm_rope import head_norm_rope
 from .reference_ops import apply_partial_rope, rope_cos_sin
 from .speculate import Speculator
 
-# the drafter's dynamic convolutions: the plain-torch ops (~9 launches a call, four calls a layer: ~180 of a DFlash2
-# K = 7 round's ~580 torch launches, 1.31 ms on an H100 eager) or, with NINFER_DFLASH2_CONV=kernel, one launch a call
-# (block_conv, the residual add and the next product's dtype inside). Opt-in until the GPU has run it: built and
-# checked under the interpreter (session 36, after the device budget was spent); `bash bench/device_frag.sh s45`.
-CONV_KERNEL = os.environ.get("NINFER_DFLASH2_CONV", "torch")
-if CONV_KERNEL not in ("kernel", "torch"):
-    raise SystemExit(f"ninfer: NINFER_DFLASH2_CONV={CONV_KERNEL!r}: use kernel or torch (or unset it)")
+# the drafter's small ops: the plain-torch ones, or with NINFER_DFLASH2_KERNELS=fused each dynamic convolution in one
+# launch (block_conv, the residual add and the next product's dtype inside; ~9 torch launches a call, four calls a
+# layer) and each query / key norm + RoPE in one (head_norm_rope; ~8 torch launches a call, two a layer in the block
+# and one a layer in the context write): ~300 of a DFlash2 K = 7 round's ~580 torch launches (1.31 ms on an H100, eager).
+# Opt-in until the GPU has run them: built and checked under the interpreter (session 36, after the device budget was
+# spent); `bash bench/device_frag.sh s45` compares.
+DRAFTER_KERNELS = os.environ.get("NINFER_DFLASH2_KERNELS", "torch")
+if DRAFTER_KERNELS not in ("fused", "torch"):
+    raise SystemExit(f"ninfer: NINFER_DFLASH2_KERNELS={DRAFTER_KERNELS!r}: use fused or torch (or unset it)")
 
 
 class DFlash2State(Speculator):
@@ -176,8 +179,7 @@ class DFlash2State(Speculator):
         tables = rope_cos_sin(positions.reshape(-1), d.head_dim, d.rope_theta, torch.float32)
         for j, layer in enumerate(self.layers):
             kv = layer["kv"](ctx).float()
-            k = self._norm(kv[:, : d.kv_rows].view(n * r, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = apply_partial_rope(k, *tables)
+            k = self._norm_rope(kv[:, : d.kv_rows], d.num_kv_heads, layer["k_norm"], tables)
             self.keys[j][lane_idx, slot] = k.view(n, r, d.num_kv_heads, d.head_dim).to(self.keys.dtype)
             self.values[j][lane_idx, slot] = kv[:, d.kv_rows :].reshape(n, r, d.num_kv_heads, d.head_dim).to(
                 self.values.dtype)
@@ -187,9 +189,16 @@ class DFlash2State(Speculator):
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dynamic short convolution along each lane's block, causal inside it (block_conv, one launch): x [N, B, H]
         float32, delta [N, B, taps, groups] (per row and channel group), base [taps, H]; plus `residual`."""
-        if CONV_KERNEL == "torch":  # the reference's ~9 launches a call
+        if DRAFTER_KERNELS == "torch":  # the reference's ~9 launches a call
             return block_conv_reference(x, delta, base, self.d.conv_group_size, residual).to(out_dtype or x.dtype)
         return block_conv(x, delta, base, self.d.conv_group_size, residual, out_dtype)
+
+    def _norm_rope(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, tables) -> torch.Tensor:
+        """Heads of `rows` [T, heads * D] (a column range of a projection) RMS-normed, then rotated: [T, heads, D]
+        float32."""
+        if DRAFTER_KERNELS == "torch":
+            return apply_partial_rope(self._norm(rows.reshape(rows.shape[0], heads, -1), weight), *tables)
+        return head_norm_rope(rows, heads, weight, self.d.rms_norm_eps, *tables)
 
     def _attention_mask(self, lanes_t, qpos) -> torch.Tensor:
         """Which keys each block row reads, [N, 1, B, W + B]: context slots holding a committed position
@@ -230,10 +239,8 @@ class DFlash2State(Speculator):
             delta = projection(x.to(act)).float().view(shape)
             x = self._conv(x.view(n, b, -1), delta[:, :, 0], base[0], out_dtype=act).view(n * b, -1)
             qkv = layer["qkv"](x).float()
-            q = apply_partial_rope(self._norm(qkv[:, :q_rows].view(n * b, d.num_heads, d.head_dim), layer["q_norm"]),
-                                   *tables)
-            k = self._norm(qkv[:, q_rows : q_rows + d.kv_rows].view(n * b, d.num_kv_heads, d.head_dim), layer["k_norm"])
-            k = apply_partial_rope(k, *tables)
+            q = self._norm_rope(qkv[:, :q_rows], d.num_heads, layer["q_norm"], tables)
+            k = self._norm_rope(qkv[:, q_rows : q_rows + d.kv_rows], d.num_kv_heads, layer["k_norm"], tables)
             v = qkv[:, q_rows + d.kv_rows :].reshape(n * b, d.num_kv_heads, d.head_dim)
             mixed = self._attend(j, lanes_t, q.view(n, b, d.num_heads, d.head_dim),
                                  k.view(n, b, d.num_kv_heads, d.head_dim), v.view(n, b, d.num_kv_heads, d.head_dim), mask)

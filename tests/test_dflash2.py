@@ -94,13 +94,14 @@ def test_w8_drafter_products_in_fragment_order_keep_greedy(tmp_path, monkeypatch
 
 
 @exact_only_on_cpu
-def test_drafter_convolutions_in_one_launch_keep_greedy(setup, monkeypatch):
-    """NINFER_DFLASH2_CONV=kernel: the drafter's four convolutions a layer through block_conv (the residual added and
-    the next product's dtype written there) draft what the torch ops draft: every true draft accepted, plain
-    greedy's tokens (under NINFER_CPU_KERNELS=triton the kernel itself runs in the interpreter)."""
+def test_drafter_fused_kernels_keep_greedy(setup, monkeypatch):
+    """NINFER_DFLASH2_KERNELS=fused: the drafter's four convolutions a layer through block_conv (the residual added
+    and the next product's dtype written there) and its query / key norms + RoPE through head_norm_rope draft what
+    the torch ops draft: every true draft accepted, plain greedy's tokens (under NINFER_CPU_KERNELS=triton the
+    kernels themselves run in the interpreter)."""
     from runtime import dflash2
 
-    monkeypatch.setattr(dflash2, "CONV_KERNEL", "kernel")
+    monkeypatch.setattr(dflash2, "DRAFTER_KERNELS", "fused")
     k, want = 3, setup["want"]["q4"]
     eng = _engine(setup["artifacts"]["q4"], spec="dflash2", draft_tokens=k)
     _oracle(eng, want, k)

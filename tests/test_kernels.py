@@ -1187,3 +1187,22 @@ def test_block_conv_matches_reference(n, b, taps, h, group, residual):
     _check(block_conv(x, both[:, :, 1], base, group, res, out_dtype=DTYPE), want)
     with pytest.raises(ValueError, match="block_conv"):
         block_conv(x, both[:, :, 1, :-1], base, group)
+
+
+@pytest.mark.parametrize("t,heads,d,r", [(8, 4, 64, 64), (5, 3, 96, 64), (3, 2, 40, 16)])
+def test_head_norm_rope_matches_reference(t, heads, d, r):
+    """Per-head RMSNorm then RoPE on the first R dims in one launch == rms_norm + apply_partial_rope, the heads
+    read as a column range of a wider projection row (the drafter's query / key rows of its qkv)."""
+    from runtime.kernels.head_norm_rope import head_norm_rope, head_norm_rope_reference
+    from runtime.reference_ops import apply_partial_rope, rope_cos_sin
+
+    g = torch.Generator().manual_seed(t * 10 + d)
+    wide = torch.randn(t, 3 * heads * d, generator=g).to(DEVICE).to(DTYPE)
+    x = wide[:, heads * d : 2 * heads * d]
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    cos, sin = rope_cos_sin(torch.arange(7, 7 + t, device=DEVICE), r, 1e6, torch.float32)
+    want = apply_partial_rope(torch.nn.functional.rms_norm(x.float().view(t, heads, d), (d,), weight, 1e-6), cos, sin)
+    _check(head_norm_rope_reference(x, heads, weight, 1e-6, cos, sin), want, torch.float32)
+    _check(head_norm_rope(x, heads, weight, 1e-6, cos, sin), want, torch.float32)
+    with pytest.raises(ValueError, match="head_norm_rope"):
+        head_norm_rope(x, heads, weight[:-1], 1e-6, cos, sin)
