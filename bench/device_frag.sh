@@ -619,10 +619,10 @@ s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against th
     bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
   echo "DFlash2 round profile t=$(el)"
   ;;
-s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutions and query / key norm + RoPE in one
-  # launch each (NINFER_DFLASH2_KERNELS=fused) against the torch ops, GPU tests, then DFlash2 K = 7 alternated twice
+s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutions, query / key norm + RoPE and
+  # selector walk in one launch each (NINFER_DFLASH2_KERNELS=fused) against the torch ops, GPU tests, then DFlash2 K = 7 alternated twice
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py \
-    -k "block_conv or head_norm_rope" 2>&1 | tail -1
+    -k "block_conv or head_norm_rope or selector_walk" 2>&1 | tail -1
   echo "tests t=$(el)"
   for kernels in torch fused torch fused; do
     NINFER_DFLASH2_KERNELS=$kernels timeout 40 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 \

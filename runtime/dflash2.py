@@ -32,13 +32,15 @@ from format.binding import load_dflash2_config
 
 from .kernels.block_conv import block_conv, block_conv_reference
 from .kernels.head_norm_rope import head_norm_rope
+from .kernels.selector_walk import selector_walk, selector_walk_reference
 from .reference_ops import apply_partial_rope, rope_cos_sin
 from .speculate import Speculator
 
 # the drafter's small ops: the plain-torch ones, or with NINFER_DFLASH2_KERNELS=fused each dynamic convolution in one
 # launch (block_conv, the residual add and the next product's dtype inside; ~9 torch launches a call, four calls a
-# layer) and each query / key norm + RoPE in one (head_norm_rope; ~8 torch launches a call, two a layer in the block
-# and one a layer in the context write): ~300 of a DFlash2 K = 7 round's ~580 torch launches (1.31 ms on an H100, eager).
+# layer), each query / key norm + RoPE in one (head_norm_rope; ~8 torch launches a call, two a layer in the block
+# and one a layer in the context write) and the candidate selector's walk in one (selector_walk; ~10 a draft row):
+# ~370 of a DFlash2 K = 7 round's ~580 torch launches (1.31 ms on an H100, eager).
 # Opt-in until the GPU has run them: built and checked under the interpreter (session 36, after the device budget was
 # spent); `bash bench/device_frag.sh s45` compares.
 DRAFTER_KERNELS = os.environ.get("NINFER_DFLASH2_KERNELS", "torch")
@@ -266,15 +268,8 @@ class DFlash2State(Speculator):
         candidates = (ids[columns].long() if ids is not None else columns).view(n, k, -1)
         unary = unary.view(n, k, -1)
         projected = self.selector_projection(rows).float().view(n, k, -1)
-        previous = anchors.long()
-        drafts = []
-        for r in range(k):
-            gate = self.predecessors[previous].float() * projected[:, r]  # [N, rank]
-            bigram = torch.einsum("ncr,nr->nc", self.successors[candidates[:, r]].float(), gate)
-            best = torch.argmax(unary[:, r] + bigram, dim=-1)
-            previous = candidates[:, r].gather(1, best[:, None])[:, 0]
-            drafts.append(previous)
-        return torch.stack(drafts, dim=1)
+        walk = selector_walk_reference if DRAFTER_KERNELS == "torch" else selector_walk  # ~10 launches a row / one
+        return walk(unary, candidates, projected, self.predecessors, self.successors, anchors)
 
     def commit_pending(self, lanes_t) -> None:
         """Project the previous round's accepted verify rows into the context cache (rejected rows go to

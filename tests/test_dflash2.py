@@ -96,9 +96,9 @@ def test_w8_drafter_products_in_fragment_order_keep_greedy(tmp_path, monkeypatch
 @exact_only_on_cpu
 def test_drafter_fused_kernels_keep_greedy(setup, monkeypatch):
     """NINFER_DFLASH2_KERNELS=fused: the drafter's four convolutions a layer through block_conv (the residual added
-    and the next product's dtype written there) and its query / key norms + RoPE through head_norm_rope draft what
-    the torch ops draft: every true draft accepted, plain greedy's tokens (under NINFER_CPU_KERNELS=triton the
-    kernels themselves run in the interpreter)."""
+    and the next product's dtype written there), its query / key norms + RoPE through head_norm_rope and the
+    candidate selector's walk through selector_walk draft what the torch ops draft: every true draft accepted, plain
+    greedy's tokens (under NINFER_CPU_KERNELS=triton the kernels themselves run in the interpreter)."""
     from runtime import dflash2
 
     monkeypatch.setattr(dflash2, "DRAFTER_KERNELS", "fused")

@@ -1206,3 +1206,23 @@ def test_head_norm_rope_matches_reference(t, heads, d, r):
     _check(head_norm_rope(x, heads, weight, 1e-6, cos, sin), want, torch.float32)
     with pytest.raises(ValueError, match="head_norm_rope"):
         head_norm_rope(x, heads, weight[:-1], 1e-6, cos, sin)
+
+
+@pytest.mark.parametrize("n,k,c,rank,vocab", [(1, 7, 8, 64, 300), (3, 4, 5, 48, 97)])
+def test_selector_walk_matches_reference(n, k, c, rank, vocab):
+    """The candidate selector's greedy walk in one launch picks the reference's drafts row after row (each row's
+    pick becomes the next row's predecessor), over bf16 codebooks as the artifact stores them."""
+    from runtime.kernels.selector_walk import selector_walk, selector_walk_reference
+
+    g = torch.Generator().manual_seed(n * 10 + k)
+    unary = torch.randn(n, k, c, generator=g).to(DEVICE)
+    candidates = torch.stack([torch.randperm(vocab, generator=g)[:c] for _ in range(n * k)]).view(n, k, c).to(DEVICE)
+    projected = torch.randn(n, k, rank, generator=g).to(DEVICE)
+    predecessors = torch.randn(vocab, rank, generator=g).to(torch.bfloat16).to(DEVICE)
+    successors = torch.randn(vocab, rank, generator=g).to(torch.bfloat16).to(DEVICE)
+    anchors = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    want = selector_walk_reference(unary, candidates, projected, predecessors, successors, anchors)
+    got = selector_walk(unary, candidates, projected, predecessors, successors, anchors)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="selector_walk"):
+        selector_walk(unary, candidates[:, :, :-1], projected, predecessors, successors, anchors)
