@@ -423,8 +423,8 @@ def w8_main(out: str) -> None:
     12, 16: the runtime's path on the artifact's planes ("planes": the dp4a GEMV, the lanes kernel to 4 rows, the
     dequantizing tensor-core kernel beyond) against the int8 fragment kernel over the planes in byte order
     (NINFER_FRAGMENT_W8), x's dp4a words written beforehand as its producer would ("int8") or quantized in the
-    call's own launch ("int8_quantize"), 4 warps sharing K ("ks4"); µs, fraction of copy, relative error against
-    the plain-torch group sums."""
+    call's own launch ("int8_quantize"), 4 warps sharing K ("ks4", since session 36 W8's default: "int8" the
+    same); µs, fraction of copy, relative error against the plain-torch group sums."""
     import copy
 
     from runtime.kernels.qgemm_fragment_int8 import fragment_int8_reference, qgemm_fragment_int8

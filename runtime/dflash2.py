@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from format.binding import load_dflash2_config
 
 from .kernels.block_conv import block_conv, block_conv_reference
-from .kernels.head_norm_rope import head_norm_rope
+from .kernels.head_norm_rope import head_norm_rope, head_norm_rope_reference
 from .kernels.selector_walk import selector_walk, selector_walk_reference
-from .reference_ops import apply_partial_rope, rope_cos_sin
+from .reference_ops import rope_cos_sin
 from .speculate import Speculator
 
 # the drafter's small ops: the plain-torch ones, or with NINFER_DFLASH2_KERNELS=fused each dynamic convolution in one
@@ -198,9 +198,8 @@ class DFlash2State(Speculator):
     def _norm_rope(self, rows: torch.Tensor, heads: int, weight: torch.Tensor, tables) -> torch.Tensor:
         """Heads of `rows` [T, heads * D] (a column range of a projection) RMS-normed, then rotated: [T, heads, D]
         float32."""
-        if DRAFTER_KERNELS == "torch":
-            return apply_partial_rope(self._norm(rows.reshape(rows.shape[0], heads, -1), weight), *tables)
-        return head_norm_rope(rows, heads, weight, self.d.rms_norm_eps, *tables)
+        norm_rope = head_norm_rope_reference if DRAFTER_KERNELS == "torch" else head_norm_rope  # ~8 launches / one
+        return norm_rope(rows, heads, weight, self.d.rms_norm_eps, *tables)
 
     def _attention_mask(self, lanes_t, qpos) -> torch.Tensor:
         """Which keys each block row reads, [N, 1, B, W + B]: context slots holding a committed position

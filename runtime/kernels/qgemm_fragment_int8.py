@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .launch import LAUNCH, pdl_wait
-from .qgemm_fragment_layout import (CHUNK, FRAGMENT_TUNING, _chunk_load_asm, _load_chunk, _program_start,
+from .qgemm_fragment_layout import (CHUNK, FRAGMENT_TUNING, W8_BITS, _chunk_load_asm, _load_chunk, _program_start,
                                     _store_program, fragment_shape)
 from .qgemm_rows_frag import HINTS, SplitPartials, finish_splits, split_partials
 from .qgemv_int8 import QuantizedX, _lanes, quantize_x
@@ -217,7 +217,7 @@ def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | No
     ksplit = FRAGMENT_TUNING["ksplit"] if ksplit is None else ksplit
     if not ksplit and defer_sum:  # partials the next rmsnorm sums: K split across programs only
         ksplit = 1
-    if not ksplit and fp.fmt.bits == 8:
+    if not ksplit and fp.fmt.bits == W8_BITS:
         # W8: 4 warps sharing each block's K at least ties fragment_shape's loop on every product measured (H100,
         # session 36, `bench/gemv_compare.py OUT w8`: DFlash2 gate_up 34816 x 5120 at T = 1 / 4 / 8 / 16 0.85 / 0.82
         # / 0.78 / 0.39 -> 1.00 / 0.94 / 0.85 / 0.53 of copy; the loop already picks 4 for MLP down, MTP fc)
@@ -225,7 +225,7 @@ def qgemm_fragment_int8(x: torch.Tensor, w, y: torch.Tensor, xq: QuantizedX | No
     bw, ks, split, size = fragment_shape(fp.blocks, fp.groups // CHUNK, warps, programs, ksplit)
     nt = 1 if t <= 8 else 2
     rw_bytes = w.k_pad // _lanes(fp.fmt.bits) * 4  # one of hi_a / lo_a / hi_b / lo_b (write_quantized_x)
-    compute = _w8_chunk_asm(nt, rw_bytes) if fp.fmt.bits == 8 else _int8_chunk_asm(fp.fmt.bits, nt, rw_bytes,
+    compute = _w8_chunk_asm(nt, rw_bytes) if fp.fmt.bits == W8_BITS else _int8_chunk_asm(fp.fmt.bits, nt, rw_bytes,
                                                                                      fp.groups * 4)
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
