@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
@@ -629,6 +630,19 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  ;;
+s46)  # session 37's first call (~330 s): s45 (the DFlash2 drafter's fused kernels: GPU tests, DFlash2 K = 7 torch / fused
+  # alternated twice over 1-2 lanes), then where a fused DFlash2 round, a 35B-A3B and a 27B one-lane step go
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  bash bench/device_frag.sh s45
+  NINFER_DFLASH2_KERNELS=fused timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s46-profile-dflash2.json" \
+    dflash2 bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
+  echo "DFlash2 fused round profile t=$(el)"
+  for model in qwen3.6-35b-a3b qwen3.6-27b; do
+    timeout 100 python bench/profile_decode.py $model "$OUT/s46-profile-$model.json" decode bf16 2>&1 | \
+      grep -A22 "kernel time" | cut -c1-150
+    echo "$model one-lane profile t=$(el)"
   done
   ;;
 next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 rows as 16-row blocks against the
