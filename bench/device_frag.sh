@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s47       # fragment expert launches off / on, DFlash2 fused
 #                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
@@ -631,6 +632,31 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
+  ;;
+s47)  # session 37 (~520 s): GPU tests of the fragment expert launches and the DFlash2 drafter kernels; 35B-A3B lanes
+  # with the routed experts in fragment order off / on (NINFER_MOE_FRAGMENT), alternated; DFlash2 K = 7 torch / fused
+  # drafter kernels alternated; then (time left) the 35B-A3B one-lane profile with the fragment experts
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=short -p no:cacheprovider tests/test_moe_fragment.py \
+    tests/test_kernels.py -k "fragment or block_conv or head_norm_rope or selector_walk or expert" 2>&1 | tail -15
+  echo "tests t=$(el)"
+  for frag in off on off on; do
+    NINFER_MOE_FRAGMENT=$frag timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
+      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s47-moe-lanes-$frag-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes moe fragment $frag t=$(el)"
+  done
+  for kernels in torch fused torch fused; do
+    [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] || break
+    NINFER_DFLASH2_KERNELS=$kernels timeout 40 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 \
+      --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
+      --json-out "$OUT/s47-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
+    echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  if [ $(( ${DEADLINE:-560} - $(el) )) -gt 70 ]; then
+    NINFER_MOE_FRAGMENT=on timeout $(( ${DEADLINE:-560} - $(el) )) python bench/profile_decode.py qwen3.6-35b-a3b \
+      "$OUT/s47-profile-moe.json" decode bf16 2>&1 | grep -A22 "kernel time" | cut -c1-150
+    echo "35B-A3B one-lane profile (fragment experts) t=$(el)"
+  fi
   ;;
 s46)  # session 37's first call (~330 s): s45 (the DFlash2 drafter's fused kernels: GPU tests, DFlash2 K = 7 torch / fused
   # alternated twice over 1-2 lanes), then where a fused DFlash2 round, a 35B-A3B and a 27B one-lane step go

@@ -98,7 +98,8 @@ def write_tokenizer(out: Path, vocab_size: int) -> dict:
 
 
 def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_layers: int = 1, hidden: int = 64,
-                     intermediate: int = 128, shared_intermediate: int = 48, head_dim: int = 64) -> dict:
+                     intermediate: int = 128, shared_intermediate: int = 48, head_dim: int = 64,
+                     moe_intermediate: int = 32) -> dict:
     text = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
@@ -113,7 +114,7 @@ def tiny_text_config(moe: bool, vocab_size: int = 384, layers: int = 4, mtp_laye
         "mtp_num_hidden_layers": mtp_layers,
     }
     if moe:
-        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=moe_intermediate,
                     shared_expert_intermediate_size=shared_intermediate)
     else:
         text.update(intermediate_size=intermediate)
@@ -167,17 +168,19 @@ def _layer_tensors(g, cfg: dict, prefix: str, full: bool, moe: bool) -> dict:
 
 def write_tiny_checkpoint(out: str | Path, moe: bool = False, seed: int = 0, vocab_size: int = 384,
                           layers: int = 4, mtp_layers: int = 1, hidden: int = 64, intermediate: int = 128,
-                          shared_intermediate: int = 48, head_dim: int = 64) -> Path:
+                          shared_intermediate: int = 48, head_dim: int = 64, moe_intermediate: int = 32) -> Path:
     """Write config.json, model.safetensors (bf16), tokenizer files and generation_config.json (`hidden` and
     `intermediate` widen the model, e.g. so its products reach the GPU kernels' shape rules; a MoE's shared
-    expert is `shared_intermediate` wide, its routed experts 32; `head_dim` 256 is the real models')."""
+    expert is `shared_intermediate` wide, its routed experts `moe_intermediate`; `head_dim` 256 is the real
+    models')."""
     import torch
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, vocab_size)
-    text = tiny_text_config(moe, vocab_size, layers, mtp_layers, hidden, intermediate, shared_intermediate, head_dim)
+    text = tiny_text_config(moe, vocab_size, layers, mtp_layers, hidden, intermediate, shared_intermediate, head_dim,
+                            moe_intermediate)
     text["eos_token_id"] = ids["<|im_end|>"]
     config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
               "model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text, "tie_word_embeddings": False}

@@ -33,6 +33,8 @@ from .kernels.kv_append import append_keys_values
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
+from .kernels.moe_fragment import MAX_TOKENS as MOE_FRAGMENT_MAX_TOKENS, MOE_FRAGMENT, MOE_FRAGMENT_OBJECTS, \
+    fragment_expert_gemv, shared_rides
 from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_place_supported, \
     takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
@@ -294,6 +296,18 @@ class Engine:
             return False
         return fragment_layout_enabled(self.rows_per_step if packed.fmt.bits != 6 else 2, packed.fmt.bits)
 
+    def _lays_out_experts(self, name: str, packed: PackedLinear) -> bool:
+        """Whether a MoE layer's stacked routed experts go to fragment order (in place; NINFER_MOE_FRAGMENT=on): Q4/Q5
+        with whole 16-row blocks per expert (gate/up 32: its gate and up halves) and K whole 512-lane chunk pairs,
+        for the decode's fragment expert launches (moe_fragment)."""
+        c = self.cfg
+        if MOE_FRAGMENT != "on" or not c.is_moe or not name.endswith(MOE_FRAGMENT_OBJECTS) \
+                or packed.fmt.bits not in (4, 5) or not in_place_supported(packed):
+            return False
+        inter, hid = c.moe_intermediate_size, c.hidden_size
+        return (2 * inter) % 32 == 0 and hid % 16 == 0 and packed.cols in (inter, hid) \
+            and packed.cols % 512 == 0 and (inter % 512 == 0 and hid % 512 == 0)
+
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
         routers: dict[str, torch.Tensor] = {}
@@ -307,7 +321,7 @@ class Engine:
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 rows = self.rows_per_step
                 if fragment_layout_enabled(rows, fmt.bits, r.name) and takes_fragment_layout(r.name, packed, rows) \
-                        or self._lays_out_head(r.name, packed):
+                        or self._lays_out_head(r.name, packed) or self._lays_out_experts(r.name, packed):
                     to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
                 self.lin[r.name] = QuantLinear(packed)
                 continue
@@ -611,6 +625,23 @@ class Engine:
         else:  # the gate's logits: the combine applies the sigmoid
             router_logits, shared_gate = self.lin[m + "router"](h), self.lin[m + "shared_gate"](h)
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
+        if quantized and n <= MOE_FRAGMENT_MAX_TOKENS and gate_up.packed.fragment is not None \
+                and down.packed.fragment is not None:
+            # decode / verify over experts in fragment order: two launches (routing and SwiGLU in the first), the
+            # shared expert riding after the routed pairs where it can (else its own products); the next RMSNorm
+            # weighs, gates and sums
+            pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
+            weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
+            rides = all(isinstance(s, QuantLinear) and shared_rides(s.packed, rows, cols)
+                        for s, rows, cols in ((shared_up, 2 * inter, hid), (shared_down, hid, inter)))
+            act = fragment_expert_gemv(h, pairs, gate_up.packed, 2 * inter, k, True,
+                                       shared=shared_up.packed if rides else None,
+                                       route_into=(router_logits, weights))
+            y = fragment_expert_gemv(act, pairs, down.packed, hid, k, False,
+                                     shared=shared_down.packed if rides else None)
+            if rides:
+                return ExpertPartials(y[: n * k], weights, y[n * k :], shared_gate)
+            return ExpertPartials(y, weights, shared_down(swiglu(shared_up(h))), shared_gate)
         if quantized and n <= GEMV_MAX_T and MOE_DECODE == "fused" and all(
                 isinstance(s, QuantLinear) and shared_fusable(e.packed, s.packed, rows)
                 for e, s, rows in ((gate_up, shared_up, 2 * inter), (down, shared_down, hid))):

@@ -281,7 +281,7 @@ EXPERT_GEMM_TILE = {"block_n": 64, "block_k": 128, "num_warps": 4}
 def _expert_gemm_kernel(x_ptr, x_rows_ptr, block_experts_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, ROWS_PER_EXPERT,
                         K, stride_x, GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         HIGH_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, FRAGMENT: tl.constexpr):
     """One block of sorted pair rows (all of one expert, or padding: expert -1, no work) x BLOCK_N of that
     expert's output rows. Row i of the block reads x row x_rows[i] (-1: padding: x and y rows are zeros)."""
     pdl_wait()
@@ -297,7 +297,7 @@ def _expert_gemm_kernel(x_ptr, x_rows_ptr, block_experts_ptr, base_ptr, high_ptr
     k_end = tl.where(expert >= 0, K_PAD, 0)  # padding blocks run no iterations
     for k0 in range(0, k_end, BLOCK_K):
         acc = _dequant_block_dot(acc, x_ptr, tl.maximum(x_row, 0) * stride_x, tok_ok, base_ptr, high_ptr, scale_ptr,
-                                 rows, row_ok, k0, K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K)
+                                 rows, row_ok, k0, K, GPR, K_PAD, BITS, GROUP, HIGH_BYTES, BLOCK_N, BLOCK_K, FRAGMENT)
     out = y_ptr + slots[:, None] * ROWS_PER_EXPERT + local[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :])  # padding rows: zeros
 
@@ -315,11 +315,18 @@ def expert_gemm(x: torch.Tensor, x_rows: torch.Tensor, block_experts: torch.Tens
     while w.k_pad % block_k:
         block_k //= 2
     x = x.contiguous()
+    base, high, scale, fragment = w.base, w.high, w.scale, 0
+    if w.fragment is not None:  # experts in fragment order (moe_fragment's decode launches): read in place
+        if w.fragment.order == "bytes" or w.fmt.bits not in (4, 5):
+            raise ValueError(f"expert_gemm: {w.fmt.name} experts in {w.fragment.order} order (Q4/Q5 in pair or lane "
+                             "order only)")
+        base, high, scale = w.fragment.codes, w.fragment.high, w.fragment.scales
+        fragment = 2 if w.fragment.pairs else 1
     _expert_gemm_kernel[(block_experts.numel(), triton.cdiv(rows_per_expert, block_n))](
-        x, x_rows, block_experts, w.base, w.high if w.high is not None else w.base, w.scale, y, rows_per_expert,
+        x, x_rows, block_experts, base, high if high is not None else base, scale, y, rows_per_expert,
         w.cols, x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=EXPERT_GEMM_TILE["num_warps"], **LAUNCH)
+        FRAGMENT=fragment, num_warps=EXPERT_GEMM_TILE["num_warps"], **LAUNCH)
     return y
 
 

@@ -257,12 +257,15 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
 @triton.jit
 def _dequant_block_dot(acc, x_ptr, x_off, tok_ok, base_ptr, high_ptr, scale_ptr, rows, row_ok, k0, K,
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FRAGMENT: tl.constexpr = 0):
     """acc [BLOCK_T, BLOCK_N] + x[:, k0:k0 + BLOCK_K] @ W[rows, k0:k0 + BLOCK_K]^T, W dequantized in
-    registers; row t of x starts at x_ptr + x_off[t] (masked by tok_ok)."""
+    registers; row t of x starts at x_ptr + x_off[t] (masked by tok_ok). FRAGMENT (Q4/Q5): planes in fragment
+    order, as _nibble_codes."""
     gpb: tl.constexpr = BLOCK_K // GROUP  # groups per block
     gidx = k0 // GROUP + tl.arange(0, gpb)
-    scale = tl.load(scale_ptr + rows[:, None] * GPR + gidx[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + _scale_offsets(rows, gidx, GPR, FRAGMENT), mask=row_ok[:, None],
+                    other=0.0).to(tl.float32)
     if BITS == 8:
         ks = k0 + tl.arange(0, BLOCK_K)
         w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
@@ -270,7 +273,8 @@ def _dequant_block_dot(acc, x_ptr, x_off, tok_ok, base_ptr, high_ptr, scale_ptr,
         acc += tl.dot(x, tl.trans(w))
     else:
         ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
-        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K)
+        lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K,
+                               FRAGMENT)
         lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)

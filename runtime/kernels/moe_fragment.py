@@ -1,0 +1,246 @@
+"""The MoE decode's expert products (1-16 tokens) over routed experts laid out in fragment order.
+
+Why: the dp4a expert GEMV (moe.expert_gemv) reads each (token, expert) pair's weights at 0.30-0.38 of copy for one
+token and ~0.53 for 8 (bench/RESULTS.md §2, H100): it quantizes x in every program and its row-major tiles send L2
+many short requests. Here each expert's slice of the stacked matrix is in fragment order (qgemm_fragment_layout:
+a warp's chunk load is one 2,048-byte run) and every pair is a one-column product on the tensor cores, the
+fragment-order kernel's group product over its own x row. Two launches a MoE layer, as before:
+
+- gate/up: a program takes 16-row block b of an expert's gate rows and block b of its up rows (the expert's
+  2 * inter rows are [gate; up]) and stores silu(gate) * up, so the down launch reads x as it is; each program
+  routes its token itself from the router's logits (moe._top_k) and the first program of each pair writes the
+  expert id (of each token's first pair, the token's weights), as moe.expert_gemv does.
+- down: a program takes BW 16-row blocks of its pair's expert; K (inter) is a few chunks, so one split.
+
+The shared expert (any format the dp4a GEMV takes, its rows those of one routed expert) rides in both launches
+after the routed pairs on the dp4a tile path (moe._expert_rows), in the same row slices as the routed programs.
+The output rows are those of moe.expert_gemv: pair (t, j) at row t * k + j, then the shared rows, ready for
+moe.ExpertPartials (the next RMSNorm combines them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreted, torch_path, tuning_from_env
+from .launch import LAUNCH, pdl_wait
+from .moe import _expert_rows, _top_k, route_reference
+from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_product, _load_chunk,
+                                    _chunk_load_asm, _store_program, _store_swiglu, swiglu_pair_supported)
+from .qgemm_rows_frag import _compute_asm, _thread_ids
+from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
+
+# Expert products in fragment order for MoE decode (the engine lays the routed experts' planes out at load):
+# built on a CPU and not yet measured on a GPU, so off by default; NINFER_MOE_FRAGMENT=on turns it on.
+MOE_FRAGMENT = os.environ.get("NINFER_MOE_FRAGMENT", "off")
+if MOE_FRAGMENT not in ("on", "off"):
+    raise SystemExit(f"ninfer: NINFER_MOE_FRAGMENT={MOE_FRAGMENT!r}: use on or off (or unset it)")
+MOE_FRAGMENT_OBJECTS = ("moe/experts_gate_up", "moe/experts_down")
+# gate_ks: warps sharing K of each gate/up block pair (program: 2 x gate_ks warps); down_bw: 16-row blocks a down
+# program takes (one warp each); hint: the code loads' cache hint (qgemm_rows_frag.HINTS).
+# side-by-side runs: NINFER_MOE_FRAGMENT_TILE=gate_ks,down_bw,hint
+MOE_FRAGMENT_TUNING = tuning_from_env("NINFER_MOE_FRAGMENT_TILE", ("gate_ks", "down_bw", "hint"),
+                                      {"gate_ks": 2, "down_bw": 4, "hint": 2})
+MAX_TOKENS = 16
+
+
+def fragment_experts_supported(w, rows_per_expert: int, paired: bool) -> bool:
+    """Whether a stacked expert matrix in fragment order (pair order, Q4/Q5) can take these launches: whole 16-row
+    blocks per expert (gate/up: 32, so the gate and up halves split at a block), K whole 512-lane chunk pairs."""
+    fp = w.fragment
+    return (isinstance(fp, FragmentPlanes) and fp.pairs and fp.fmt.bits in (4, 5)
+            and rows_per_expert % (32 if paired else 16) == 0 and fp.rows % rows_per_expert == 0
+            and (fp.groups // CHUNK) % 2 == 0)
+
+
+def shared_rides(shared, rows_per_expert: int, cols: int) -> bool:
+    """Whether the shared expert's matrix rides in the fragment launches (the dp4a tile path): a PackedLinear in
+    row-split planes of a format the dp4a GEMV takes, one routed expert's shape."""
+    from .qlinear import GEMV_PATH, PackedLinear
+
+    return (isinstance(shared, PackedLinear) and shared.fragment is None and shared.fmt.bits in INT8_BITS
+            and GEMV_PATH == "int8" and shared.rows == rows_per_expert and shared.cols == cols)
+
+
+@triton.jit
+def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: tl.constexpr,
+                  BLOCKS: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr, BITS: tl.constexpr,
+                  LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
+    """One program's share of a pair: x_ptr its x row, the planes its expert's, out_ptr its output row; blocks as
+    the fragment-order kernel's program `local` of one split (SWIGLU: gate block `local` and its up block)."""
+    chunks: tl.constexpr = G // 4
+    zero = tl.zeros([32 * BW * KS], tl.int32)
+    tid = _thread_ids(zero)
+    ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, local, 0, BLOCKS, chunks, G,
+                                                BW, KS, SWIGLU, BITS)
+    c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
+    c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
+    xa = (x_ptr + (tid % 4) * 16).to(tl.int64, bitcast=True)  # one column: every fragment row reads the pair's x
+    f = tl.zeros([32 * BW * KS], tl.float32)
+    acc = (f, f, f, f, f, f, f, f)
+    last = chunks - 1
+    for ci in range(0, chunks // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
+        acc = _chunk_product(acc, c0, xa, xa, tl.minimum(first + ci, last), BITS, COMPUTE_ASM)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
+        acc = _chunk_product(acc, c1, xa, xa, tl.minimum(first + ci + 1, last), BITS, COMPUTE_ASM)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+    if SWIGLU:
+        _store_swiglu(out_ptr, acc, local, 1, N, KS, 1)
+    else:
+        _store_program(out_ptr, acc, local, 0, 1, N, BW, KS, 1)
+
+
+@triton.jit
+def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, experts_ptr, logits_ptr, weights_ptr,
+                         s_base_ptr, s_high_ptr, s_scale_ptr, N, K, E, stride_x, stride_logits, ROUTED,
+                         PROGRAMS_PER_PAIR, EXPERT_CODES, EXPERT_SCALES, EXPERT_HIGH,
+                         G: tl.constexpr, BLOCKS: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
+                         BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr,
+                         TOPK: tl.constexpr, ROUTE: tl.constexpr, BLOCK_E: tl.constexpr,
+                         S_GPR: tl.constexpr, S_K_PAD: tl.constexpr, S_BITS: tl.constexpr, S_GROUP: tl.constexpr,
+                         S_HIGH_BYTES: tl.constexpr, S_BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """Program pid: pair pid // PROGRAMS_PER_PAIR, its share pid % PROGRAMS_PER_PAIR. SWIGLU (the gate/up launch):
+    pair p < ROUTED reads x row p // TOPK (its token), shared pair ROUTED + t reads row t, and out row p is
+    silu(gate) * up (N = inter); else (the down launch) pair p reads x row p and out row p is the product (N = the
+    hidden width). ROUTE: routed programs take their token's top-k from the router's logits (see the module)."""
+    pdl_wait()  # the expert ids come from the router's product: nothing to fetch before
+    pid = tl.program_id(0)
+    pair = pid // PROGRAMS_PER_PAIR
+    local = pid % PROGRAMS_PER_PAIR
+    ty: tl.constexpr = out_ptr.dtype.element_ty
+    if pair < ROUTED:
+        if ROUTE:
+            token = pair // TOPK
+            ids, weights = _top_k(logits_ptr, token, E, stride_logits, TOPK, BLOCK_E)
+            kk = tl.arange(0, TOPK)
+            expert = tl.sum(tl.where(kk == pair % TOPK, ids, 0), axis=0)
+            if local == 0:
+                tl.store(experts_ptr + pair, expert)
+                if pair % TOPK == 0:
+                    tl.store(weights_ptr + token * TOPK + kk, weights)
+        else:
+            expert = tl.load(experts_ptr + pair)
+        if SWIGLU:
+            x_row = pair // TOPK
+        else:
+            x_row = pair
+        e = expert.to(tl.int64)
+        _pair_product(x_ptr + x_row * stride_x, codes_ptr + e * EXPERT_CODES, high_ptr + e * EXPERT_HIGH,
+                      scales_ptr + e * EXPERT_SCALES, out_ptr + pair.to(tl.int64) * N, local, N, G, BLOCKS, BW, KS,
+                      BITS, LOAD_ASM, COMPUTE_ASM, SWIGLU)
+    else:  # the shared expert's rows of this share, on the dp4a tile path
+        if SWIGLU:
+            xs = x_ptr + (pair - ROUTED) * stride_x
+            rows = local * 16 + tl.arange(0, 16)
+            ok = rows < N
+            g = _expert_rows(xs, s_base_ptr, s_high_ptr, s_scale_ptr, rows, ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP,
+                             S_HIGH_BYTES, 16, S_BLOCK_K, True, USE_ASM, False).to(ty).to(tl.float32)
+            u = _expert_rows(xs, s_base_ptr, s_high_ptr, s_scale_ptr, rows + N, ok, K, S_GPR, S_K_PAD, S_BITS,
+                             S_GROUP, S_HIGH_BYTES, 16, S_BLOCK_K, True, USE_ASM, False).to(ty).to(tl.float32)
+            tl.store(out_ptr + pair.to(tl.int64) * N + rows, (g * tl.sigmoid(g) * u).to(ty), mask=ok)
+        else:
+            rows = local * (16 * BW) + tl.arange(0, 16 * BW)
+            ok = rows < N
+            y = _expert_rows(x_ptr + pair * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr, rows, ok, K, S_GPR,
+                             S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, 16 * BW, S_BLOCK_K, True, USE_ASM, False)
+            tl.store(out_ptr + pair.to(tl.int64) * N + rows, y.to(ty), mask=ok)
+
+
+def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_expert: int, top_k: int,
+                         gate_up: bool, shared=None,
+                         route_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The MoE decode's two expert launches over routed experts in fragment order (see the module). gate_up: x is
+    the layer's rows h [T, H], pair p (p < T * top_k) multiplies expert experts[p]'s [gate; up] rows with x row
+    p // top_k and the result is silu(gate) * up [T * top_k (+ T), rows_per_expert / 2]; else x is that result
+    and pair p multiplies its own row with expert experts[p]'s down rows: [T * top_k (+ T), rows_per_expert].
+    `shared` (shared_rides): the shared expert's matrix, its rows after the routed pairs' (gate/up: x row t; down:
+    x row T * top_k + t). `route_into` = (router logits [T, E], weights [T, top_k] float32), gate/up only: the
+    launch routes, writing `experts` ([T * top_k] int32) and the weights as moe.route would."""
+    pairs = experts.numel()
+    tokens = x.shape[0] if gate_up else (x.shape[0] - pairs if shared is not None else 0)
+    if shared is not None and not shared_rides(shared, rows_per_expert, x.shape[1]):
+        raise ValueError("fragment_expert_gemv: the shared expert's matrix is not one routed expert's shape in a "
+                         "format the dp4a GEMV takes")
+    if not fragment_experts_supported(w, rows_per_expert, gate_up):
+        raise ValueError(f"fragment_expert_gemv: [{w.rows}, {w.cols}] is not a stack of {rows_per_expert}-row "
+                         "experts in fragment order (pair order, Q4/Q5, whole blocks)")
+    if not 1 <= (x.shape[0] if gate_up else pairs // top_k) <= MAX_TOKENS:
+        raise ValueError(f"fragment_expert_gemv: {x.shape[0]} rows (1-{MAX_TOKENS} tokens)")
+    n_out = rows_per_expert // 2 if gate_up else rows_per_expert
+    extra = tokens if shared is not None else 0
+    if torch_path(x) or interpreted() and x.dtype != torch.bfloat16:  # (the interpreter's engines run float32)
+        return _reference(x, experts, w, rows_per_expert, top_k, gate_up, shared, route_into)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"fragment_expert_gemv: x is {x.dtype} (the tensor-core group product takes bf16)")
+    fp = w.fragment
+    y = torch.empty(pairs + extra, n_out, dtype=x.dtype, device=x.device)
+    if gate_up:
+        bw, ks = 2, MOE_FRAGMENT_TUNING["gate_ks"]
+    else:
+        bw, ks = MOE_FRAGMENT_TUNING["down_bw"], 1
+    if ks not in (1, 2, 4) or bw not in (1, 2, 4, 8):
+        raise SystemExit(f"ninfer: NINFER_MOE_FRAGMENT_TILE: gate_ks {ks} (1, 2 or 4), down_bw {bw} (1, 2, 4 or 8); "
+                         "unset it for the defaults")
+    chunks = fp.groups // CHUNK
+    while chunks % (2 * ks):  # every warp's share an even count of chunks (the loop steps two)
+        ks //= 2
+    blocks = rows_per_expert // 16
+    programs = blocks // 2 if gate_up else triton.cdiv(blocks, bw)
+    s = shared if shared is not None else w
+    s_planes = [code_words(s.base), high_plane(s), s.scale] if shared is not None else [fp.codes, fp.codes, fp.scales]
+    s_block_k = min(512, s.k_pad) if shared is not None else 64
+    while shared is not None and s.k_pad % s_block_k:
+        s_block_k //= 2
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    logits, weights = route_into if route_into is not None else (experts, experts)  # unread without routing
+    if route_into is not None and (not gate_up or logits.stride(1) != 1 or not weights.is_contiguous()
+                                   or not experts.is_contiguous()):
+        raise ValueError("fragment_expert_gemv: routing (gate/up only) needs logits rows with unit column stride, "
+                         "contiguous weights and expert ids")
+    per_row = rows_per_expert * fp.groups
+    high = fp.high if fp.high is not None else fp.codes
+    high_per_row = 8 if fp.fmt.bits == 5 else 0
+    _moe_fragment_kernel[((pairs + extra) * programs,)](
+        x, fp.codes, high, fp.scales, y, experts if route_into is not None else experts.contiguous(), logits, weights,
+        *s_planes, n_out, x.shape[1], logits.shape[1] if route_into is not None else 0,
+        x.stride(0), logits.stride(0) if route_into is not None else 0, pairs, programs,
+        per_row * 32, per_row, per_row * high_per_row,
+        G=fp.groups, BLOCKS=blocks, BW=bw, KS=ks, BITS=fp.fmt.bits,
+        LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[MOE_FRAGMENT_TUNING["hint"]]),
+        COMPUTE_ASM=_compute_asm(fp.fmt.bits, 1, words=True, pairs=True), SWIGLU=gate_up, TOPK=top_k,
+        ROUTE=route_into is not None, BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
+        S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits, S_GROUP=s.fmt.group_size,
+        S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_BLOCK_K=s_block_k, USE_ASM=native_dp4a(),
+        num_warps=bw * ks, **LAUNCH)
+    return y
+
+
+def _reference(x, experts, w, rows_per_expert, top_k, gate_up, shared, route_into):
+    """The torch path: routing as moe.route, each pair's exact product (the dequantized matrices), SwiGLU rounded
+    as the launch rounds it."""
+    from .swiglu import swiglu_reference
+
+    if route_into is not None:
+        ids, weights = route_reference(route_into[0], top_k)
+        experts.copy_(ids.reshape(-1))
+        route_into[1].copy_(weights)
+    pairs = experts.numel()
+    dense = w.dense()
+    x_rows = torch.arange(pairs) // top_k if gate_up else torch.arange(pairs)
+    out = []
+    for p in range(pairs):
+        e = int(experts[p])
+        out.append(x[x_rows[p]].float() @ dense[e * rows_per_expert:(e + 1) * rows_per_expert].t())
+    if shared is not None:
+        tokens = x.shape[0] if gate_up else x.shape[0] - pairs
+        s_dense = shared.dense()
+        for t in range(tokens):
+            out.append(x[t if gate_up else pairs + t].float() @ s_dense.t())
+    y = torch.stack(out).to(x.dtype)
+    return swiglu_reference(y) if gate_up else y

@@ -1,0 +1,131 @@
+"""MoE decode over routed experts in fragment order (runtime/kernels/moe_fragment.py): both launches against the
+exact products of the dequantized experts, routing inside the gate/up launch and the shared expert riding after
+the routed pairs. On a CPU the kernel runs in Triton's interpreter with its PTX in the warp emulator
+(kernel_device); the torch path is held to the same products."""
+
+import pytest
+import torch
+
+from format.numeric import FORMATS
+from runtime.kernels.moe import route_reference
+from runtime.kernels.qgemm_fragment_layout import to_fragment_layout
+from tests.test_frag_kernel import _packed
+
+
+def _case(device, fmt, experts=3, inter=512, hid=512, seed=5):
+    gate_up = to_fragment_layout(_packed(experts * 2 * inter, hid, fmt, seed=seed, device=device), "pairs")
+    down = to_fragment_layout(_packed(experts * hid, inter, fmt, seed=seed + 1, device=device), "pairs")
+    shared_up = _packed(2 * inter, hid, "W8G32_F16S", seed=seed + 2, device=device)
+    shared_down = _packed(hid, inter, "W8G32_F16S", seed=seed + 3, device=device)
+    return gate_up, down, shared_up, shared_down
+
+
+def _exact(x, ids, w, rows, top_k, gate_up, shared):
+    """Each pair's product with the dequantized expert, in float32 (then SwiGLU for gate/up)."""
+    dense = w.dense().cpu()
+    pairs = ids.numel()
+    out = [x[p // top_k if gate_up else p].float().cpu() @ dense[int(e) * rows:(int(e) + 1) * rows].t()
+           for p, e in enumerate(ids.cpu().tolist())]
+    tokens = x.shape[0] if gate_up else x.shape[0] - pairs
+    out += [x[t if gate_up else pairs + t].float().cpu() @ shared.dense().cpu().t() for t in range(tokens)]
+    y = torch.stack(out)
+    if gate_up:
+        g, u = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(g) * u
+    return y
+
+
+def _close(got, want, tol=2e-2):
+    err = (got.float().cpu() - want).abs().max() / want.abs().max()
+    assert err < tol, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q5G64_F16S"])
+def test_fragment_expert_launches_route_and_multiply(kernel_device, monkeypatch, fmt):
+    from runtime.kernels import moe_fragment as mf
+
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    tokens, top_k, experts, inter, hid = 2, 2, 3, 512, 512
+    gate_up, down, shared_up, shared_down = _case(kernel_device, fmt, experts, inter, hid)
+    x = torch.randn(tokens, hid, device=kernel_device).to(torch.bfloat16)
+    logits = torch.cat([torch.randn(tokens, experts), torch.full((tokens, 1), 1e9)], dim=1).to(kernel_device)
+    ids = torch.full((tokens * top_k,), -1, dtype=torch.int32, device=kernel_device)
+    weights = torch.full((tokens, top_k), float("nan"), device=kernel_device)
+    act = mf.fragment_expert_gemv(x, ids, gate_up, 2 * inter, top_k, True, shared=shared_up,
+                                  route_into=(logits[:, :experts], weights))
+    want_ids, want_w = route_reference(logits[:, :experts].cpu(), top_k)
+    assert torch.equal(ids.cpu().view(tokens, top_k), want_ids) and torch.allclose(weights.cpu(), want_w, atol=1e-6)
+    assert act.shape == (tokens * top_k + tokens, inter)
+    _close(act, _exact(x, ids, gate_up, 2 * inter, top_k, True, shared_up))
+    y = mf.fragment_expert_gemv(act, ids, down, hid, top_k, False, shared=shared_down)
+    assert y.shape == (tokens * top_k + tokens, hid)
+    _close(y, _exact(act, ids, down, hid, top_k, False, shared_down))
+    # without the shared expert: the routed rows alone, the same numbers
+    alone = mf.fragment_expert_gemv(act[: tokens * top_k], ids, down, hid, top_k, False)
+    assert torch.equal(alone, y[: tokens * top_k])
+
+
+def test_fragment_expert_torch_path_and_refusals():
+    from runtime.kernels import moe_fragment as mf
+
+    gate_up, down, shared_up, shared_down = _case("cpu", "Q4G64_F16S")
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    act = mf.fragment_expert_gemv(x, ids, gate_up, 1024, 2, True, shared=shared_up)
+    _close(act, _exact(x, ids, gate_up, 1024, 2, True, shared_up), 1e-2)
+    assert mf.fragment_experts_supported(gate_up, 1024, True) and not mf.fragment_experts_supported(gate_up, 1008, True)
+    assert mf.shared_rides(shared_up, 1024, 512) and not mf.shared_rides(shared_up, 512, 512)
+    with pytest.raises(ValueError, match="fragment order"):
+        mf.fragment_expert_gemv(x, ids, _packed(3 * 1024, 512, "Q4G64_F16S", seed=1), 1024, 2, True)
+    with pytest.raises(ValueError, match="shared expert"):
+        mf.fragment_expert_gemv(x, ids, gate_up, 1024, 2, True, shared=shared_down)
+
+
+def test_expert_gemm_reads_experts_in_fragment_order(kernel_device, monkeypatch):
+    """The prefill's grouped expert kernel reads experts laid out in fragment order in place: the numbers it gives
+    over the artifact's planes."""
+    from runtime.kernels.moe import expert_gemm, sort_pairs
+
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    for fmt in ("Q4G64_F16S", "Q5G64_F16S"):
+        planes = _packed(3 * 32, 512, fmt, seed=7, device=kernel_device)
+        laid_out = to_fragment_layout(_packed(3 * 32, 512, fmt, seed=7, device=kernel_device), "pairs")
+        x = torch.randn(5, 512, device=kernel_device).to(torch.bfloat16)
+        ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [0, 1]], dtype=torch.int32, device=kernel_device)
+        x_rows, block_experts, _ = sort_pairs(ids, 3, block_m=16)
+        want = expert_gemm(x, x_rows, block_experts, planes, 32, block_m=16)
+        assert torch.equal(expert_gemm(x, x_rows, block_experts, laid_out, 32, block_m=16), want)
+
+
+@pytest.fixture(scope="module")
+def moe_fragment_sized(tmp_path_factory):
+    """A small MoE whose expert matrices take fragment order (hidden, expert and shared widths 512)."""
+    from format.convert import ConvertOptions, convert_checkpoint
+    from format.tiny import write_tiny_checkpoint
+
+    d = tmp_path_factory.mktemp("moe-fragment")
+    src = write_tiny_checkpoint(d / "hf", moe=True, seed=3, layers=2, mtp_layers=0, hidden=512, moe_intermediate=512,
+                                shared_intermediate=512)
+    return convert_checkpoint(src, d / "moe.nfer", ConvertOptions(recipe="q4")).output
+
+
+def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monkeypatch):
+    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind, decodes through
+    the fragment expert launches (the shared expert riding) and prefills through the grouped kernel reading them
+    in place, and generates the reference's tokens."""
+    import runtime.engine as engine_module
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+    from tests.test_engine import DEVICE, PROMPT, _assert_matches_reference
+
+    monkeypatch.setattr(engine_module, "MOE_FRAGMENT", "on")
+    calls = []
+    real = engine_module.fragment_expert_gemv
+    monkeypatch.setattr(engine_module, "fragment_expert_gemv",
+                        lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+    engine = Engine(moe_fragment_sized, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    laid_out = [n for n, lin in engine.lin.items() if n.endswith(("experts_gate_up", "experts_down"))
+                and lin.packed.fragment is not None]
+    assert len(laid_out) == 4
+    _assert_matches_reference(engine, moe_fragment_sized, PROMPT, 4)
+    assert calls and all(shared is not None for shared in calls)
