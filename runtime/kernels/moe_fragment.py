@@ -12,8 +12,9 @@ fragment-order kernel's group product over its own x row. Two launches a MoE lay
   expert id (of each token's first pair, the token's weights), as moe.expert_gemv does.
 - down: a program takes BW 16-row blocks of its pair's expert; K (inter) is a few chunks, so one split.
 
-The shared expert (any format the dp4a GEMV takes, its rows those of one routed expert) rides in both launches
-after the routed pairs on the dp4a tile path (moe._expert_rows), in the same row slices as the routed programs.
+The shared expert (any format the dp4a GEMV takes, its rows those of one routed expert) rides in both launches on
+the dp4a tile path (moe._expert_rows), in the same row slices as the routed programs; its programs come first (a
+tile quantizing x takes longer than a fragment share), its output rows after the routed pairs'.
 The output rows are those of moe.expert_gemv: pair (t, j) at row t * k + j, then the shared rows, ready for
 moe.ExpertPartials (the next RMSNorm combines them).
 """
@@ -96,23 +97,26 @@ def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: 
 
 @triton.jit
 def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, experts_ptr, logits_ptr, weights_ptr,
-                         s_base_ptr, s_high_ptr, s_scale_ptr, N, K, E, stride_x, stride_logits, ROUTED,
+                         s_base_ptr, s_high_ptr, s_scale_ptr, N, K, E, stride_x, stride_logits, ROUTED, SHARED,
                          PROGRAMS_PER_PAIR, EXPERT_CODES, EXPERT_SCALES, EXPERT_HIGH,
                          G: tl.constexpr, BLOCKS: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr,
                          BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr,
                          TOPK: tl.constexpr, ROUTE: tl.constexpr, BLOCK_E: tl.constexpr,
                          S_GPR: tl.constexpr, S_K_PAD: tl.constexpr, S_BITS: tl.constexpr, S_GROUP: tl.constexpr,
                          S_HIGH_BYTES: tl.constexpr, S_BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
-    """Program pid: pair pid // PROGRAMS_PER_PAIR, its share pid % PROGRAMS_PER_PAIR. SWIGLU (the gate/up launch):
-    pair p < ROUTED reads x row p // TOPK (its token), shared pair ROUTED + t reads row t, and out row p is
-    silu(gate) * up (N = inter); else (the down launch) pair p reads x row p and out row p is the product (N = the
-    hidden width). ROUTE: routed programs take their token's top-k from the router's logits (see the module)."""
+    """Program pid: slot pid // PROGRAMS_PER_PAIR, its share pid % PROGRAMS_PER_PAIR. Slots 0..SHARED-1 are the
+    shared expert's rows of token t (their programs take longest, so they start first), slot SHARED + p routed
+    pair p; out row p (p < ROUTED) and ROUTED + t. SWIGLU (the gate/up launch): pair p reads x row p // TOPK (its
+    token), the shared row of token t row t, and out rows are silu(gate) * up (N = inter); else (the down launch)
+    out row r reads x row r and is the product (N = the hidden width). ROUTE: routed programs take their token's
+    top-k from the router's logits (see the module)."""
     pdl_wait()  # the expert ids come from the router's product: nothing to fetch before
     pid = tl.program_id(0)
-    pair = pid // PROGRAMS_PER_PAIR
+    slot = pid // PROGRAMS_PER_PAIR
     local = pid % PROGRAMS_PER_PAIR
     ty: tl.constexpr = out_ptr.dtype.element_ty
-    if pair < ROUTED:
+    pair = slot - SHARED
+    if slot >= SHARED:
         if ROUTE:
             token = pair // TOPK
             ids, weights = _top_k(logits_ptr, token, E, stride_logits, TOPK, BLOCK_E)
@@ -133,21 +137,22 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
                       scales_ptr + e * EXPERT_SCALES, out_ptr + pair.to(tl.int64) * N, local, N, G, BLOCKS, BW, KS,
                       BITS, LOAD_ASM, COMPUTE_ASM, SWIGLU)
     else:  # the shared expert's rows of this share, on the dp4a tile path
-        if SWIGLU:
-            xs = x_ptr + (pair - ROUTED) * stride_x
+        row = ROUTED + slot
+        if SWIGLU:  # gate rows and their up rows in one tile (a [32, S_BLOCK_K] step)
+            i = tl.arange(0, 32)
+            out_rows = local * 16 + i % 16
+            ok = out_rows < N
+            y = _expert_rows(x_ptr + slot * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr, out_rows + (i // 16) * N,
+                             ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, 32, S_BLOCK_K, True, USE_ASM, False)
+            g, u = tl.split(tl.permute(tl.reshape(y.to(ty).to(tl.float32), (2, 16)), (1, 0)))
             rows = local * 16 + tl.arange(0, 16)
-            ok = rows < N
-            g = _expert_rows(xs, s_base_ptr, s_high_ptr, s_scale_ptr, rows, ok, K, S_GPR, S_K_PAD, S_BITS, S_GROUP,
-                             S_HIGH_BYTES, 16, S_BLOCK_K, True, USE_ASM, False).to(ty).to(tl.float32)
-            u = _expert_rows(xs, s_base_ptr, s_high_ptr, s_scale_ptr, rows + N, ok, K, S_GPR, S_K_PAD, S_BITS,
-                             S_GROUP, S_HIGH_BYTES, 16, S_BLOCK_K, True, USE_ASM, False).to(ty).to(tl.float32)
-            tl.store(out_ptr + pair.to(tl.int64) * N + rows, (g * tl.sigmoid(g) * u).to(ty), mask=ok)
+            tl.store(out_ptr + row.to(tl.int64) * N + rows, (g * tl.sigmoid(g) * u).to(ty), mask=rows < N)
         else:
             rows = local * (16 * BW) + tl.arange(0, 16 * BW)
             ok = rows < N
-            y = _expert_rows(x_ptr + pair * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr, rows, ok, K, S_GPR,
+            y = _expert_rows(x_ptr + row * stride_x, s_base_ptr, s_high_ptr, s_scale_ptr, rows, ok, K, S_GPR,
                              S_K_PAD, S_BITS, S_GROUP, S_HIGH_BYTES, 16 * BW, S_BLOCK_K, True, USE_ASM, False)
-            tl.store(out_ptr + pair.to(tl.int64) * N + rows, y.to(ty), mask=ok)
+            tl.store(out_ptr + row.to(tl.int64) * N + rows, y.to(ty), mask=ok)
 
 
 def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_expert: int, top_k: int,
@@ -192,7 +197,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
     programs = blocks // 2 if gate_up else triton.cdiv(blocks, bw)
     s = shared if shared is not None else w
     s_planes = [code_words(s.base), high_plane(s), s.scale] if shared is not None else [fp.codes, fp.codes, fp.scales]
-    s_block_k = min(512, s.k_pad) if shared is not None else 64
+    s_block_k = min(1024, s.k_pad) if shared is not None else 64  # few K steps: the shared rows are the tail
     while shared is not None and s.k_pad % s_block_k:
         s_block_k //= 2
     x = x.contiguous()
@@ -209,7 +214,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
     _moe_fragment_kernel[((pairs + extra) * programs,)](
         x, fp.codes, high, fp.scales, y, experts if route_into is not None else experts.contiguous(), logits, weights,
         *s_planes, n_out, x.shape[1], logits.shape[1] if route_into is not None else 0,
-        x.stride(0), logits.stride(0) if route_into is not None else 0, pairs, programs,
+        x.stride(0), logits.stride(0) if route_into is not None else 0, pairs, extra, programs,
         per_row * 32, per_row, per_row * high_per_row,
         G=fp.groups, BLOCKS=blocks, BW=bw, KS=ks, BITS=fp.fmt.bits,
         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[MOE_FRAGMENT_TUNING["hint"]]),
