@@ -40,10 +40,11 @@ from .speculate import Speculator
 # launch (block_conv, the residual add and the next product's dtype inside; ~9 torch launches a call, four calls a
 # layer), each query / key norm + RoPE in one (head_norm_rope; ~8 torch launches a call, two a layer in the block
 # and one a layer in the context write) and the candidate selector's walk in one (selector_walk; ~10 a draft row):
-# ~370 of a DFlash2 K = 7 round's ~580 torch launches (1.31 ms on an H100, eager).
-# Opt-in until the GPU has run them: built and checked under the interpreter (session 36, after the device budget was
-# spent); `bash bench/device_frag.sh s45` compares.
-DRAFTER_KERNELS = os.environ.get("NINFER_DFLASH2_KERNELS", "torch")
+# ~370 of a DFlash2 K = 7 round's ~580 torch launches (1.31 ms on an H100, eager). Default since session 37 (H100,
+# DFlash2 K = 7, drafts forced accepted, --draft-vocab 32768, torch / fused alternated twice in one warm call): one
+# lane 13.09 / 13.31 -> 12.22 / 12.23 ms a round, 611.2 / 601.3 -> 654.7 / 653.9 tok/s (4.72 / 4.61x -> 5.01 /
+# 5.00x plain decode); 2 lanes 973 / 1,005 -> 1,043 / 1,051 tok/s. NINFER_DFLASH2_KERNELS=torch restores the ops.
+DRAFTER_KERNELS = os.environ.get("NINFER_DFLASH2_KERNELS", "fused")
 if DRAFTER_KERNELS not in ("fused", "torch"):
     raise SystemExit(f"ninfer: NINFER_DFLASH2_KERNELS={DRAFTER_KERNELS!r}: use fused or torch (or unset it)")
 
