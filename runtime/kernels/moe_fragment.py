@@ -32,7 +32,7 @@ from .launch import LAUNCH, pdl_wait
 from .moe import _expert_rows, _top_k, route_reference
 from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_product, _load_chunk,
                                     _chunk_load_asm, _store_program, _store_swiglu, swiglu_pair_supported)
-from .qgemm_rows_frag import _compute_asm, _thread_ids
+from .qgemm_rows_frag import _compute_asm
 from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
 
 # Expert products in fragment order for MoE decode (the engine lays the routed experts' planes out at load):
@@ -68,6 +68,14 @@ def shared_rides(shared, rows_per_expert: int, cols: int) -> bool:
 
 
 @triton.jit
+def _pinned_thread_ids(like):
+    """%tid.x per element, as qgemm_rows_frag._thread_ids but not pure: the compiler may not rematerialize it in
+    another layout (element i on another thread would read that thread's id), a suspect for the launches' wrong
+    numbers on the H100 (session 37) beside the routing and the shared branch in one kernel."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: tl.constexpr,
                   BLOCKS: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr, BITS: tl.constexpr,
                   LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
@@ -75,7 +83,7 @@ def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: 
     the fragment-order kernel's program `local` of one split (SWIGLU: gate block `local` and its up block)."""
     chunks: tl.constexpr = G // 4
     zero = tl.zeros([32 * BW * KS], tl.int32)
-    tid = _thread_ids(zero)
+    tid = _pinned_thread_ids(zero)
     ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, local, 0, BLOCKS, chunks, G,
                                                 BW, KS, SWIGLU, BITS)
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
