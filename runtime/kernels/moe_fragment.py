@@ -30,8 +30,8 @@ import triton.language as tl
 from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import _expert_rows, _top_k, route_reference
-from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_product, _load_chunk,
-                                    _chunk_load_asm, _store_program, _store_swiglu, swiglu_pair_supported)
+from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_load_asm, _chunk_loop,
+                                    _load_chunk, _store_program, _store_swiglu)
 from .qgemm_rows_frag import _compute_asm
 from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
 
@@ -91,12 +91,8 @@ def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: 
     xa = (x_ptr + (tid % 4) * 16).to(tl.int64, bitcast=True)  # one column: every fragment row reads the pair's x
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    last = chunks - 1
-    for ci in range(0, chunks // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-        acc = _chunk_product(acc, c0, xa, xa, tl.minimum(first + ci, last), BITS, COMPUTE_ASM)
-        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-        acc = _chunk_product(acc, c1, xa, xa, tl.minimum(first + ci + 1, last), BITS, COMPUTE_ASM)
-        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+    acc = _chunk_loop(acc, c0, c1, ca, sa, ha, zero, count, first, xa, xa, chunks // KS, chunks - 1, BITS, LOAD_ASM,
+                      COMPUTE_ASM)
     if SWIGLU:
         _store_swiglu(out_ptr, acc, local, 1, N, KS, 1)
     else:

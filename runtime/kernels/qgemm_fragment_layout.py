@@ -499,6 +499,19 @@ def _chunk_product(acc, chunk, xa0, xa1, ci, BITS: tl.constexpr, COMPUTE_ASM: tl
 
 
 @triton.jit
+def _chunk_loop(acc, c0, c1, ca, sa, ha, zero, count, first, xa0, xa1, STEPS: tl.constexpr, last,
+                BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr):
+    """A warp's share: STEPS chunks from `first`, two a loop step, each step's products over the chunks loaded
+    before (c0, c1) while the next two load; chunks past the warp's `count` are zeros, x read in bounds."""
+    for ci in range(0, STEPS, 2):
+        acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), BITS, COMPUTE_ASM)
+        c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
+        acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), BITS, COMPUTE_ASM)
+        c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+    return acc
+
+
+@triton.jit
 def _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, pid, split, BLOCKS, CHUNKS_PER_SPLIT, G: tl.constexpr,
                      BW: tl.constexpr, KS: tl.constexpr, PAIRED: tl.constexpr, BITS: tl.constexpr):
     """This thread's share: byte addresses at its first chunk, that chunk's index and how many it sums. Warp w
@@ -629,11 +642,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
             acc = _chunk_product_x(acc, c1, x1, xa1, tl.minimum(first + ci + 1, last), NT, BITS, COMPUTE_ASM)
             c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
     else:
-        for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):  # chunks past a warp's count are zeros, x read in bounds
-            acc = _chunk_product(acc, c0, xa0, xa1, tl.minimum(first + ci, last), BITS, COMPUTE_ASM)
-            c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-            acc = _chunk_product(acc, c1, xa0, xa1, tl.minimum(first + ci + 1, last), BITS, COMPUTE_ASM)
-            c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
+        acc = _chunk_loop(acc, c0, c1, ca, sa, ha, zero, count, first, xa0, xa1, CHUNKS_PER_SPLIT // KS, last, BITS,
+                          LOAD_ASM, COMPUTE_ASM)
     if SWIGLU:
         _store_swiglu(out_ptr, acc, pid, T, N, KS, NT)
     else:
