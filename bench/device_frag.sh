@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s48       # the fragment expert launches taken apart, lanes off / on
 #                        bash bench/device_frag.sh s47       # fragment expert launches off / on, DFlash2 fused
 #                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
@@ -627,10 +628,25 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     -k "block_conv or head_norm_rope or selector_walk" 2>&1 | tail -1
   echo "tests t=$(el)"
   for kernels in torch fused torch fused; do
-    NINFER_DFLASH2_KERNELS=$kernels timeout 40 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 \
+    NINFER_DFLASH2_KERNELS=$kernels timeout 110 $B --lanes ${S45_LANES:-1,2} --depths 8k --kv-dtype bf16 --spec dflash2 \
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  ;;
+s48)  # next session (~450 s): the fragment expert launches taken apart (bench/moe_fragment_check.py: per pair, routing
+  # and the shared expert on / off, beside the known-good fragment SwiGLU launch), their GPU tests, then 35B-A3B lanes
+  # off / on alternated (the first run compiles: a long timeout) and the one-lane profile with them on
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python bench/moe_fragment_check.py 2>&1 | tail -14
+  echo "check t=$(el)"
+  timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py 2>&1 | tail -5
+  echo "tests t=$(el)"
+  for frag in on off on off; do
+    [ $(( ${DEADLINE:-560} - $(el) )) -gt 50 ] || break
+    NINFER_MOE_FRAGMENT=$frag timeout 130 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
+      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s48-moe-lanes-$frag-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes moe fragment $frag t=$(el)"
   done
   ;;
 s47)  # session 37 (~520 s): GPU tests of the fragment expert launches and the DFlash2 drafter kernels; 35B-A3B lanes
@@ -647,7 +663,7 @@ s47)  # session 37 (~520 s): GPU tests of the fragment expert launches and the D
   done
   for kernels in torch fused torch fused; do
     [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] || break
-    NINFER_DFLASH2_KERNELS=$kernels timeout 40 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 \
+    NINFER_DFLASH2_KERNELS=$kernels timeout 110 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 \
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s47-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
