@@ -304,9 +304,7 @@ class Engine:
         if MOE_FRAGMENT != "on" or not c.is_moe or not name.endswith(MOE_FRAGMENT_OBJECTS) \
                 or packed.fmt.bits not in (4, 5) or not in_place_supported(packed):
             return False
-        inter, hid = c.moe_intermediate_size, c.hidden_size
-        return (2 * inter) % 32 == 0 and hid % 16 == 0 and packed.cols in (inter, hid) \
-            and packed.cols % 512 == 0 and (inter % 512 == 0 and hid % 512 == 0)
+        return c.moe_intermediate_size % 512 == 0 and c.hidden_size % 512 == 0  # both products' K and blocks
 
     def _bind_weights(self) -> None:
         self.lin: dict[str, DenseLinear | QuantLinear] = {}
