@@ -82,14 +82,15 @@ def test_fragment_expert_torch_path_and_refusals():
 
 
 def test_expert_gemm_reads_experts_in_fragment_order(kernel_device, monkeypatch):
-    """The prefill's grouped expert kernel reads experts laid out in fragment order in place: the numbers it gives
-    over the artifact's planes."""
+    """The prefill's grouped expert kernel reads experts laid out in fragment order in place (any order the
+    dequantizer reads, W8's byte order too): the numbers it gives over the artifact's planes."""
     from runtime.kernels.moe import expert_gemm, sort_pairs
 
     monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
-    for fmt in ("Q4G64_F16S", "Q5G64_F16S"):
+    for fmt, order in (("Q4G64_F16S", "pairs"), ("Q5G64_F16S", "pairs"), ("Q5G64_F16S", "bytes"),
+                       ("W8G32_F16S", "bytes")):
         planes = _packed(3 * 32, 512, fmt, seed=7, device=kernel_device)
-        laid_out = to_fragment_layout(_packed(3 * 32, 512, fmt, seed=7, device=kernel_device), "pairs")
+        laid_out = to_fragment_layout(_packed(3 * 32, 512, fmt, seed=7, device=kernel_device), order)
         x = torch.randn(5, 512, device=kernel_device).to(torch.bfloat16)
         ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [0, 1]], dtype=torch.int32, device=kernel_device)
         x_rows, block_experts, _ = sort_pairs(ids, 3, block_m=16)

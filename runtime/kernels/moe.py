@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
-from .qlinear import (GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
+from .qlinear import (FRAGMENT_ORDERS, GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
 from . import torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
@@ -317,11 +317,11 @@ def expert_gemm(x: torch.Tensor, x_rows: torch.Tensor, block_experts: torch.Tens
     x = x.contiguous()
     base, high, scale, fragment = w.base, w.high, w.scale, 0
     if w.fragment is not None:  # experts in fragment order (moe_fragment's decode launches): read in place
-        if w.fragment.order == "bytes" or w.fmt.bits not in (4, 5):
-            raise ValueError(f"expert_gemm: {w.fmt.name} experts in {w.fragment.order} order (Q4/Q5 in pair or lane "
-                             "order only)")
+        if w.fmt.bits == 6:
+            raise ValueError("expert_gemm: Q6 experts in fragment order (the dequantizer reads Q6 there only through "
+                             "a copy back: row_planes)")
         base, high, scale = w.fragment.codes, w.fragment.high, w.fragment.scales
-        fragment = 2 if w.fragment.pairs else 1
+        fragment = FRAGMENT_ORDERS[w.fragment.order]
     _expert_gemm_kernel[(block_experts.numel(), triton.cdiv(rows_per_expert, block_n))](
         x, x_rows, block_experts, base, high if high is not None else base, scale, y, rows_per_expert,
         w.cols, x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,

@@ -32,8 +32,10 @@ from .launch import LAUNCH, pdl_wait
 from .moe import _expert_rows, _top_k, route_reference
 from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_load_asm, _chunk_loop,
                                     _load_chunk, _store_program, _store_swiglu)
-from .qgemm_rows_frag import _compute_asm
+from .qgemm_rows_frag import _compute_asm, aligned_rows
 from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
+from .qlinear import GEMV_PATH, PackedLinear
+from .swiglu import swiglu_reference
 
 # Expert products in fragment order for MoE decode (the engine lays the routed experts' planes out at load):
 # built on a CPU and not yet measured on a GPU, so off by default; NINFER_MOE_FRAGMENT=on turns it on.
@@ -61,8 +63,6 @@ def fragment_experts_supported(w, rows_per_expert: int, paired: bool) -> bool:
 def shared_rides(shared, rows_per_expert: int, cols: int) -> bool:
     """Whether the shared expert's matrix rides in the fragment launches (the dp4a tile path): a PackedLinear in
     row-split planes of a format the dp4a GEMV takes, one routed expert's shape."""
-    from .qlinear import GEMV_PATH, PackedLinear
-
     return (isinstance(shared, PackedLinear) and shared.fragment is None and shared.fmt.bits in INT8_BITS
             and GEMV_PATH == "int8" and shared.rows == rows_per_expert and shared.cols == cols)
 
@@ -204,9 +204,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
     s_block_k = min(1024, s.k_pad) if shared is not None else 64  # few K steps: the shared rows are the tail
     while shared is not None and s.k_pad % s_block_k:
         s_block_k //= 2
-    x = x.contiguous()
-    if x.data_ptr() % 16:
-        x = x.clone()
+    x = aligned_rows(x)
     logits, weights = route_into if route_into is not None else (experts, experts)  # unread without routing
     if route_into is not None and (not gate_up or logits.stride(1) != 1 or not weights.is_contiguous()
                                    or not experts.is_contiguous()):
@@ -231,10 +229,9 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
 
 
 def _reference(x, experts, w, rows_per_expert, top_k, gate_up, shared, route_into):
-    """The torch path: routing as moe.route, each pair's exact product (the dequantized matrices), SwiGLU rounded
-    as the launch rounds it."""
-    from .swiglu import swiglu_reference
-
+    """The torch path (also the interpreter's float32 engines, where moe.expert_gemv would take its kernel): routing
+    as moe.route, each pair's exact product over the dequantized experts, the shared expert's rows after the
+    pairs', then SwiGLU for gate/up."""
     if route_into is not None:
         ids, weights = route_reference(route_into[0], top_k)
         experts.copy_(ids.reshape(-1))
@@ -242,14 +239,9 @@ def _reference(x, experts, w, rows_per_expert, top_k, gate_up, shared, route_int
     pairs = experts.numel()
     dense = w.dense()
     x_rows = torch.arange(pairs) // top_k if gate_up else torch.arange(pairs)
-    out = []
-    for p in range(pairs):
-        e = int(experts[p])
-        out.append(x[x_rows[p]].float() @ dense[e * rows_per_expert:(e + 1) * rows_per_expert].t())
+    out = [x[x_rows[p]].float() @ dense[int(e) * rows_per_expert:(int(e) + 1) * rows_per_expert].t()
+           for p, e in enumerate(experts.tolist())]
     if shared is not None:
-        tokens = x.shape[0] if gate_up else x.shape[0] - pairs
-        s_dense = shared.dense()
-        for t in range(tokens):
-            out.append(x[t if gate_up else pairs + t].float() @ s_dense.t())
+        out += list(x.float()[0 if gate_up else pairs:] @ shared.dense().t())
     y = torch.stack(out).to(x.dtype)
     return swiglu_reference(y) if gate_up else y

@@ -260,15 +260,16 @@ def _dequant_block_dot(acc, x_ptr, x_off, tok_ok, base_ptr, high_ptr, scale_ptr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        FRAGMENT: tl.constexpr = 0):
     """acc [BLOCK_T, BLOCK_N] + x[:, k0:k0 + BLOCK_K] @ W[rows, k0:k0 + BLOCK_K]^T, W dequantized in
-    registers; row t of x starts at x_ptr + x_off[t] (masked by tok_ok). FRAGMENT (Q4/Q5): planes in fragment
-    order, as _nibble_codes."""
+    registers; row t of x starts at x_ptr + x_off[t] (masked by tok_ok). FRAGMENT (Q4/Q5/W8): planes in fragment
+    order, as _dequant_kernel's."""
     gpb: tl.constexpr = BLOCK_K // GROUP  # groups per block
     gidx = k0 // GROUP + tl.arange(0, gpb)
     scale = tl.load(scale_ptr + _scale_offsets(rows, gidx, GPR, FRAGMENT), mask=row_ok[:, None],
                     other=0.0).to(tl.float32)
     if BITS == 8:
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        w = _w8_weights(base_ptr, scale, rows, row_ok, k0, K_PAD, GROUP, BLOCK_N, BLOCK_K, FRAGMENT).to(
+            x_ptr.dtype.element_ty)
         x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w))
     else:
