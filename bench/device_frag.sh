@@ -639,6 +639,7 @@ s48)  # next session (~450 s): the fragment expert launches taken apart (bench/m
   # off / on alternated (the first run compiles: a long timeout) and the one-lane profile with them on
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 150 python bench/moe_fragment_check.py 2>&1 | tail -14
+  timeout 100 python bench/moe_fragment_check.py pure 2>&1 | tail -8
   echo "check t=$(el)"
   timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py 2>&1 | tail -5
   echo "tests t=$(el)"

@@ -2,8 +2,12 @@
 against the exact product (tests/test_moe_fragment.py's cases), with and without the shared expert, at other
 tiles, beside the known-good fragment-order SwiGLU launch on the same expert's rows.
 
-    PYTHONPATH=. python bench/moe_fragment_check.py
+    PYTHONPATH=. python bench/moe_fragment_check.py [pure]
+
+`pure`: the launches take qgemm_rows_frag's pure thread ids instead of the pinned ones (patched before any compile).
 """
+
+import sys
 
 import torch
 
@@ -17,6 +21,10 @@ def rel(a, b):
 
 
 def main():
+    if "pure" in sys.argv[1:]:
+        from runtime.kernels.qgemm_rows_frag import _thread_ids
+        mf._pinned_thread_ids = _thread_ids
+        print("thread ids: pure")
     dev, inter, hid, top_k, tokens = "cuda", 512, 512, 2, 2
     ids = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=dev)
     pairs = ids.numel()

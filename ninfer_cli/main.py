@@ -674,7 +674,7 @@ def serve(
     kv_dtype: Annotated[KvDtype, typer.Option(help="KV-cache codec.")] = KvDtype.bf16,
     prefill_chunk: PrefillChunkOpt = "auto",
     weight_cache: WeightCacheOpt = WeightCache.auto,
-    prefill_chunk_shared: Annotated[int, typer.Option(min=0, help="Prefill chunk while other lanes decode: their next token waits for it, and their rows ride inside it (0 = the full chunk). Smaller: shorter waits, slower prefill (bench --lanes 1,4 --concurrent-prefill 32k compares).")] = 1024,
+    prefill_chunk_shared: Annotated[Optional[int], typer.Option(min=0, help="Prefill chunk while other lanes decode: their next token waits for it, and their rows ride inside it (0 = the full chunk; default: 512 where every layer product is in the weight cache, else 1024). Smaller: shorter waits, slower prefill (bench --lanes 1,4 --concurrent-prefill 32k compares).")] = None,
     kv_capacity: Annotated[Optional[str], typer.Option(help="KV tokens across all lanes, or 'auto' for the most that fit the GPU (overrides --max-context).")] = None,
     vram_reserve: Annotated[str, typer.Option(help="Memory --kv-capacity auto leaves unplanned.")] = "1.3G",
     spec: Annotated[Spec, typer.Option(help="Speculative decoding: mtp drafts with the MTP head, dflash2 with the DFlash2 drafter.")] = Spec.none,

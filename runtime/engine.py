@@ -46,7 +46,7 @@ from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
-                          weight_cache_candidates, weight_cache_reserve)
+                          shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
 
 
@@ -280,6 +280,8 @@ class Engine:
                  if isinstance(self.lin.get(name), QuantLinear)]
         kept = keep_dense_copies(layer, spare_bytes, self.act_dtype) if layer and spare_bytes > 0 else []
         self.weight_cache_bytes = sum(w.resident_dense.numel() * w.resident_dense.element_size() for w in kept)
+        if kept and len(kept) == len(layer):  # --prefill-chunk-shared auto: shorter riding chunks (memory_plan)
+            self.shared_chunk = shared_chunk_for(self.opts, weights_cached=True)
         if kept:
             print(f"ninfer: dense copies of {len(kept)} of {len(layer)} layer products in spare memory "
                   f"({self.weight_cache_bytes / 2**30:.1f} GiB): prefill skips their dequantization "

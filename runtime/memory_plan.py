@@ -62,6 +62,23 @@ def parse_bytes(text: str) -> int:
 
 MIN_DRAFT_VOCAB = 256
 
+# --prefill-chunk-shared auto: the decoding lanes' rows ride in prefill chunks of this many tokens, or of the shorter
+# size where every layer product has a dense copy in memory (the weight cache: the riding forward no longer
+# dequantizes, so shorter chunks cost less prefill). H200, 27B, 3 lanes decoding at 8K beside a 32K prefill (bench/
+# RESULTS.md section 3): cache on, 512 tokens: their gap 8.7 plain steps, prefill at 0.77 of alone; 1,024: 16.4
+# steps at 0.83; cache off, 512: 13.0 steps at 0.51, 1,024: 20.5 at 0.66.
+SHARED_CHUNK = 1024
+SHARED_CHUNK_WEIGHTS_CACHED = 512
+
+
+def shared_chunk_for(opts: "PlanOptions", weights_cached: bool) -> int:
+    """Tokens per prefill chunk while other lanes decode: the option's (0: the full chunk), or for auto (None)
+    SHARED_CHUNK, SHARED_CHUNK_WEIGHTS_CACHED where every layer product is cached; never more than the full chunk."""
+    size = opts.shared_prefill_chunk
+    if size is None:
+        size = SHARED_CHUNK_WEIGHTS_CACHED if weights_cached else SHARED_CHUNK
+    return min(size or opts.prefill_chunk, opts.prefill_chunk)
+
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -69,8 +86,9 @@ class PlanOptions:
     max_concurrency: int = 1
     kv_dtype: str = "bf16"
     prefill_chunk: int = 1024
-    # tokens per prefill chunk while other lanes decode (0: the full chunk); their next token waits for it
-    shared_prefill_chunk: int = 1024
+    # tokens per prefill chunk while other lanes decode (0: the full chunk; None: auto, see shared_chunk_for);
+    # their next token waits for it
+    shared_prefill_chunk: int | None = None
     spec: str = "none"
     draft_tokens: int = 3
     lm_head_draft: bool = False
@@ -83,8 +101,9 @@ class PlanOptions:
 
     @property
     def shared_chunk(self) -> int:
-        """Tokens per prefill chunk while other lanes decode (never more than the full chunk)."""
-        return min(self.shared_prefill_chunk or self.prefill_chunk, self.prefill_chunk)
+        """Tokens per prefill chunk while other lanes decode (never more than the full chunk); auto plans for
+        the longer of its two sizes (shared_chunk_for)."""
+        return shared_chunk_for(self, weights_cached=False)
 
     def validate(self, cfg: ModelConfig, components: tuple[str, ...]) -> None:
         if self.max_context < 1:

@@ -205,3 +205,19 @@ def test_moe_router_and_shared_gate_lie_side_by_side(tmp_path):
     for name in routers:
         router, gate = regions[name], regions[name[: -len("router")] + "shared_gate"]
         assert gate.offset == router.offset + router.nbytes and gate.nbytes == 2 * 2048
+
+
+def test_shared_prefill_chunk_auto_is_shorter_with_every_product_cached():
+    """--prefill-chunk-shared auto: 1,024 tokens (what the plan sizes for), 512 where the weight cache holds every
+    layer product; an explicit size (0: the full chunk) is kept as given; never more than the full chunk."""
+    from runtime.memory_plan import SHARED_CHUNK, SHARED_CHUNK_WEIGHTS_CACHED, shared_chunk_for
+
+    auto = PlanOptions(max_context=8192, max_concurrency=2, prefill_chunk=4096)
+    assert auto.shared_chunk == shared_chunk_for(auto, False) == SHARED_CHUNK == 1024
+    assert shared_chunk_for(auto, True) == SHARED_CHUNK_WEIGHTS_CACHED == 512
+    given = PlanOptions(max_context=8192, max_concurrency=2, prefill_chunk=4096, shared_prefill_chunk=256)
+    assert shared_chunk_for(given, True) == shared_chunk_for(given, False) == given.shared_chunk == 256
+    whole = PlanOptions(max_context=8192, max_concurrency=2, prefill_chunk=4096, shared_prefill_chunk=0)
+    assert shared_chunk_for(whole, True) == 4096
+    short = PlanOptions(max_context=8192, max_concurrency=2, prefill_chunk=384)
+    assert shared_chunk_for(short, False) == shared_chunk_for(short, True) == 384
