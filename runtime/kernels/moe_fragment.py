@@ -107,7 +107,8 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
                          BITS: tl.constexpr, LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr,
                          TOPK: tl.constexpr, ROUTE: tl.constexpr, BLOCK_E: tl.constexpr,
                          S_GPR: tl.constexpr, S_K_PAD: tl.constexpr, S_BITS: tl.constexpr, S_GROUP: tl.constexpr,
-                         S_HIGH_BYTES: tl.constexpr, S_BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                         S_HIGH_BYTES: tl.constexpr, S_BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+                         HAS_SHARED: tl.constexpr):
     """Program pid: slot pid // PROGRAMS_PER_PAIR, its share pid % PROGRAMS_PER_PAIR. Slots 0..SHARED-1 are the
     shared expert's rows of token t (their programs take longest, so they start first), slot SHARED + p routed
     pair p; out row p (p < ROUTED) and ROUTED + t. SWIGLU (the gate/up launch): pair p reads x row p // TOPK (its
@@ -140,7 +141,7 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
         _pair_product(x_ptr + x_row * stride_x, codes_ptr + e * EXPERT_CODES, high_ptr + e * EXPERT_HIGH,
                       scales_ptr + e * EXPERT_SCALES, out_ptr + pair.to(tl.int64) * N, local, N, G, BLOCKS, BW, KS,
                       BITS, LOAD_ASM, COMPUTE_ASM, SWIGLU)
-    else:  # the shared expert's rows of this share, on the dp4a tile path
+    elif HAS_SHARED:  # the shared expert's rows of this share, on the dp4a tile path (compiled only with one)
         row = ROUTED + slot
         if SWIGLU:  # gate rows and their up rows in one tile (a [32, S_BLOCK_K] step)
             i = tl.arange(0, 32)
@@ -224,6 +225,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
         ROUTE=route_into is not None, BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
         S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits, S_GROUP=s.fmt.group_size,
         S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_BLOCK_K=s_block_k, USE_ASM=native_dp4a(),
+        HAS_SHARED=shared is not None,
         num_warps=bw * ks, **LAUNCH)
     return y
 
