@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s49       # expert-major fragment launches: tests, 35B lanes
 #                        bash bench/device_frag.sh s48       # the fragment expert launches taken apart, lanes off / on
 #                        bash bench/device_frag.sh s47       # fragment expert launches off / on, DFlash2 fused
 #                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
@@ -632,6 +633,26 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  ;;
+s49)  # session 38 (~400 s): the expert-major fragment launches (an expert read once for every token that picked it):
+  # GPU tests, then 35B-A3B lanes with the routed experts off / fragment pair by pair / fragment expert-major, the
+  # lanes feeding the same token (every lane routes alike) and distinct tokens, alternated
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=short -p no:cacheprovider tests/test_moe_fragment.py 2>&1 | \
+    grep -v Warn | tail -12
+  echo "tests t=$(el)"
+  for run in 1 2; do
+    for mode in "off 2" "on 0" "on 2"; do
+      set -- $mode
+      for tokens in "" --distinct-lane-tokens; do
+        [ $(( ${DEADLINE:-560} - $(el) )) -gt 40 ] || break
+        NINFER_MOE_FRAGMENT=$1 NINFER_MOE_FRAGMENT_TILE=2,4,2,$2 timeout 130 python -m ninfer_cli.main bench \
+          --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 $tokens \
+          --json-out "$OUT/s49-moe-lanes-$1-$2${tokens:+-distinct}-$run.json" 2>&1 | grep "│ bf16"
+        echo "35B-A3B lanes fragment $1 expert_major $2 '$tokens' t=$(el)"
+      done
+    done
   done
   ;;
 s48)  # next session (~450 s): the fragment expert launches taken apart (bench/moe_fragment_check.py: per pair, routing

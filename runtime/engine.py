@@ -34,7 +34,7 @@ from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
 from .kernels.moe_fragment import MAX_TOKENS as MOE_FRAGMENT_MAX_TOKENS, MOE_FRAGMENT, MOE_FRAGMENT_OBJECTS, \
-    fragment_expert_gemv, shared_rides
+    MOE_FRAGMENT_TUNING, fragment_expert_gemv, shared_rides
 from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_place_supported, \
     takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
@@ -630,15 +630,21 @@ class Engine:
             # decode / verify over experts in fragment order: two launches (routing and SwiGLU in the first), the
             # shared expert riding after the routed pairs where it can (else its own products); the next RMSNorm
             # weighs, gates and sums
-            pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
-            weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
             rides = all(isinstance(s, QuantLinear) and shared_rides(s.packed, rows, cols)
                         for s, rows, cols in ((shared_up, 2 * inter, hid), (shared_down, hid, inter)))
+            expert_major = 0 < MOE_FRAGMENT_TUNING["expert_major"] <= n
+            if expert_major:  # routed first: each expert's programs multiply it for every token that picked it
+                ids, weights = route(router_logits, k)
+                pairs, route_into = ids.reshape(-1), None
+            else:
+                pairs = torch.empty(n * k, dtype=torch.int32, device=h.device)
+                weights = torch.empty(n, k, dtype=torch.float32, device=h.device)
+                route_into = (router_logits, weights)
             act = fragment_expert_gemv(h, pairs, gate_up.packed, 2 * inter, k, True,
-                                       shared=shared_up.packed if rides else None,
-                                       route_into=(router_logits, weights))
+                                       shared=shared_up.packed if rides else None, route_into=route_into,
+                                       expert_major=expert_major)
             y = fragment_expert_gemv(act, pairs, down.packed, hid, k, False,
-                                     shared=shared_down.packed if rides else None)
+                                     shared=shared_down.packed if rides else None, expert_major=expert_major)
             if rides:
                 return ExpertPartials(y[: n * k], weights, y[n * k :], shared_gate)
             return ExpertPartials(y, weights, shared_down(swiglu(shared_up(h))), shared_gate)

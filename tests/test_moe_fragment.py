@@ -26,7 +26,7 @@ def _exact(x, ids, w, rows, top_k, gate_up, shared):
     pairs = ids.numel()
     out = [x[p // top_k if gate_up else p].float().cpu() @ dense[int(e) * rows:(int(e) + 1) * rows].t()
            for p, e in enumerate(ids.cpu().tolist())]
-    tokens = x.shape[0] if gate_up else x.shape[0] - pairs
+    tokens = 0 if shared is None else x.shape[0] if gate_up else x.shape[0] - pairs
     out += [x[t if gate_up else pairs + t].float().cpu() @ shared.dense().cpu().t() for t in range(tokens)]
     y = torch.stack(out)
     if gate_up:
@@ -123,10 +123,50 @@ def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monke
     calls = []
     real = engine_module.fragment_expert_gemv
     monkeypatch.setattr(engine_module, "fragment_expert_gemv",
-                        lambda *a, **kw: calls.append(kw.get("shared")) or real(*a, **kw))
+                        lambda *a, **kw: calls.append((kw.get("shared"), kw.get("expert_major"))) or real(*a, **kw))
     engine = Engine(moe_fragment_sized, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
     laid_out = [n for n, lin in engine.lin.items() if n.endswith(("experts_gate_up", "experts_down"))
                 and lin.packed.fragment is not None]
     assert len(laid_out) == 4
     _assert_matches_reference(engine, moe_fragment_sized, PROMPT, 4)
-    assert calls and all(shared is not None for shared in calls)
+    assert calls and all(shared is not None for shared, _ in calls) and not all(major for _, major in calls)
+    # two lanes (the same prompt, so every expert is shared by both tokens, and another): routed first, then expert
+    # by expert; each lane's tokens are those it decodes alone
+    calls.clear()
+    lanes = Engine(moe_fragment_sized, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128),
+                   device=DEVICE)
+    for other in (PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]):
+        first = [int(lanes.prefill(0, PROMPT).argmax()), int(lanes.prefill(1, other).argmax())]
+        got = [[first[0]], [first[1]]]
+        for _ in range(3):
+            logits = lanes.decode_step([0, 1], [got[0][-1], got[1][-1]])
+            for lane in (0, 1):
+                got[lane].append(int(logits[lane].argmax()))
+        assert got == [engine.generate(PROMPT, 4), engine.generate(other, 4)]
+    assert any(major for _, major in calls)
+
+
+@pytest.mark.parametrize("fmt,tokens,shared", [("Q4G64_F16S", 3, True), ("Q5G64_F16S", 3, False),
+                                               ("Q4G64_F16S", 10, False)])
+def test_expert_major_launches_read_each_expert_once(kernel_device, monkeypatch, fmt, tokens, shared):
+    """expert_major: the first pair of each expert multiplies it for every token that picked it (one x column each,
+    a second 8-column tile past 8 tokens); every pair row is the exact product, as pair by pair."""
+    from runtime.kernels import moe_fragment as mf
+
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    top_k, experts, inter, hid = 2, 3, 512, 512
+    gate_up, down, shared_up, shared_down = _case(kernel_device, fmt, experts, inter, hid)
+    x = torch.randn(tokens, hid, device=kernel_device).to(torch.bfloat16)
+    # every expert shared by several tokens, in either slot; past 8 tokens expert 0 takes all (two column tiles)
+    picks = [[t % 3, (t + 1) % 3] if tokens <= 8 else [0, 1 + t % 2] for t in range(tokens)]
+    ids = torch.tensor([p[:: 1 - 2 * ((t // 2) % 2)] for t, p in enumerate(picks)], dtype=torch.int32,
+                       device=kernel_device).reshape(-1)
+    act = mf.fragment_expert_gemv(x, ids, gate_up, 2 * inter, top_k, True, shared=shared_up if shared else None,
+                                  expert_major=True)
+    _close(act, _exact(x, ids, gate_up, 2 * inter, top_k, True, shared_up if shared else None))
+    y = mf.fragment_expert_gemv(act, ids, down, hid, top_k, False, shared=shared_down if shared else None,
+                                expert_major=True)
+    _close(y, _exact(act, ids, down, hid, top_k, False, shared_down if shared else None))
+    with pytest.raises(ValueError, match="routed beforehand"):
+        mf.fragment_expert_gemv(x, ids, gate_up, 2 * inter, top_k, True, expert_major=True,
+                                route_into=(torch.zeros(tokens, experts), torch.zeros(tokens, top_k)))

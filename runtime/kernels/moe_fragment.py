@@ -31,7 +31,7 @@ from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import _expert_rows, _top_k, route_reference
 from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_load_asm, _chunk_loop,
-                                    _load_chunk, _store_program, _store_swiglu)
+                                    _gate_times_up, _load_chunk, _store_program, _store_swiglu, _sum_warp_shares)
 from .qgemm_rows_frag import _compute_asm, aligned_rows
 from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, PackedLinear
@@ -46,8 +46,9 @@ MOE_FRAGMENT_OBJECTS = ("moe/experts_gate_up", "moe/experts_down")
 # gate_ks: warps sharing K of each gate/up block pair (program: 2 x gate_ks warps); down_bw: 16-row blocks a down
 # program takes (one warp each); hint: the code loads' cache hint (qgemm_rows_frag.HINTS).
 # side-by-side runs: NINFER_MOE_FRAGMENT_TILE=gate_ks,down_bw,hint
-MOE_FRAGMENT_TUNING = tuning_from_env("NINFER_MOE_FRAGMENT_TILE", ("gate_ks", "down_bw", "hint"),
-                                      {"gate_ks": 2, "down_bw": 4, "hint": 2})
+# expert_major: from this many tokens on, the launches go expert by expert (see the module; 0: never)
+MOE_FRAGMENT_TUNING = tuning_from_env("NINFER_MOE_FRAGMENT_TILE", ("gate_ks", "down_bw", "hint", "expert_major"),
+                                      {"gate_ks": 2, "down_bw": 4, "hint": 2, "expert_major": 2})
 MAX_TOKENS = 16
 
 
@@ -76,27 +77,84 @@ def _pinned_thread_ids(like):
 
 
 @triton.jit
-def _pair_product(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, local, N, G: tl.constexpr,
-                  BLOCKS: tl.constexpr, BW: tl.constexpr, KS: tl.constexpr, BITS: tl.constexpr,
-                  LOAD_ASM: tl.constexpr, COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
-    """One program's share of a pair: x_ptr its x row, the planes its expert's, out_ptr its output row; blocks as
-    the fragment-order kernel's program `local` of one split (SWIGLU: gate block `local` and its up block)."""
+def _expert_share(xa0, xa1, codes_ptr, high_ptr, scales_ptr, tid, zero, local, G: tl.constexpr, BLOCKS: tl.constexpr,
+                  BW: tl.constexpr, KS: tl.constexpr, BITS: tl.constexpr, LOAD_ASM: tl.constexpr,
+                  COMPUTE_ASM: tl.constexpr, SWIGLU: tl.constexpr):
+    """One program's accumulators over its expert (the planes' pointers at the expert): blocks as the fragment-order
+    kernel's program `local` of one split (SWIGLU: gate block `local` and its up block); xa0 / xa1 each thread's
+    x addresses for its columns g and g + 8."""
     chunks: tl.constexpr = G // 4
-    zero = tl.zeros([32 * BW * KS], tl.int32)
-    tid = _pinned_thread_ids(zero)
     ca, sa, ha, first, count = _chunk_addresses(codes_ptr, scales_ptr, high_ptr, tid, local, 0, BLOCKS, chunks, G,
                                                 BW, KS, SWIGLU, BITS)
     c0 = _load_chunk(ca, sa, ha, 0, zero < count, BITS, LOAD_ASM)
     c1 = _load_chunk(ca, sa, ha, 1, zero + 1 < count, BITS, LOAD_ASM)
-    xa = (x_ptr + (tid % 4) * 16).to(tl.int64, bitcast=True)  # one column: every fragment row reads the pair's x
     f = tl.zeros([32 * BW * KS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
-    acc = _chunk_loop(acc, c0, c1, ca, sa, ha, zero, count, first, xa, xa, chunks // KS, chunks - 1, BITS, LOAD_ASM,
-                      COMPUTE_ASM)
+    return _chunk_loop(acc, c0, c1, ca, sa, ha, zero, count, first, xa0, xa1, chunks // KS, chunks - 1, BITS,
+                       LOAD_ASM, COMPUTE_ASM)
+
+
+@triton.jit
+def _expert_columns(experts_ptr, q, e, PAIRS, BLOCK_P: tl.constexpr):
+    """The pairs that picked expert e (each token picks it at most once; pairs are in token order): whether pair
+    q is the first of them (its programs multiply e for all), their count, and the pair of each of 16 columns."""
+    p = tl.arange(0, BLOCK_P)
+    hit = tl.load(experts_ptr + p, mask=p < PAIRS, other=-1) == e
+    owner = tl.min(tl.where(hit, p, BLOCK_P), axis=0) == q
+    rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    n = tl.arange(0, 16)
+    col_pair = tl.sum(tl.where(hit[None, :] & (rank[None, :] == n[:, None]), p[None, :], 0), axis=1)
+    return owner, tl.sum(hit.to(tl.int32), axis=0), col_pair
+
+
+@triton.jit
+def _column_pair(col_pair, n):
+    """col_pair [16] at each element of n (0 past the columns: a valid row)."""
+    j = tl.arange(0, 16)
+    return tl.sum(tl.where(j[None, :] == n[:, None], col_pair[None, :], 0), axis=1)
+
+
+@triton.jit
+def _store_columns(out_ptr, acc, N, row0, c, col_pair, cols, NT: tl.constexpr):
+    """qgemm_rows_frag._store_rows with column n stored to out row col_pair[n] (n < cols): accumulator i of a thread
+    is row row0 + 8 * ((i % 4) // 2), column 2c + i % 2 + 8 * (i // 4)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc
+    ty = out_ptr.dtype.element_ty
+    n0 = 2 * c
+    ok0 = row0 < N
+    ok1 = row0 + 8 < N
+    r0 = _column_pair(col_pair, n0).to(tl.int64) * N + row0
+    r1 = _column_pair(col_pair, n0 + 1).to(tl.int64) * N + row0
+    tl.store(out_ptr + r0, a0.to(ty), mask=ok0 & (n0 < cols))
+    tl.store(out_ptr + r1, a1.to(ty), mask=ok0 & (n0 + 1 < cols))
+    tl.store(out_ptr + r0 + 8, a2.to(ty), mask=ok1 & (n0 < cols))
+    tl.store(out_ptr + r1 + 8, a3.to(ty), mask=ok1 & (n0 + 1 < cols))
+    if NT == 2:
+        r8 = _column_pair(col_pair, n0 + 8).to(tl.int64) * N + row0
+        r9 = _column_pair(col_pair, n0 + 9).to(tl.int64) * N + row0
+        tl.store(out_ptr + r8, a4.to(ty), mask=ok0 & (n0 + 8 < cols))
+        tl.store(out_ptr + r9, a5.to(ty), mask=ok0 & (n0 + 9 < cols))
+        tl.store(out_ptr + r8 + 8, a6.to(ty), mask=ok1 & (n0 + 8 < cols))
+        tl.store(out_ptr + r9 + 8, a7.to(ty), mask=ok1 & (n0 + 9 < cols))
+
+
+@triton.jit
+def _store_expert(out_ptr, acc, local, N, col_pair, cols, BW: tl.constexpr, KS: tl.constexpr, NT: tl.constexpr,
+                  SWIGLU: tl.constexpr):
+    """An expert-major program's accumulators to its columns' pair rows (_store_columns): SWIGLU as _store_swiglu,
+    else as _store_program (the KS warps sharing each block's K summed first)."""
+    ty: tl.constexpr = out_ptr.dtype.element_ty
     if SWIGLU:
-        _store_swiglu(out_ptr, acc, local, 1, N, KS, 1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _sum_warp_shares(acc, 2, KS)
+        y = (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
+             _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
+        threads = tl.arange(0, 32)
+        _store_columns(out_ptr, y, N, local * 16 + threads // 4, threads % 4, col_pair, cols, NT)
     else:
-        _store_program(out_ptr, acc, local, 0, 1, N, BW, KS, 1)
+        acc = _sum_warp_shares(acc, BW, KS)
+        slot = tl.arange(0, 32 * BW)
+        _store_columns(out_ptr, acc, N, (local * BW + slot // 32) * 16 + (slot % 32) // 4, slot % 4, col_pair, cols,
+                       NT)
 
 
 @triton.jit
@@ -108,7 +166,8 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
                          TOPK: tl.constexpr, ROUTE: tl.constexpr, BLOCK_E: tl.constexpr,
                          S_GPR: tl.constexpr, S_K_PAD: tl.constexpr, S_BITS: tl.constexpr, S_GROUP: tl.constexpr,
                          S_HIGH_BYTES: tl.constexpr, S_BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-                         HAS_SHARED: tl.constexpr):
+                         HAS_SHARED: tl.constexpr, EXPERT_MAJOR: tl.constexpr, NT: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
     """Program pid: slot pid // PROGRAMS_PER_PAIR, its share pid % PROGRAMS_PER_PAIR. Slots 0..SHARED-1 are the
     shared expert's rows of token t (their programs take longest, so they start first), slot SHARED + p routed
     pair p; out row p (p < ROUTED) and ROUTED + t. SWIGLU (the gate/up launch): pair p reads x row p // TOPK (its
@@ -121,7 +180,26 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
     local = pid % PROGRAMS_PER_PAIR
     ty: tl.constexpr = out_ptr.dtype.element_ty
     pair = slot - SHARED
-    if slot >= SHARED:
+    zero = tl.zeros([32 * BW * KS], tl.int32)
+    if slot >= SHARED and EXPERT_MAJOR:  # the first pair of each expert multiplies it for every token that picked it
+        expert = tl.load(experts_ptr + pair)
+        owner, cols, col_pair = _expert_columns(experts_ptr, pair, expert, ROUTED, BLOCK_P)
+        if owner:
+            tid = _pinned_thread_ids(zero)
+            g = (tid % 32) // 4  # the thread's x columns: g and g + 8
+            x0 = _column_pair(col_pair, g)  # pair rows (the down launch's x rows); gate/up reads their tokens' rows
+            x1 = _column_pair(col_pair, g + 8)
+            if SWIGLU:
+                x0 = x0 // TOPK
+                x1 = x1 // TOPK
+            xa0 = (x_ptr + x0.to(tl.int64) * stride_x + (tid % 4) * 16).to(tl.int64, bitcast=True)
+            xa1 = (x_ptr + x1.to(tl.int64) * stride_x + (tid % 4) * 16).to(tl.int64, bitcast=True)
+            e = expert.to(tl.int64)
+            acc = _expert_share(xa0, xa1, codes_ptr + e * EXPERT_CODES, high_ptr + e * EXPERT_HIGH,
+                                scales_ptr + e * EXPERT_SCALES, tid, zero, local, G, BLOCKS, BW, KS, BITS, LOAD_ASM,
+                                COMPUTE_ASM, SWIGLU)
+            _store_expert(out_ptr, acc, local, N, col_pair, cols, BW, KS, NT, SWIGLU)
+    elif slot >= SHARED:
         if ROUTE:
             token = pair // TOPK
             ids, weights = _top_k(logits_ptr, token, E, stride_logits, TOPK, BLOCK_E)
@@ -138,9 +216,16 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
         else:
             x_row = pair
         e = expert.to(tl.int64)
-        _pair_product(x_ptr + x_row * stride_x, codes_ptr + e * EXPERT_CODES, high_ptr + e * EXPERT_HIGH,
-                      scales_ptr + e * EXPERT_SCALES, out_ptr + pair.to(tl.int64) * N, local, N, G, BLOCKS, BW, KS,
-                      BITS, LOAD_ASM, COMPUTE_ASM, SWIGLU)
+        tid = _pinned_thread_ids(zero)
+        xa = (x_ptr + x_row * stride_x + (tid % 4) * 16).to(tl.int64, bitcast=True)  # one column: all read the pair's x
+        acc = _expert_share(xa, xa, codes_ptr + e * EXPERT_CODES, high_ptr + e * EXPERT_HIGH,
+                            scales_ptr + e * EXPERT_SCALES, tid, zero, local, G, BLOCKS, BW, KS, BITS, LOAD_ASM,
+                            COMPUTE_ASM, SWIGLU)
+        out_pair = out_ptr + pair.to(tl.int64) * N
+        if SWIGLU:
+            _store_swiglu(out_pair, acc, local, 1, N, KS, 1)
+        else:
+            _store_program(out_pair, acc, local, 0, 1, N, BW, KS, 1)
     elif HAS_SHARED:  # the shared expert's rows of this share, on the dp4a tile path (compiled only with one)
         row = ROUTED + slot
         if SWIGLU:  # gate rows and their up rows in one tile (a [32, S_BLOCK_K] step)
@@ -162,15 +247,20 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
 
 def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_expert: int, top_k: int,
                          gate_up: bool, shared=None,
-                         route_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         route_into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         expert_major: bool = False) -> torch.Tensor:
     """The MoE decode's two expert launches over routed experts in fragment order (see the module). gate_up: x is
     the layer's rows h [T, H], pair p (p < T * top_k) multiplies expert experts[p]'s [gate; up] rows with x row
     p // top_k and the result is silu(gate) * up [T * top_k (+ T), rows_per_expert / 2]; else x is that result
     and pair p multiplies its own row with expert experts[p]'s down rows: [T * top_k (+ T), rows_per_expert].
     `shared` (shared_rides): the shared expert's matrix, its rows after the routed pairs' (gate/up: x row t; down:
     x row T * top_k + t). `route_into` = (router logits [T, E], weights [T, top_k] float32), gate/up only: the
-    launch routes, writing `experts` ([T * top_k] int32) and the weights as moe.route would."""
+    launch routes, writing `experts` ([T * top_k] int32) and the weights as moe.route would. `expert_major` (the
+    experts given, not routed here): the first pair of each expert multiplies it for every token that picked it,
+    one x column each, so an expert that several tokens picked is read once (the same numbers)."""
     pairs = experts.numel()
+    if expert_major and route_into is not None:
+        raise ValueError("fragment_expert_gemv: expert_major takes the experts routed beforehand (moe.route)")
     tokens = x.shape[0] if gate_up else (x.shape[0] - pairs if shared is not None else 0)
     if shared is not None and not shared_rides(shared, rows_per_expert, x.shape[1]):
         raise ValueError("fragment_expert_gemv: the shared expert's matrix is not one routed expert's shape in a "
@@ -214,6 +304,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
     per_row = rows_per_expert * fp.groups
     high = fp.high if fp.high is not None else fp.codes
     high_per_row = 8 if fp.fmt.bits == 5 else 0
+    columns = 2 if expert_major and pairs // top_k > 8 else 1  # x's 8-column tiles (an expert's tokens)
     _moe_fragment_kernel[((pairs + extra) * programs,)](
         x, fp.codes, high, fp.scales, y, experts if route_into is not None else experts.contiguous(), logits, weights,
         *s_planes, n_out, x.shape[1], logits.shape[1] if route_into is not None else 0,
@@ -221,12 +312,12 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
         per_row * 32, per_row, per_row * high_per_row,
         G=fp.groups, BLOCKS=blocks, BW=bw, KS=ks, BITS=fp.fmt.bits,
         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[MOE_FRAGMENT_TUNING["hint"]]),
-        COMPUTE_ASM=_compute_asm(fp.fmt.bits, 1, words=True, pairs=True), SWIGLU=gate_up, TOPK=top_k,
+        COMPUTE_ASM=_compute_asm(fp.fmt.bits, columns, words=True, pairs=True), SWIGLU=gate_up, TOPK=top_k,
         ROUTE=route_into is not None, BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
         S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits, S_GROUP=s.fmt.group_size,
         S_HIGH_BYTES=s.fmt.high_bytes_per_group, S_BLOCK_K=s_block_k, USE_ASM=native_dp4a(),
-        HAS_SHARED=shared is not None,
-        num_warps=bw * ks, **LAUNCH)
+        HAS_SHARED=shared is not None, EXPERT_MAJOR=expert_major, NT=columns,
+        BLOCK_P=triton.next_power_of_2(pairs), num_warps=bw * ks, **LAUNCH)
     return y
 
 
