@@ -299,11 +299,13 @@ class Engine:
         return fragment_layout_enabled(self.rows_per_step if packed.fmt.bits != 6 else 2, packed.fmt.bits)
 
     def _lays_out_experts(self, name: str, packed: PackedLinear) -> bool:
-        """Whether a MoE layer's stacked routed experts go to fragment order (in place; NINFER_MOE_FRAGMENT=on): Q4/Q5
-        with whole 16-row blocks per expert (gate/up 32: its gate and up halves) and K whole 512-lane chunk pairs,
-        for the decode's fragment expert launches (moe_fragment)."""
+        """Whether a MoE layer's stacked routed experts go to fragment order (in place; NINFER_MOE_FRAGMENT: auto on a
+        GPU engine of several rows a step, or on): Q4/Q5 with whole 16-row blocks per expert (gate/up 32: its gate
+        and up halves) and K whole 512-lane chunk pairs, for the decode's fragment expert launches (moe_fragment)."""
         c = self.cfg
-        if MOE_FRAGMENT != "on" or not c.is_moe or not name.endswith(MOE_FRAGMENT_OBJECTS) \
+        wanted = MOE_FRAGMENT == "on" or (MOE_FRAGMENT == "auto" and self.device.type == "cuda"
+                                          and self.rows_per_step > 1)
+        if not wanted or not c.is_moe or not name.endswith(MOE_FRAGMENT_OBJECTS) \
                 or packed.fmt.bits not in (4, 5) or not in_place_supported(packed):
             return False
         return c.moe_intermediate_size % 512 == 0 and c.hidden_size % 512 == 0  # both products' K and blocks

@@ -170,3 +170,21 @@ def test_expert_major_launches_read_each_expert_once(kernel_device, monkeypatch,
     with pytest.raises(ValueError, match="routed beforehand"):
         mf.fragment_expert_gemv(x, ids, gate_up, 2 * inter, top_k, True, expert_major=True,
                                 route_into=(torch.zeros(tokens, experts), torch.zeros(tokens, top_k)))
+
+
+def test_moe_fragment_auto_lays_out_experts_only_for_several_rows_on_a_gpu(moe_fragment_sized, monkeypatch):
+    """NINFER_MOE_FRAGMENT=auto (the default): a GPU engine of several rows a step lays the experts out (the
+    expert-major launches' gain); a one-lane engine keeps the dp4a pair, and a CPU engine never lays them out."""
+    import runtime.engine as engine_module
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+
+    monkeypatch.setattr(engine_module, "MOE_FRAGMENT", "auto")
+    engine = Engine(moe_fragment_sized, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128),
+                    device="cpu")
+    packed = engine.lin["text/layers/0/moe/experts_gate_up"].packed
+    assert packed.fragment is None and not engine._lays_out_experts("text/layers/0/moe/experts_gate_up", packed)
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the rule alone (no GPU needed)
+    assert engine._lays_out_experts("text/layers/0/moe/experts_gate_up", packed)
+    monkeypatch.setattr(engine, "rows_per_step", 1)
+    assert not engine._lays_out_experts("text/layers/0/moe/experts_gate_up", packed)

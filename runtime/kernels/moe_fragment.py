@@ -37,11 +37,14 @@ from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, PackedLinear
 from .swiglu import swiglu_reference
 
-# Expert products in fragment order for MoE decode (the engine lays the routed experts' planes out at load):
-# built on a CPU and not yet measured on a GPU, so off by default; NINFER_MOE_FRAGMENT=on turns it on.
-MOE_FRAGMENT = os.environ.get("NINFER_MOE_FRAGMENT", "off")
-if MOE_FRAGMENT not in ("on", "off"):
-    raise SystemExit(f"ninfer: NINFER_MOE_FRAGMENT={MOE_FRAGMENT!r}: use on or off (or unset it)")
+# Expert products in fragment order for MoE decode (the engine lays the routed experts' planes out at load). auto:
+# on a GPU engine of several rows a step (lanes, speculation). H100, session 38, 35B-A3B at 8K (bench/RESULTS.md
+# section 2): 2 / 4 / 8 lanes 2.76 / 2.94 / 3.59 ms a step against 3.25 / 3.99 / 5.52 on the dp4a pair (every lane
+# routed alike; each its own token: 2.77 / 2.97 / 3.67 against 3.05 / 3.77 / 5.27), one lane 2.24-2.31 against
+# 2.21, so a one-lane engine keeps the dp4a pair. on: every engine; off: never.
+MOE_FRAGMENT = os.environ.get("NINFER_MOE_FRAGMENT", "auto")
+if MOE_FRAGMENT not in ("auto", "on", "off"):
+    raise SystemExit(f"ninfer: NINFER_MOE_FRAGMENT={MOE_FRAGMENT!r}: use auto, on or off (or unset it)")
 MOE_FRAGMENT_OBJECTS = ("moe/experts_gate_up", "moe/experts_down")
 # gate_ks: warps sharing K of each gate/up block pair (program: 2 x gate_ks warps); down_bw: 16-row blocks a down
 # program takes (one warp each); hint: the code loads' cache hint (qgemm_rows_frag.HINTS).
@@ -111,7 +114,10 @@ def _expert_columns(experts_ptr, q, e, PAIRS, BLOCK_P: tl.constexpr):
 def _column_pair(col_pair, n):
     """col_pair [16] at each element of n (0 past the columns: a valid row)."""
     j = tl.arange(0, 16)
-    return tl.sum(tl.where(j[None, :] == n[:, None], col_pair[None, :], 0), axis=1)
+    out = n * 0
+    for i in tl.static_range(16):  # elementwise over n: n keeps its layout (a 2-D lookup let the x addresses'
+        out = tl.where(n == i, tl.sum(tl.where(j == i, col_pair, 0), axis=0), out)  # threads move, session 38)
+    return out
 
 
 @triton.jit
