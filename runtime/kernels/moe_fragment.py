@@ -12,6 +12,11 @@ fragment-order kernel's group product over its own x row. Two launches a MoE lay
   expert id (of each token's first pair, the token's weights), as moe.expert_gemv does.
 - down: a program takes BW 16-row blocks of its pair's expert; K (inter) is a few chunks, so one split.
 
+Expert-major (2+ tokens, the experts routed beforehand by moe.route): only the first pair of each expert does work,
+multiplying the expert with every token that picked it, one x column each (the mma's 8 columns, two tiles past 8
+tokens), and storing each column to its pair's row; the other pairs' programs exit. An expert that several lanes
+(or a verify block's rows) picked is read once, and no program spends its start on a top-k of its own.
+
 The shared expert (any format the dp4a GEMV takes, its rows those of one routed expert) rides in both launches on
 the dp4a tile path (moe._expert_rows), in the same row slices as the routed programs; its programs come first (a
 tile quantizing x takes longer than a fragment share), its output rows after the routed pairs'.
