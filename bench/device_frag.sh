@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s50       # 35B prefill + one lane with fragment experts, server
 #                        bash bench/device_frag.sh s49       # expert-major fragment launches: tests, 35B lanes
 #                        bash bench/device_frag.sh s48       # the fragment expert launches taken apart, lanes off / on
 #                        bash bench/device_frag.sh s47       # fragment expert launches off / on, DFlash2 fused
@@ -634,6 +635,24 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
+  ;;
+s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one lane with real prefill (its prefill
+  # through the grouped expert kernel over experts in fragment order) and decode, experts off / on pair by pair / on
+  # routed first at one token too, alternated; then the 35B-A3B server with 4 streaming clients (expert-major by default)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  for run in 1 2; do
+    for mode in "off 2" "on 2" "on 1"; do
+      set -- $mode
+      [ $(( ${DEADLINE:-560} - $(el) )) -gt 120 ] || break
+      NINFER_MOE_FRAGMENT=$1 NINFER_MOE_FRAGMENT_TILE=2,4,2,$2 timeout 150 python -m ninfer_cli.main bench \
+        --random-weights qwen3.6-35b-a3b --depths 8k,32k --kv-dtype bf16 \
+        --json-out "$OUT/s50-moe-one-$1-$2-$run.json" 2>&1 | grep "│ bf16"
+      echo "35B-A3B one lane, prefill + decode, fragment $1 expert_major $2 t=$(el)"
+    done
+  done
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 100 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/serve_lanes.py \
+    qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6
+  echo "35B-A3B server 4 clients t=$(el)"
   ;;
 s49)  # session 38 (~400 s): the expert-major fragment launches (an expert read once for every token that picked it):
   # GPU tests, then 35B-A3B lanes with the routed experts off / fragment pair by pair / fragment expert-major, the
