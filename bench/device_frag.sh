@@ -638,7 +638,8 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
   ;;
 s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one lane with real prefill (its prefill
   # through the grouped expert kernel over experts in fragment order) and decode, experts off / on pair by pair / on
-  # routed first at one token too, alternated; then the 35B-A3B server with 4 streaming clients (expert-major by default)
+  # routed first at one token too, alternated; the router in the norm's launch (0 / 8 / 16 rows a program);
+  # then the 35B-A3B server with 4 streaming clients (expert-major by default)
   nvidia-smi --query-gpu=name --format=csv,noheader
   for run in 1 2; do
     for mode in "off 2" "on 2" "on 1"; do
@@ -649,6 +650,12 @@ s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one 
         --json-out "$OUT/s50-moe-one-$1-$2-$run.json" 2>&1 | grep "│ bf16"
       echo "35B-A3B one lane, prefill + decode, fragment $1 expert_major $2 t=$(el)"
     done
+  done
+  for rows in 0 8 16 0 8; do  # the router in the norm's launch (one decode row), opt-in
+    [ $(( ${DEADLINE:-560} - $(el) )) -gt 130 ] || break
+    NINFER_ROUTER_IN_NORM=$rows timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
+      --depths 8k --prefill-limit 8k --kv-dtype bf16 --json-out "$OUT/s50-router-$rows-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B one lane, router in the norm: $rows rows a program t=$(el)"
   done
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 100 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/serve_lanes.py \
     qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6

@@ -40,7 +40,7 @@ from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_pla
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
                              qlinear_swiglu, takes_quantized_x)
-from .kernels.rmsnorm import rmsnorm
+from .kernels.rmsnorm import ROUTER_IN_NORM_ROWS, rmsnorm
 from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
 from .kernels.swiglu import swiglu
@@ -601,9 +601,10 @@ class Engine:
                           lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
         return o
 
-    def _ffn(self, p, h, xq=None):
+    def _ffn(self, p, h, xq=None, both_logits=None):
         """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's
-        dp4a words (dense MLP). The result may be SplitPartials or ExpertPartials: pass it to rmsnorm, which
+        dp4a words (dense MLP); `both_logits`: the router + shared gate's product of h, taken by the norm before
+        (ROUTER_IN_NORM_ROWS). The result may be SplitPartials or ExpertPartials: pass it to rmsnorm, which
         sums or combines them."""
         c = self.cfg
         if not c.is_moe:
@@ -622,7 +623,7 @@ class Engine:
         shared_up, shared_down = self.lin[m + "shared_gate_up"], self.lin[m + "shared_down"]
         both = self.router_and_gate.get(m)
         if both is not None:  # one product: the routing logits, then the shared gate's (a strided column)
-            logits = both(h)
+            logits = both(h) if both_logits is None else both_logits
             router_logits, shared_gate = logits[:, :-1], logits[:, -1:]
         else:  # the gate's logits: the combine applies the sigmoid
             router_logits, shared_gate = self.lin[m + "router"](h), self.lin[m + "shared_gate"](h)
@@ -769,8 +770,11 @@ class Engine:
                 mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None,
                                   pad, real_rows)
             xq = None if c.is_moe else self._quantized_input(p + "mlp/gate_up", n)
-            h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq)
-            y = self._ffn(p, h, xq)
+            both = self.router_and_gate.get(p + "moe/") if ROUTER_IN_NORM_ROWS and n == 1 else None
+            logits = None if both is None else torch.empty(n, both.weight.shape[0], dtype=h.dtype, device=h.device)
+            h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq,
+                                  router=None if both is None else both.weight, router_out=logits)
+            y = self._ffn(p, h, xq, logits)
             last = i + 1 == c.num_layers
             nxt = self.vec["text/final_norm"] if last else self.vec[f"text/layers/{i + 1}/input_norm"]
             xq = None if last else self._quantized_input(self._first_product(i + 1), n)

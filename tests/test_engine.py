@@ -625,6 +625,23 @@ def test_moe_router_and_shared_gate_are_one_product(artifacts, monkeypatch):
     _assert_matches_reference(engine, artifacts["moe-q5"], PROMPT, NEW)
 
 
+def test_moe_router_in_the_norm_before_it(artifacts, monkeypatch):
+    """NINFER_ROUTER_IN_NORM=rows: one decode row's router + shared gate product is taken by the post-attention
+    norm's launch (on a CPU its torch path multiplies after the norm); tokens are the reference's, and the norm
+    gets the fused product's weight for each MoE layer of a one-row step only."""
+    import runtime.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MOE_DECODE", "fused")
+    monkeypatch.setattr(engine_module, "ROUTER_IN_NORM_ROWS", 8)
+    routed_rows = []
+    real = engine_module.rmsnorm
+    monkeypatch.setattr(engine_module, "rmsnorm", lambda *a, **kw: (
+        routed_rows.append(kw["router_out"].shape[0]) if kw.get("router") is not None else None) or real(*a, **kw))
+    engine = Engine(artifacts["moe-q5"], PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    _assert_matches_reference(engine, artifacts["moe-q5"], PROMPT, NEW)
+    assert routed_rows and set(routed_rows) == {1}
+
+
 @pytest.mark.triton_kernels
 def test_weight_cache_keeps_layer_products_in_spare_memory(artifacts):
     """Memory the plan leaves spare holds dense copies of the layer products (not the MoE experts, which

@@ -32,6 +32,11 @@ SPREAD_MAX_SPLITS = tuning_from_env("NINFER_RMSNORM_SPREAD_SPLITS", ("splits",),
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
 SUM_BLOCK = 1024  # lanes per step of a spread program's sum-of-squares pass
+# A MoE layer's router (and shared-expert gate) product in the norm before it, for one spread decode row: extra
+# programs of the norm's launch each normalize the whole row themselves and multiply it with `rows` router rows (the
+# 35B-A3B's 257 x 2,048 bf16 product was its own cuBLAS launch, 129 us over 40 a one-lane step on the H100, session
+# 37's profile). Built on a CPU, not yet measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
+ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows": 0})["rows"]
 
 
 @triton.jit
@@ -64,51 +69,99 @@ def _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_
 
 
 @triton.jit
+def _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL: tl.constexpr,
+                  SPLITS: tl.constexpr, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK: tl.constexpr,
+                  GATED: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr):
+    """The whole row's mean square, summed SUM_LANES lanes a step (every spread program sums in this order)."""
+    squares = tl.zeros((SUM_LANES,), tl.float32)
+    for i in tl.static_range(SUM_STEPS):
+        all_cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
+        hs = _summed_row(x_ptr, res_ptr, y_ptr, row, all_cols, all_cols < H, stride_x, stride_r, split_stride,
+                         HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
+        squares += hs * hs
+    return tl.sum(squares, axis=0) / H
+
+
+@triton.jit
+def _router_rows(x_ptr, res_ptr, w_ptr, y_ptr, router_ptr, logits_ptr, row, r0, H, eps, E_ROUTER, stride_router,
+                 stride_logits, stride_x, stride_r, split_stride, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                 moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK: tl.constexpr, GATED: tl.constexpr,
+                 SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr, ROUTER_ROWS: tl.constexpr):
+    """logits[row, r0 .. r0 + ROUTER_ROWS) = router rows . the normed row as the norm stores it (rounded to y's
+    dtype), float32 sums stored in the logits' dtype."""
+    var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                        moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
+    rows = r0 + tl.arange(0, ROUTER_ROWS)
+    rows_ok = rows < E_ROUTER
+    acc = tl.zeros((ROUTER_ROWS,), tl.float32)
+    for i in tl.static_range(SUM_STEPS):
+        cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
+        ok = cols < H
+        h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                        moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.load(router_ptr + rows[:, None] * stride_router + cols[None, :], mask=rows_ok[:, None] & ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(r * y[None, :], axis=1)
+    tl.store(logits_ptr + row * stride_logits + rows, acc.to(logits_ptr.dtype.element_ty), mask=rows_ok)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, stride_x, stride_r, stride_y,
                     stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TOPK: tl.constexpr,
                     GATED: tl.constexpr,
                     SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
                     QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                    GROUP: tl.constexpr):
+                    GROUP: tl.constexpr, router_ptr, logits_ptr, E_ROUTER, stride_router, stride_logits, CHUNKS,
+                    ROUTER_ROWS: tl.constexpr):
     """Program (row, chunk) normalizes lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row; with SPREAD
     its sum of squares comes from a pass over the whole row (SUM_STEPS x SUM_LANES lanes, unrolled so
-    the loads go out together), else from its own lanes (BLOCK covers the row)."""
+    the loads go out together), else from its own lanes (BLOCK covers the row). ROUTER_ROWS (SPREAD): programs
+    chunk >= CHUNKS take router rows (chunk - CHUNKS) * ROUTER_ROWS.. instead, multiplying them with the whole
+    normed row (each program normalizing it itself, in the same order as the others) into logits."""
     pdl_wait()
     row = tl.program_id(0)
-    k0 = tl.program_id(1) * BLOCK
-    cols = k0 + tl.arange(0, BLOCK)
-    ok = cols < H
-    h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
-                    moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
-    if SPREAD:
-        squares = tl.zeros((SUM_LANES,), tl.float32)
-        for i in tl.static_range(SUM_STEPS):
-            all_cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
-            hs = _summed_row(x_ptr, res_ptr, y_ptr, row, all_cols, all_cols < H, stride_x, stride_r, split_stride,
-                             HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
-            squares += hs * hs
-        var = tl.sum(squares, axis=0) / H
+    router_program = False  # (no early return: the chunk's statements go in the else branch)
+    if ROUTER_ROWS > 0:
+        router_program = tl.program_id(1) >= CHUNKS
+    if router_program:
+        _router_rows(x_ptr, res_ptr, w_ptr, y_ptr, router_ptr, logits_ptr, row, (tl.program_id(1) - CHUNKS) *
+                     ROUTER_ROWS, H, eps, E_ROUTER, stride_router, stride_logits, stride_x, stride_r, split_stride,
+                     HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED,
+                     SUM_STEPS, SUM_LANES, ROUTER_ROWS)
     else:
-        var = tl.sum(h * h, axis=0) / H
-    if HAS_RESIDUAL:
-        tl.store(res_out_ptr + row * stride_ro + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
-    if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
-        write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
+        k0 = tl.program_id(1) * BLOCK
+        cols = k0 + tl.arange(0, BLOCK)
+        ok = cols < H
+        h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                        moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
+        if SPREAD:
+            var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                                moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
+        else:
+            var = tl.sum(h * h, axis=0) / H
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + row * stride_ro + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+        if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
+            write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
 
 
 def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            xq: QuantizedX | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            xq: QuantizedX | None = None, router: torch.Tensor | None = None,
+            router_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, H] (or a product's SplitPartials, summed here, or a MoE block's ExpertPartials, combined here).
     With `residual`, returns
     (norm(x + residual), x + residual); the sum is written in place of `residual` when each row is one
     program, else into a new tensor (use the returned one). Without, returns (norm(x), None). With `xq`
     (made by QuantizedX.empty for the next product's weight), the normed rows are also written there as
-    dp4a words."""
+    dp4a words. With `router` [E, H] (the next product's dense weight), router_out [T, E] receives
+    norm(...) @ router.T: inside this launch for a spread row (ROUTER_IN_NORM_ROWS), else by a product after it."""
     if isinstance(x, ExpertPartials) and (torch_path(x.shared) or not x.fits_one_stride()):
         x = x.combined()  # combine_experts' own path (the torch reference on a CPU)
     if torch_path(x.y if isinstance(x, SplitPartials) else x.shared if isinstance(x, ExpertPartials) else x):
@@ -119,6 +172,8 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
             y = out.copy_(y)
         if xq is not None:
             xq.fill(y)
+        if router is not None:
+            torch.matmul(y, router.t(), out=router_out)
         return y, res_out
     splits, split_stride = 0, 0
     moe = None
@@ -143,7 +198,10 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     fused, words, quant = producer_words(xq, y, t, h, block, block * chunks)
     source = parts if splits else moe.routed if moe is not None else x
     gate = moe.gate_rows() if moe is not None and moe.gate is not None else source
-    _rmsnorm_kernel[(t, chunks)](source, res, weight, y, res_out, words, h, eps,
+    router_rows = ROUTER_IN_NORM_ROWS if spread and router is not None and router.stride(1) == 1 else 0
+    router_programs = triton.cdiv(router.shape[0], router_rows) if router_rows else 0
+    r_w, r_out = (router, router_out) if router_rows else (weight, y)  # unread without router rows
+    _rmsnorm_kernel[(t, chunks + router_programs)](source, res, weight, y, res_out, words, h, eps,
                                  source.stride(1) if splits else source.stride(0), res.stride(0), y.stride(0),
                                  res_out.stride(0), split_stride,
                                  moe.weights if moe is not None else source, moe.shared if moe is not None else source,
@@ -151,9 +209,13 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
                                  TOPK=moe.weights.shape[1] if moe is not None else 0,
                                  GATED=moe is not None and moe.gate is not None, SPREAD=spread,
                                  SUM_STEPS=triton.cdiv(h, sum_lanes), SUM_LANES=sum_lanes, **quant,
+                                 router_ptr=r_w, logits_ptr=r_out, E_ROUTER=r_w.shape[0], stride_router=r_w.stride(0),
+                                 stride_logits=r_out.stride(0), CHUNKS=chunks, ROUTER_ROWS=router_rows,
                                  num_warps=num_warps, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
+    if router is not None and not router_rows:
+        torch.matmul(y, router.t(), out=router_out)
     return y, (res_out if residual is not None else None)
 
 
