@@ -53,7 +53,7 @@ if MOE_FRAGMENT not in ("auto", "on", "off"):
 MOE_FRAGMENT_OBJECTS = ("moe/experts_gate_up", "moe/experts_down")
 # gate_ks: warps sharing K of each gate/up block pair (program: 2 x gate_ks warps); down_bw: 16-row blocks a down
 # program takes (one warp each); hint: the code loads' cache hint (qgemm_rows_frag.HINTS).
-# side-by-side runs: NINFER_MOE_FRAGMENT_TILE=gate_ks,down_bw,hint
+# side-by-side runs: NINFER_MOE_FRAGMENT_TILE=gate_ks,down_bw,hint[,expert_major]
 # expert_major: from this many tokens on, the launches go expert by expert (see the module; 0: never)
 MOE_FRAGMENT_TUNING = tuning_from_env("NINFER_MOE_FRAGMENT_TILE", ("gate_ks", "down_bw", "hint", "expert_major"),
                                       {"gate_ks": 2, "down_bw": 4, "hint": 2, "expert_major": 2})
@@ -78,9 +78,9 @@ def shared_rides(shared, rows_per_expert: int, cols: int) -> bool:
 
 @triton.jit
 def _pinned_thread_ids(like):
-    """%tid.x per element, as qgemm_rows_frag._thread_ids but not pure: the compiler may not rematerialize it in
-    another layout (element i on another thread would read that thread's id), a suspect for the launches' wrong
-    numbers on the H100 (session 37) beside the routing and the shared branch in one kernel."""
+    """%tid.x per element, as qgemm_rows_frag._thread_ids but not pure, so the compiler may not rematerialize it in
+    another layout (element i on another thread would read that thread's id). Session 37's wrong numbers on the H100
+    came with pure ids; with these (and HAS_SHARED) every launch is right there (session 38), pure ones not retried."""
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1)
 
 
