@@ -7,6 +7,8 @@ values (rk2v4-e8) at 27B shapes.
     python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group,
                                             # lane / pair order, x loaded ahead, the int8 kernel, 8 and 16 columns
     python bench/sass_count.py w8           # the int8 fragment kernel over W8 (per 32-lane group), 8 and 16 columns
+    python bench/sass_count.py prefill      # the prefill's grouped expert GEMM and dense dequantization over
+                                            # row-split vs fragment-order Q4 / Q5 planes
 """
 
 from __future__ import annotations
@@ -134,7 +136,35 @@ def fragment_int8_gemv(bits: int, nt: int = 1) -> dict:
             "top": dict(ops.most_common(8)), "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 
 
+def prefill_dequant(bits: int, fragment: int) -> dict:
+    """The prefill's readers of Q4/Q5 planes (35B-A3B / 27B shapes), row-split (fragment 0) or in fragment order
+    (2: pair order): the grouped expert GEMM's key loop (SASS instructions per 128-lane step of a 64-row tile) and
+    the dense dequantization kernel's whole body (per 64 x 128 tile), with their global load widths."""
+    from runtime.kernels import moe
+    from runtime.kernels import qlinear as ql
+
+    high = 8 if bits == 5 else 0
+    tile = {"BITS": bits, "GROUP": 64, "HIGH_BYTES": high, "BLOCK_N": 64, "BLOCK_K": 128, "FRAGMENT": fragment}
+    gemm_sig = {"x_ptr": "*bf16", "x_rows_ptr": "*i32", "block_experts_ptr": "*i32", "base_ptr": "*u8",
+                "high_ptr": "*u8", "scale_ptr": "*fp16", "y_ptr": "*bf16", "ROWS_PER_EXPERT": "i32", "K": "i32",
+                "stride_x": "i32", **{k: "constexpr" for k in ("GPR", "K_PAD", "BLOCK_M", *tile)}}
+    sass, _ = _sass(moe._expert_gemm_kernel, gemm_sig,
+                    {"GPR": 32, "K_PAD": 2048, "BLOCK_M": moe.EXPERT_BLOCK_M, **tile}, 4)
+    deq_sig = {"base_ptr": "*u8", "high_ptr": "*u8", "scale_ptr": "*fp16", "w_ptr": "*bf16", "N": "i32", "K": "i32",
+               "row0": "i32", **{k: "constexpr" for k in ("GPR", "K_PAD", *tile)}}
+    deq, _ = _sass(ql._dequant_kernel, deq_sig, {"GPR": 80, "K_PAD": 5120, **tile}, 4)
+    body = [line for line in deq.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,5}\*/\s+", line)]
+    return {"bits": bits, "fragment": fragment, "expert_gemm_loop": sum(_loop(sass).values()),
+            "expert_gemm_loads": dict(Counter(re.findall(r"(LDG\.[A-Z0-9.]+)", sass))),
+            "dequant_kernel": len(body), "dequant_loads": dict(Counter(re.findall(r"(LDG\.[A-Z0-9.]+)", deq)))}
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "prefill":  # row-split vs fragment-order planes in the prefill's readers
+        for bits in (4, 5):
+            for fragment in (0, 2):
+                print(json.dumps(prefill_dequant(bits, fragment)))
+        sys.exit()
     if len(sys.argv) > 1 and sys.argv[1] in ("q4", "q5"):  # every variant of the group product, T <= 8 and <= 16
         for nt in (1, 2):
             for pairs in (False, True):

@@ -83,7 +83,8 @@ def test_fragment_expert_torch_path_and_refusals():
 
 def test_expert_gemm_reads_experts_in_fragment_order(kernel_device, monkeypatch):
     """The prefill's grouped expert kernel reads experts laid out in fragment order in place (any order the
-    dequantizer reads, W8's byte order too): the numbers it gives over the artifact's planes."""
+    dequantizer reads, W8's byte order too): the numbers it gives over the artifact's planes (pair order: up to the
+    rounding of a sum taken in another lane order)."""
     from runtime.kernels.moe import expert_gemm, sort_pairs
 
     monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
@@ -95,7 +96,11 @@ def test_expert_gemm_reads_experts_in_fragment_order(kernel_device, monkeypatch)
         ids = torch.tensor([[0, 2], [1, 2], [2, 0], [1, 0], [0, 1]], dtype=torch.int32, device=kernel_device)
         x_rows, block_experts, _ = sort_pairs(ids, 3, block_m=16)
         want = expert_gemm(x, x_rows, block_experts, planes, 32, block_m=16)
-        assert torch.equal(expert_gemm(x, x_rows, block_experts, laid_out, 32, block_m=16), want)
+        got = expert_gemm(x, x_rows, block_experts, laid_out, 32, block_m=16)
+        if order == "pairs":  # read byte by byte, x's lanes permuted: the dot's sum in another order
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        else:
+            assert torch.equal(got, want)
 
 
 @pytest.fixture(scope="module")

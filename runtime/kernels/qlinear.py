@@ -170,23 +170,26 @@ def _fragment_offsets(rows, idx, UNIT: tl.constexpr, PER_GROUP: tl.constexpr, GP
     in a row-split plane of PER_GROUP bytes per group: codes (32 per group, in 8-byte units: lane L = 4g + c
     of a 16-row block holds row g's unit c then row g + 8's) or Q5 high bits (8 per group, 2-byte units:
     lane L holds 4 groups' (row g, row g + 8) units c)."""
-    r = rows[:, None]
-    block, g, half = r // 16, r % 8, (r % 16) // 8
-    gi = idx[None, :] // PER_GROUP
-    unit, within = (idx[None, :] % PER_GROUP) // UNIT, idx[None, :] % UNIT
+    # a row's part plus a byte's part (one add per element, as row-split planes take): the offsets
+    # ((block * GPR + gi) * 32 + g * 4 + unit) * 16 + half * 8 + within (8-byte units) and
+    # ((block * GPR / 4 + gi / 4) * 32 + g * 4 + unit) * 16 + (gi % 4) * 4 + half * 2 + within (2-byte units) split
+    block, g, half = rows // 16, rows % 8, (rows % 16) // 8
+    gi = idx // PER_GROUP
+    unit, within = (idx % PER_GROUP) // UNIT, idx % UNIT
     if UNIT == 8:
-        return ((block * GPR + gi) * 32 + g * 4 + unit) * 16 + half * 8 + within
-    return ((block * (GPR // 4) + gi // 4) * 32 + g * 4 + unit) * 16 + (gi % 4) * 4 + half * 2 + within
+        return (block * (GPR * 512) + g * 64 + half * 8)[:, None] + (gi * 512 + unit * 16 + within)[None, :]
+    return ((block * (GPR // 4 * 512) + g * 64 + half * 2)[:, None]
+            + ((gi // 4) * 512 + unit * 16 + (gi % 4) * 4 + within)[None, :])
 
 
 @triton.jit
 def _scale_offsets(rows, gidx, GPR: tl.constexpr, FRAGMENT: tl.constexpr):
     """Element offsets of the scales of groups `gidx` of `rows` (row-split, or fragment order: per 16-row block
     and 4 groups, lane g's 4 (row g, row g + 8) pairs)."""
-    if FRAGMENT:
-        r = rows[:, None]
-        gi = gidx[None, :]
-        return (((r // 16) * (GPR // 4) + gi // 4) * 8 + r % 8) * 8 + (gi % 4) * 2 + (r % 16) // 8
+    if FRAGMENT:  # (((r / 16) * GPR / 4 + gi / 4) * 8 + r % 8) * 8 + (gi % 4) * 2 + (r % 16) / 8, a row's part plus a
+        # group's
+        return (((rows // 16) * (GPR // 4 * 64) + (rows % 8) * 8 + (rows % 16) // 8)[:, None]
+                + ((gidx // 4) * 64 + (gidx % 4) * 2)[None, :])
     return rows[:, None] * GPR + gidx[None, :]
 
 
@@ -199,17 +202,16 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
     fragment order, 2 in fragment order with code words and high bytes in pair order, 3 in byte order (lane-order
     codes, Q5 high bits as the int8 kernel reads them) (qgemm_fragment_layout)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
-    if FRAGMENT == 2:  # lane 2i of a word in nibble i, lane 2i + 1 in nibble i + 4
-        half_word = half % 4
-        src = half - half_word + half_word // 2
-        shift = 4 * (half % 2)
-        lo = (tl.load(base_ptr + _fragment_offsets(rows, src, 8, 32, GPR), mask=row_ok[:, None], other=0)
-              .to(tl.int32) >> shift[None, :]) & 0xF
-        hi = (tl.load(base_ptr + _fragment_offsets(rows, src + 2, 8, 32, GPR), mask=row_ok[:, None], other=0)
-              .to(tl.int32) >> shift[None, :]) & 0xF
+    if FRAGMENT == 2:  # lane 2i of a word (8 lanes) in nibble i, lane 2i + 1 in nibble i + 4: each word loaded once
+        words_at = _fragment_offsets(rows, k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8), 8, 32, GPR) // 4
+        words_at = tl.max_contiguous(tl.multiple_of(words_at, [1, 2]), [1, 2])  # a unit's 2 words: one 8-byte load
+        words = tl.load(base_ptr.to(tl.pointer_type(tl.int32)) + words_at, mask=row_ok[:, None], other=0)
+        shift = 4 * tl.arange(0, 4)
+        lo = tl.reshape((words[:, :, None] >> shift[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K // 2))
+        hi = tl.reshape((words[:, :, None] >> (shift[None, None, :] + 16)) & 0xF, (BLOCK_N, BLOCK_K // 2))
     else:
-        if FRAGMENT:
-            code_at = _fragment_offsets(rows, half, 8, 32, GPR)
+        if FRAGMENT:  # 8-byte runs at multiples of 8: one 8-byte load per run (the compiler cannot see it)
+            code_at = tl.max_contiguous(tl.multiple_of(_fragment_offsets(rows, half, 8, 32, GPR), [1, 8]), [1, 8])
         else:
             code_at = rows[:, None] * (K_PAD // 2) + half[None, :]
         packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
@@ -218,8 +220,8 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
     if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7 (pair order:
         # even lanes bits 0-3, odd lanes 4-7)
         hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        if FRAGMENT:
-            high_at = _fragment_offsets(rows, hidx, 2, 8, GPR)
+        if FRAGMENT:  # 2-byte runs at even offsets
+            high_at = tl.max_contiguous(tl.multiple_of(_fragment_offsets(rows, hidx, 2, 8, GPR), [1, 2]), [1, 2])
         else:
             high_at = rows[:, None] * (GPR * HIGH_BYTES) + hidx[None, :]
         if FRAGMENT == 3:  # the (thread, group) word holding the bits; lane 2i + p of (row half, word) at bit
@@ -273,16 +275,24 @@ def _dequant_block_dot(acc, x_ptr, x_off, tok_ok, base_ptr, high_ptr, scale_ptr,
         x = tl.load(x_ptr + x_off[:, None] + ks[None, :], mask=tok_ok[:, None] & (ks[None, :] < K), other=0.0)
         acc += tl.dot(x, tl.trans(w))
     else:
-        ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
+        if FRAGMENT == 2:  # pair order read byte by byte as lane order is (each code byte loaded once): byte j of a
+            # word holds lanes (0, 2), (4, 6), (1, 3), (5, 7) of its 8 and the Q5 high bits fall in the same places,
+            # so x's lanes follow the bytes instead (the dot's sum is taken in another order)
+            j = tl.arange(0, BLOCK_K // 2)
+            ke = k0 + 8 * (j // 4) + (j % 2) * 4 + (j % 4) // 2
+            odd_step = 2
+        else:
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even lanes
+            odd_step = 1
         lo, hi = _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD, GPR, HIGH_BYTES, BITS, BLOCK_N, BLOCK_K,
-                               FRAGMENT)
+                               1 if FRAGMENT == 2 else FRAGMENT)
         lo = tl.reshape(lo.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         hi = tl.reshape(hi.to(tl.float32), (BLOCK_N, gpb, GROUP // 2))
         w_even = tl.reshape(lo * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
         w_odd = tl.reshape(hi * scale[:, :, None], (BLOCK_N, BLOCK_K // 2)).to(x_ptr.dtype.element_ty)
         x_even = tl.load(x_ptr + x_off[:, None] + ke[None, :], mask=tok_ok[:, None] & (ke[None, :] < K), other=0.0)
-        x_odd = tl.load(x_ptr + x_off[:, None] + ke[None, :] + 1, mask=tok_ok[:, None] & (ke[None, :] + 1 < K),
-                        other=0.0)
+        x_odd = tl.load(x_ptr + x_off[:, None] + ke[None, :] + odd_step,
+                        mask=tok_ok[:, None] & (ke[None, :] + odd_step < K), other=0.0)
         acc += tl.dot(x_even, tl.trans(w_even))
         acc += tl.dot(x_odd, tl.trans(w_odd))
     return acc
