@@ -770,7 +770,7 @@ class Engine:
                 mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None,
                                   pad, real_rows)
             xq = None if c.is_moe else self._quantized_input(p + "mlp/gate_up", n)
-            both = self.router_and_gate.get(p + "moe/") if ROUTER_IN_NORM_ROWS and n == 1 else None
+            both = self.router_and_gate.get(p + "moe/") if ROUTER_IN_NORM_ROWS and n <= GEMV_MAX_T else None
             logits = None if both is None else torch.empty(n, both.weight.shape[0], dtype=h.dtype, device=h.device)
             h, residual = rmsnorm(mixed, self.vec[p + "post_attention_norm"], c.rms_norm_eps, residual=residual, xq=xq,
                                   router=None if both is None else both.weight, router_out=logits)

@@ -1041,11 +1041,12 @@ def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, d
     assert diff <= (1e-5 if DTYPE == torch.float32 else 2e-2), diff
 
 
-@pytest.mark.parametrize("rows,deferred", [(8, 0), (16, 6), (0, 0)])
-def test_rmsnorm_multiplies_the_router_in_its_launch(monkeypatch, rows, deferred):
-    """A spread decode row with the MoE router in the norm (NINFER_ROUTER_IN_NORM=rows): the norm's own outputs are
-    those of the norm alone, and the logits are the stored normed row times the router (21 router rows: the last
-    program part-filled; rows 0: the product after the launch)."""
+@pytest.mark.parametrize("t,rows,deferred", [(1, 8, 0), (1, 16, 6), (1, 0, 0), (3, 8, 0), (3, 4, 6)])
+def test_rmsnorm_multiplies_the_router_in_its_launch(monkeypatch, t, rows, deferred):
+    """Decode rows (one spread over programs, or several of one program each) with the MoE router in the norm
+    (NINFER_ROUTER_IN_NORM=rows): the norm's own outputs are those of the norm alone, and the logits are the stored
+    normed rows times the router (21 router rows: the last program part-filled; rows 0: the product after the
+    launch)."""
     import runtime.kernels.rmsnorm as rn
     from runtime.kernels.qgemv_int8 import SplitPartials
 
@@ -1055,12 +1056,12 @@ def test_rmsnorm_multiplies_the_router_in_its_launch(monkeypatch, rows, deferred
     norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
     router = (torch.randn(experts, h, device=DEVICE) * 0.05).to(DTYPE)
     if deferred:
-        y_in = SplitPartials(torch.randn(deferred, 1, h, device=DEVICE), torch.empty(1, h, device=DEVICE, dtype=DTYPE))
+        y_in = SplitPartials(torch.randn(deferred, t, h, device=DEVICE), torch.empty(t, h, device=DEVICE, dtype=DTYPE))
     else:
-        y_in = torch.randn(1, h, device=DEVICE).to(DTYPE)
-    residual = torch.randn(1, h, device=DEVICE).to(DTYPE)
+        y_in = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    residual = torch.randn(t, h, device=DEVICE).to(DTYPE)
     want_y, want_res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone())
-    logits = _poison((1, experts))
+    logits = _poison((t, experts))
     y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone(), router=router, router_out=logits)
     assert torch.equal(y, want_y) and torch.equal(res, want_res)
     _check(logits, (y.float() @ router.float().t()).to(DTYPE))

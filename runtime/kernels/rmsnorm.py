@@ -32,10 +32,12 @@ SPREAD_MAX_SPLITS = tuning_from_env("NINFER_RMSNORM_SPREAD_SPLITS", ("splits",),
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
 SUM_BLOCK = 1024  # lanes per step of a spread program's sum-of-squares pass
-# A MoE layer's router (and shared-expert gate) product in the norm before it, for one spread decode row: extra
-# programs of the norm's launch each normalize the whole row themselves and multiply it with `rows` router rows (the
-# 35B-A3B's 257 x 2,048 bf16 product was its own cuBLAS launch, 129 us over 40 a one-lane step on the H100, session
-# 37's profile). Built on a CPU, not yet measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
+ROUTER_DOT_LANES: tl.constexpr = tl.constexpr(512)  # lanes per step of a router program's dot ([rows, 512] tiles)
+# A MoE layer's router (and shared-expert gate) product in the norm before it, for decode and verify rows: extra
+# programs of the norm's launch (per row) each normalize the whole row themselves and multiply it with `rows` router
+# rows (the 35B-A3B's 257 x 2,048 bf16 product was its own cuBLAS launch: 129 us over 40 a one-lane step, and at 8
+# lanes a GEMM plus its split-K reduction, 215 + 99 us, H100 profiles of sessions 37-38). Built on a CPU, not yet
+# measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
 ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows": 0})["rows"]
 
 
@@ -88,14 +90,16 @@ def _router_rows(x_ptr, res_ptr, w_ptr, y_ptr, router_ptr, logits_ptr, row, r0, 
                  moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK: tl.constexpr, GATED: tl.constexpr,
                  SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr, ROUTER_ROWS: tl.constexpr):
     """logits[row, r0 .. r0 + ROUTER_ROWS) = router rows . the normed row as the norm stores it (rounded to y's
-    dtype), float32 sums stored in the logits' dtype."""
+    dtype), float32 sums stored in the logits' dtype. The mean square is summed as the norm's programs sum it
+    (SUM_STEPS x SUM_LANES: a spread row's steps, or one step over a one-program row's BLOCK); the dot goes
+    ROUTER_DOT_LANES lanes a step."""
     var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
                         moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
     rows = r0 + tl.arange(0, ROUTER_ROWS)
     rows_ok = rows < E_ROUTER
     acc = tl.zeros((ROUTER_ROWS,), tl.float32)
-    for i in tl.static_range(SUM_STEPS):
-        cols = i * SUM_LANES + tl.arange(0, SUM_LANES)
+    for i in tl.static_range((SUM_STEPS * SUM_LANES + ROUTER_DOT_LANES - 1) // ROUTER_DOT_LANES):
+        cols = i * ROUTER_DOT_LANES + tl.arange(0, ROUTER_DOT_LANES)
         ok = cols < H
         h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
                         moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
@@ -118,7 +122,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
                     ROUTER_ROWS: tl.constexpr):
     """Program (row, chunk) normalizes lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row; with SPREAD
     its sum of squares comes from a pass over the whole row (SUM_STEPS x SUM_LANES lanes, unrolled so
-    the loads go out together), else from its own lanes (BLOCK covers the row). ROUTER_ROWS (SPREAD): programs
+    the loads go out together), else from its own lanes (BLOCK covers the row). ROUTER_ROWS: programs
     chunk >= CHUNKS take router rows (chunk - CHUNKS) * ROUTER_ROWS.. instead, multiplying them with the whole
     normed row (each program normalizing it itself, in the same order as the others) into logits."""
     pdl_wait()
@@ -161,7 +165,7 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     program, else into a new tensor (use the returned one). Without, returns (norm(x), None). With `xq`
     (made by QuantizedX.empty for the next product's weight), the normed rows are also written there as
     dp4a words. With `router` [E, H] (the next product's dense weight), router_out [T, E] receives
-    norm(...) @ router.T: inside this launch for a spread row (ROUTER_IN_NORM_ROWS), else by a product after it."""
+    norm(...) @ router.T: inside this launch with ROUTER_IN_NORM_ROWS, else by a product after it."""
     if isinstance(x, ExpertPartials) and (torch_path(x.shared) or not x.fits_one_stride()):
         x = x.combined()  # combine_experts' own path (the torch reference on a CPU)
     if torch_path(x.y if isinstance(x, SplitPartials) else x.shared if isinstance(x, ExpertPartials) else x):
@@ -198,7 +202,11 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     fused, words, quant = producer_words(xq, y, t, h, block, block * chunks)
     source = parts if splits else moe.routed if moe is not None else x
     gate = moe.gate_rows() if moe is not None and moe.gate is not None else source
-    router_rows = ROUTER_IN_NORM_ROWS if spread and router is not None and router.stride(1) == 1 else 0
+    router_rows = ROUTER_IN_NORM_ROWS if router is not None and router.stride(1) == 1 else 0
+    if router_rows and not spread:  # the router programs sum a one-program row's squares as it does (one step),
+        sum_lanes = block  # and read the residual while it runs: its sum goes to a new tensor, as spread rows' do
+        if residual is not None:
+            res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     router_programs = triton.cdiv(router.shape[0], router_rows) if router_rows else 0
     r_w, r_out = (router, router_out) if router_rows else (weight, y)  # unread without router rows
     _rmsnorm_kernel[(t, chunks + router_programs)](source, res, weight, y, res_out, words, h, eps,
