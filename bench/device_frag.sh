@@ -651,11 +651,11 @@ s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one 
       echo "35B-A3B one lane, prefill + decode, fragment $1 expert_major $2 t=$(el)"
     done
   done
-  for rows in 0 8 16 0 8; do  # the router in the norm's launch (one decode row), opt-in
+  for rows in 0 8 16 0 8; do  # the router in the norm's launch (decode rows, lanes 1-8), opt-in
     [ $(( ${DEADLINE:-560} - $(el) )) -gt 130 ] || break
     NINFER_ROUTER_IN_NORM=$rows timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
-      --depths 8k --prefill-limit 8k --kv-dtype bf16 --json-out "$OUT/s50-router-$rows-$(el).json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B one lane, router in the norm: $rows rows a program t=$(el)"
+      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s50-router-$rows-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes, router in the norm: $rows rows a program t=$(el)"
   done
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 100 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/serve_lanes.py \
     qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6
