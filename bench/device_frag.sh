@@ -639,8 +639,12 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
 s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one lane with real prefill (its prefill
   # through the grouped expert kernel over experts in fragment order) and decode, experts off / on pair by pair / on
   # routed first at one token too, alternated; the router in the norm's launch (0 / 8 / 16 rows a program);
-  # then the 35B-A3B server with 4 streaming clients (expert-major by default)
+  # then the 35B-A3B server with 4 streaming clients (expert-major by default). First: both expert launches of one
+  # layer pair by pair vs expert-major at 1 and 8 tokens, random / shared routing (us, of copy)
   nvidia-smi --query-gpu=name --format=csv,noheader
+  PYTHONPATH=. timeout 120 python bench/moe_decode_tiles.py "$OUT/s50-fragment-launches.json" 1,8 fragment 2>&1 | \
+    grep "{" | cut -c1-220
+  echo "fragment launches t=$(el)"
   for run in 1 2; do
     for mode in "off 2" "on 2" "on 1"; do
       set -- $mode

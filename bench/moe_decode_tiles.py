@@ -5,11 +5,13 @@ copies of a layer's experts (no replay reads them from L2) with
 random routing; "of copy" = the distinct expert bytes the launch must read (each expert once) over the time,
 against the measured copy bandwidth; every tile's output is checked against the default tile's.
 
-    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared]
+    PYTHONPATH=. python bench/moe_decode_tiles.py OUT.json [TOKENS,...] [random|shared|fragment]
 
 `shared`: the default tiles only, random routing beside every token of a step picking the same experts: whether a launch whose tokens
 share experts reads them once (time near one token's) or once per token (time near random routing's) — the L2
 may already merge the re-reads, since every pair's program of one row block runs at about the same time.
+`fragment`: the launches over the routed experts in fragment order (moe_fragment), pair by pair with the routing
+inside against expert-major (routed first: the route launch is in its gate/up time), random and shared routing.
 """
 
 from __future__ import annotations
@@ -107,6 +109,77 @@ def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None
         json.dump(report, f, indent=1)
 
 
+def fragment(out_path: str, tokens_list: list[int], packed=None, timer=None, peak: float | None = None,
+             experts: int = EXPERTS, top_k: int = TOP_K, copies: int = COPIES) -> dict:
+    """The two expert launches over fragment-order experts, pair by pair (routing in the gate/up launch) and
+    expert-major (moe.route first, then each expert once for every token that picked it), at each token count with
+    random and shared routing: us per launch and "of copy" over the distinct expert bytes; expert-major's outputs
+    against pair by pair's. `packed` / `timer` / `peak`: for a CPU smoke run (the defaults time on the GPU)."""
+    from runtime.kernels import moe_fragment as mf
+    from runtime.kernels.qgemm_fragment_layout import to_fragment_layout
+
+    packed = packed or random_packed
+    timer = timer or (lambda fn: graph_ms(fn) * 1e3)
+    torch.manual_seed(0)
+    peak = peak or copy_bandwidth()
+    layers = []
+    for _ in range(copies):
+        gate_up, gu_bytes = packed(experts * 2 * INTER, HIDDEN, "Q4G64_F16S")
+        down, dn_bytes = packed(experts * HIDDEN, INTER, "Q5G64_F16S")
+        shared_up, su_bytes = packed(2 * INTER, HIDDEN, "Q4G64_F16S")
+        shared_down, sd_bytes = packed(HIDDEN, INTER, "Q5G64_F16S")
+        layers.append((to_fragment_layout(gate_up, "pairs"), to_fragment_layout(down, "pairs"), shared_up, shared_down))
+    per_expert = (gu_bytes / experts, dn_bytes / experts, su_bytes, sd_bytes)
+    rides = mf.shared_rides(layers[0][2], 2 * INTER, HIDDEN) and mf.shared_rides(layers[0][3], HIDDEN, INTER)
+    device = layers[0][0].base.device
+    report = {"copy_GBs": peak / 1e9, "shared_rides": rides, "rows": []}
+    for t, kind in itertools.product(tokens_list, ("random", "shared")):
+        inputs = []
+        for _ in range(copies):
+            h = torch.randn(t, HIDDEN, device=device).to(torch.bfloat16)
+            logits = torch.randn(1 if kind == "shared" else t, experts, device=device).expand(t, -1).contiguous()
+            ids, weights = moe.route(logits, top_k)
+            inputs.append((h, logits, ids.reshape(-1).contiguous(), weights))
+        distinct = sum(len(set(ids.tolist())) for _, _, ids, _ in inputs) / copies
+        nbytes = {"gate_up": distinct * per_expert[0] + per_expert[2] * (1 if rides else 0),
+                  "down": distinct * per_expert[1] + per_expert[3] * (1 if rides else 0)}
+
+        def gate_up(i, major):
+            gu, _, su, _ = layers[i]
+            h, logits, ids, _ = inputs[i]
+            shared = su if rides else None
+            if major:
+                ids, _ = moe.route(logits, top_k)  # timed with the launch: expert-major routes first
+                return mf.fragment_expert_gemv(h, ids.reshape(-1), gu, 2 * INTER, top_k, True, shared=shared,
+                                               expert_major=True)
+            pairs = torch.empty(t * top_k, dtype=torch.int32, device=device)
+            weights = torch.empty(t, top_k, dtype=torch.float32, device=device)
+            return mf.fragment_expert_gemv(h, pairs, gu, 2 * INTER, top_k, True, shared=shared,
+                                           route_into=(logits, weights))
+
+        acts = [gate_up(i, False) for i in range(copies)]
+
+        def down(i, major):
+            _, dn, _, sd = layers[i]
+            return mf.fragment_expert_gemv(acts[i], inputs[i][2], dn, HIDDEN, top_k, False,
+                                           shared=sd if rides else None, expert_major=major)
+
+        for name, call in (("gate_up", gate_up), ("down", down)):
+            want = call(0, False).float()
+            for major in (False, True):
+                got = call(0, major).float()
+                cycle = itertools.cycle(range(copies))
+                us = timer(lambda: call(next(cycle), major))
+                row = {"product": name, "tokens": t, "routing": kind, "expert_major": major, "us": us,
+                       "of_copy": nbytes[name] / (us * 1e-6) / peak, "distinct_experts": distinct,
+                       "rel_err_vs_pairs": ((got - want).norm() / want.norm()).item()}
+                report["rows"].append(row)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
 def pick(rows: list[dict]) -> str:
     """Per product (and "/one": one token's launch), the tile with the least sum over token counts of its time
     relative to the default's (so several lane counts weigh alike), as environment assignments for `env`."""
@@ -125,5 +198,8 @@ def pick(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(t) for t in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")],
-         sys.argv[3] if len(sys.argv) > 3 else "random")
+    tokens = [int(t) for t in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")]
+    if len(sys.argv) > 3 and sys.argv[3] == "fragment":
+        fragment(sys.argv[1], tokens)
+    else:
+        main(sys.argv[1], tokens, sys.argv[3] if len(sys.argv) > 3 else "random")
