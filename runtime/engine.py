@@ -630,9 +630,9 @@ class Engine:
         quantized = isinstance(gate_up, QuantLinear) and isinstance(down, QuantLinear)
         if quantized and n <= MOE_FRAGMENT_MAX_TOKENS and gate_up.packed.fragment is not None \
                 and down.packed.fragment is not None:
-            # decode / verify over experts in fragment order: two launches (routing and SwiGLU in the first), the
-            # shared expert riding after the routed pairs where it can (else its own products); the next RMSNorm
-            # weighs, gates and sums
+            # decode / verify over experts in fragment order: two launches (SwiGLU in the first; routing too for
+            # one token, else a route launch before them and expert by expert), the shared expert riding after the
+            # routed pairs where it can (else its own products); the next RMSNorm weighs, gates and sums
             rides = all(isinstance(s, QuantLinear) and shared_rides(s.packed, rows, cols)
                         for s, rows, cols in ((shared_up, 2 * inter, hid), (shared_down, hid, inter)))
             expert_major = 0 < MOE_FRAGMENT_TUNING["expert_major"] <= n
