@@ -193,3 +193,27 @@ def test_moe_fragment_auto_lays_out_experts_only_for_several_rows_on_a_gpu(moe_f
     assert engine._lays_out_experts("text/layers/0/moe/experts_gate_up", packed)
     monkeypatch.setattr(engine, "rows_per_step", 1)
     assert not engine._lays_out_experts("text/layers/0/moe/experts_gate_up", packed)
+
+
+def test_expert_major_threshold_from_the_tuning(moe_fragment_sized, monkeypatch):
+    """NINFER_MOE_FRAGMENT_TILE's 4th field: from how many tokens the launches go expert by expert (0: never), so
+    side-by-side runs can take the pair-by-pair launches in a lanes engine."""
+    import runtime.engine as engine_module
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+    from tests.test_engine import DEVICE, PROMPT
+
+    monkeypatch.setattr(engine_module, "MOE_FRAGMENT", "on")
+    for threshold, want in ((0, {False}), (2, {False, True}), (1, {True})):
+        monkeypatch.setitem(engine_module.MOE_FRAGMENT_TUNING, "expert_major", threshold)
+        calls = []
+        real = engine_module.fragment_expert_gemv
+        monkeypatch.setattr(engine_module, "fragment_expert_gemv",
+                            lambda *a, **kw: calls.append(kw.get("expert_major")) or real(*a, **kw))
+        engine = Engine(moe_fragment_sized, PlanOptions(max_context=256, max_concurrency=2, prefill_chunk=128),
+                        device=DEVICE)
+        first = [int(engine.prefill(0, PROMPT).argmax()), int(engine.prefill(1, PROMPT[:5]).argmax())]
+        engine.decode_step([0], [first[0]])
+        engine.decode_step([0, 1], first)
+        monkeypatch.setattr(engine_module, "fragment_expert_gemv", real)
+        assert set(calls) == want, (threshold, set(calls))
