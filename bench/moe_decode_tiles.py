@@ -31,12 +31,14 @@ GATE_UP_TILES = [(bn, bk, w) for bn in (16, 32, 64) for bk in (256, 512, 1024) f
 DOWN_TILES = [(bn, bk, w) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for w in (4, 8)]
 
 
-def _layer():
-    gate_up, gu_bytes = random_packed(EXPERTS * 2 * INTER, HIDDEN, "Q4G64_F16S")
-    down, dn_bytes = random_packed(EXPERTS * HIDDEN, INTER, "Q5G64_F16S")
-    shared_up, su_bytes = random_packed(2 * INTER, HIDDEN, "Q4G64_F16S")
-    shared_down, sd_bytes = random_packed(HIDDEN, INTER, "Q5G64_F16S")
-    return (gate_up, down, shared_up, shared_down), (gu_bytes / EXPERTS, dn_bytes / EXPERTS, su_bytes, sd_bytes)
+def _layer(packed=random_packed, experts: int = EXPERTS):
+    """One MoE layer's expert matrices (gate/up, down, shared gate/up, shared down) and their bytes (per routed
+    expert, then the shared expert's)."""
+    gate_up, gu_bytes = packed(experts * 2 * INTER, HIDDEN, "Q4G64_F16S")
+    down, dn_bytes = packed(experts * HIDDEN, INTER, "Q5G64_F16S")
+    shared_up, su_bytes = packed(2 * INTER, HIDDEN, "Q4G64_F16S")
+    shared_down, sd_bytes = packed(HIDDEN, INTER, "Q5G64_F16S")
+    return (gate_up, down, shared_up, shared_down), (gu_bytes / experts, dn_bytes / experts, su_bytes, sd_bytes)
 
 
 def main(out_path: str, tokens_list: list[int], routing: str = "random") -> None:
@@ -124,12 +126,8 @@ def fragment(out_path: str, tokens_list: list[int], packed=None, timer=None, pea
     peak = peak or copy_bandwidth()
     layers = []
     for _ in range(copies):
-        gate_up, gu_bytes = packed(experts * 2 * INTER, HIDDEN, "Q4G64_F16S")
-        down, dn_bytes = packed(experts * HIDDEN, INTER, "Q5G64_F16S")
-        shared_up, su_bytes = packed(2 * INTER, HIDDEN, "Q4G64_F16S")
-        shared_down, sd_bytes = packed(HIDDEN, INTER, "Q5G64_F16S")
+        (gate_up, down, shared_up, shared_down), per_expert = _layer(packed, experts)
         layers.append((to_fragment_layout(gate_up, "pairs"), to_fragment_layout(down, "pairs"), shared_up, shared_down))
-    per_expert = (gu_bytes / experts, dn_bytes / experts, su_bytes, sd_bytes)
     rides = mf.shared_rides(layers[0][2], 2 * INTER, HIDDEN) and mf.shared_rides(layers[0][3], HIDDEN, INTER)
     device = layers[0][0].base.device
     report = {"copy_GBs": peak / 1e9, "shared_rides": rides, "rows": []}

@@ -52,6 +52,23 @@ def _top_k(logits_ptr, t, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
+def _routed_expert(logits_ptr, experts_ptr, weights_ptr, pair, E, stride_t, writes, TOPK: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """Pair `pair`'s expert (pair t * TOPK + j: token t's j-th pick), its token routed in the program (_top_k, no
+    launch of its own); where `writes` (one program of the pair) the id goes to experts_ptr and, for the token's
+    pair 0, the token's weights to weights_ptr."""
+    token = pair // TOPK
+    ids, weights = _top_k(logits_ptr, token, E, stride_t, TOPK, BLOCK_E)
+    kk = tl.arange(0, TOPK)
+    expert = tl.sum(tl.where(kk == pair % TOPK, ids, 0), axis=0)
+    if writes:
+        tl.store(experts_ptr + pair, expert)
+        if pair % TOPK == 0:
+            tl.store(weights_ptr + token * TOPK + kk, weights)
+    return expert
+
+
+@triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
     pdl_wait()
     t = tl.program_id(0)
@@ -127,14 +144,8 @@ def _expert_gemv_kernel(x_ptr, x_rows_ptr, experts_ptr, base_ptr, high_ptr, scal
                          USE_ASM, SWIGLU)
     else:
         if ROUTE:
-            token = pair // PAIRS_PER_X_ROW
-            ids, weights = _top_k(logits_ptr, token, E, stride_logits, PAIRS_PER_X_ROW, BLOCK_E)
-            kk = tl.arange(0, PAIRS_PER_X_ROW)
-            expert = tl.sum(tl.where(kk == pair % PAIRS_PER_X_ROW, ids, 0), axis=0)
-            if tl.program_id(1) == 0:
-                tl.store(experts_ptr + pair, expert)
-                if pair % PAIRS_PER_X_ROW == 0:
-                    tl.store(weights_ptr + token * PAIRS_PER_X_ROW + kk, weights)
+            expert = _routed_expert(logits_ptr, experts_ptr, weights_ptr, pair, E, stride_logits,
+                                    tl.program_id(1) == 0, PAIRS_PER_X_ROW, BLOCK_E)
         else:
             expert = tl.load(experts_ptr + pair)
         if PAIRS_PER_X_ROW > 0:

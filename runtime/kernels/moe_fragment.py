@@ -8,8 +8,8 @@ fragment-order kernel's group product over its own x row. Two launches a MoE lay
 
 - gate/up: a program takes 16-row block b of an expert's gate rows and block b of its up rows (the expert's
   2 * inter rows are [gate; up]) and stores silu(gate) * up, so the down launch reads x as it is; each program
-  routes its token itself from the router's logits (moe._top_k) and the first program of each pair writes the
-  expert id (of each token's first pair, the token's weights), as moe.expert_gemv does.
+  routes its token itself from the router's logits and the first program of each pair writes the expert id (of each
+  token's first pair, the token's weights): moe._routed_expert, as moe.expert_gemv does.
 - down: a program takes BW 16-row blocks of its pair's expert; K (inter) is a few chunks, so one split.
 
 Expert-major (2+ tokens, the experts routed beforehand by moe.route): only the first pair of each expert does work,
@@ -34,9 +34,9 @@ import triton.language as tl
 
 from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
-from .moe import _expert_rows, _top_k, route_reference
+from .moe import _expert_rows, _routed_expert, route_reference
 from .qgemm_fragment_layout import (CHUNK, HINTS, FragmentPlanes, _chunk_addresses, _chunk_load_asm, _chunk_loop,
-                                    _gate_times_up, _load_chunk, _store_program, _store_swiglu, _sum_warp_shares)
+                                    _load_chunk, _store_program, _store_swiglu, _sum_warp_shares, _swiglu_shares)
 from .qgemm_rows_frag import _compute_asm, aligned_rows
 from .qgemv_int8 import INT8_BITS, code_words, high_plane, native_dp4a
 from .qlinear import GEMV_PATH, PackedLinear
@@ -154,11 +154,8 @@ def _store_expert(out_ptr, acc, local, N, col_pair, cols, BW: tl.constexpr, KS: 
                   SWIGLU: tl.constexpr):
     """An expert-major program's accumulators to its columns' pair rows (_store_columns): SWIGLU as _store_swiglu,
     else as _store_program (the KS warps sharing each block's K summed first)."""
-    ty: tl.constexpr = out_ptr.dtype.element_ty
     if SWIGLU:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _sum_warp_shares(acc, 2, KS)
-        y = (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
-             _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
+        y = _swiglu_shares(acc, KS, out_ptr.dtype.element_ty)
         threads = tl.arange(0, 32)
         _store_columns(out_ptr, y, N, local * 16 + threads // 4, threads % 4, col_pair, cols, NT)
     else:
@@ -212,14 +209,8 @@ def _moe_fragment_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_ptr, expert
             _store_expert(out_ptr, acc, local, N, col_pair, cols, BW, KS, NT, SWIGLU)
     elif slot >= SHARED:
         if ROUTE:
-            token = pair // TOPK
-            ids, weights = _top_k(logits_ptr, token, E, stride_logits, TOPK, BLOCK_E)
-            kk = tl.arange(0, TOPK)
-            expert = tl.sum(tl.where(kk == pair % TOPK, ids, 0), axis=0)
-            if local == 0:
-                tl.store(experts_ptr + pair, expert)
-                if pair % TOPK == 0:
-                    tl.store(weights_ptr + token * TOPK + kk, weights)
+            expert = _routed_expert(logits_ptr, experts_ptr, weights_ptr, pair, E, stride_logits, local == 0, TOPK,
+                                    BLOCK_E)
         else:
             expert = tl.load(experts_ptr + pair)
         if SWIGLU:

@@ -598,13 +598,19 @@ def _gate_times_up(a, ty: tl.constexpr):
 
 
 @triton.jit
-def _store_swiglu(out_ptr, acc, pid, T, N, KS: tl.constexpr, NT: tl.constexpr):
-    """A paired program's accumulators (gate block pid, up block pid; KS warps sharing K summed first) stored as
-    silu(gate) * up: rows pid * 16 .. + 15 of out [T, N] (N = the pair's rows / 2)."""
+def _swiglu_shares(acc, KS: tl.constexpr, ty: tl.constexpr):
+    """A paired program's accumulators (gate block, up block; KS warps sharing K summed first) as silu(gate) * up:
+    8 accumulators [32], thread t's rows 16-row block row t // 4 (+ 8), columns as _store_rows takes them."""
     a0, a1, a2, a3, a4, a5, a6, a7 = _sum_warp_shares(acc, 2, KS)
-    ty: tl.constexpr = out_ptr.dtype.element_ty
-    y = (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
-         _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
+    return (_gate_times_up(a0, ty), _gate_times_up(a1, ty), _gate_times_up(a2, ty), _gate_times_up(a3, ty),
+            _gate_times_up(a4, ty), _gate_times_up(a5, ty), _gate_times_up(a6, ty), _gate_times_up(a7, ty))
+
+
+@triton.jit
+def _store_swiglu(out_ptr, acc, pid, T, N, KS: tl.constexpr, NT: tl.constexpr):
+    """A paired program's accumulators (gate block pid, up block pid) stored as silu(gate) * up (_swiglu_shares):
+    rows pid * 16 .. + 15 of out [T, N] (N = the pair's rows / 2)."""
+    y = _swiglu_shares(acc, KS, out_ptr.dtype.element_ty)
     threads = tl.arange(0, 32)
     _store_rows(out_ptr, y, 0, T, N, pid * 16 + threads // 4, threads % 4, NT)
 
