@@ -215,6 +215,54 @@ def matmul_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
+def _vendor_rows(row: dict, q, pool, depth: int, chunk: int, flop: float, ref) -> None:
+    """The same chunk through torch's attention kernels over keys gathered from the bf16 pool: the ceiling a
+    vendor kernel sets. `gather`: pool pages -> [1, HKV, depth, D] (K and V); `flash_aten`: one FA2 call with
+    GQA and causal taken bottom-right (its convention for seqlen_q != seqlen_k); `<backend>_split`: the keys
+    before the chunk unmasked plus the chunk's square causal block (the two calls a runtime would merge by
+    their log-sum-exps), each backend forced, GQA by enable_gqa."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pages = depth // 64
+
+    def gather():
+        k = pool["k_data"][:pages].reshape(depth, HKV, D).transpose(0, 1)[None]
+        v = pool["v_data"][:pages].reshape(depth, HKV, D).transpose(0, 1)[None]
+        return k.contiguous(), v.contiguous()
+
+    row["gather_us"] = bench_ms(gather, reps=5) * 1e3
+    k, v = gather()
+    qt = q.transpose(1, 2).contiguous()  # [1, HQ, chunk, D]
+    scale = D ** -0.5
+
+    def flash_aten():
+        return torch.ops.aten._scaled_dot_product_flash_attention(qt, k, v, 0.0, True, False, scale=scale)[0]
+
+    def split(backend):
+        prefix = depth - chunk
+        with sdpa_kernel(backend):
+            a = F.scaled_dot_product_attention(qt, k[:, :, :prefix], v[:, :, :prefix], scale=scale, enable_gqa=True)
+            b = F.scaled_dot_product_attention(qt, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        return a, b
+
+    candidates = [("flash_aten", flash_aten)] + [
+        (f"{b.name.lower()}_split", lambda b=b: split(b))
+        for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+    for key, fn in candidates:
+        try:
+            out = fn()
+            us = bench_ms(fn, reps=5) * 1e3
+        except Exception as exc:  # noqa: BLE001 - a backend that refuses the shape is reported
+            row[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            continue
+        row[key + "_us"] = us
+        row[key + "_tflops"] = flop / (us * 1e-6) / 1e12
+        if key == "flash_aten":
+            row[key + "_maxdiff"] = (out.transpose(1, 2).float() - ref).abs().max().item()
+
+
 def prefill_main(out_path: str, codecs=("bf16", "rk4v4-e8"), depths=(8192, 131072, 204800), chunk=2048) -> None:
     """A prefill chunk's attention (chunk rows ending at each depth, 27B heads) over the tile sweep: µs, TFLOP/s
     (2 x 2 x visible keys x D per query head) and the fraction of the bf16 GEMM rate measured in the same run."""
@@ -247,6 +295,8 @@ def prefill_main(out_path: str, codecs=("bf16", "rk4v4-e8"), depths=(8192, 13107
                 row[key + "_tflops"] = flop / (us * 1e-6) / 1e12
                 row[key + "_maxdiff"] = (out - ref).abs().max().item()
             pa.ATTENTION_TUNING.clear()
+            if name == "bf16":
+                _vendor_rows(row, q, pool, depth, chunk, flop, ref)
             times = {k: v for k, v in row.items() if k.endswith("_us")}
             if times:
                 best = min(times, key=times.get)
