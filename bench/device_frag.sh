@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s51       # prefill attention at depth (tiles, torch's kernels), then s50
 #                        bash bench/device_frag.sh s50       # 35B prefill + one lane with fragment experts, server
 #                        bash bench/device_frag.sh s49       # expert-major fragment launches: tests, 35B lanes
 #                        bash bench/device_frag.sh s48       # the fragment expert launches taken apart, lanes off / on
@@ -635,6 +636,14 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
+  ;;
+s51)  # session 39 (~560 s): a prefill chunk's attention at depth (tiles, stages, torch's kernels on gathered keys), then
+  # s50 in the time left
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  PYTHONPATH=. timeout 220 python bench/attention_compare.py "$OUT/s51-prefill-attn.json" prefill 2>&1 | grep "{" | \
+    python -c "import json,sys; [print({k: (round(v) if isinstance(v, float) and v > 20 else round(v, 2) if isinstance(v, float) else v) for k, v in json.loads(l).items() if not k.endswith('_us') and (not k.endswith('maxdiff') or v > 5e-2)}) for l in sys.stdin]"
+  echo "prefill attention t=$(el)"
+  DEADLINE=$(( ${DEADLINE:-560} - $(el) )) bash bench/device_frag.sh s50
   ;;
 s50)  # next session (~480 s), what session 38 left unmeasured: the 35B-A3B one lane with real prefill (its prefill
   # through the grouped expert kernel over experts in fragment order) and decode, experts off / on pair by pair / on
