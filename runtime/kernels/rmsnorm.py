@@ -127,32 +127,50 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
     normed row (each program normalizing it itself, in the same order as the others) into logits."""
     pdl_wait()
     row = tl.program_id(0)
-    router_program = False  # (no early return: the chunk's statements go in the else branch)
+    # the router branch only where the launch has router programs: a branch over a runtime condition compiles both
+    # sides, and ROUTER_ROWS = 0 has no router tile to compile (triton 3.6 failed the launch there)
     if ROUTER_ROWS > 0:
-        router_program = tl.program_id(1) >= CHUNKS
-    if router_program:
-        _router_rows(x_ptr, res_ptr, w_ptr, y_ptr, router_ptr, logits_ptr, row, (tl.program_id(1) - CHUNKS) *
-                     ROUTER_ROWS, H, eps, E_ROUTER, stride_router, stride_logits, stride_x, stride_r, split_stride,
-                     HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED,
-                     SUM_STEPS, SUM_LANES, ROUTER_ROWS)
-    else:
-        k0 = tl.program_id(1) * BLOCK
-        cols = k0 + tl.arange(0, BLOCK)
-        ok = cols < H
-        h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
-                        moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
-        if SPREAD:
-            var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
-                                moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
+        if tl.program_id(1) >= CHUNKS:
+            _router_rows(x_ptr, res_ptr, w_ptr, y_ptr, router_ptr, logits_ptr, row, (tl.program_id(1) - CHUNKS) *
+                         ROUTER_ROWS, H, eps, E_ROUTER, stride_router, stride_logits, stride_x, stride_r,
+                         split_stride, HAS_RESIDUAL, SPLITS, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride,
+                         TOPK, GATED, SUM_STEPS, SUM_LANES, ROUTER_ROWS)
         else:
-            var = tl.sum(h * h, axis=0) / H
-        if HAS_RESIDUAL:
-            tl.store(res_out_ptr + row * stride_ro + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
-        if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
-            write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
+            _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
+                        stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
+                        BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS,
+                        GROUP)
+    else:
+        _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
+                    stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
+                    BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS, GROUP)
+
+
+@triton.jit
+def _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
+                stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride,
+                HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TOPK: tl.constexpr,
+                GATED: tl.constexpr, SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
+                QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
+                GROUP: tl.constexpr):
+    """Lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row: summed, normalized, stored (and quantized)."""
+    k0 = tl.program_id(1) * BLOCK
+    cols = k0 + tl.arange(0, BLOCK)
+    ok = cols < H
+    h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                    moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
+    if SPREAD:
+        var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
+                            moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
+    else:
+        var = tl.sum(h * h, axis=0) / H
+    if HAS_RESIDUAL:
+        tl.store(res_out_ptr + row * stride_ro + cols, h.to(res_out_ptr.dtype.element_ty), mask=ok)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (h * tl.rsqrt(var + eps) * (1.0 + w)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+    if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
+        write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
 
 
 def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tensor, eps: float,
