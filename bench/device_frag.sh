@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s52       # cuDNN prefill attention: tests, 27B prefill to 128K on / off
 #                        bash bench/device_frag.sh s51       # prefill attention at depth (tiles, torch's kernels), then s50
 #                        bash bench/device_frag.sh s50       # 35B prefill + one lane with fragment experts, server
 #                        bash bench/device_frag.sh s49       # expert-major fragment launches: tests, 35B lanes
@@ -635,6 +636,29 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  ;;
+s52)  # session 39 (~560 s): the rmsnorm fix and cuDNN prefill attention on the GPU (tests), then the 27B cold prefill
+  # to 8K / 32K / 128K with the chunk's attention on cuDNN (auto) vs the paged kernel (triton), bf16 and rk4v4-e8
+  # KV, alternated; then the 35B-A3B one lane (fragment experts off / on) in the time left
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 -p no:cacheprovider tests/test_prefill_attention_vendor.py \
+    tests/test_kernels.py tests/test_engine.py -k "vendor or cudnn or rmsnorm or router or paged_attention" 2>&1 | \
+    grep -E "passed|failed|Error|error" | tail -8
+  echo "tests t=$(el)"
+  for mode in auto triton; do
+    for kv in bf16 rk4v4-e8; do
+      [ $(( ${DEADLINE:-560} - $(el) )) -gt 110 ] || break
+      NINFER_PREFILL_ATTENTION=$mode timeout 150 $B --depths 8k,32k,128k --kv-dtype $kv --decode-tokens 16 \
+        --json-out "$OUT/s52-prefill-$mode-$kv.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
+      echo "27B prefill attention $mode $kv t=$(el)"
+    done
+  done
+  for mode in off on; do
+    [ $(( ${DEADLINE:-560} - $(el) )) -gt 70 ] || break
+    NINFER_MOE_FRAGMENT=$mode timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
+      --depths 8k,32k --kv-dtype bf16 --json-out "$OUT/s52-moe-one-$mode.json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B one lane, fragment experts $mode t=$(el)"
   done
   ;;
 s51)  # session 39 (~560 s): a prefill chunk's attention at depth (tiles, stages, torch's kernels on gathered keys), then

@@ -456,11 +456,12 @@ class Engine:
         return page, positions % PAGE, block_table[lanes_idx], ctx_len[lanes_idx]
 
     def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None,
-                   slots=None, xq=None):
+                   slots=None, xq=None, host_ctx=None):
         """Full attention of weights under prefix `p` over `pool`; appends this block's K/V first.
         The result may be the output product's SplitPartials: pass it to rmsnorm, which sums them.
         The query row j of a lane sits at position ctx_len - t + j. `rope_positions` (shifted [n] or
-        MRoPE [3, n]) replace `positions` for the rotary embedding only; `slots` = kv_slots(...)."""
+        MRoPE [3, n]) replace `positions` for the rotary embedding only; `slots` = kv_slots(...); `host_ctx`: the
+        lanes' ctx_len on the host (eager prefill chunks), see paged_attention."""
         c = self.cfg
         n = h.shape[0]
         qgkv = self.lin[p + "query_gate_key_value"](h, xq)
@@ -473,7 +474,7 @@ class Engine:
             qr = attention_inputs(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
                                   self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta,
                                   self.codec, self._planes(pool, "k"), self._planes(pool, "v"), page, slot)
-            return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride)
+            return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride, host_ctx)
         if rope.dim() == 1:  # norms and RoPE of the query and key heads in one launch
             q, k = qk_norm_rope(qgkv, c.num_heads, c.num_kv_heads, c.head_dim, self.vec[p + "query_norm"],
                                 self.vec[p + "key_norm"], c.rms_norm_eps, rope, c.rotary_dim, c.rope_theta)
@@ -488,13 +489,13 @@ class Engine:
         # append K/V into the lanes' pages at their positions
         self._append_kv(pool, k.view(n, c.num_kv_heads, c.head_dim), v, page, slot)
         qr = rotate64(q, self.act_dtype) if self.codec.rotate_keys else q  # keys are stored rotated
-        return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride)
+        return self._attend(p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride, host_ctx)
 
     def _planes(self, pool, side: str) -> list[torch.Tensor]:
         """The pool planes of keys ("k") or values ("v"), in the codec's plane order."""
         return [pool[pl.name] for pl in self.codec.planes(self.cfg.head_dim) if pl.name.startswith(side + "_")]
 
-    def _attend(self, p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride):
+    def _attend(self, p, pool, qr, qg, n, lanes_idx, t, lane_tables, lane_ctx, ride, host_ctx=None):
         """Paged attention of the (rotated) queries, the output gate and the output product."""
         c = self.cfg
         main = len(lanes_idx) * t
@@ -504,7 +505,8 @@ class Engine:
         gate = AttentionGate(qg, self.codec.rotate_values, c.num_heads, c.head_dim, self.act_dtype, out_xq)
         fused = ATTENTION_LAUNCHES == "fused"
         out = paged_attention(qr[:main].view(len(lanes_idx), t, c.num_heads, c.head_dim), pool, self.codec,
-                              lane_tables, lane_ctx, c.head_dim ** -0.5, gate=gate.part(0) if fused else None)
+                              lane_tables, lane_ctx, c.head_dim ** -0.5, gate=gate.part(0) if fused else None,
+                              host_ctx=host_ctx)
         if not fused:
             gate.part(0).apply(out)
         if ride:  # riders: one decode row per lane after the chunk's rows
@@ -716,7 +718,7 @@ class Engine:
                 all_logits: bool = False, snapshot: bool = False, with_hidden: bool = False,
                 rope_positions: torch.Tensor | None = None, image_rows: tuple | None = None,
                 taps: tuple[int, ...] = (), tap_rows: int | None = None, riders: tuple | None = None,
-                real_rows: torch.Tensor | None = None):
+                real_rows: torch.Tensor | None = None, host_ctx: tuple[int, ...] | None = None):
         """tokens [B, T] for lanes `lanes_idx` at positions [B, T]; returns fp32 logits of the last position
         [B, V] (or of every position [B, T, V] with `all_logits`), plus the final-normed hidden states
         [B, T, H] with `with_hidden`. ctx_len of those lanes must already count the new tokens. With
@@ -730,7 +732,8 @@ class Engine:
         counting their token) whose one row each rides after this block's rows: every product reads its
         weights once for both; their logits follow the block's: [B + R, V] (not with `all_logits` or taps).
         `real_rows` ([1] on the device, one lane): the block's rows past it are padding (see PIECE_GRAPHS); the
-        logits are those of its last real row."""
+        logits are those of its last real row. `host_ctx`: the lanes' ctx_len as host ints, where the caller
+        runs this forward eagerly and knows them (lets a prefill chunk's attention take cuDNN's kernel)."""
         c = self.cfg
         b, t = tokens.shape
         pad = None
@@ -765,7 +768,7 @@ class Engine:
             p = f"text/layers/{i}/"
             if c.is_full_attention(i):
                 mixed = self._attention(p + "attention/", self.pools[i], self.block_table, self.ctx_len, h,
-                                        lanes_idx, t, pos, rope_positions, slots, xq)
+                                        lanes_idx, t, pos, rope_positions, slots, xq, host_ctx)
             else:
                 mixed = self._gdn(i, h, lanes_idx, t, snapshot, xq, rider_lanes if riders is not None else None,
                                   pad, real_rows)
@@ -884,7 +887,8 @@ class Engine:
             elif self.rope_delta[lane]:
                 extra = {"rope_positions": pos.reshape(-1) + self.rope_delta[lane]}
             if spec is not None:
-                logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra)
+                logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra,
+                                           host_ctx=(stop,))
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
             elif (bucket := self._piece_bucket(lane, start, len(piece), rope3)):
                 logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
@@ -901,7 +905,7 @@ class Engine:
                 logits = both[:1].clone()
                 riders.logits = both[1:].clone()
             else:
-                logits = self.forward(lane_t, toks, pos, **extra)
+                logits = self.forward(lane_t, toks, pos, **extra, host_ctx=(stop,))
             self.stats.prefill_tokens += len(piece)
             if stop == checkpoint_at:
                 c = self.checkpoint_slot

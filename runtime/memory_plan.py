@@ -284,6 +284,10 @@ def dflash2_workspace_bytes(d: DFlash2Config, cfg: ModelConfig, opts: PlanOption
     return projection + block + scores + logits
 
 
+# kernels/prefill_attention_vendor.py's SEGMENT_KEYS and MIN_ROWS (a test keeps them equal): one segment's keys
+# and values gathered (decoded: float32 before the 16-bit copy), the float32 running output, a segment's output
+ATTENTION_SEGMENT_KEYS = 32_768
+ATTENTION_SEGMENT_MIN_ROWS = 256
 RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qlinear.py GEMM_DEQUANT_BYTES)
 
 
@@ -346,6 +350,9 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
         dense = (pairs + moe_dense_chunk_rows(t, cfg.experts_per_token)) * h * 2 + pairs * 8 * 5 \
             + cfg.num_experts * 8 * 2
         arena.add("moe_pairs", max(fused, dense))
+    if t >= ATTENTION_SEGMENT_MIN_ROWS:  # a prefill chunk's attention through cuDNN, a key segment at a time
+        arena.add("attention_segments", 2 * ATTENTION_SEGMENT_KEYS * cfg.num_kv_heads * cfg.head_dim * 4
+                  + t * cfg.num_heads * (cfg.head_dim * (4 + 4 + 2) + 3 * 4))
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
         widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
         if cfg.is_moe:  # the dense-experts prefill dequantizes runs of whole experts' gate_up (or down) rows

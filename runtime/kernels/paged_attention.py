@@ -381,11 +381,24 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
 
 
 def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
-                    ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, gate=None) -> torch.Tensor:
+                    ctx_len: torch.Tensor, scale: float, out: torch.Tensor | None = None, gate=None,
+                    host_ctx=None) -> torch.Tensor:
     """q [lanes, T, HQ, D] (rotated when the codec rotates keys); pool planes of one layer; block_table
     [lanes, pages_per_lane] int32; ctx_len [lanes] int32 = tokens in the cache including the T new ones.
     Returns [lanes, T, HQ, D] in the value storage basis; with `gate` (attention_gate.AttentionGate, a part
-    for these rows), the gated rows [lanes * T, HQ * D] instead (gated in the combine launch when there is one)."""
+    for these rows), the gated rows [lanes * T, HQ * D] instead (gated in the combine launch when there is one).
+    `host_ctx`: ctx_len on the host, where the caller knows it (eager prefill chunks): such chunks take cuDNN's
+    attention (prefill_attention_vendor)."""
+    from .prefill_attention_vendor import VendorFallback, prefill_attention_segments, vendor_prefill
+
+    if vendor_prefill(q, host_ctx):
+        try:
+            o = prefill_attention_segments(q, pool, codec, block_table, host_ctx, scale)
+        except VendorFallback:
+            pass
+        else:
+            o = out.copy_(o) if out is not None else o
+            return gate.apply(o) if gate is not None else o
     if torch_path(q):
         o = paged_attention_reference(q, pool, codec, block_table, ctx_len, scale)
         o = out.copy_(o) if out is not None else o

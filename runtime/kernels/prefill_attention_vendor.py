@@ -1,0 +1,123 @@
+"""A prefill chunk's attention through cuDNN's fused attention (torch's SDPA cuDNN backend), key segment by
+key segment.
+
+Measured on an H100 (bench/attention_compare.py prefill, 2,048-row chunk, 27B heads): at 128K-200K depth the
+cuDNN kernel runs at 634-708 TFLOP/s against 283-318 for the paged Triton kernel, and gathering the keys out of
+the pages costs ~6 % of it. The chunk's keys are taken in segments of SEGMENT_KEYS: the keys before the chunk
+unmasked, then the chunk's own keys as a square causal block; each segment returns its outputs and log-sum-exps,
+and the segments merge exactly (o = sum_i o_i exp(lse_i - lse), lse = logaddexp over i). Segments bound the
+gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to 16 bits
+first (the keys' rotated basis, as the queries arrive: the codec's decoders).
+
+Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
+CUDA-graph pieces keep the paged kernel. On the CPU the same segments run through plain-torch attention.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from runtime.kv.codecs import Codec
+
+PAGE = 64
+SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
+MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
+MODES = ("auto", "cudnn", "triton")
+MODE = os.environ.get("NINFER_PREFILL_ATTENTION", "auto")
+if MODE not in MODES:
+    raise SystemExit(f"NINFER_PREFILL_ATTENTION={MODE!r}: use one of {', '.join(MODES)}")
+_BROKEN: list[str] = []  # the first failure of the cuDNN call, after which the paged kernel takes over
+
+
+def vendor_prefill(q: torch.Tensor, host_ctx) -> bool:
+    """Whether this chunk's attention takes the cuDNN route: a GPU chunk of >= MIN_ROWS rows whose lanes'
+    lengths the caller knows on the host, cuDNN attention present, not turned off, not failed before."""
+    if MODE == "triton" or host_ctx is None or _BROKEN or q.device.type != "cuda" or q.shape[1] < MIN_ROWS:
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+
+
+def _segment_cudnn(q, k, v, causal: bool, scale: float):
+    """cuDNN attention of q [1, HQ, T, D] over k, v [1, HKV, S, D] (GQA: HQ a multiple of HKV): (o, lse [1, HQ, T])."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def _segment_reference(q, k, v, causal: bool, scale: float):
+    """The same in float32 torch (CPU runs and tests)."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    s = torch.einsum("bhtd,bhsd->bhts", q.float(), kk) * scale
+    if causal:
+        t, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(t, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("bhts,bhsd->bhtd", torch.softmax(s, -1), vv).to(q.dtype), lse
+
+
+def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [first, last) of one lane, [1, HKV, last - first, D] in `dtype`, each head's
+    rows contiguous (one gathering copy out of the pages)."""
+    p0, p1 = first // PAGE, -(-last // PAGE)
+    index = pages[p0:p1].long()
+    skip = first - p0 * PAGE
+    if codec.key == "bf16" and codec.value == "bf16":  # [pages, 64, HKV, D] -> [HKV, pages, 64, D]
+        k = pool["k_data"].permute(2, 0, 1, 3).index_select(1, index)
+        v = pool["v_data"].permute(2, 0, 1, 3).index_select(1, index)
+    else:
+        planes = {name: plane.index_select(0, index) for name, plane in pool.items()}
+        k = codec.decode_keys(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
+        v = codec.decode_values(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
+    hkv, d = k.shape[0], k.shape[-1]
+    k = k.reshape(hkv, -1, d)[:, skip : skip + last - first]
+    v = v.reshape(hkv, -1, d)[:, skip : skip + last - first]
+    return k[None], v[None]
+
+
+def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
+                               host_ctx, scale: float, segment_keys: int = SEGMENT_KEYS) -> torch.Tensor:
+    """q [lanes, T, HQ, D] (rotated when the codec rotates keys) of chunks ending at host_ctx[lane] tokens ->
+    [lanes, T, HQ, D] in the value storage basis, like paged_attention."""
+    lanes, t = q.shape[:2]
+    segment = _segment_cudnn if q.device.type == "cuda" else _segment_reference
+    dtype = torch.bfloat16 if codec.key == "bf16" and codec.value == "bf16" else torch.float16
+    if q.device.type == "cpu":
+        dtype = torch.float32
+    out = torch.empty_like(q)
+    # compressed codecs decode through float32: half the keys a segment keeps their scratch within the plan's
+    keys = segment_keys if dtype == torch.bfloat16 or q.device.type == "cpu" else segment_keys // 2
+    for lane in range(lanes):
+        n = int(host_ctx[lane])
+        before = n - t
+        qt = q[lane].transpose(0, 1)[None].to(dtype).contiguous()  # [1, HQ, T, D]
+        acc = lse = None
+        bounds = [(s, min(s + keys, before), False) for s in range(0, before, keys)]
+        for first, last, causal in bounds + [(before, n, True)]:
+            k, v = _keys(pool, codec, block_table[lane], first, last, dtype)
+            try:
+                o_i, lse_i = segment(qt, k, v, causal, scale)
+            except RuntimeError as exc:
+                if segment is _segment_reference:
+                    raise
+                _BROKEN.append(f"{type(exc).__name__}: {exc}"[:300])
+                print(f"ninfer: cuDNN prefill attention failed, the paged kernel takes over ({_BROKEN[0]})",
+                      file=sys.stderr)
+                raise VendorFallback from exc
+            lse_i = lse_i.float().view(1, q.shape[2], t)
+            if acc is None:
+                acc, lse = o_i.float(), lse_i
+                continue
+            merged = torch.logaddexp(lse, lse_i)
+            acc = acc * torch.exp(lse - merged)[..., None] + o_i.float() * torch.exp(lse_i - merged)[..., None]
+            lse = merged
+        out[lane] = acc[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
+class VendorFallback(RuntimeError):
+    """The cuDNN call failed once: the caller runs the paged kernel instead (and every later chunk does)."""

@@ -1,0 +1,60 @@
+"""A prefill chunk's attention key segment by key segment (runtime/kernels/prefill_attention_vendor.py): the
+segments' outputs merged by their log-sum-exps equal attention over every key at once. On the CPU each segment
+runs through plain torch; on a GPU through cuDNN (the GPU test compares it with the paged kernel)."""
+
+import pytest
+import torch
+
+from runtime.kernels import prefill_attention_vendor as vendor
+from runtime.kernels.paged_attention import PAGE, paged_attention_reference
+from runtime.kv.codecs import CODECS
+
+
+def _case(codec_name, t, ctx, seed=0, hq=6, hkv=2, d=64, device="cpu"):
+    c = CODECS[codec_name]
+    g = torch.Generator().manual_seed(seed)
+    lanes, per_lane = len(ctx), -(-max(ctx) // PAGE)
+    total = lanes * per_lane + 2
+    pool = c.encode(torch.randn(total, PAGE, hkv, d, generator=g), torch.randn(total, PAGE, hkv, d, generator=g))
+    block_table = torch.randperm(total, generator=g)[: lanes * per_lane].view(lanes, per_lane).int()
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g))
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    want = paged_attention_reference(q, pool, c, block_table, ctx_t, d ** -0.5)
+    dev = {k: v.to(device) for k, v in pool.items()}
+    return c, q.to(device), dev, block_table.to(device), ctx_t.to(device), want
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8", "rk4v4-e8"])
+@pytest.mark.parametrize("segment", [64, 100, 4096])  # several segments (one ending mid-page), or one
+def test_segments_merge_to_attention_over_every_key(codec, segment):
+    c, q, pool, bt, ctx, want = _case(codec, t=40, ctx=[300, 41])  # chunk start mid-page; a lane of one chunk
+    got = vendor.prefill_attention_segments(q, pool, c, bt, [300, 41], 64 ** -0.5, segment_keys=segment)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
+    q = torch.zeros(1, 512, 4, 64)
+    assert not vendor.vendor_prefill(q, (512,))  # the CPU runs the paged kernel's reference
+    monkeypatch.setattr(vendor, "MODE", "triton")
+    assert not vendor.vendor_prefill(q, (512,))
+
+
+def test_memory_plan_counts_the_segments_the_kernel_gathers():
+    from runtime import memory_plan
+
+    assert memory_plan.ATTENTION_SEGMENT_KEYS == vendor.SEGMENT_KEYS
+    assert memory_plan.ATTENTION_SEGMENT_MIN_ROWS == vendor.MIN_ROWS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs a CUDA GPU")
+@pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8"])
+def test_cudnn_segments_match_the_paged_kernel(codec):
+    from runtime.kernels.paged_attention import paged_attention
+
+    c, q, pool, bt, ctx, want = _case(codec, t=512, ctx=[3000, 700], hq=24, hkv=4, d=256, device="cuda")
+    q = q.to(torch.bfloat16)
+    got = vendor.prefill_attention_segments(q, pool, c, bt, [3000, 700], 256 ** -0.5, segment_keys=1024)
+    assert not vendor._BROKEN, vendor._BROKEN
+    paged = paged_attention(q, pool, c, bt, ctx, 256 ** -0.5)
+    torch.testing.assert_close(got.float().cpu(), paged.float().cpu(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
