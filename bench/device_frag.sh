@@ -646,9 +646,9 @@ s52)  # session 39 (~560 s): the rmsnorm fix and cuDNN prefill attention on the 
     tests/test_kernels.py tests/test_engine.py -k "vendor or cudnn or rmsnorm or router or paged_attention" 2>&1 | \
     grep -E "passed|failed|Error|error" | tail -8
   echo "tests t=$(el)"
-  for mode in auto triton; do
-    for kv in bf16 rk4v4-e8; do
-      [ $(( ${DEADLINE:-560} - $(el) )) -gt 110 ] || break
+  for kv in bf16 rk4v4-e8; do
+    for mode in auto triton; do
+      [ $(( ${DEADLINE:-560} - $(el) )) -gt 80 ] || break
       NINFER_PREFILL_ATTENTION=$mode timeout 150 $B --depths 8k,32k,128k --kv-dtype $kv --decode-tokens 16 \
         --json-out "$OUT/s52-prefill-$mode-$kv.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
       echo "27B prefill attention $mode $kv t=$(el)"
