@@ -34,9 +34,26 @@ def test_segments_merge_to_attention_over_every_key(codec, segment):
 
 def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     q = torch.zeros(1, 512, 4, 64)
-    assert not vendor.vendor_prefill(q, (512,))  # the CPU runs the paged kernel's reference
+    assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)  # the CPU runs the paged kernel's reference
     monkeypatch.setattr(vendor, "MODE", "triton")
-    assert not vendor.vendor_prefill(q, (512,))
+    assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fault", [None, "lse_base2", "causal_top_left_off", "gqa_interleaved"])
+def test_probe_turns_the_route_off_when_the_kernel_disagrees(fault, monkeypatch, capsys):
+    def kernel(q, k, v, causal, scale):
+        if fault == "gqa_interleaved":  # heads grouped the other way round
+            k = k.repeat(1, q.shape[1] // k.shape[1], 1, 1)
+            v = v.repeat(1, q.shape[1] // v.shape[1], 1, 1)
+        o, lse = vendor._segment_reference(q, k, v, causal and fault != "causal_top_left_off", scale)
+        return o, lse * (1.4426950408889634 if fault == "lse_base2" else 1.0)
+
+    monkeypatch.setattr(vendor, "_BROKEN", [])
+    monkeypatch.setattr(vendor, "_segment_cudnn", kernel)
+    vendor._probe(torch.device("cpu"), 6, 2, 64, torch.float32)
+    assert bool(vendor._BROKEN) == (fault is not None)
+    if fault:
+        assert "paged kernel takes over" in capsys.readouterr().err
 
 
 def test_memory_plan_counts_the_segments_the_kernel_gathers():
@@ -53,6 +70,8 @@ def test_cudnn_segments_match_the_paged_kernel(codec):
 
     c, q, pool, bt, ctx, want = _case(codec, t=512, ctx=[3000, 700], hq=24, hkv=4, d=256, device="cuda")
     q = q.to(torch.bfloat16)
+    dtype = torch.bfloat16 if codec == "bf16" else torch.float16
+    assert vendor.vendor_prefill(q, [3000, 700], 4, dtype), vendor._BROKEN  # the probe passes
     got = vendor.prefill_attention_segments(q, pool, c, bt, [3000, 700], 256 ** -0.5, segment_keys=1024)
     assert not vendor._BROKEN, vendor._BROKEN
     paged = paged_attention(q, pool, c, bt, ctx, 256 ** -0.5)

@@ -391,7 +391,8 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     attention (prefill_attention_vendor)."""
     from .prefill_attention_vendor import VendorFallback, prefill_attention_segments, vendor_prefill
 
-    if vendor_prefill(q, host_ctx):
+    if vendor_prefill(q, host_ctx, next(iter(pool.values())).shape[2],
+                      torch.bfloat16 if codec.key == codec.value == "bf16" else torch.float16):
         try:
             o = prefill_attention_segments(q, pool, codec, block_table, host_ctx, scale)
         except VendorFallback:

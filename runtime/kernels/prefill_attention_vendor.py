@@ -32,14 +32,52 @@ if MODE not in MODES:
 _BROKEN: list[str] = []  # the first failure of the cuDNN call, after which the paged kernel takes over
 
 
-def vendor_prefill(q: torch.Tensor, host_ctx) -> bool:
+_CHECKED: set[tuple] = set()  # (device, heads, kv heads, head dim, dtype) the probe passed for
+
+
+def vendor_prefill(q: torch.Tensor, host_ctx, kv_heads: int, dtype: torch.dtype) -> bool:
     """Whether this chunk's attention takes the cuDNN route: a GPU chunk of >= MIN_ROWS rows whose lanes'
-    lengths the caller knows on the host, cuDNN attention present, not turned off, not failed before."""
+    lengths the caller knows on the host, cuDNN attention present, not turned off, not failed before, and
+    its outputs and log-sum-exps checked once against plain torch at these head counts (_probe)."""
     if MODE == "triton" or host_ctx is None or _BROKEN or q.device.type != "cuda" or q.shape[1] < MIN_ROWS:
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
-    return torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")
+    if not (torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")):
+        return False
+    key = (q.device, q.shape[2], kv_heads, q.shape[3], dtype)
+    if key not in _CHECKED:
+        _probe(q.device, q.shape[2], kv_heads, q.shape[3], dtype)
+        if _BROKEN:
+            return False
+        _CHECKED.add(key)
+    return True
+
+
+def _probe(device, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
+    """One small chunk through cuDNN and through plain torch, unmasked and causal: the merge relies on the
+    kernel's GQA grouping, its causal alignment and its log-sum-exps in natural log, none of which a wrong
+    answer would announce. A mismatch or an error sends every chunk to the paged kernel."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, 96, head_dim, device=device, generator=g).to(dtype)
+    k = torch.randn(1, kv_heads, 96, head_dim, device=device, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, 96, head_dim, device=device, generator=g).to(dtype)
+    try:
+        for causal in (False, True):
+            o, lse = _segment_cudnn(q, k, v, causal, head_dim ** -0.5)
+            o_ref, lse_ref = _segment_reference(q, k, v, causal, head_dim ** -0.5)
+            o_err = (o.float() - o_ref.float()).abs().max().item()
+            lse_err = (lse.float().view_as(lse_ref) - lse_ref).abs().max().item()
+            if not (o_err < 2e-2 and lse_err < 2e-2):
+                raise RuntimeError(f"cuDNN attention differs from torch (causal={causal}: output {o_err:.3g}, "
+                                   f"log-sum-exp {lse_err:.3g})")
+    except RuntimeError as exc:
+        _fail(exc)
+
+
+def _fail(exc: Exception) -> None:
+    _BROKEN.append(f"{type(exc).__name__}: {exc}"[:300])
+    print(f"ninfer: cuDNN prefill attention is off, the paged kernel takes over ({_BROKEN[0]})", file=sys.stderr)
 
 
 def _segment_cudnn(q, k, v, causal: bool, scale: float):
@@ -104,9 +142,7 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
             except RuntimeError as exc:
                 if segment is _segment_reference:
                     raise
-                _BROKEN.append(f"{type(exc).__name__}: {exc}"[:300])
-                print(f"ninfer: cuDNN prefill attention failed, the paged kernel takes over ({_BROKEN[0]})",
-                      file=sys.stderr)
+                _fail(exc)
                 raise VendorFallback from exc
             lse_i = lse_i.float().view(1, q.shape[2], t)
             if acc is None:
