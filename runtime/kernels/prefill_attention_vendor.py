@@ -149,7 +149,7 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
                 acc, lse = o_i.float(), lse_i
                 continue
             merged = torch.logaddexp(lse, lse_i)
-            acc = acc * torch.exp(lse - merged)[..., None] + o_i.float() * torch.exp(lse_i - merged)[..., None]
+            acc.mul_(torch.exp(lse - merged)[..., None]).addcmul_(o_i, torch.exp(lse_i - merged)[..., None])
             lse = merged
         out[lane] = acc[0].transpose(0, 1).to(q.dtype)
     return out
