@@ -638,6 +638,14 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s52b)  # s52 cut to ~150 s: 27B bf16 cold prefill to 8K / 128K, the chunk's attention on cuDNN (auto) vs paged (triton)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  for mode in auto triton; do
+    NINFER_PREFILL_ATTENTION=$mode timeout 100 $B --depths 8k,128k --kv-dtype bf16 --decode-tokens 16 \
+      --json-out "$OUT/s52b-prefill-$mode.json" 2>&1 | grep -E "│ bf16|cuDNN|Error"
+    echo "27B prefill attention $mode t=$(el)"
+  done
+  ;;
 s52)  # session 39 (~560 s): the rmsnorm fix and cuDNN prefill attention on the GPU (tests), then the 27B cold prefill
   # to 8K / 32K / 128K with the chunk's attention on cuDNN (auto) vs the paged kernel (triton), bf16 and rk4v4-e8
   # KV, alternated; then the 35B-A3B one lane (fragment experts off / on) in the time left
