@@ -350,9 +350,14 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
         dense = (pairs + moe_dense_chunk_rows(t, cfg.experts_per_token)) * h * 2 + pairs * 8 * 5 \
             + cfg.num_experts * 8 * 2
         arena.add("moe_pairs", max(fused, dense))
-    if t >= ATTENTION_SEGMENT_MIN_ROWS:  # a prefill chunk's attention through cuDNN, a key segment at a time
-        arena.add("attention_segments", 2 * ATTENTION_SEGMENT_KEYS * cfg.num_kv_heads * cfg.head_dim * 4
-                  + t * cfg.num_heads * (cfg.head_dim * (4 + 4 + 2) + 3 * 4))
+    if t >= ATTENTION_SEGMENT_MIN_ROWS:  # a prefill chunk's attention through cuDNN, a key segment at a time:
+        # the gathered segment (bf16, or fp16 copies of a float32 decode of half the keys), the float32 running
+        # output, a segment's output and log-sum-exps. Attention layers run while the GDN layers' temporaries are
+        # free: only what exceeds those is added
+        segments = 3 * ATTENTION_SEGMENT_KEYS * cfg.num_kv_heads * cfg.head_dim * 2 \
+            + t * cfg.num_heads * (cfg.head_dim * (4 + 2) + 3 * 4)
+        gdn_only = sum(r.nbytes for r in arena.regions if r.name in ("gdn_fp32", "gdn_chunked"))
+        arena.add("attention_segments", max(0, segments - gdn_only))
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16
         widest = max(cfg.vocab_size, 2 * max(cfg.intermediate_size, cfg.shared_expert_intermediate_size), proj)
         if cfg.is_moe:  # the dense-experts prefill dequantizes runs of whole experts' gate_up (or down) rows

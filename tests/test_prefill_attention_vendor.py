@@ -39,9 +39,13 @@ def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)
 
 
-@pytest.mark.parametrize("fault", [None, "lse_base2", "causal_top_left_off", "gqa_interleaved"])
+@pytest.mark.parametrize("fault", [None, "lse_base2", "causal_top_left_off", "gqa_interleaved", "strided_refused"])
 def test_probe_turns_the_route_off_when_the_kernel_disagrees(fault, monkeypatch, capsys):
     def kernel(q, k, v, causal, scale):
+        if vendor._OPERANDS["contiguous"]:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if fault == "strided_refused" and not (q.is_contiguous() and k.is_contiguous()):
+            raise RuntimeError("cuDNN: unsupported strides")
         if fault == "gqa_interleaved":  # heads grouped the other way round
             k = k.repeat(1, q.shape[1] // k.shape[1], 1, 1)
             v = v.repeat(1, q.shape[1] // v.shape[1], 1, 1)
@@ -49,10 +53,12 @@ def test_probe_turns_the_route_off_when_the_kernel_disagrees(fault, monkeypatch,
         return o, lse * (1.4426950408889634 if fault == "lse_base2" else 1.0)
 
     monkeypatch.setattr(vendor, "_BROKEN", [])
+    monkeypatch.setattr(vendor, "_OPERANDS", {"contiguous": False})
     monkeypatch.setattr(vendor, "_segment_cudnn", kernel)
     vendor._probe(torch.device("cpu"), 6, 2, 64, torch.float32)
-    assert bool(vendor._BROKEN) == (fault is not None)
-    if fault:
+    assert bool(vendor._BROKEN) == (fault not in (None, "strided_refused"))
+    assert vendor._OPERANDS["contiguous"] == (fault is not None)  # every failure tries contiguous copies too
+    if vendor._BROKEN:
         assert "paged kernel takes over" in capsys.readouterr().err
 
 

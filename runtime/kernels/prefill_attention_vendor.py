@@ -32,6 +32,7 @@ if MODE not in MODES:
 _BROKEN: list[str] = []  # the first failure of the cuDNN call, after which the paged kernel takes over
 
 
+_OPERANDS = {"contiguous": False}  # copies made contiguous first, where the probe found strided ones refused
 _CHECKED: set[tuple] = set()  # (device, heads, kv heads, head dim, dtype) the probe passed for
 
 
@@ -55,24 +56,31 @@ def vendor_prefill(q: torch.Tensor, host_ctx, kv_heads: int, dtype: torch.dtype)
 
 
 def _probe(device, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
-    """One small chunk through cuDNN and through plain torch, unmasked and causal: the merge relies on the
-    kernel's GQA grouping, its causal alignment and its log-sum-exps in natural log, none of which a wrong
-    answer would announce. A mismatch or an error sends every chunk to the paged kernel."""
+    """One small chunk through cuDNN and through plain torch, unmasked and causal, laid out as the chunks come
+    (queries a transposed [T, HQ, D] view, keys a slice of a gathered [HKV, S, D] copy): the merge relies on
+    the kernel's GQA grouping, its causal alignment and its log-sum-exps in natural log, none of which a wrong
+    answer would announce. Where the strided operands fail, contiguous copies are tried; a mismatch or an error
+    either way sends every chunk to the paged kernel."""
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, heads, 96, head_dim, device=device, generator=g).to(dtype)
-    k = torch.randn(1, kv_heads, 96, head_dim, device=device, generator=g).to(dtype)
-    v = torch.randn(1, kv_heads, 96, head_dim, device=device, generator=g).to(dtype)
-    try:
-        for causal in (False, True):
-            o, lse = _segment_cudnn(q, k, v, causal, head_dim ** -0.5)
-            o_ref, lse_ref = _segment_reference(q, k, v, causal, head_dim ** -0.5)
-            o_err = (o.float() - o_ref.float()).abs().max().item()
-            lse_err = (lse.float().view_as(lse_ref) - lse_ref).abs().max().item()
-            if not (o_err < 2e-2 and lse_err < 2e-2):
-                raise RuntimeError(f"cuDNN attention differs from torch (causal={causal}: output {o_err:.3g}, "
-                                   f"log-sum-exp {lse_err:.3g})")
-    except RuntimeError as exc:
-        _fail(exc)
+    q = torch.randn(96, heads, head_dim, device=device, generator=g).to(dtype).transpose(0, 1)[None]
+    k = torch.randn(kv_heads, 128, head_dim, device=device, generator=g).to(dtype)[None, :, 16:112]
+    v = torch.randn(kv_heads, 128, head_dim, device=device, generator=g).to(dtype)[None, :, 16:112]
+    failure = None
+    for contiguous in (False, True):
+        _OPERANDS["contiguous"] = contiguous
+        try:
+            for causal in (False, True):
+                o, lse = _segment_cudnn(q, k, v, causal, head_dim ** -0.5)
+                o_ref, lse_ref = _segment_reference(q, k, v, causal, head_dim ** -0.5)
+                o_err = (o.float() - o_ref.float()).abs().max().item()
+                lse_err = (lse.float().view_as(lse_ref) - lse_ref).abs().max().item()
+                if not (o_err < 2e-2 and lse_err < 2e-2):
+                    raise RuntimeError(f"cuDNN attention differs from torch (causal={causal}: output {o_err:.3g}, "
+                                       f"log-sum-exp {lse_err:.3g})")
+            return
+        except RuntimeError as exc:
+            failure = failure or exc
+    _fail(failure)
 
 
 def _fail(exc: Exception) -> None:
@@ -82,6 +90,8 @@ def _fail(exc: Exception) -> None:
 
 def _segment_cudnn(q, k, v, causal: bool, scale: float):
     """cuDNN attention of q [1, HQ, T, D] over k, v [1, HKV, S, D] (GQA: HQ a multiple of HKV): (o, lse [1, HQ, T])."""
+    if _OPERANDS["contiguous"]:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out[0], out[1]
 
@@ -132,7 +142,7 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
     for lane in range(lanes):
         n = int(host_ctx[lane])
         before = n - t
-        qt = q[lane].transpose(0, 1)[None].to(dtype).contiguous()  # [1, HQ, T, D]
+        qt = q[lane].transpose(0, 1)[None].to(dtype)  # [1, HQ, T, D], a view of the bf16 rows
         acc = lse = None
         bounds = [(s, min(s + keys, before), False) for s in range(0, before, keys)]
         for first, last, causal in bounds + [(before, n, True)]:
