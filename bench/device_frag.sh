@@ -638,6 +638,14 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s52c)  # ~150 s: cold prefill 27B bf16 to 32K / 128K, cuDNN vs paged attention alternated in one engine, then the
+  # GPU tests of the cuDNN route and the rmsnorm fix
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python bench/prefill_ab.py qwen3.6-27b 32768,131072 bf16 2>&1 | grep -E "^\{|cuDNN|Error"
+  echo "prefill a/b t=$(el)"
+  timeout 60 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_prefill_attention_vendor.py \
+    tests/test_kernels.py -k "cudnn or vendor or rmsnorm_router" 2>&1 | tail -3
+  ;;
 s52b)  # s52 cut to ~150 s: 27B bf16 cold prefill to 8K / 128K, the chunk's attention on cuDNN (auto) vs paged (triton)
   nvidia-smi --query-gpu=name --format=csv,noheader
   for mode in auto triton; do
