@@ -648,8 +648,9 @@ class Engine:
             act = fragment_expert_gemv(h, pairs, gate_up.packed, 2 * inter, k, True,
                                        shared=shared_up.packed if rides else None, route_into=route_into,
                                        expert_major=expert_major)
+            down_major = expert_major and 0 < MOE_FRAGMENT_TUNING["down_major"] <= n
             y = fragment_expert_gemv(act, pairs, down.packed, hid, k, False,
-                                     shared=shared_down.packed if rides else None, expert_major=expert_major)
+                                     shared=shared_down.packed if rides else None, expert_major=down_major)
             if rides:
                 return ExpertPartials(y[: n * k], weights, y[n * k :], shared_gate)
             return ExpertPartials(y, weights, shared_down(swiglu(shared_up(h))), shared_gate)

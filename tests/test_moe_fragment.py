@@ -204,8 +204,10 @@ def test_expert_major_threshold_from_the_tuning(moe_fragment_sized, monkeypatch)
     from tests.test_engine import DEVICE, PROMPT
 
     monkeypatch.setattr(engine_module, "MOE_FRAGMENT", "on")
-    for threshold, want in ((0, {False}), (2, {False, True}), (1, {True})):
+    tokens = None
+    for threshold, down, want in ((0, 2, {False}), (2, 2, {False, True}), (1, 1, {True}), (1, 0, {True, False})):
         monkeypatch.setitem(engine_module.MOE_FRAGMENT_TUNING, "expert_major", threshold)
+        monkeypatch.setitem(engine_module.MOE_FRAGMENT_TUNING, "down_major", down)  # 5th field: the down launch
         calls = []
         real = engine_module.fragment_expert_gemv
         monkeypatch.setattr(engine_module, "fragment_expert_gemv",
@@ -217,3 +219,8 @@ def test_expert_major_threshold_from_the_tuning(moe_fragment_sized, monkeypatch)
         engine.decode_step([0, 1], first)
         monkeypatch.setattr(engine_module, "fragment_expert_gemv", real)
         assert set(calls) == want, (threshold, set(calls))
+        if down == 0:  # gate/up expert by expert, down pair by pair over the routed pairs
+            assert calls[0::2] == [True] * (len(calls) // 2) and not any(calls[1::2])
+        got = engine.decode_step([0, 1], first).argmax(-1).tolist()
+        assert tokens is None or got == tokens  # every split of the launches decodes the same tokens
+        tokens = got
