@@ -40,6 +40,7 @@
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
 #                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
+#                        bash bench/device_frag.sh s53       # next: cuDNN prefill end to end, MoE down launch split, s50
 #                        bash bench/device_frag.sh s52       # cuDNN prefill attention: tests, 27B prefill to 128K on / off
 #                        bash bench/device_frag.sh s51       # prefill attention at depth (tiles, torch's kernels), then s50
 #                        bash bench/device_frag.sh s50       # 35B prefill + one lane with fragment experts, server
@@ -637,6 +638,25 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
+  ;;
+s53)  # next session (~560 s): what session 39 built and could not time. The cuDNN prefill route end to end (27B
+  # bf16 and rk4v4-e8, one engine each, cuDNN / paged alternated), the down launch pair by pair after routing first
+  # (35B-A3B lanes, each lane its own token, down_major 2 vs 0 alternated), then s50's 35B one lane and router runs
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_prefill_attention_vendor.py \
+    tests/test_kernels.py -k "cudnn or vendor or rmsnorm" 2>&1 | tail -3
+  for kv in bf16 rk4v4-e8; do
+    timeout 150 python bench/prefill_ab.py qwen3.6-27b 32768,131072 $kv 2>&1 | grep -E "^\{|cuDNN|Error"
+    echo "prefill a/b $kv t=$(el)"
+  done
+  for down in 2 0 2 0; do
+    [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] || break
+    NINFER_MOE_FRAGMENT_TILE=2,4,2,2,$down timeout 90 python -m ninfer_cli.main bench --random-weights \
+      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens \
+      --json-out "$OUT/s53-down-major-$down-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes, distinct tokens, down_major $down t=$(el)"
+  done
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 120 ] && DEADLINE=$(( ${DEADLINE:-560} - $(el) )) bash bench/device_frag.sh s50
   ;;
 s52c)  # ~150 s: cold prefill 27B bf16 to 32K / 128K, cuDNN vs paged attention alternated in one engine, then the
   # GPU tests of the cuDNN route and the rmsnorm fix
