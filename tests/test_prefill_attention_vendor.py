@@ -37,6 +37,13 @@ def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)  # the CPU runs the paged kernel's reference
     monkeypatch.setattr(vendor, "MODE", "triton")
     assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)
+    assert not vendor.route_wanted(8192, (131072,))
+    monkeypatch.setattr(vendor, "MODE", "auto")  # deep chunks only: a shallow one is a small part of its forward
+    assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (40000, 900))
+    assert not vendor.route_wanted(8192, (8192,)) and not vendor.route_wanted(255, (131072,))
+    assert not vendor.route_wanted(8192, None)  # lengths unknown on the host (CUDA-graph pieces)
+    monkeypatch.setattr(vendor, "MODE", "cudnn")
+    assert vendor.route_wanted(256, (300,))
 
 
 @pytest.mark.parametrize("fault", [None, "lse_base2", "causal_top_left_off", "gqa_interleaved", "strided_refused"])
@@ -71,8 +78,10 @@ def test_memory_plan_counts_the_segments_the_kernel_gathers():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs a CUDA GPU")
 @pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8"])
-def test_cudnn_segments_match_the_paged_kernel(codec):
+def test_cudnn_segments_match_the_paged_kernel(codec, monkeypatch):
     from runtime.kernels.paged_attention import paged_attention
+
+    monkeypatch.setattr(vendor, "MODE", "cudnn")  # at any depth
 
     c, q, pool, bt, ctx, want = _case(codec, t=512, ctx=[3000, 700], hq=24, hkv=4, d=256, device="cuda")
     q = q.to(torch.bfloat16)

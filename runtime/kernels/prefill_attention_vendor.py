@@ -10,7 +10,9 @@ gathered copy (memory_plan counts it) whatever the depth. Compressed codecs deco
 first (the keys' rotated basis, as the queries arrive: the codec's decoders).
 
 Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
-CUDA-graph pieces keep the paged kernel. On the CPU the same segments run through plain-torch attention.
+CUDA-graph pieces keep the paged kernel, and so (under `auto`) do chunks ending before MIN_CONTEXT keys;
+NINFER_PREFILL_ATTENTION=cudnn takes every eager chunk of MIN_ROWS rows or more. On the CPU the same segments
+run through plain-torch attention.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from runtime.kv.codecs import Codec
 PAGE = 64
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
 MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
+# chunks ending before this many keys keep the paged kernel too: there attention is a small part of a chunk, and
+# cuDNN builds an execution plan for every new shape (a prompt's tail chunk is one), which long prompts amortize
+MIN_CONTEXT = 32_768
 MODES = ("auto", "cudnn", "triton")
 MODE = os.environ.get("NINFER_PREFILL_ATTENTION", "auto")
 if MODE not in MODES:
@@ -36,11 +41,19 @@ _OPERANDS = {"contiguous": False}  # copies made contiguous first, where the pro
 _CHECKED: set[tuple] = set()  # (device, heads, kv heads, head dim, dtype) the probe passed for
 
 
+def route_wanted(rows: int, host_ctx) -> bool:
+    """The rule alone: a chunk of >= MIN_ROWS rows whose lengths are known, ending at >= MIN_CONTEXT keys under
+    `auto`, at any depth under `cudnn`, never under `triton`."""
+    if MODE == "triton" or host_ctx is None or rows < MIN_ROWS:
+        return False
+    return MODE == "cudnn" or max(host_ctx) >= MIN_CONTEXT
+
+
 def vendor_prefill(q: torch.Tensor, host_ctx, kv_heads: int, dtype: torch.dtype) -> bool:
     """Whether this chunk's attention takes the cuDNN route: a GPU chunk of >= MIN_ROWS rows whose lanes'
     lengths the caller knows on the host, cuDNN attention present, not turned off, not failed before, and
     its outputs and log-sum-exps checked once against plain torch at these head counts (_probe)."""
-    if MODE == "triton" or host_ctx is None or _BROKEN or q.device.type != "cuda" or q.shape[1] < MIN_ROWS:
+    if not route_wanted(q.shape[1], host_ctx) or _BROKEN or q.device.type != "cuda":
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
