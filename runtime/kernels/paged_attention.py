@@ -43,7 +43,10 @@ ATTENTION_TILES = {"bf16": (32, 4, 1024), "int8g64": (64, 4, 1024), "int4g64": (
 # Verify blocks (17..32 rows, e.g. MTP3's 24) of int4 codes: 32-key tiles with fp16 operands through ldmatrix
 # (run 26, T = 4 at 200K: 310 -> 266 us per layer)
 VERIFY_TILES = {"int4g64": (32, 2, 512), "int4g64e8": (32, 2, 512)}
-# Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator
+# Prefill row blocks (64 rows) keep four-warp tiles: two warps would hold a 64 x D float32 accumulator.
+# Pipeline stages per key sub-codec where measured (session 39, H100, attention_compare.py prefill, a 2,048-row
+# chunk at 8K / 128K / 200K): bf16 with 2 stages 309 / 318 / 309 TFLOP/s against 274 / 283 / 304 with triton's default
+PREFILL_STAGES = {"bf16": 2}
 PREFILL_TILES = {"bf16": (32, 4), "int8g64": (64, 4), "int4g64": (64, 4), "int4g64e8": (64, 4), "fp8row": (32, 4),
                  "nvfp4": (16, 4), "e8cube": (16, 4)}
 ATTENTION_TUNING: dict[str, int] = {}  # block_m / block_n / num_warps / programs / num_stages overrides for sweeps
@@ -432,7 +435,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
         D=d, KK=KIND_IDS[codec.key], VK=KIND_IDS[codec.value],
         KW0=k0.shape[-1], KW1=k1.shape[-1], VW0=v0.shape[-1], VW1=v1.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, LDMATRIX=ldmatrix, num_warps=num_warps,
-        **{key: ATTENTION_TUNING[key] for key in ("num_stages",) if key in ATTENTION_TUNING}, **LAUNCH)
+        **_stages(codec, block_m), **LAUNCH)
     if direct:  # one split: the rows are final, gated apart
         return gate.apply(o) if gate is not None else o
     return combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate)
@@ -454,6 +457,15 @@ def combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, b
                                                   D=d, BLOCK_S=64, BLOCK_D=64, BLOCK_N=block_n, GATE=True,
                                                   ROTATE=gate.rotate, **gate.quant, num_warps=4, **LAUNCH)
     return gate.y[gate.row0 : gate.row0 + lanes * t]
+
+
+def _stages(codec: Codec, block_m: int) -> dict[str, int]:
+    """The launch's num_stages where one is set: a sweep's override, else a prefill block's measured stages."""
+    if "num_stages" in ATTENTION_TUNING:
+        return {"num_stages": ATTENTION_TUNING["num_stages"]}
+    if block_m > VERIFY_MAX_BLOCK_M and codec.key in PREFILL_STAGES:
+        return {"num_stages": PREFILL_STAGES[codec.key]}
+    return {}
 
 
 def attention_tile(codec: Codec, block_m: int) -> tuple[int, int, int, bool]:
