@@ -213,6 +213,28 @@ def test_chunked_prefill_across_pages_and_chunks(artifacts):
     _assert_matches_reference(engine, artifacts["dense-q4"], prompt, 3)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "rk4v4-e8"])
+def test_prefill_chunks_through_the_segment_route_match_the_paged_attention(artifacts, kv, monkeypatch):
+    """Eager prefill chunks hand their lengths to the attention, which (the cuDNN route, forced here: on the CPU its
+    segments run through plain torch) attends to the keys before the chunk and the chunk's own as two segments
+    merged by their log-sum-exps: the prompt's logits are the paged attention's, and so are the tokens after."""
+    from runtime.kernels import prefill_attention_vendor as vendor
+
+    seen = []
+    monkeypatch.setattr(vendor, "vendor_prefill",
+                        lambda q, host_ctx, *rest: seen.append(host_ctx) or (host_ctx is not None and q.shape[1] > 8))
+    prompt = [(i * 37 + 11) % 380 for i in range(300)]  # chunks of 128: keys before the chunk from the second on
+    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=384, prefill_chunk=128, kv_dtype=kv), device=DEVICE)
+    routed = engine.prefill(0, prompt).float().cpu()
+    routed_tokens = engine.generate(prompt, 3)
+    assert {(128,), (256,), (300,)} <= set(seen)  # every chunk's end, as the host knows it
+    monkeypatch.setattr(vendor, "vendor_prefill", lambda *a: False)
+    paged = engine.prefill(0, prompt).float().cpu()
+    tol = 1e-4 if DEVICE == "cpu" else 5e-2
+    torch.testing.assert_close(routed, paged, atol=tol * paged.abs().max().item(), rtol=0)
+    assert routed_tokens == engine.generate(prompt, 3)
+
+
 @pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_batched_lanes_do_not_mix(artifacts):
     path = artifacts["dense-q4"]
