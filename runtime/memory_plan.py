@@ -351,7 +351,7 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
             + cfg.num_experts * 8 * 2
         arena.add("moe_pairs", max(fused, dense))
     if t >= ATTENTION_SEGMENT_MIN_ROWS:  # a prefill chunk's attention through cuDNN, a key segment at a time:
-        # the gathered segment (bf16, or fp16 copies of a float32 decode of half the keys), the float32 running
+        # the gathered segment (bf16 or decoded fp16 K and V, with room for a third copy), the float32 running
         # output, a segment's output and log-sum-exps. Attention layers run while the GDN layers' temporaries are
         # free: only what exceeds those is added
         segments = 3 * ATTENTION_SEGMENT_KEYS * cfg.num_kv_heads * cfg.head_dim * 2 \

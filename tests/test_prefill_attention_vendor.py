@@ -92,3 +92,18 @@ def test_cudnn_segments_match_the_paged_kernel(codec, monkeypatch):
     paged = paged_attention(q, pool, c, bt, ctx, 256 ** -0.5)
     torch.testing.assert_close(got.float().cpu(), paged.float().cpu(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "nvfp4", "rk4v4-e8", "rk2v4-e8", "k8v4"])
+@pytest.mark.parametrize("side", ["k", "v"])
+def test_kv_decode_kernel_matches_the_codec_decoders(codec, side, kernel_device, monkeypatch):
+    """The one-launch decode of a lane's positions out of the pages (the cuDNN route's compressed segments) against
+    the codec's torch decoders, rows starting and ending mid-page."""
+    from runtime.kernels.kv_decode import kv_decode, kv_decode_reference
+
+    monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
+    c, _, pool, bt, _, _ = _case(codec, t=4, ctx=[300], hkv=2, d=256, device=kernel_device)
+    want = kv_decode_reference({k: v.cpu() for k, v in pool.items()}, c, side, bt[0].cpu(), 37, 290)
+    got = kv_decode(pool, c, side, bt[0], 37, 290, 256)
+    assert got.shape == want.shape == (2, 253, 256) and got.dtype == torch.float16
+    torch.testing.assert_close(got.cpu(), want, atol=0, rtol=0)

@@ -6,8 +6,8 @@ cuDNN kernel runs at 634-708 TFLOP/s against 283-318 for the paged Triton kernel
 the pages costs ~6 % of it. The chunk's keys are taken in segments of SEGMENT_KEYS: the keys before the chunk
 unmasked, then the chunk's own keys as a square causal block; each segment returns its outputs and log-sum-exps,
 and the segments merge exactly (o = sum_i o_i exp(lse_i - lse), lse = logaddexp over i). Segments bound the
-gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to 16 bits
-first (the keys' rotated basis, as the queries arrive: the codec's decoders).
+gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to fp16 first
+(kv_decode: one launch per side; the keys' rotated basis, as the queries arrive).
 
 Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
 CUDA-graph pieces keep the paged kernel, and so (under `auto`) do chunks ending before MIN_CONTEXT keys;
@@ -121,7 +121,8 @@ def _segment_reference(q, k, v, causal: bool, scale: float):
     return torch.einsum("bhts,bhsd->bhtd", torch.softmax(s, -1), vv).to(q.dtype), lse
 
 
-def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype,
+          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [first, last) of one lane, [1, HKV, last - first, D] in `dtype`, each head's
     rows contiguous (one gathering copy out of the pages)."""
     p0, p1 = first // PAGE, -(-last // PAGE)
@@ -130,7 +131,12 @@ def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype)
     if codec.key == "bf16" and codec.value == "bf16":  # [pages, 64, HKV, D] -> [HKV, pages, 64, D]
         k = pool["k_data"].permute(2, 0, 1, 3).index_select(1, index)
         v = pool["v_data"].permute(2, 0, 1, 3).index_select(1, index)
-    else:
+    elif index.device.type == "cuda":  # one launch per side, straight to fp16 [HKV, last - first, D]
+        from .kv_decode import kv_decode
+
+        return (kv_decode(pool, codec, "k", pages, first, last, head_dim)[None],
+                kv_decode(pool, codec, "v", pages, first, last, head_dim)[None])
+    else:  # the CPU: the codecs' float32 decoders
         planes = {name: plane.index_select(0, index) for name, plane in pool.items()}
         k = codec.decode_keys(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
         v = codec.decode_values(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
@@ -150,16 +156,14 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
     if q.device.type == "cpu":
         dtype = torch.float32
     out = torch.empty_like(q)
-    # compressed codecs decode through float32: half the keys a segment keeps their scratch within the plan's
-    keys = segment_keys if dtype == torch.bfloat16 or q.device.type == "cpu" else segment_keys // 2
     for lane in range(lanes):
         n = int(host_ctx[lane])
         before = n - t
         qt = q[lane].transpose(0, 1)[None].to(dtype)  # [1, HQ, T, D], a view of the bf16 rows
         acc = lse = None
-        bounds = [(s, min(s + keys, before), False) for s in range(0, before, keys)]
+        bounds = [(s, min(s + segment_keys, before), False) for s in range(0, before, segment_keys)]
         for first, last, causal in bounds + [(before, n, True)]:
-            k, v = _keys(pool, codec, block_table[lane], first, last, dtype)
+            k, v = _keys(pool, codec, block_table[lane], first, last, dtype, q.shape[-1])
             try:
                 o_i, lse_i = segment(qt, k, v, causal, scale)
             except RuntimeError as exc:
