@@ -86,7 +86,7 @@ def _probe(device, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
                 o, lse = _segment_cudnn(q, k, v, causal, head_dim ** -0.5)
                 o_ref, lse_ref = _segment_reference(q, k, v, causal, head_dim ** -0.5)
                 o_err = (o.float() - o_ref.float()).abs().max().item()
-                lse_err = (lse.float().view_as(lse_ref) - lse_ref).abs().max().item()
+                lse_err = (lse.float().reshape(lse_ref.shape) - lse_ref).abs().max().item()
                 if not (o_err < 2e-2 and lse_err < 2e-2):
                     raise RuntimeError(f"cuDNN attention differs from torch (causal={causal}: output {o_err:.3g}, "
                                        f"log-sum-exp {lse_err:.3g})")
@@ -171,7 +171,7 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
                     raise
                 _fail(exc)
                 raise VendorFallback from exc
-            lse_i = lse_i.float().view(1, q.shape[2], t)
+            lse_i = lse_i.float().reshape(1, q.shape[2], t)
             if acc is None:
                 acc, lse = o_i.float(), lse_i
                 continue
