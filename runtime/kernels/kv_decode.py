@@ -13,6 +13,7 @@ import triton.language as tl
 from runtime.kv.codecs import Codec
 
 from . import torch_path
+from .launch import LAUNCH, pdl_wait
 from .paged_attention import KIND_IDS, PAGE, _code_halves, _decode_rows, _plane_names
 
 BLOCK_N = 32
@@ -22,6 +23,7 @@ BLOCK_N = 32
 def _kv_decode_kernel(p0, p1, out_ptr, pages_ptr, first, count, HKV, KIND: tl.constexpr, D: tl.constexpr,
                       W0: tl.constexpr, W1: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (tile of BLOCK_N positions, kv head): out[head, i] = decoded vector of position first + i."""
+    pdl_wait()
     i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     head = tl.program_id(1)
     ok = i < count
@@ -55,7 +57,7 @@ def kv_decode(pool: dict[str, torch.Tensor], codec: Codec, side: str, pages: tor
     out = torch.empty(hkv, count, d, dtype=torch.float16, device=p0.device)
     _kv_decode_kernel[(triton.cdiv(count, BLOCK_N), hkv)](
         p0, p1, out, pages, first, count, hkv, KIND=KIND_IDS[kind], D=d, W0=p0.shape[-1], W1=p1.shape[-1],
-        BLOCK_N=BLOCK_N)
+        BLOCK_N=BLOCK_N, **LAUNCH)
     return out
 
 
