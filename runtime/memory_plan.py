@@ -284,8 +284,7 @@ def dflash2_workspace_bytes(d: DFlash2Config, cfg: ModelConfig, opts: PlanOption
     return projection + block + scores + logits
 
 
-# kernels/prefill_attention_vendor.py's SEGMENT_KEYS and MIN_ROWS (a test keeps them equal): one segment's keys
-# and values gathered (decoded: float32 before the 16-bit copy), the float32 running output, a segment's output
+# kernels/prefill_attention_vendor.py's SEGMENT_KEYS and MIN_ROWS (a test keeps them equal)
 ATTENTION_SEGMENT_KEYS = 32_768
 ATTENTION_SEGMENT_MIN_ROWS = 256
 RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qlinear.py GEMM_DEQUANT_BYTES)

@@ -34,9 +34,9 @@ def test_segments_merge_to_attention_over_every_key(codec, segment):
 
 def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     q = torch.zeros(1, 512, 4, 64)
-    assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)  # the CPU runs the paged kernel's reference
+    assert not vendor.vendor_prefill(q, (512,), CODECS["bf16"], 2)  # the CPU runs the paged kernel's reference
     monkeypatch.setattr(vendor, "MODE", "triton")
-    assert not vendor.vendor_prefill(q, (512,), 2, torch.bfloat16)
+    assert not vendor.vendor_prefill(q, (512,), CODECS["bf16"], 2)
     assert not vendor.route_wanted(8192, (131072,))
     monkeypatch.setattr(vendor, "MODE", "auto")  # deep chunks only: a shallow one is a small part of its forward
     assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (40000, 900))
@@ -85,8 +85,7 @@ def test_cudnn_segments_match_the_paged_kernel(codec, monkeypatch):
 
     c, q, pool, bt, ctx, want = _case(codec, t=512, ctx=[3000, 700], hq=24, hkv=4, d=256, device="cuda")
     q = q.to(torch.bfloat16)
-    dtype = torch.bfloat16 if codec == "bf16" else torch.float16
-    assert vendor.vendor_prefill(q, [3000, 700], 4, dtype), vendor._BROKEN  # the probe passes
+    assert vendor.vendor_prefill(q, [3000, 700], c, 4), vendor._BROKEN  # the probe passes
     got = vendor.prefill_attention_segments(q, pool, c, bt, [3000, 700], 256 ** -0.5, segment_keys=1024)
     assert not vendor._BROKEN, vendor._BROKEN
     paged = paged_attention(q, pool, c, bt, ctx, 256 ** -0.5)

@@ -61,12 +61,13 @@ def kv_decode(pool: dict[str, torch.Tensor], codec: Codec, side: str, pages: tor
     return out
 
 
-def kv_decode_reference(pool, codec: Codec, side: str, pages: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """The codec's torch decoders over the gathered pages."""
+def kv_decode_reference(pool, codec: Codec, side: str, pages: torch.Tensor, first: int, last: int,
+                        dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The codec's torch decoders (float32) over the gathered pages, in `dtype`."""
     p0, p1 = first // PAGE, -(-last // PAGE)
     index = pages[p0:p1].long()
     planes = {name: plane.index_select(0, index) for name, plane in pool.items() if name.startswith(side + "_")}
     x = codec.decode_keys(planes) if side == "k" else codec.decode_values(planes)  # [pages, 64, HKV, D]
     x = x.permute(2, 0, 1, 3).reshape(x.shape[2], -1, x.shape[-1])
     skip = first - p0 * PAGE
-    return x[:, skip : skip + last - first].to(torch.float16)
+    return x[:, skip : skip + last - first].to(dtype)

@@ -394,21 +394,19 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     attention (prefill_attention_vendor)."""
     from .prefill_attention_vendor import VendorFallback, prefill_attention_segments, vendor_prefill
 
-    if vendor_prefill(q, host_ctx, next(iter(pool.values())).shape[2],
-                      torch.bfloat16 if codec.key == codec.value == "bf16" else torch.float16):
+    lanes, t, hq, d = q.shape
+    hkv = next(iter(pool.values())).shape[2]
+    o = None
+    if vendor_prefill(q, host_ctx, codec, hkv):
         try:
             o = prefill_attention_segments(q, pool, codec, block_table, host_ctx, scale)
         except VendorFallback:
             pass
-        else:
-            o = out.copy_(o) if out is not None else o
-            return gate.apply(o) if gate is not None else o
-    if torch_path(q):
+    if o is None and torch_path(q):
         o = paged_attention_reference(q, pool, codec, block_table, ctx_len, scale)
+    if o is not None:  # the rows are final (cuDNN segments, the reference), gated apart
         o = out.copy_(o) if out is not None else o
         return gate.apply(o) if gate is not None else o
-    lanes, t, hq, d = q.shape
-    hkv = next(iter(pool.values())).shape[2]
     from .paged_attention_frag import FRAG_ATTENTION, frag_attention_supported, paged_attention_frag
 
     fragment = FRAG_ATTENTION["mode"] == "on" or (FRAG_ATTENTION["mode"] == "auto" and not interpreted())

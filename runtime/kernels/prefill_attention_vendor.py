@@ -24,7 +24,9 @@ import torch
 
 from runtime.kv.codecs import Codec
 
-PAGE = 64
+from .kv_decode import kv_decode, kv_decode_reference
+from .paged_attention import PAGE
+
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
 MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
 # chunks ending before this many keys keep the paged kernel too: there attention is a small part of a chunk, and
@@ -49,12 +51,21 @@ def route_wanted(rows: int, host_ctx) -> bool:
     return MODE == "cudnn" or max(host_ctx) >= MIN_CONTEXT
 
 
-def vendor_prefill(q: torch.Tensor, host_ctx, kv_heads: int, dtype: torch.dtype) -> bool:
+def segment_dtype(codec: Codec, device: torch.device) -> torch.dtype:
+    """The attention operands' dtype: the bf16 cache's own, fp16 for decoded compressed codecs (as the paged kernel's
+    tensor-core operands), float32 for the CPU's plain-torch segments."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if codec.key == codec.value == "bf16" else torch.float16
+
+
+def vendor_prefill(q: torch.Tensor, host_ctx, codec: Codec, kv_heads: int) -> bool:
     """Whether this chunk's attention takes the cuDNN route: a GPU chunk of >= MIN_ROWS rows whose lanes'
     lengths the caller knows on the host, cuDNN attention present, not turned off, not failed before, and
     its outputs and log-sum-exps checked once against plain torch at these head counts (_probe)."""
     if not route_wanted(q.shape[1], host_ctx) or _BROKEN or q.device.type != "cuda":
         return False
+    dtype = segment_dtype(codec, q.device)
     if torch.cuda.is_current_stream_capturing():
         return False
     if not (torch.backends.cudnn.is_available() and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")):
@@ -124,26 +135,20 @@ def _segment_reference(q, k, v, causal: bool, scale: float):
 def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype,
           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [first, last) of one lane, [1, HKV, last - first, D] in `dtype`, each head's
-    rows contiguous (one gathering copy out of the pages)."""
-    p0, p1 = first // PAGE, -(-last // PAGE)
-    index = pages[p0:p1].long()
-    skip = first - p0 * PAGE
+    rows contiguous (one gathering copy out of the pages, or one decoding launch per side)."""
     if codec.key == "bf16" and codec.value == "bf16":  # [pages, 64, HKV, D] -> [HKV, pages, 64, D]
-        k = pool["k_data"].permute(2, 0, 1, 3).index_select(1, index)
-        v = pool["v_data"].permute(2, 0, 1, 3).index_select(1, index)
-    elif index.device.type == "cuda":  # one launch per side, straight to fp16 [HKV, last - first, D]
-        from .kv_decode import kv_decode
-
+        p0, p1 = first // PAGE, -(-last // PAGE)
+        index = pages[p0:p1].long()
+        skip = first - p0 * PAGE
+        k = pool["k_data"].permute(2, 0, 1, 3).index_select(1, index).flatten(1, 2)[:, skip : skip + last - first]
+        v = pool["v_data"].permute(2, 0, 1, 3).index_select(1, index).flatten(1, 2)[:, skip : skip + last - first]
+        return k[None], v[None]
+    if pages.device.type == "cuda":  # straight to fp16 [HKV, last - first, D]
         return (kv_decode(pool, codec, "k", pages, first, last, head_dim)[None],
                 kv_decode(pool, codec, "v", pages, first, last, head_dim)[None])
-    else:  # the CPU: the codecs' float32 decoders
-        planes = {name: plane.index_select(0, index) for name, plane in pool.items()}
-        k = codec.decode_keys(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
-        v = codec.decode_values(planes).permute(2, 0, 1, 3).to(dtype).contiguous()
-    hkv, d = k.shape[0], k.shape[-1]
-    k = k.reshape(hkv, -1, d)[:, skip : skip + last - first]
-    v = v.reshape(hkv, -1, d)[:, skip : skip + last - first]
-    return k[None], v[None]
+    # the CPU: the codecs' float32 decoders
+    return (kv_decode_reference(pool, codec, "k", pages, first, last, dtype)[None],
+            kv_decode_reference(pool, codec, "v", pages, first, last, dtype)[None])
 
 
 def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec, block_table: torch.Tensor,
@@ -152,9 +157,7 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
     [lanes, T, HQ, D] in the value storage basis, like paged_attention."""
     lanes, t = q.shape[:2]
     segment = _segment_cudnn if q.device.type == "cuda" else _segment_reference
-    dtype = torch.bfloat16 if codec.key == "bf16" and codec.value == "bf16" else torch.float16
-    if q.device.type == "cpu":
-        dtype = torch.float32
+    dtype = segment_dtype(codec, q.device)
     out = torch.empty_like(q)
     for lane in range(lanes):
         n = int(host_ctx[lane])
