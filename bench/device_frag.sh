@@ -639,6 +639,18 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s55)  # session 40 (~300 s): riding chunks with the riders' rows taken out of the prompt piece (NINFER_RIDE_ALIGN):
+  # the bf16 GEMM at row counts around whole tiles, then lane 0's 32K prefill beside 3 decoding lanes, off / on
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python bench/gemm_rows.py 2>&1 | cut -c1-100
+  echo "gemm rows t=$(el)"
+  for align in off on; do
+    [ $(( ${DEADLINE:-300} - $(el) )) -gt 60 ] || break
+    NINFER_RIDE_ALIGN=$align timeout $(( ${DEADLINE:-300} - $(el) )) $B --lanes 1,4 --depths 8k --kv-dtype bf16 \
+      --concurrent-prefill 32k --json-out "$OUT/s55-ride-align-$align.json" 2>&1 | grep -E "ride|alternate"
+    echo "ride align $align t=$(el)"
+  done
+  ;;
 s54)  # session 40 on an H200 (~560 s): GPU tests of the cuDNN route and the rmsnorm fix, cold prefill to 128K with the
   # chunk's attention on cuDNN / paged / auto alternated in one engine, then issue 21's depth table (real prefill, the
   # cuDNN route by default) and the 35B-A3B lanes (each lane its own token), down launch expert-major 2 vs 0

@@ -86,6 +86,10 @@ PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # 32): 747.7 -> 912.7 tok/s aggregate (2.04x -> 2.35x one client), slowest first text 344 -> 100 ms.
 # NINFER_MOE_PREFILL_GRAPHS=off runs MoE pieces eagerly (side-by-side runs).
 MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
+# A riding chunk's GEMMs multiply the prompt rows and the riders' rows together: NINFER_RIDE_ALIGN=on takes the
+# riders' rows out of the prompt piece (509 prompt rows + 3 riders = 512 rows, not 515), so the vendor GEMM's rows
+# fill whole tiles; off (the default until measured side by side) keeps the whole --prefill-chunk-shared of prompt.
+RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "off") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
@@ -870,7 +874,8 @@ class Engine:
             offered = riders.take() if riders is not None else []
             ride = bool(offered) and rope3 is None and not self.rope_delta[lane] \
                 and self.can_ride([r for r, _ in offered], lane)
-            size = min(self.shared_chunk, chunk - len(offered)) if offered else chunk
+            full = self.shared_chunk - (len(offered) if ride and RIDE_ALIGN else 0)  # a whole shared piece
+            size = min(full, chunk - len(offered)) if offered else chunk
             stop = min(start + size, len(prompt))
             if checkpoint_at is not None and start < checkpoint_at < stop:
                 stop = checkpoint_at
@@ -891,14 +896,14 @@ class Engine:
                 logits, aux = self.forward(lane_t, toks, pos, **spec.prefill_outputs(len(piece)), **extra,
                                            host_ctx=(stop,))
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
-            elif (bucket := self._piece_bucket(lane, start, len(piece), rope3)):
+            elif (bucket := self._piece_bucket(lane, start, len(piece), rope3, full)):
                 logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
             elif ride:
                 all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)
                 # a full shared chunk is a fixed shape: one CUDA graph per rider count (small chunks are
                 # launch-bound when eager: ~140 ms for any chunk up to 1,024 tokens on the 27B, run 30)
                 inputs = (all_lanes, toks, pos, rider_toks, rider_pos)
-                if not self._graph_safe_rows(len(piece) + len(offered)) or len(piece) != self.shared_chunk:
+                if not self._graph_safe_rows(len(piece) + len(offered)) or len(piece) != full:
                     # MoE prefill paths with host syncs, odd tail pieces: eager
                     both = self._ride_forward(*inputs)
                 else:
@@ -918,10 +923,11 @@ class Engine:
             start = stop
             yield logits[0] if stop == len(prompt) else None
 
-    def _piece_bucket(self, lane: int, start: int, n: int, rope3) -> int | None:
-        """The padded length a prompt piece of n tokens replays at (PIECE_GRAPHS), or None: run it as it is."""
+    def _piece_bucket(self, lane: int, start: int, n: int, rope3, full: int | None = None) -> int | None:
+        """The padded length a prompt piece of n tokens replays at (PIECE_GRAPHS), or None: run it as it is (a
+        whole shared piece, `full` tokens, has graphs of its own)."""
         if not self.piece_graphs or rope3 is not None or self.rope_delta[lane] \
-                or (self.use_graphs and n >= self.shared_chunk):
+                or (self.use_graphs and n >= (self.shared_chunk if full is None else full)):
             return None
         bucket = next((size for size in PIECE_BUCKETS if size >= n), None)
         if bucket is None or start + bucket > self.plan.pages_per_lane * PAGE:  # pad K/V stays in the lane's pages

@@ -325,11 +325,15 @@ def test_turn_checkpoint_resumes_a_conversation_whose_tail_changed(artifacts):
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
-def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
+@pytest.mark.parametrize("align", [False, True])
+def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts, align, monkeypatch):
     """Lane 1 decodes while lane 0 prefills: the chunks shrink to --prefill-chunk-shared and lane 1's rows
-    ride inside them (one weight read for both); both lanes' greedy tokens stay those of running alone."""
+    ride inside them (one weight read for both); both lanes' greedy tokens stay those of running alone.
+    Aligned (NINFER_RIDE_ALIGN=on), the rider's row comes out of the piece: 31 prompt rows + 1 rider = 32."""
+    import runtime.engine as engine_module
     from runtime.engine import Riders
 
+    monkeypatch.setattr(engine_module, "RIDE_ALIGN", align)
     path = artifacts["dense-q4"]
     long = [(i * 37 + 11) % 380 for i in range(100)]
     short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
@@ -347,7 +351,7 @@ def test_decode_rows_ride_in_a_shared_prefill_chunk(artifacts):
         assert riders.advanced == [1] and riders.logits is not None and riders.logits.shape[0] == 1
         rider_logits.append(riders.logits[0].clone())
         decoded.append(int(riders.logits[0].argmax()))
-    assert sizes == [32, 32, 32, 4] and engine.stats.rider_tokens == 4
+    assert sizes == ([31, 31, 31, 7] if align else [32, 32, 32, 4]) and engine.stats.rider_tokens == 4
     assert engine.held_tokens(1) == len(short) + 4
     if DEVICE == "cpu":
         assert decoded == _reference(path, short, 5)
