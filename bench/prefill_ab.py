@@ -1,7 +1,8 @@
 """Cold prefill with a prefill chunk's attention on cuDNN and on the paged Triton kernel, alternated in one engine
 (one model load: the comparison fits a short device call). Prints one JSON line per run.
 
-    PYTHONPATH=. python bench/prefill_ab.py [SHAPE] [DEPTH,...] [KV]     # defaults: qwen3.6-27b 32768,131072 bf16
+    PYTHONPATH=. python bench/prefill_ab.py [SHAPE] [DEPTH,...] [KV] [MODE,...]
+    # defaults: qwen3.6-27b 32768,131072 bf16 auto,triton,cudnn
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from runtime.kernels import prefill_attention_vendor as vendor
 from runtime.memory_plan import PlanOptions
 
 
-def main(shape: str = "qwen3.6-27b", depths: str = "32768,131072", kv: str = "bf16") -> None:
+def main(shape: str = "qwen3.6-27b", depths: str = "32768,131072", kv: str = "bf16",
+         modes: str = "auto,triton,cudnn") -> None:
     sizes = [int(d) for d in depths.split(",")]
     artifact = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=True)
     engine = Engine(artifact, PlanOptions(max_context=max(sizes) + 128, kv_dtype=kv, prefill_chunk=0), device="cuda",
@@ -32,7 +34,7 @@ def main(shape: str = "qwen3.6-27b", depths: str = "32768,131072", kv: str = "bf
         engine.prefill(0, warm)
     for depth in sizes:
         prompt = torch.randint(0, engine.cfg.vocab_size, (depth,), generator=gen).tolist()
-        for mode in ("auto", "triton", "cudnn"):
+        for mode in modes.split(","):
             vendor.MODE = mode
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -86,10 +86,13 @@ PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # 32): 747.7 -> 912.7 tok/s aggregate (2.04x -> 2.35x one client), slowest first text 344 -> 100 ms.
 # NINFER_MOE_PREFILL_GRAPHS=off runs MoE pieces eagerly (side-by-side runs).
 MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
-# A riding chunk's GEMMs multiply the prompt rows and the riders' rows together: NINFER_RIDE_ALIGN=on takes the
-# riders' rows out of the prompt piece (509 prompt rows + 3 riders = 512 rows, not 515), so the vendor GEMM's rows
-# fill whole tiles; off (the default until measured side by side) keeps the whole --prefill-chunk-shared of prompt.
-RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "off") == "on"
+# A riding chunk's GEMMs multiply the prompt rows and the riders' rows together; the riders' rows come out of the
+# prompt piece (509 prompt rows + 3 riders = 512 rows, not 515): the vendor GEMM runs some shapes far slower just past
+# a whole tile (H100, 27B MLP gate_up with the weight cache: 512 rows 272 us, 515 rows 354; down 1,024 rows 259 us,
+# 1,027 343). 32K prefill beside 3 decoding lanes (H100, session 40): 512-token chunks gap 64.2 -> 60.4 ms, prefill
+# 0.73 -> 0.76 of alone; 1,024: 115.1 -> 106.8 ms, 0.82 -> 0.86. NINFER_RIDE_ALIGN=off keeps the whole
+# --prefill-chunk-shared of prompt rows (side-by-side runs).
+RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "on") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 

@@ -39,8 +39,8 @@ def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     assert not vendor.vendor_prefill(q, (512,), CODECS["bf16"], 2)
     assert not vendor.route_wanted(8192, (131072,))
     monkeypatch.setattr(vendor, "MODE", "auto")  # deep chunks only: a shallow one is a small part of its forward
-    assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (40000, 900))
-    assert not vendor.route_wanted(8192, (8192,)) and not vendor.route_wanted(255, (131072,))
+    assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (vendor.MIN_CONTEXT, 900))
+    assert not vendor.route_wanted(8192, (vendor.MIN_CONTEXT - 1,)) and not vendor.route_wanted(255, (131072,))
     assert not vendor.route_wanted(8192, None)  # lengths unknown on the host (CUDA-graph pieces)
     monkeypatch.setattr(vendor, "MODE", "cudnn")
     assert vendor.route_wanted(256, (300,))

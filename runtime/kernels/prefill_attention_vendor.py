@@ -1,9 +1,10 @@
 """A prefill chunk's attention through cuDNN's fused attention (torch's SDPA cuDNN backend), key segment by
 key segment.
 
-Measured on an H100 (bench/attention_compare.py prefill, 2,048-row chunk, 27B heads): at 128K-200K depth the
-cuDNN kernel runs at 634-708 TFLOP/s against 283-318 for the paged Triton kernel, and gathering the keys out of
-the pages costs ~6 % of it. The chunk's keys are taken in segments of SEGMENT_KEYS: the keys before the chunk
+Measured on an H100 (bench/attention_compare.py prefill, 2,048-row chunk, 27B heads): at 8K-200K depth the
+cuDNN kernel runs at 634-708 TFLOP/s against 274-318 for the paged Triton kernel, and gathering the keys out of
+the pages costs ~6 % of it. End to end (bench/prefill_ab.py, H100, session 40), the 27B's cold prefill to 200K:
+7,222 against 5,005 tok/s with bf16 KV, 6,933 against 4,093 with rk4v4-e8. The chunk's keys are taken in segments of SEGMENT_KEYS: the keys before the chunk
 unmasked, then the chunk's own keys as a square causal block; each segment returns its outputs and log-sum-exps,
 and the segments merge exactly (o = sum_i o_i exp(lse_i - lse), lse = logaddexp over i). Segments bound the
 gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to fp16 first
@@ -30,8 +31,10 @@ from .paged_attention import PAGE
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
 MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
 # chunks ending before this many keys keep the paged kernel too: there attention is a small part of a chunk, and
-# cuDNN builds an execution plan for every new shape (a prompt's tail chunk is one), which long prompts amortize
-MIN_CONTEXT = 32_768
+# cuDNN builds an execution plan for every new shape (a prompt's tail chunk is one). From 8K keys it pays (27B bf16,
+# H100, cold prefill with cuDNN at every depth against the paged kernel: 8K 12,556 / 12,487 tok/s, 16K 11,917 /
+# 11,623, 32K 11,397 / 10,486, where the old bound of 32K keys gave 10,865 at 32K)
+MIN_CONTEXT = 8_192
 MODES = ("auto", "cudnn", "triton")
 MODE = os.environ.get("NINFER_PREFILL_ATTENTION", "auto")
 if MODE not in MODES:
