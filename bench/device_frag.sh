@@ -639,6 +639,12 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s56)  # next session (~200 s): where a riding 512-token chunk's time goes (issue 20 item 4: ~60 ms a chunk on an H100 of
+  # which its GEMMs should take ~41 at the measured 670 TFLOP/s): kernel by kernel, eager, weight cache on
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 180 python bench/profile_decode.py qwen3.6-27b "$OUT/s56-ride.json" ride bf16 2>&1 | tail -34
+  echo "ride profile t=$(el)"
+  ;;
 s55)  # session 40 (~300 s): riding chunks with the riders' rows taken out of the prompt piece (NINFER_RIDE_ALIGN):
   # the bf16 GEMM at row counts around whole tiles, then lane 0's 32K prefill beside 3 decoding lanes, off / on
   nvidia-smi --query-gpu=name --format=csv,noheader

@@ -3,7 +3,9 @@ full-size random shape (the kernels are the same ones the CUDA graph replays).
 
     PYTHONPATH=. python bench/profile_decode.py qwen3.6-27b OUT.json [decode|prefill|mtp|dflash2] [KV_DTYPE] [LANES]
 
-With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead; with `mtp` / `dflash2`, one
+With `prefill`, profiles one cold 8,192-token prefill in 2,048-token chunks instead; with `ride`, lane 0's
+512-token shared chunks (the first 4 of an 8,192-token prompt, per chunk) with 3 lanes at 4K riding in each (issue 20
+item 4: where a riding forward's time goes beyond its GEMMs); with `mtp` / `dflash2`, one
 batched speculative round per lane count (3 / 7 drafts, every draft forced accepted: drafting and the verify
 block) instead of a decode step. LANES (e.g. `1,4`)
 profiles a step over that many lanes each (4,096 tokens of context per lane), on one engine planned for
@@ -49,6 +51,33 @@ def _kernel_times(prof, steps: int) -> dict:
     return rows
 
 
+def _profile_ride(eng: Engine, chunks: int) -> dict:
+    """Kernel time per riding shared chunk: lane 0 prefills while lanes 1-3 (4K context each) ride in its chunks."""
+    from runtime.engine import Riders
+
+    decoders, vocab = [1, 2, 3], eng.cfg.vocab_size - 1
+    for lane in decoders:
+        eng.prefill(lane, [1 + (i + lane) % vocab for i in range(4096)])
+    prompt = [1 + i % vocab for i in range(8192)]
+
+    def run(limit: int) -> None:
+        eng.reset_lane(0)
+        riders, tokens = Riders(), [1] * len(decoders)
+        pieces = eng.prefill_chunks(0, prompt, riders=riders)
+        for _ in range(limit):
+            riders.offer(decoders, tokens)
+            next(pieces)
+            tokens = riders.logits.argmax(-1).tolist()
+        pieces.close()
+
+    run(2)  # compile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(chunks)
+        torch.cuda.synchronize()
+    return _kernel_times(prof, chunks)
+
+
 def _profile_rounds(eng: Engine, lanes: list[int], rounds: int) -> dict:
     """Kernel time per batched speculative round over `lanes` (drafts forced accepted), as _profile."""
     from runtime.bench import _synthetic_context
@@ -72,12 +101,17 @@ def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lan
     drafts = {"mtp": 3, "dflash2": 7}.get(mode, 3)
     art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4", mtp=spec == "mtp",
                                dflash2=spec == "dflash2")
+    if mode == "ride":
+        counts = [4]
     eng = Engine(art, PlanOptions(max_context=8192 + 64, prefill_chunk=2048, kv_dtype=kv_dtype,
-                                  max_concurrency=max(counts), spec=spec, draft_tokens=drafts),
+                                  max_concurrency=max(counts), spec=spec, draft_tokens=drafts,
+                                  shared_prefill_chunk=512 if mode == "ride" else None),
                  device="cuda", cuda_graphs=False, random_weights_seed=0)
     if spec != "none":
         eng.speculator.forced_accept = drafts
         results = {n: _profile_rounds(eng, list(range(n)), steps) for n in counts}
+    elif mode == "ride":
+        results = {4: _profile_ride(eng, chunks=4)}
     elif mode == "prefill":
         prompt = list(range(1, 8193))
         eng.prefill(0, prompt)
@@ -88,7 +122,7 @@ def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lan
             eng.prefill(lane, list(range(1 + lane, 4097 + lane)))
         results = {n: _profile(eng, list(range(n)), steps) for n in counts}
     totals = {n: sum(r["us_per_step"] for r in rows.values()) for n, rows in results.items()}
-    what = {"prefill": "prefill of 8,192 tokens", "mtp": "MTP3 round", "dflash2": "DFlash2 K = 7 round"}.get(
+    what = {"prefill": "prefill of 8,192 tokens", "ride": "512-token shared chunk with 3 riders", "mtp": "MTP3 round", "dflash2": "DFlash2 K = 7 round"}.get(
         mode, "decode step")
     for n, rows in results.items():
         print(f"{shape} {mode} {n} lane(s): kernel time per {what} {totals[n] / 1000:.2f} ms over "
