@@ -284,9 +284,10 @@ def dflash2_workspace_bytes(d: DFlash2Config, cfg: ModelConfig, opts: PlanOption
     return projection + block + scores + logits
 
 
-# kernels/prefill_attention_vendor.py's SEGMENT_KEYS and MIN_ROWS (a test keeps them equal)
+# kernels/prefill_attention_vendor.py's SEGMENT_KEYS, MIN_ROWS and SHAPE_STEP (a test keeps them equal)
 ATTENTION_SEGMENT_KEYS = 32_768
 ATTENTION_SEGMENT_MIN_ROWS = 256
+ATTENTION_SHAPE_STEP = 256
 RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qlinear.py GEMM_DEQUANT_BYTES)
 
 
@@ -350,11 +351,13 @@ def _workspace(cfg: ModelConfig, opts: PlanOptions) -> Arena:
             + cfg.num_experts * 8 * 2
         arena.add("moe_pairs", max(fused, dense))
     if t >= ATTENTION_SEGMENT_MIN_ROWS:  # a prefill chunk's attention through cuDNN, a key segment at a time:
-        # the gathered segment (bf16 or decoded fp16 K and V, with room for a third copy), the float32 running
-        # output, a segment's output and log-sum-exps. Attention layers run while the GDN layers' temporaries are
-        # free: only what exceeds those is added
+        # the gathered segment (bf16 or decoded fp16 K and V, with room for a third copy: the causal block's
+        # padded keys), the float32 running output, a segment's output and log-sum-exps, the queries padded to whole
+        # shape steps (two copies: the prefix's and the causal block's). Attention layers run while the GDN layers'
+        # temporaries are free: only what exceeds those is added
+        rows = t + 2 * ATTENTION_SHAPE_STEP
         segments = 3 * ATTENTION_SEGMENT_KEYS * cfg.num_kv_heads * cfg.head_dim * 2 \
-            + t * cfg.num_heads * (cfg.head_dim * (4 + 2) + 3 * 4)
+            + rows * cfg.num_heads * (cfg.head_dim * (4 + 2 + 2 * 2) + 3 * 4)
         gdn_only = sum(r.nbytes for r in arena.regions if r.name in ("gdn_fp32", "gdn_chunked"))
         arena.add("attention_segments", max(0, segments - gdn_only))
     if t > 16:  # prefill GEMMs dequantize weight row chunks to bf16

@@ -32,6 +32,22 @@ def test_segments_merge_to_attention_over_every_key(codec, segment):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("t, ctx", [(300, [1100, 300]), (256, [777, 513]), (40, [40, 41])])
+def test_every_shape_the_kernel_sees_is_a_multiple_of_the_step(t, ctx, monkeypatch):
+    """cuDNN builds a plan per shape: query rows and keys of every segment come in multiples of SHAPE_STEP (tail
+    chunks and prefixes of any length: the prefix's remainder keys move into the causal block, padded at both ends),
+    and the real rows' results stay attention over every key."""
+    monkeypatch.setattr(vendor, "SHAPE_STEP", 64)  # small cases; 256 on a GPU
+    shapes, real = [], vendor._segment_reference
+    monkeypatch.setattr(vendor, "_segment_reference", lambda q, k, v, causal, scale:
+                        shapes.append((q.shape[2], k.shape[2], causal)) or real(q, k, v, causal, scale))
+    c, q, pool, bt, _, want = _case("bf16", t=t, ctx=ctx)
+    got = vendor.prefill_attention_segments(q, pool, c, bt, ctx, 64 ** -0.5, segment_keys=512)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-5, rtol=1e-4)
+    assert shapes and all(rows % 64 == 0 and keys % 64 == 0 for rows, keys, _ in shapes), shapes
+    assert [causal for _, _, causal in shapes].count(True) == len(ctx)
+
+
 def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     q = torch.zeros(1, 512, 4, 64)
     assert not vendor.vendor_prefill(q, (512,), CODECS["bf16"], 2)  # the CPU runs the paged kernel's reference
@@ -74,6 +90,7 @@ def test_memory_plan_counts_the_segments_the_kernel_gathers():
 
     assert memory_plan.ATTENTION_SEGMENT_KEYS == vendor.SEGMENT_KEYS
     assert memory_plan.ATTENTION_SEGMENT_MIN_ROWS == vendor.MIN_ROWS
+    assert memory_plan.ATTENTION_SHAPE_STEP == vendor.SHAPE_STEP
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs a CUDA GPU")

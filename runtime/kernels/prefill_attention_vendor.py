@@ -29,6 +29,10 @@ from .kv_decode import kv_decode, kv_decode_reference
 from .paged_attention import PAGE
 
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
+# every shape cuDNN sees is a multiple of this many rows and keys (cuDNN builds an execution plan per new shape, and
+# a server's tail chunks and reused prefixes come in any length): query rows padded with zero rows (dropped), the
+# prefix's last keys short of a multiple moved into the causal block, which is padded at both ends (see _causal_block)
+SHAPE_STEP = 256
 MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
 # chunks ending before this many keys keep the paged kernel too: there attention is a small part of a chunk, and
 # cuDNN builds an execution plan for every new shape (a prompt's tail chunk is one). From 8K keys it pays (27B bf16,
@@ -166,18 +170,29 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
         n = int(host_ctx[lane])
         before = n - t
         qt = q[lane].transpose(0, 1)[None].to(dtype)  # [1, HQ, T, D], a view of the bf16 rows
+        q_prefix = _pad_rows(qt, 0, _step_up(t))
         acc = lse = None
-        bounds = [(s, min(s + segment_keys, before), False) for s in range(0, before, segment_keys)]
-        for first, last, causal in bounds + [(before, n, True)]:
+        # the prefix in whole segments, the last one cut to a multiple of SHAPE_STEP; its remainder joins the chunk's
+        # own keys in the causal block
+        aligned = before - (before % segment_keys) % SHAPE_STEP
+        bounds = [(s, min(s + segment_keys, aligned), False) for s in range(0, aligned, segment_keys)]
+        for first, last, causal in bounds + [(aligned, n, True)]:
             k, v = _keys(pool, codec, block_table[lane], first, last, dtype, q.shape[-1])
+            skip = last - first - t if causal else 0  # the causal block's leading rows: the prefix's remainder keys
+            if causal:
+                size = _step_up(last - first)
+                q_i, k, v = _pad_rows(qt, skip, size), _pad_rows(k, 0, size), _pad_rows(v, 0, size)
+            else:
+                q_i = q_prefix
             try:
-                o_i, lse_i = segment(qt, k, v, causal, scale)
+                o_i, lse_i = segment(q_i, k, v, causal, scale)
             except RuntimeError as exc:
                 if segment is _segment_reference:
                     raise
                 _fail(exc)
                 raise VendorFallback from exc
-            lse_i = lse_i.float().reshape(1, q.shape[2], t)
+            o_i = o_i[:, :, skip : skip + t]
+            lse_i = lse_i.float().reshape(1, q.shape[2], -1)[:, :, skip : skip + t]
             if acc is None:
                 acc, lse = o_i.float(), lse_i
                 continue
@@ -186,6 +201,23 @@ def prefill_attention_segments(q: torch.Tensor, pool: dict[str, torch.Tensor], c
             lse = merged
         out[lane] = acc[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _step_up(rows: int) -> int:
+    return -(-rows // SHAPE_STEP) * SHAPE_STEP
+
+
+def _pad_rows(x: torch.Tensor, before: int, size: int) -> torch.Tensor:
+    """x [1, H, R, D] with `before` zero rows ahead of it and zero rows after, `size` rows in all (x itself when
+    nothing is added). In the causal block (top-left aligned) a query row sees the keys up to its own index: rows
+    ahead of the chunk's queries stand for the prefix keys' remainder, and the zero keys after the last real key are
+    seen only by the zero rows after the last real query, so every real row's result is unchanged."""
+    rows = x.shape[2]
+    if before == 0 and rows == size:
+        return x
+    padded = x.new_zeros(x.shape[0], x.shape[1], size, x.shape[3])
+    padded[:, :, before : before + rows] = x
+    return padded
 
 
 class VendorFallback(RuntimeError):
