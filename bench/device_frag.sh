@@ -639,9 +639,11 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s56)  # next session (~200 s): where a riding 512-token chunk's time goes (issue 20 item 4: ~60 ms a chunk on an H100 of
+s56)  # next session (~200 s): what a new shape costs cuDNN (plan build), then where a riding 512-token chunk's time goes (issue 20 item 4: ~60 ms a chunk on an H100 of
   # which its GEMMs should take ~41 at the measured 670 TFLOP/s): kernel by kernel, eager, weight cache on
   nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python bench/cudnn_plan_cost.py 2>&1 | tail -8
+  echo "cuDNN plan per shape t=$(el)"
   timeout 180 python bench/profile_decode.py qwen3.6-27b "$OUT/s56-ride.json" ride bf16 2>&1 | tail -34
   echo "ride profile t=$(el)"
   ;;
