@@ -4,10 +4,10 @@ key segment.
 Measured on an H100 (bench/attention_compare.py prefill, 2,048-row chunk, 27B heads): at 8K-200K depth the
 cuDNN kernel runs at 634-708 TFLOP/s against 274-318 for the paged Triton kernel, and gathering the keys out of
 the pages costs ~6 % of it. End to end (bench/prefill_ab.py, H100, session 40), the 27B's cold prefill to 200K:
-7,222 against 5,005 tok/s with bf16 KV, 6,933 against 4,093 with rk4v4-e8. The chunk's keys are taken in segments of SEGMENT_KEYS: the keys before the chunk
-unmasked, then the chunk's own keys as a square causal block; each segment returns its outputs and log-sum-exps,
-and the segments merge exactly (o = sum_i o_i exp(lse_i - lse), lse = logaddexp over i). Segments bound the
-gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to fp16 first
+7,222 against 5,005 tok/s with bf16 KV, 6,933 against 4,093 with rk4v4-e8. The chunk's keys are taken in
+segments of SEGMENT_KEYS: the keys before the chunk unmasked, then the chunk's own keys as a square causal block;
+each segment returns its outputs and log-sum-exps, and the segments merge exactly (o = sum_i o_i exp(lse_i - lse),
+lse = logaddexp over i). Segments bound the gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to fp16 first
 (kv_decode: one launch per side; the keys' rotated basis, as the queries arrive).
 
 Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
@@ -31,7 +31,7 @@ from .paged_attention import PAGE
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
 # every shape cuDNN sees is a multiple of this many rows and keys (cuDNN builds an execution plan per new shape, and
 # a server's tail chunks and reused prefixes come in any length): query rows padded with zero rows (dropped), the
-# prefix's last keys short of a multiple moved into the causal block, which is padded at both ends (see _causal_block)
+# prefix's last keys short of a multiple moved into the causal block, which is padded at both ends (see _pad_rows)
 SHAPE_STEP = 256
 MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
 # chunks ending before this many keys keep the paged kernel too: there attention is a small part of a chunk, and
