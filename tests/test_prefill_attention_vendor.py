@@ -54,9 +54,12 @@ def test_vendor_route_only_for_known_lengths_of_long_gpu_chunks(monkeypatch):
     monkeypatch.setattr(vendor, "MODE", "triton")
     assert not vendor.vendor_prefill(q, (512,), CODECS["bf16"], 2)
     assert not vendor.route_wanted(8192, (131072,))
-    monkeypatch.setattr(vendor, "MODE", "auto")  # deep chunks only: a shallow one is a small part of its forward
-    assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (vendor.MIN_CONTEXT, 900))
-    assert not vendor.route_wanted(8192, (vendor.MIN_CONTEXT - 1,)) and not vendor.route_wanted(255, (131072,))
+    monkeypatch.setattr(vendor, "MODE", "auto")  # deep chunks, and whole chunks from MIN_CONTEXT keys
+    assert vendor.route_wanted(8192, (131072,)) and vendor.route_wanted(256, (vendor.DEEP_CONTEXT, 900))
+    assert vendor.route_wanted(8192, (vendor.MIN_CONTEXT,)) and vendor.route_wanted(2048, (16384, 2048))
+    assert not vendor.route_wanted(808, (9000,))  # an odd tail at shallow depth: a new cuDNN plan for a few percent
+    assert not vendor.route_wanted(2048, (9000,))  # a whole chunk's rows at an odd start (a reused prefix)
+    assert not vendor.route_wanted(4096, (vendor.MIN_CONTEXT - 1,)) and not vendor.route_wanted(255, (131072,))
     assert not vendor.route_wanted(8192, None)  # lengths unknown on the host (CUDA-graph pieces)
     monkeypatch.setattr(vendor, "MODE", "cudnn")
     assert vendor.route_wanted(256, (300,))

@@ -11,7 +11,8 @@ lse = logaddexp over i). Segments bound the gathered copy (memory_plan counts it
 (kv_decode: one launch per side; the keys' rotated basis, as the queries arrive).
 
 Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
-CUDA-graph pieces keep the paged kernel, and so (under `auto`) do chunks ending before MIN_CONTEXT keys;
+CUDA-graph pieces keep the paged kernel, and so (under `auto`) do chunks ending before MIN_CONTEXT keys and odd
+pieces ending before DEEP_CONTEXT (route_wanted);
 NINFER_PREFILL_ATTENTION=cudnn takes every eager chunk of MIN_ROWS rows or more. On the CPU the same segments
 run through plain-torch attention.
 """
@@ -39,6 +40,11 @@ MIN_ROWS = 256  # shorter chunks (verify blocks, riders) keep the paged kernel
 # H100, cold prefill with cuDNN at every depth against the paged kernel: 8K 12,556 / 12,487 tok/s, 16K 11,917 /
 # 11,623, 32K 11,397 / 10,486, where the old bound of 32K keys gave 10,865 at 32K)
 MIN_CONTEXT = 8_192
+# Below DEEP_CONTEXT keys only whole chunks take it (rows and start multiples of REGULAR_ROWS: the few shapes of
+# chunked long prompts, built once), so a server's odd tails at shallow depth do not each pay for a new plan where
+# the gain is a few percent; from DEEP_CONTEXT on every eager chunk of MIN_ROWS+ rows does (1.3-1.7x at 128K-200K)
+DEEP_CONTEXT = 32_768
+REGULAR_ROWS = 2_048
 MODES = ("auto", "cudnn", "triton")
 MODE = os.environ.get("NINFER_PREFILL_ATTENTION", "auto")
 if MODE not in MODES:
@@ -51,11 +57,15 @@ _CHECKED: set[tuple] = set()  # (device, heads, kv heads, head dim, dtype) the p
 
 
 def route_wanted(rows: int, host_ctx) -> bool:
-    """The rule alone: a chunk of >= MIN_ROWS rows whose lengths are known, ending at >= MIN_CONTEXT keys under
-    `auto`, at any depth under `cudnn`, never under `triton`."""
+    """The rule alone: a chunk of >= MIN_ROWS rows whose lengths are known; under `auto` ending at >= DEEP_CONTEXT
+    keys, or at >= MIN_CONTEXT keys as a whole chunk (rows and start multiples of REGULAR_ROWS); at any depth under
+    `cudnn`, never under `triton`."""
     if MODE == "triton" or host_ctx is None or rows < MIN_ROWS:
         return False
-    return MODE == "cudnn" or max(host_ctx) >= MIN_CONTEXT
+    deepest = max(host_ctx)
+    if MODE == "cudnn" or deepest >= DEEP_CONTEXT:
+        return True
+    return deepest >= MIN_CONTEXT and rows % REGULAR_ROWS == 0 and all((n - rows) % REGULAR_ROWS == 0 for n in host_ctx)
 
 
 def segment_dtype(codec: Codec, device: torch.device) -> torch.dtype:
