@@ -90,8 +90,9 @@ MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
 # prompt piece (509 prompt rows + 3 riders = 512 rows, not 515): the vendor GEMM runs some shapes far slower just past
 # a whole tile (H100, 27B MLP gate_up with the weight cache: 512 rows 272 us, 515 rows 354; down 1,024 rows 259 us,
 # 1,027 343). 32K prefill beside 3 decoding lanes (H100, session 40): 512-token chunks gap 64.2 -> 60.4 ms, prefill
-# 0.73 -> 0.76 of alone; 1,024: 115.1 -> 106.8 ms, 0.82 -> 0.86. NINFER_RIDE_ALIGN=off keeps the whole
-# --prefill-chunk-shared of prompt rows (side-by-side runs).
+# 0.73 -> 0.76 of alone; 1,024: 115.1 -> 106.8 ms, 0.82 -> 0.86. A short piece padded to a graph bucket leaves the
+# riders' rows out of the bucket the same way (a 300-token tail: 509 rows + 3, not 512 + 3). NINFER_RIDE_ALIGN=off
+# keeps the whole --prefill-chunk-shared (and bucket) of prompt rows (side-by-side runs).
 RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "on") == "on"
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
@@ -900,6 +901,8 @@ class Engine:
                                            host_ctx=(stop,))
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
             elif (bucket := self._piece_bucket(lane, start, len(piece), rope3, full)):
+                if ride and RIDE_ALIGN and len(piece) <= bucket - len(offered):
+                    bucket -= len(offered)  # the riders' rows complete the bucket, as in a whole riding piece
                 logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
             elif ride:
                 all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)

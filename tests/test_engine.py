@@ -694,18 +694,19 @@ def test_weight_cache_keeps_layer_products_in_spare_memory(artifacts):
     assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["dense-q4", "moe-q5"])
-def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch, kind):
+@pytest.mark.parametrize("kind, align", [("dense-q4", False), ("dense-q4", True), ("moe-q5", False)])
+def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch, kind, align):
     """NINFER_PIECE_GRAPHS: a prompt piece shorter than the shared chunk padded to a graph bucket (pad rows with
     GDN decay 1 and beta 0, the conv window after the real rows, logits of the last real row) leaves every
     lane's logits, tokens, recurrent and conv state and length as the unpadded piece does, riders included; a
-    MoE too with NINFER_MOE_PREFILL_GRAPHS=on (pad rows route to experts of their own: the real rows' are unchanged)."""
+    MoE too with NINFER_MOE_PREFILL_GRAPHS=on (pad rows route to experts of their own: the real rows' are unchanged).
+    With NINFER_RIDE_ALIGN the pieces a lane rides in leave its row out of the bucket (31 + 1 rows, not 32 + 1)."""
     import runtime.engine as engine_module
     from runtime.engine import Riders
 
     path = artifacts[kind]
     monkeypatch.setattr(engine_module, "MOE_PREFILL_GRAPHS", True)
-    monkeypatch.setattr(engine_module, "RIDE_ALIGN", False)  # whole 32-token pieces (aligned: test_decode_rows_ride...)
+    monkeypatch.setattr(engine_module, "RIDE_ALIGN", align)
     long = [(i * 37 + 11) % 300 for i in range(100)]  # within both tiny vocabularies (384, 320)
     short = [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]
 
@@ -732,8 +733,9 @@ def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch, kind):
 
     pieces, decoded, last, tail, states, lengths = run(True)
     plain_pieces, plain_decoded, plain_last, plain_tail, plain_states, plain_lengths = run(False)
-    full = [] if DEVICE == "cuda" else [(32, 32)] * 3  # with CUDA graphs full shared chunks keep their ride graph
-    assert pieces == [(10, 32)] + full + [(4, 32)] and plain_pieces == []
+    whole, tail_piece = ((31, 31), (7, 31)) if align else ((32, 32), (4, 32))  # (piece, bucket)
+    full = [] if DEVICE == "cuda" else [whole] * 3  # with CUDA graphs full shared chunks keep their ride graph
+    assert pieces == [(10, 32)] + full + [tail_piece] and plain_pieces == []
     assert lengths == plain_lengths == [100, len(short) + 4]
     if DEVICE == "cpu":  # float32: the same numbers
         assert decoded == plain_decoded == _reference(path, short, 5)
