@@ -639,13 +639,20 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s56)  # next session (~200 s): what a new shape costs cuDNN (plan build), then where a riding 512-token chunk's time goes (issue 20 item 4: ~60 ms a chunk on an H100 of
-  # which its GEMMs should take ~41 at the measured 670 TFLOP/s): kernel by kernel, eager, weight cache on
+s56)  # next session (~400 s): what a new shape costs cuDNN (plan build); where a riding 512-token chunk's time goes
+  # (issue 20 item 4: ~60 ms a chunk on an H100, of which its GEMMs should take ~41 at the measured 670 TFLOP/s),
+  # kernel by kernel, eager, weight cache on; then the router in the norm's launch, 35B-A3B lanes, off / on twice
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 60 python bench/cudnn_plan_cost.py 2>&1 | tail -8
   echo "cuDNN plan per shape t=$(el)"
   timeout 180 python bench/profile_decode.py qwen3.6-27b "$OUT/s56-ride.json" ride bf16 2>&1 | tail -34
   echo "ride profile t=$(el)"
+  for rows in 0 8 0 8; do  # the router in the norm's launch (opt-in since session 37, never measured): 35B-A3B lanes
+    [ $(( ${DEADLINE:-400} - $(el) )) -gt 60 ] || break
+    NINFER_ROUTER_IN_NORM=$rows timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
+      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s56-router-$rows-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes, router in the norm: $rows rows a program t=$(el)"
+  done
   ;;
 s55)  # session 40 (~300 s): riding chunks with the riders' rows taken out of the prompt piece (NINFER_RIDE_ALIGN):
   # the bf16 GEMM at row counts around whole tiles, then lane 0's 32K prefill beside 3 decoding lanes, off / on
