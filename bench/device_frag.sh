@@ -639,6 +639,21 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s57)  # next session (~200 s): a one-lane step's GDN conv in the qkvz product's launch (NINFER_CONV_EPILOGUE, opt-in
+  # since session 40): its GPU tests, then 27B and 35B-A3B one lane at 8K, off / on alternated twice
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "conv_in_its_launch or conv_in_the_qkvz" 2>&1 | tail -2
+  for mode in off on off on; do
+    [ $(( ${DEADLINE:-200} - $(el) )) -gt 30 ] || break
+    for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+      NINFER_CONV_EPILOGUE=$mode timeout 60 python -m ninfer_cli.main bench --random-weights $shape --depths 8k \
+        --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 --json-out "$OUT/s57-$shape-$mode-$(el).json" 2>&1 | \
+        grep "│ bf16"
+      echo "$shape one lane, conv epilogue $mode t=$(el)"
+    done
+  done
+  ;;
 s56)  # next session (~400 s): what a new shape costs cuDNN (plan build); where a riding 512-token chunk's time goes
   # (issue 20 item 4: ~60 ms a chunk on an H100, of which its GEMMs should take ~41 at the measured 670 TFLOP/s),
   # kernel by kernel, eager, weight cache on; then the router in the norm's launch, 35B-A3B lanes, off / on twice

@@ -39,7 +39,7 @@ from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_pla
     takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
-                             qlinear_swiglu, takes_quantized_x)
+                             qlinear_conv, qlinear_swiglu, takes_quantized_x)
 from .kernels.rmsnorm import ROUTER_IN_NORM_ROWS, rmsnorm
 from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, pick_token
@@ -541,7 +541,15 @@ class Engine:
         one decode row each after the chunk's rows (their products shared with it, their recurrence
         separate). The result may be the output product's SplitPartials: pass it to rmsnorm, which sums them."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
-        qkvz = self.lin[p + "query_key_value_z"](h, xq)
+        qkvz_w = self.lin[p + "query_key_value_z"]
+        qkvz = None
+        if h.shape[0] == 1 and riders is None and pad is None and real_rows is None and not snapshot \
+                and c.conv_kernel == 4 and isinstance(qkvz_w, QuantLinear):  # one decode row: the conv in its launch
+            qkvz = qlinear_conv(h, qkvz_w.packed, self.conv_stack[self.gdn_slot[i]], lanes_idx,
+                                self.vec[p + "convolution"], xq)
+        conv_done = qkvz is not None
+        if not conv_done:
+            qkvz = qkvz_w(h, xq)
         qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
         hv = c.linear_num_value_heads
         alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
@@ -559,7 +567,7 @@ class Engine:
             alpha[:main].masked_fill_(pad[:, None], PAD_GATE)
             beta[:main].masked_fill_(pad[:, None], PAD_GATE)
         o = self._gdn_mix(i, qkv[:main], alpha if alpha is None else alpha[:main], beta if beta is None else beta[:main],
-                          lanes_idx, t, snapshot, projections, real_rows)
+                          lanes_idx, t, snapshot, projections, real_rows, conv_done)
         if riders is not None:
             o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
             o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
@@ -568,16 +576,19 @@ class Engine:
         gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
-    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None):
+    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, conv_done=False):
         """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV].
-        `real_rows` (one lane): rows past it are padding, so the conv window kept is the one after the real rows."""
+        `real_rows` (one lane): rows past it are padding, so the conv window kept is the one after the real rows.
+        `conv_done`: qkv is already the conv's output (qlinear_conv, its window moved on)."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
         b = len(lanes_idx)
         j = self.gdn_slot[i]
         conv_stack = self.conv_stack[j]
         weight = self.vec[p + "convolution"]
         window_before = conv_stack[lanes_idx, 0].clone() if real_rows is not None else None
-        if c.conv_kernel == 4:
+        if conv_done:
+            x = qkv.reshape(b, t, -1)
+        elif c.conv_kernel == 4:
             # lane-indexed kernel: reads and writes the slot stack in place, snapshots included
             # inputs in the state's dtype (a no-op on the GPU), so carried and fresh rows round alike
             x = causal_conv1d_lanes(qkv.reshape(b, t, -1).to(conv_stack.dtype), conv_stack, lanes_idx, weight, snapshot)

@@ -185,6 +185,38 @@ def test_mlp_swiglu_in_the_gate_up_launch_gives_the_same_logits(artifacts, monke
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
+def test_gdn_conv_in_the_qkvz_launch_gives_the_same_logits(artifacts, monkeypatch):
+    """NINFER_CONV_EPILOGUE=on: a one-lane decode step's GDN conv runs in the qkvz product's launch (every GDN layer),
+    and the logits of three steps and the lane's conv windows are those of the two launches (bit for bit on the
+    CPU)."""
+    import runtime.engine as engine_module
+    import runtime.kernels.qlinear as ql
+
+    fused_calls = []
+    original = engine_module.qlinear_conv
+    monkeypatch.setattr(engine_module, "qlinear_conv",
+                        lambda *a: (lambda y: fused_calls.append(y is not None) or y)(original(*a)))
+    logits, windows = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(ql, "CONV_EPILOGUE", on)
+        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128),
+                        device=DEVICE)
+        token = int(engine.prefill(0, PROMPT).argmax())
+        fused_calls.clear()
+        steps = []
+        for _ in range(3):
+            steps.append(engine.decode_step([0], [token])[0])
+            token = int(steps[-1].argmax())
+        gdn_layers = sum(not engine.cfg.is_full_attention(i) for i in range(engine.cfg.num_layers))
+        assert fused_calls == [on] * (3 * gdn_layers), (on, fused_calls)
+        logits[on], windows[on] = torch.stack(steps), engine.conv_stack[:, 0, 0].clone()
+    if DEVICE == "cpu":
+        assert torch.equal(logits[True], logits[False]) and torch.equal(windows[True], windows[False])
+    else:
+        assert torch.allclose(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_attention_launches_fused_or_separate_give_the_same_logits(artifacts, monkeypatch):
     """NINFER_ATTENTION_LAUNCHES=separate (norms and RoPE, K/V rotations and appends, the query rotation and the
     output gate a launch each) and the fused default compute the same prefill and decode logits (bit for bit on

@@ -100,6 +100,40 @@ def test_qgemv_int8(bits, n, k, prequant):
     assert ((got - exact).abs().max() / exact.abs().max()).item() < 5e-4
 
 
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize("channels,extra,k", [(96, 40, 256), (70, 0, 512)])
+def test_qkvz_product_applies_the_conv_in_its_launch(bits, channels, extra, k, monkeypatch):
+    """One row times a GDN qkvz matrix with the width-4 causal conv + SiLU on its first `channels` columns in the
+    dp4a GEMV's epilogue (NINFER_CONV_EPILOGUE): the product's numbers then conv1d's lanes kernel (bit for bit on the
+    CPU), the lane's window moved on a step and no other lane's touched; the z columns are the plain product's."""
+    import runtime.kernels.qlinear as ql
+    from runtime.kernels.conv1d import causal_conv1d_lanes
+
+    monkeypatch.setattr(ql, "CONV_EPILOGUE", True)
+    fmt = next(f for f in FORMATS.values() if isinstance(f, GroupedFormat) and f.bits == bits)
+    w = _packed(channels + extra, k, fmt, seed=channels + k + bits)
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(1, k, generator=g).to(DEVICE, DTYPE)
+    stack = torch.randn(3, 2, 3, channels, generator=g).to(DEVICE, torch.bfloat16)  # [lanes, slots, window, C]
+    weight = torch.randn(channels, 4, generator=g).to(DEVICE)
+    lane = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    want_stack = stack.clone()
+    got = ql.qlinear_conv(x, w, stack, lane, weight)
+    assert got is not None and got.shape == (1, channels + extra)
+    plain = ql.qlinear(x, w)
+    conv = causal_conv1d_lanes(plain[:, :channels].reshape(1, 1, channels).to(torch.bfloat16), want_stack, lane,
+                               weight).reshape(1, channels).to(DTYPE)
+    want = torch.cat([conv, plain[:, channels:]], dim=1)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want) and torch.equal(stack, want_stack)
+    else:  # the same roundings; fused multiply-adds may differ between the two kernels
+        _check(got, want)
+        _check(stack.float(), want_stack.float(), torch.bfloat16)
+    assert ql.qlinear_conv(torch.cat([x, x]), w, stack, lane, weight) is None  # row blocks: two launches
+    monkeypatch.setattr(ql, "CONV_EPILOGUE", False)
+    assert ql.qlinear_conv(x, w, stack, lane, weight) is None
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("inter,k", [(100, 256), (35, 512)])
 def test_gate_up_product_applies_swiglu_in_its_launch(bits, inter, k):

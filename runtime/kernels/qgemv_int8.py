@@ -393,12 +393,16 @@ def quantize_x(x: torch.Tensor, w, xq: QuantizedX | None = None) -> torch.Tensor
 
 @triton.jit
 def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_SPLIT,
+                       conv_state_ptr, conv_lane_ptr, conv_w_ptr, CONV_C, CONV_SLOTS,
                        GPR: tl.constexpr, K_PAD: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                        HIGH_BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_ASM: tl.constexpr, PREQUANT: tl.constexpr, SWIGLU_OUT: tl.constexpr = False):
+                       USE_ASM: tl.constexpr, PREQUANT: tl.constexpr, SWIGLU_OUT: tl.constexpr = False,
+                       CONV: tl.constexpr = False):
     """SWIGLU_OUT (one split): W is a gate/up pair [2I, K] (N = 2I) and y gets silu(gate) * up [I]: a program's
     even rows are gate rows, each odd one the matching up row, rounded to y's dtype before the SwiGLU (the
-    numbers the swiglu kernel would have read)."""
+    numbers the swiglu kernel would have read). CONV (one split, one row): rows < CONV_C get the width-4 causal
+    conv + SiLU of conv1d's lanes kernel over the lane's carried window (slot 0 of its stack [slots, 3, CONV_C]),
+    which each program moves on for its own rows: a GDN layer's qkvz product and its conv in one launch."""
     split = tl.program_id(1)
     if SWIGLU_OUT:
         local = tl.arange(0, BLOCK_N)
@@ -419,8 +423,34 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
         gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
         out_rows = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(y_ptr + out_rows, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=out_rows < N // 2)
+    elif CONV:
+        _conv_epilogue(y, rows, row_ok, y_ptr, conv_state_ptr, conv_lane_ptr, conv_w_ptr, CONV_C, CONV_SLOTS)
     else:
         tl.store(y_ptr + split * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _conv_epilogue(y, rows, row_ok, y_ptr, state_ptr, lane_ptr, w_ptr, C, SLOTS):
+    """conv1d's _conv4_lanes_kernel for one step over this program's rows of the product (the same roundings:
+    the product as stored, then as the state's dtype; float32 sums; SiLU rounded to the state's dtype)."""
+    state_ty = state_ptr.dtype.element_ty
+    xt = y.to(y_ptr.dtype.element_ty).to(state_ty).to(tl.float32)
+    conv = row_ok & (rows < C)
+    lane = tl.load(lane_ptr).to(tl.int64)
+    st = state_ptr + lane * SLOTS * 3 * C
+    p0 = tl.load(st + rows, mask=conv, other=0.0).to(tl.float32)
+    p1 = tl.load(st + C + rows, mask=conv, other=0.0).to(tl.float32)
+    p2 = tl.load(st + 2 * C + rows, mask=conv, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + rows * 4 + 0, mask=conv, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + rows * 4 + 1, mask=conv, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + rows * 4 + 2, mask=conv, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + rows * 4 + 3, mask=conv, other=0.0).to(tl.float32)
+    acc = w0 * p0 + w1 * p1 + w2 * p2 + w3 * xt
+    silu = (acc * tl.sigmoid(acc)).to(state_ty).to(tl.float32)
+    tl.store(y_ptr + rows, tl.where(conv, silu, y).to(y_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(st + rows, p1.to(state_ty), mask=conv)
+    tl.store(st + C + rows, p2.to(state_ty), mask=conv)
+    tl.store(st + 2 * C + rows, xt.to(state_ty), mask=conv)
 
 
 @triton.jit
@@ -723,24 +753,35 @@ def high_plane(w) -> torch.Tensor:
 
 def qgemv_int8(x: torch.Tensor, w, y: torch.Tensor, block_n: int, block_k: int, split: int, num_warps: int,
                prequant: bool = True, xq: QuantizedX | None = None, defer_sum: bool = False,
-               swiglu_out: bool = False):
+               swiglu_out: bool = False, conv: tuple | None = None):
     """y[0] = W @ x[0] for a Q4/Q5/Q6/W8 PackedLinear; `split` K-splits write float32 partials first.
     `prequant`: quantize x once in its own launch (else every program quantizes its slice); an `xq`
     already holding x's words is read instead. `defer_sum`: see finish_splits. `swiglu_out` (one split, W a
-    gate/up pair [2I, K]): y [1, I] gets silu(gate) * up, the SwiGLU in the product's own launch."""
+    gate/up pair [2I, K]): y [1, I] gets silu(gate) * up, the SwiGLU in the product's own launch. `conv` (one
+    split) = (stack [lanes, slots, 3, C], lane [1] int on the device, weight [C, 4]): y's first C columns get the
+    width-4 causal conv + SiLU over the lane's slot-0 window, which moves on a step (conv1d.causal_conv1d_lanes)."""
     if w.k_pad % (split * block_k):
         raise ValueError(f"qgemv_int8: {split} K-splits of {block_k}-lane blocks do not tile K_pad {w.k_pad}")
     if swiglu_out and (split != 1 or w.rows % 2 or block_n % 2 or y.shape[-1] != w.rows // 2):
         raise ValueError(f"qgemv_int8: SwiGLU of [{w.rows}, {w.cols}] into {tuple(y.shape)} needs one split, an even "
                          "gate/up pair and half its rows out")
+    if conv is not None:
+        stack, lane, weight = conv
+        if split != 1 or swiglu_out or x.shape[0] != 1 or stack.shape[-2] != 3 or weight.shape[-1] != 4 \
+                or stack.shape[-1] > w.rows or not (stack.is_contiguous() and weight.is_contiguous()):
+            raise ValueError("qgemv_int8: the conv epilogue takes one row, one split, a width-4 conv over the "
+                             "product's first columns")
+        conv_args = (stack, lane, weight, stack.shape[-1], stack.shape[1])
+    else:
+        conv_args = (y, y, y, 0, 0)  # unread
     target = split_partials(y, split)
     prequant = prequant or xq is not None
     xin = quantize_x(x, w, xq) if prequant else x
     _qgemv_int8_kernel[(triton.cdiv(w.rows, block_n), split)](
-        xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split,
+        xin, code_words(w.base), high_plane(w), w.scale, target, w.rows, w.cols, w.k_pad // split, *conv_args,
         GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=native_dp4a(),
-        PREQUANT=prequant, SWIGLU_OUT=swiglu_out, num_warps=num_warps, **LAUNCH)
+        PREQUANT=prequant, SWIGLU_OUT=swiglu_out, CONV=conv is not None, num_warps=num_warps, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 

@@ -649,6 +649,9 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
 
 # side-by-side runs: NINFER_SWIGLU_EPILOGUE=0 multiplies the gate/up pair and runs the swiglu kernel after it
 SWIGLU_EPILOGUE = os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") != "0"
+# NINFER_CONV_EPILOGUE=on: a one-lane decode step's GDN conv in the qkvz product's launch (qlinear_conv; a launch less
+# per GDN layer: 48 for the 27B, 30 for the 35B-A3B). Opt-in until measured side by side on a GPU.
+CONV_EPILOGUE = os.environ.get("NINFER_CONV_EPILOGUE", "off") == "on"
 
 
 def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = None) -> torch.Tensor | None:
@@ -672,6 +675,22 @@ def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = Non
         return None
     y = torch.empty(1, w.rows // 2, dtype=x.dtype, device=x.device)
     return qgemv_int8(x.contiguous(), w, y, block_n, block_k, 1, num_warps, prequant, xq, swiglu_out=True)
+
+
+def qlinear_conv(x: torch.Tensor, w: PackedLinear, stack: torch.Tensor, lane: torch.Tensor, weight: torch.Tensor,
+                 xq: QuantizedX | None = None) -> torch.Tensor | None:
+    """One row of x times w (a GDN layer's qkvz) with the layer's width-4 causal conv + SiLU applied to the first
+    stack.shape[-1] columns in the product's own launch (the dp4a GEMV's epilogue), the lane's conv window moved on
+    a step: [1, N] in x's dtype, the numbers qlinear then conv1d.causal_conv1d_lanes give (NINFER_CONV_EPILOGUE).
+    None where the dp4a GEMV with one split does not take the product: the caller runs the two launches."""
+    if not CONV_EPILOGUE or x.shape[0] != 1 or torch_path(x) or x.shape[1] != w.cols or GEMV_PATH != "int8" \
+            or w.fmt.bits not in INT8_BITS or w.fragment is not None or (x.dtype == torch.bfloat16 and uses_frag(w, 1)):
+        return None
+    block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
+    if split != 1:
+        return None
+    y = torch.empty(1, w.rows, dtype=x.dtype, device=x.device)
+    return qgemv_int8(x.contiguous(), w, y, block_n, block_k, 1, num_warps, prequant, xq, conv=(stack, lane, weight))
 
 
 def qlinear_reference(x: torch.Tensor, w: PackedLinear) -> torch.Tensor:
