@@ -41,8 +41,9 @@ def main(shape: str = "qwen3.6-27b", depths: str = "32768,131072", kv: str = "bf
             logits = engine.prefill(0, prompt)
             torch.cuda.synchronize()
             secs = time.perf_counter() - t0
-            print(json.dumps({"shape": shape, "kv": kv, "depth": depth, "mode": mode, "prefill_tok_s": round(depth / secs),
-                              "first_token": int(torch.argmax(logits)), "cudnn_off": vendor._BROKEN[:1]}), flush=True)
+            print(json.dumps({"shape": shape, "kv": kv, "depth": depth, "mode": mode,
+                              "prefill_tok_s": round(depth / secs), "first_token": int(torch.argmax(logits)),
+                              "cudnn_off": vendor._BROKEN[:1]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,8 +122,8 @@ def main(shape: str, out: str, mode: str = "decode", kv_dtype: str = "bf16", lan
             eng.prefill(lane, list(range(1 + lane, 4097 + lane)))
         results = {n: _profile(eng, list(range(n)), steps) for n in counts}
     totals = {n: sum(r["us_per_step"] for r in rows.values()) for n, rows in results.items()}
-    what = {"prefill": "prefill of 8,192 tokens", "ride": "512-token shared chunk with 3 riders", "mtp": "MTP3 round", "dflash2": "DFlash2 K = 7 round"}.get(
-        mode, "decode step")
+    what = {"prefill": "prefill of 8,192 tokens", "ride": "512-token shared chunk with 3 riders", "mtp": "MTP3 round",
+            "dflash2": "DFlash2 K = 7 round"}.get(mode, "decode step")
     for n, rows in results.items():
         print(f"{shape} {mode} {n} lane(s): kernel time per {what} {totals[n] / 1000:.2f} ms over "
               f"{sum(r['calls_per_step'] for r in rows.values()):.0f} kernels")

@@ -889,7 +889,8 @@ class Engine:
             offered = riders.take() if riders is not None else []
             ride = bool(offered) and rope3 is None and not self.rope_delta[lane] \
                 and self.can_ride([r for r, _ in offered], lane)
-            full = self.shared_chunk - (len(offered) if ride and RIDE_ALIGN else 0)  # a whole shared piece
+            held_out = len(offered) if ride and RIDE_ALIGN else 0  # prompt rows left to the riders
+            full = self.shared_chunk - held_out  # a whole shared piece
             size = min(full, chunk - len(offered)) if offered else chunk
             stop = min(start + size, len(prompt))
             if checkpoint_at is not None and start < checkpoint_at < stop:
@@ -912,8 +913,8 @@ class Engine:
                                            host_ctx=(stop,))
                 spec.absorb_prefill(lane, prompt, start, stop, aux[0])
             elif (bucket := self._piece_bucket(lane, start, len(piece), rope3, full)):
-                if ride and RIDE_ALIGN and len(piece) <= bucket - len(offered):
-                    bucket -= len(offered)  # the riders' rows complete the bucket, as in a whole riding piece
+                if len(piece) <= bucket - held_out:
+                    bucket -= held_out  # the riders' rows complete the bucket, as in a whole riding piece
                 logits = self._padded_piece(lane, piece, start, bucket, offered if ride else [], riders)
             elif ride:
                 all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)

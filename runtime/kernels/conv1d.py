@@ -78,6 +78,24 @@ def _window_input(x_ptr, st, b, src, T, C, stride_x, cols, ok):
 
 
 @triton.jit
+def conv4_weights(w_ptr, cols, ok):
+    """The four taps of channels `cols` of a width-4 conv weight [C, 4], as float32."""
+    w0 = tl.load(w_ptr + cols * 4 + 0, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + cols * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + cols * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + cols * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt):
+    """One step of the width-4 causal conv (three carried inputs, the new one) and its SiLU, in float32: the one
+    arithmetic of this kernel and of the qkvz product's conv epilogue (qgemv_int8), so both round alike."""
+    acc = w0 * p0 + w1 * p1 + w2 * p2 + w3 * xt
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
 def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, stride_x, T_CHUNK,
                         BLOCK_C: tl.constexpr, SNAPSHOT: tl.constexpr, WRITE_STATE: tl.constexpr):
     """Width-4 causal conv + SiLU for one lane's channel block over steps [t0, t0 + T_CHUNK). The three
@@ -96,14 +114,11 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
     p0 = _window_input(x_ptr, st, b, t0 - 3, T, C, stride_x, cols, ok)
     p1 = _window_input(x_ptr, st, b, t0 - 2, T, C, stride_x, cols, ok)
     p2 = _window_input(x_ptr, st, b, t0 - 1, T, C, stride_x, cols, ok)
-    w0 = tl.load(w_ptr + cols * 4 + 0, mask=ok, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + cols * 4 + 1, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + cols * 4 + 2, mask=ok, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + cols * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    w0, w1, w2, w3 = conv4_weights(w_ptr, cols, ok)
     for t in range(t0, tl.minimum(t0 + T_CHUNK, T)):
         xt = tl.load(x_ptr + (b * T + t) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = w0 * p0 + w1 * p1 + w2 * p2 + w3 * xt
-        tl.store(y_ptr + (b * T + t) * C + cols, (acc * tl.sigmoid(acc)).to(y_ptr.dtype.element_ty), mask=ok)
+        silu = conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt)
+        tl.store(y_ptr + (b * T + t) * C + cols, silu.to(y_ptr.dtype.element_ty), mask=ok)
         p0, p1, p2 = p1, p2, xt
         if SNAPSHOT:
             snap = st + (t + 1) * slot

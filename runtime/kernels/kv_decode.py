@@ -61,13 +61,18 @@ def kv_decode(pool: dict[str, torch.Tensor], codec: Codec, side: str, pages: tor
     return out
 
 
+def page_span(pages: torch.Tensor, first: int, last: int) -> tuple[torch.Tensor, int]:
+    """The pages holding positions [first, last) of a lane (its block-table row `pages`), and where `first` sits
+    in the first of them."""
+    p0 = first // PAGE
+    return pages[p0 : -(-last // PAGE)].long(), first - p0 * PAGE
+
+
 def kv_decode_reference(pool, codec: Codec, side: str, pages: torch.Tensor, first: int, last: int,
                         dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The codec's torch decoders (float32) over the gathered pages, in `dtype`."""
-    p0, p1 = first // PAGE, -(-last // PAGE)
-    index = pages[p0:p1].long()
+    index, skip = page_span(pages, first, last)
     planes = {name: plane.index_select(0, index) for name, plane in pool.items() if name.startswith(side + "_")}
     x = codec.decode_keys(planes) if side == "k" else codec.decode_values(planes)  # [pages, 64, HKV, D]
     x = x.permute(2, 0, 1, 3).reshape(x.shape[2], -1, x.shape[-1])
-    skip = first - p0 * PAGE
     return x[:, skip : skip + last - first].to(dtype)

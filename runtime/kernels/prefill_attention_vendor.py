@@ -7,13 +7,14 @@ the pages costs ~6 % of it. End to end (bench/prefill_ab.py, H100, session 40), 
 7,222 against 5,005 tok/s with bf16 KV, 6,933 against 4,093 with rk4v4-e8. The chunk's keys are taken in
 segments of SEGMENT_KEYS: the keys before the chunk unmasked, then the chunk's own keys as a square causal block;
 each segment returns its outputs and log-sum-exps, and the segments merge exactly (o = sum_i o_i exp(lse_i - lse),
-lse = logaddexp over i). Segments bound the gathered copy (memory_plan counts it) whatever the depth. Compressed codecs decode their segment to fp16 first
-(kv_decode: one launch per side; the keys' rotated basis, as the queries arrive).
+lse = logaddexp over i). Segments bound the gathered copy (memory_plan counts it) whatever the depth. Compressed
+codecs decode their segment to fp16 first (kv_decode: one launch per side; the keys' rotated basis, as the queries
+arrive).
 
 Host-side lengths are needed (each segment is a shape): the engine passes them for its eager prefill chunks;
 CUDA-graph pieces keep the paged kernel, and so (under `auto`) do chunks ending before MIN_CONTEXT keys and odd
-pieces ending before DEEP_CONTEXT (route_wanted);
-NINFER_PREFILL_ATTENTION=cudnn takes every eager chunk of MIN_ROWS rows or more. On the CPU the same segments
+pieces ending before DEEP_CONTEXT (route_wanted); NINFER_PREFILL_ATTENTION=cudnn takes every eager chunk of
+MIN_ROWS rows or more. On the CPU the same segments
 run through plain-torch attention.
 """
 
@@ -26,8 +27,7 @@ import torch
 
 from runtime.kv.codecs import Codec
 
-from .kv_decode import kv_decode, kv_decode_reference
-from .paged_attention import PAGE
+from .kv_decode import kv_decode, kv_decode_reference, page_span
 
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
 # every shape cuDNN sees is a multiple of this many rows and keys (cuDNN builds an execution plan per new shape, and
@@ -154,9 +154,7 @@ def _keys(pool, codec: Codec, pages: torch.Tensor, first: int, last: int, dtype,
     """Keys and values of positions [first, last) of one lane, [1, HKV, last - first, D] in `dtype`, each head's
     rows contiguous (one gathering copy out of the pages, or one decoding launch per side)."""
     if codec.key == "bf16" and codec.value == "bf16":  # [pages, 64, HKV, D] -> [HKV, pages, 64, D]
-        p0, p1 = first // PAGE, -(-last // PAGE)
-        index = pages[p0:p1].long()
-        skip = first - p0 * PAGE
+        index, skip = page_span(pages, first, last)
         k = pool["k_data"].permute(2, 0, 1, 3).index_select(1, index).flatten(1, 2)[:, skip : skip + last - first]
         v = pool["v_data"].permute(2, 0, 1, 3).index_select(1, index).flatten(1, 2)[:, skip : skip + last - first]
         return k[None], v[None]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .conv1d import conv4_silu, conv4_weights
 from .launch import LAUNCH, pdl_wait
 
 X_LEVELS = 16319  # 127 * 128 + 63: the largest |x| code whose high byte stays within int8
@@ -431,8 +432,8 @@ def _qgemv_int8_kernel(x_ptr, base_ptr, high_ptr, scale_ptr, y_ptr, N, K, K_PER_
 
 @triton.jit
 def _conv_epilogue(y, rows, row_ok, y_ptr, state_ptr, lane_ptr, w_ptr, C, SLOTS):
-    """conv1d's _conv4_lanes_kernel for one step over this program's rows of the product (the same roundings:
-    the product as stored, then as the state's dtype; float32 sums; SiLU rounded to the state's dtype)."""
+    """conv1d's _conv4_lanes_kernel for one step over this program's rows of the product (its arithmetic, conv4_silu,
+    and its roundings: the product as stored, then as the state's dtype; SiLU rounded to the state's dtype)."""
     state_ty = state_ptr.dtype.element_ty
     xt = y.to(y_ptr.dtype.element_ty).to(state_ty).to(tl.float32)
     conv = row_ok & (rows < C)
@@ -441,12 +442,8 @@ def _conv_epilogue(y, rows, row_ok, y_ptr, state_ptr, lane_ptr, w_ptr, C, SLOTS)
     p0 = tl.load(st + rows, mask=conv, other=0.0).to(tl.float32)
     p1 = tl.load(st + C + rows, mask=conv, other=0.0).to(tl.float32)
     p2 = tl.load(st + 2 * C + rows, mask=conv, other=0.0).to(tl.float32)
-    w0 = tl.load(w_ptr + rows * 4 + 0, mask=conv, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + rows * 4 + 1, mask=conv, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + rows * 4 + 2, mask=conv, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + rows * 4 + 3, mask=conv, other=0.0).to(tl.float32)
-    acc = w0 * p0 + w1 * p1 + w2 * p2 + w3 * xt
-    silu = (acc * tl.sigmoid(acc)).to(state_ty).to(tl.float32)
+    w0, w1, w2, w3 = conv4_weights(w_ptr, rows, conv)
+    silu = conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt).to(state_ty).to(tl.float32)
     tl.store(y_ptr + rows, tl.where(conv, silu, y).to(y_ptr.dtype.element_ty), mask=row_ok)
     tl.store(st + rows, p1.to(state_ty), mask=conv)
     tl.store(st + C + rows, p2.to(state_ty), mask=conv)

@@ -666,15 +666,22 @@ def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = Non
                 or not 1 <= t <= 16 or x.shape[1] != w.cols or not swiglu_pair_supported(w.fragment):
             return None  # (interpreted: qlinear's dense fallback, as for every fragment-order product)
         return qgemm_fragment_swiglu(x, w.fragment, torch.empty(t, w.rows // 2, dtype=x.dtype, device=x.device))
-    if not SWIGLU_EPILOGUE or t != 1 or torch_path(x) or w.rows % 2 or x.shape[1] != w.cols \
-            or GEMV_PATH != "int8" or w.fmt.bits not in INT8_BITS or w.fragment is not None \
-            or (x.dtype == torch.bfloat16 and uses_frag(w, t)):
+    tiles = _one_row_epilogue_tiles(x, w) if SWIGLU_EPILOGUE and not w.rows % 2 else None
+    if tiles is None or tiles[0] % 2:
         return None
-    block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
-    if split != 1 or block_n % 2:
-        return None
+    block_n, block_k, num_warps, prequant = tiles
     y = torch.empty(1, w.rows // 2, dtype=x.dtype, device=x.device)
     return qgemv_int8(x.contiguous(), w, y, block_n, block_k, 1, num_warps, prequant, xq, swiglu_out=True)
+
+
+def _one_row_epilogue_tiles(x: torch.Tensor, w: PackedLinear) -> tuple[int, int, int, bool] | None:
+    """(BLOCK_N, BLOCK_K, warps, prequant) where one row of x times w runs on the dp4a GEMV in one K split — the
+    launch whose epilogue can take the next small op (qlinear_swiglu, qlinear_conv) — else None."""
+    if x.shape[0] != 1 or torch_path(x) or x.shape[1] != w.cols or GEMV_PATH != "int8" \
+            or w.fmt.bits not in INT8_BITS or w.fragment is not None or (x.dtype == torch.bfloat16 and uses_frag(w, 1)):
+        return None
+    block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
+    return (block_n, block_k, num_warps, prequant) if split == 1 else None
 
 
 def qlinear_conv(x: torch.Tensor, w: PackedLinear, stack: torch.Tensor, lane: torch.Tensor, weight: torch.Tensor,
@@ -683,12 +690,10 @@ def qlinear_conv(x: torch.Tensor, w: PackedLinear, stack: torch.Tensor, lane: to
     stack.shape[-1] columns in the product's own launch (the dp4a GEMV's epilogue), the lane's conv window moved on
     a step: [1, N] in x's dtype, the numbers qlinear then conv1d.causal_conv1d_lanes give (NINFER_CONV_EPILOGUE).
     None where the dp4a GEMV with one split does not take the product: the caller runs the two launches."""
-    if not CONV_EPILOGUE or x.shape[0] != 1 or torch_path(x) or x.shape[1] != w.cols or GEMV_PATH != "int8" \
-            or w.fmt.bits not in INT8_BITS or w.fragment is not None or (x.dtype == torch.bfloat16 and uses_frag(w, 1)):
+    tiles = _one_row_epilogue_tiles(x, w) if CONV_EPILOGUE else None
+    if tiles is None:
         return None
-    block_n, block_k, split, num_warps, prequant = _int8_tiles(w)
-    if split != 1:
-        return None
+    block_n, block_k, num_warps, prequant = tiles
     y = torch.empty(1, w.rows, dtype=x.dtype, device=x.device)
     return qgemv_int8(x.contiguous(), w, y, block_n, block_k, 1, num_warps, prequant, xq, conv=(stack, lane, weight))
 
