@@ -639,6 +639,32 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s58)  # session 41 (~420 s): the GPU tests of the two epilogues, then one lane (27B and 35B-A3B, 8K) with the GDN conv
+  # in the qkvz launch (NINFER_CONV_EPILOGUE) and the GDN output norm in the recurrence's launch
+  # (NINFER_GDN_NORM_EPILOGUE) off / conv / both, twice; then where a 35B-A3B one-lane step goes, kernel by kernel
+  # (issue 21 item 3: ~390 launches a step, 0.23 of roofline), both epilogues off and on
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
+    -k "conv_in_its_launch or conv_in_the_qkvz or gdn_norm_in or gdn_fused" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  for mode in off conv both off conv both; do
+    [ $(( ${DEADLINE:-300} - $(el) )) -gt 30 ] || break
+    conv=off; norm=off
+    [ $mode != off ] && conv=on
+    [ $mode = both ] && norm=on
+    for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+      NINFER_CONV_EPILOGUE=$conv NINFER_GDN_NORM_EPILOGUE=$norm timeout 60 python -m ninfer_cli.main bench \
+        --random-weights $shape --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
+        --json-out "$OUT/s58-$shape-$mode-$(el).json" 2>&1 | grep "│ bf16"
+      echo "$shape one lane, epilogues $mode t=$(el)"
+    done
+  done
+  timeout 120 python bench/profile_decode.py qwen3.6-35b-a3b "$OUT/s58-35b-one-lane.json" decode bf16 2>&1 | tail -30
+  echo "35B-A3B one-lane profile t=$(el)"
+  NINFER_CONV_EPILOGUE=on NINFER_GDN_NORM_EPILOGUE=on timeout 120 python bench/profile_decode.py qwen3.6-35b-a3b \
+    "$OUT/s58-35b-one-lane-both.json" decode bf16 2>&1 | tail -30
+  echo "35B-A3B one-lane profile, both epilogues on t=$(el)"
+  ;;
 s57)  # next session (~200 s): a one-lane step's GDN conv in the qkvz product's launch (NINFER_CONV_EPILOGUE, opt-in
   # since session 40): its GPU tests, then 27B and 35B-A3B one lane at 8K, off / on alternated twice
   nvidia-smi --query-gpu=name --format=csv,noheader

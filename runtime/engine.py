@@ -26,7 +26,7 @@ from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_rows import MAX_ROWS as DENSE_ROWS_MAX_T, dense_rows
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
-from .kernels.gdn_fused import PROJECT_MAX_ROWS, gdn_fused
+from .kernels.gdn_fused import NORM_EPILOGUE as GDN_NORM_EPILOGUE, PROJECT_MAX_ROWS, GdnGate, gdn_fused
 from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import append_keys_values
@@ -387,6 +387,8 @@ class Engine:
                                        (len(gdn), lanes, self.slots, c.linear_num_value_heads, c.linear_key_head_dim,
                                         c.linear_value_head_dim))
         self.gdn_slot = {layer: j for j, layer in enumerate(gdn)}
+        # gdn_fused's per-head counters for the output norm in its launch (GdnGate): zero between launches
+        self.gdn_norm_counts = torch.zeros(lanes * c.linear_num_value_heads, dtype=torch.int32, device=self.device)
         self.ctx_len = self.mem.view("sequence_state", "lane_context_lengths", torch.int32, (lanes,))
         self.ctx_len.zero_()
         # the tokens whose KV and recurrent state each lane holds, for prefix reuse across requests
@@ -562,22 +564,33 @@ class Engine:
         else:
             alpha, beta = alpha_w(h), beta_w(h)
         main = len(lanes_idx) * t
+        n = h.shape[0]
+        out_xq = self._quantized_input(p + "output", n)
+        gate = None
+        if GDN_NORM_EPILOGUE and riders is None and pad is None:  # the output norm in the recurrence's launch
+            gate = GdnGate(z, self.vec[p + "norm"], c.rms_norm_eps,
+                           torch.empty(n, z.shape[1], dtype=self.act_dtype, device=h.device), self.gdn_norm_counts,
+                           out_xq)
         if pad is not None:  # padding rows: decay 1 (alpha -> softplus 0) and beta 0 leave the recurrence as it was
             alpha, beta = alpha.clone(), beta.clone()
             alpha[:main].masked_fill_(pad[:, None], PAD_GATE)
             beta[:main].masked_fill_(pad[:, None], PAD_GATE)
         o = self._gdn_mix(i, qkv[:main], alpha if alpha is None else alpha[:main], beta if beta is None else beta[:main],
-                          lanes_idx, t, snapshot, projections, real_rows, conv_done)
-        if riders is not None:
-            o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
-            o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
-        n = h.shape[0]
-        out_xq = self._quantized_input(p + "output", n)
-        gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype, xq=out_xq)
+                          lanes_idx, t, snapshot, projections, real_rows, conv_done, gate)
+        if gate is not None:
+            gated = o
+        else:
+            if riders is not None:
+                o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
+                o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
+            gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype,
+                               xq=out_xq)
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
-    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, conv_done=False):
-        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV].
+    def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, conv_done=False,
+                 gate=None):
+        """Convolution and recurrence of layer i for `lanes_idx` with t rows each; returns o [B, T, HV, DV], or
+        with `gate` (GdnGate) the output norm's rows gate.out [B*T, HV*DV].
         `real_rows` (one lane): rows past it are padding, so the conv window kept is the one after the real rows.
         `conv_done`: qkv is already the conv's output (qlinear_conv, its window moved on)."""
         c, p = self.cfg, f"text/layers/{i}/gdn/"
@@ -618,8 +631,12 @@ class Engine:
                       "kernel from now on", file=sys.stderr)
                 self.chunked_gdn = False
         if o is None:
-            o = gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
-                          lanes_idx, c.linear_num_key_heads, snapshot, projections=projections)
+            return gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
+                             lanes_idx, c.linear_num_key_heads, snapshot, projections=projections, gate=gate)
+        if gate is not None:
+            hv = c.linear_num_value_heads
+            return gated_norm(o.reshape(-1, hv, o.shape[-1]), gate.z, gate.weight, gate.eps, gate.out.dtype,
+                              out=gate.out, xq=gate.xq)
         return o
 
     def _ffn(self, p, h, xq=None, both_logits=None):

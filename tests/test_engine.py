@@ -217,6 +217,38 @@ def test_gdn_conv_in_the_qkvz_launch_gives_the_same_logits(artifacts, monkeypatc
 
 
 @pytest.mark.triton_kernels  # the kernels composed in the engine
+def test_gdn_norm_in_the_recurrence_launch_gives_the_same_logits(artifacts, monkeypatch):
+    """NINFER_GDN_NORM_EPILOGUE=on: every GDN layer's output norm runs in the recurrence's launch (prefill through
+    the recurrent kernel on the CPU, then decode steps of two lanes), and the logits are those of the two launches
+    (bit for bit on the CPU)."""
+    import runtime.engine as engine_module
+
+    gated = []
+    original = engine_module.GdnGate
+    monkeypatch.setattr(engine_module, "GdnGate", lambda *a: gated.append(1) or original(*a))
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(engine_module, "GDN_NORM_EPILOGUE", on)
+        gated.clear()
+        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, kv_dtype="bf16", prefill_chunk=128,
+                                                           max_concurrency=2), device=DEVICE)
+        firsts = [engine.prefill(lane, PROMPT[lane:]) for lane in (0, 1)]
+        tokens = [int(f.argmax()) for f in firsts]
+        steps = []
+        for _ in range(2):
+            steps.append(engine.decode_step([0, 1], tokens))
+            tokens = steps[-1].argmax(-1).tolist()
+        gdn_layers = sum(not engine.cfg.is_full_attention(i) for i in range(engine.cfg.num_layers))
+        assert len(gated) == (4 * gdn_layers if on else 0), (on, len(gated))
+        assert not engine.gdn_norm_counts.any()
+        logits[on] = torch.cat([torch.stack(firsts), *steps])
+    if DEVICE == "cpu":
+        assert torch.equal(logits[True], logits[False])
+    else:
+        assert torch.allclose(logits[True], logits[False], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.triton_kernels  # the kernels composed in the engine
 def test_attention_launches_fused_or_separate_give_the_same_logits(artifacts, monkeypatch):
     """NINFER_ATTENTION_LAUNCHES=separate (norms and RoPE, K/V rotations and appends, the query rotation and the
     output gate a launch each) and the fused default compute the same prefill and decode logits (bit for bit on

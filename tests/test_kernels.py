@@ -356,6 +356,60 @@ def test_gdn_fused_matches_separate_ops(b, t, hk, ratio, dk, dv, project, tile, 
     assert torch.equal(stack[:, t + 1], before[:, t + 1])  # slots past the snapshots are left alone
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("b,t,snapshot", [(1, 1, False), (3, 1, False), (2, 3, True)])
+def test_gdn_norm_in_the_recurrence_launch(b, t, snapshot, quantized, monkeypatch):
+    """NINFER_GDN_NORM_EPILOGUE: the output norm done by the last of a head's value tiles to finish (a counter per
+    head) gives the rows, the output product's dp4a words and the states of the recurrence and gated_norm's two
+    launches — bit for bit on the CPU, where the interpreter splits each head over 2 programs — and leaves every
+    counter zero for the next launch; a counter buffer too small for the launch falls back to the two launches."""
+    from runtime.kernels import gdn_fused as gf
+    from runtime.kernels.gated_norm import gated_norm
+    from runtime.kernels.qgemv_int8 import QuantizedX
+
+    hk, ratio, dk, dv = 2, 2, 16, 64
+    hv = hk * ratio
+    monkeypatch.setattr(gf, "INTERPRETER_BLOCK_V", dv // 2)  # two value tiles a head: the counter decides
+    g = torch.Generator().manual_seed(b * 10 + t)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(DEVICE)  # noqa: E731
+    x = rnd(b, t, 2 * hk * dk + hv * dv).to(DTYPE)
+    alpha, beta = rnd(b * t, hv).to(DTYPE), rnd(b * t, hv).to(DTYPE)
+    a_log, dt_bias = torch.rand(hv, generator=g).to(DEVICE) * 2, rnd(hv) * 0.5
+    zs = rnd(b * t, hv * dv + 5).to(DTYPE)[:, 5:]  # a strided view, as the qkvz split gives
+    weight = rnd(dv).to(DTYPE)
+    stack = rnd(b + 1, t + 1, hv, dk, dv)
+    lanes = torch.arange(b, 0, -1, device=DEVICE, dtype=torch.int32)
+    w = _packed(8, hv * dv, FORMATS["Q4G64_F16S"], seed=3)
+
+    def words():
+        if not quantized:
+            return None
+        xq = QuantizedX.empty(b * t, w, DEVICE)
+        xq.words.fill_(-1)  # poison: every word must be written
+        return xq
+
+    states, want_xq = stack.clone(), words()
+    o = gf.gdn_fused(x, alpha, beta, a_log, dt_bias, states, lanes, hk, snapshot)
+    want = gated_norm(o.reshape(b * t, hv, dv), zs, weight, 1e-6, DTYPE, xq=want_xq)
+    for counts in (torch.zeros(b * hv, dtype=torch.int32, device=DEVICE), torch.zeros(1, dtype=torch.int32,
+                                                                                        device=DEVICE)):
+        got_states, got_xq = stack.clone(), words()
+        gate = gf.GdnGate(zs, weight, 1e-6, _poison((b * t, hv * dv)), counts, got_xq)
+        got = gf.gdn_fused(x, alpha, beta, a_log, dt_bias, got_states, lanes, hk, snapshot, gate=gate)
+        assert got is gate.out
+        if DEVICE == "cpu":
+            assert torch.equal(got, want) and torch.equal(got_states, states)
+        else:
+            _check(got.float(), want.float())
+        if quantized:
+            assert torch.equal(got_xq.words, want_xq.words) if DEVICE == "cpu" else \
+                (got_xq.words != want_xq.words).float().mean() < 0.01
+        assert not counts.any()  # zero again: the next launch (or graph replay) counts from zero
+    with pytest.raises(ValueError, match="do not fit"):
+        gf.gdn_fused(x, alpha, beta, a_log, dt_bias, stack.clone(), lanes, hk,
+                     gate=gf.GdnGate(zs[:, 1:], weight, 1e-6, _poison((b * t, hv * dv - 1)), counts))
+
+
 @pytest.mark.parametrize("dk", [16, 128])
 def test_gdn_chunked_matches_the_recurrence(dk):
     """fla's chunked prefill kernel (raw gates and betas in, lane-indexed float32 state) == the torch

@@ -14,6 +14,16 @@ from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 
 @triton.jit
+def gated_norm_rows(o, z, w, eps, D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """w * RMSNorm(o) * SiLU(z) over rows [R, D] of float32 o and z, weight w [D] float32; float32 out. Shared
+    with gdn_fused's epilogue (NINFER_GDN_NORM_EPILOGUE), so both round alike."""
+    n = o * tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)[:, None]
+    if ROUND_BF16:
+        n = n.to(tl.bfloat16).to(tl.float32)
+    return w[None, :] * n * z * tl.sigmoid(z)
+
+
+@triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, ROWS, eps, D: tl.constexpr,
                        ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr, ROW_INTS: tl.constexpr,
                        K_PAD: tl.constexpr, QBITS: tl.constexpr, GROUP: tl.constexpr):
@@ -24,13 +34,10 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, xq_ptr, stride_z, HV, ROWS, e
     ok = (r < ROWS)[:, None]
     d = tl.arange(0, D)
     o = tl.load(o_ptr + r[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    n = o * tl.rsqrt(tl.sum(o * o, axis=1) / D + eps)[:, None]
-    if ROUND_BF16:
-        n = n.to(tl.bfloat16).to(tl.float32)
     tok = r // HV
     z = tl.load(z_ptr + (tok * stride_z + (r % HV) * D)[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + d).to(tl.float32)
-    y = (w[None, :] * n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty)
+    y = gated_norm_rows(o, z, w, eps, D, ROUND_BF16).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + r[:, None] * D + d[None, :], y, mask=ok)
     if QUANT:  # (one row per program) this head's lanes of the token's row, as the output projection would quantize them
         row = tl.program_id(0)

@@ -5,7 +5,11 @@ the decay g = -exp(A_log) * softplus(alpha + dt_bias) and beta = sigmoid(b), the
 each step for speculative rollback). One launch replaces about fifteen small ones per GDN layer, which
 matter inside a decode step of 48 such layers. For decode and verify blocks the alpha/beta projections
 (two bf16 matrices of HV rows) are folded in too: each program dots its head's two weight rows with the
-layer input (`projections`), a launch less per layer.
+layer input (`projections`), a launch less per layer. With `gate` (NINFER_GDN_NORM_EPILOGUE=on) the GDN
+output norm (gated_norm) is folded in as well: the program that finishes a (row block, value head) last — a
+counter per head, taken with an acquire-release atomic — normalizes the head's rows the others left in `o` and
+writes them, and the output projection's dp4a words where it reads them (another launch less per layer, with
+every value tile still its own program: session 32's norm in a program per head lost more than the launch).
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+import os
+from dataclasses import dataclass
+
 from . import interpreted, torch_path, tuning_from_env
+from .gated_norm import gated_norm, gated_norm_rows
 from .launch import LAUNCH, pdl_wait
+from .qgemv_int8 import QuantizedX, producer_words, write_quantized_x
 
 L2_EPS = 1e-6
 PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; prefill keeps the vendor GEMM
@@ -29,6 +38,24 @@ PROJECT_MAX_ROWS = 16  # decode and verify blocks multiply alpha/beta here; pref
 GDN_BLOCK_V = 32  # the rule's one-token steps and floor
 GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v": 0, "warps": 4})
 GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least this many programs run
+INTERPRETER_BLOCK_V = 0  # value columns a program under the interpreter (0: the head; tests set it to split heads)
+# NINFER_GDN_NORM_EPILOGUE=on: the output norm in the recurrence's launch (GdnGate; opt-in until timed on a GPU)
+NORM_EPILOGUE = os.environ.get("NINFER_GDN_NORM_EPILOGUE", "off") == "on"
+
+
+@dataclass
+class GdnGate:
+    """The GDN output norm gdn_fused applies in its launch: y = weight * RMSNorm(o) * SiLU(z) per value head
+    (gated_norm's contract), written to `out` [rows, HV * DV] and, where it reads them, into the output
+    product's words `xq`. `counts`: int32 zeros, one per (row block, value head) of the launch at least, left
+    zero after it (the finishing program resets its counter), so one buffer serves every launch and graph."""
+
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor
+    counts: torch.Tensor
+    xq: QuantizedX | None = None
 
 
 def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
@@ -57,8 +84,12 @@ def _softplus(x):
 @triton.jit
 def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_ptr, lanes_ptr, o_ptr,
                       h_ptr, wa_ptr, wb_ptr, T, HV, SLOTS, stride_x, stride_ab, stride_h, key_dim, q_scale, eps,
+                      z_ptr, norm_w_ptr, y_ptr, xq_ptr, count_ptr, stride_z, norm_eps,
                       RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SNAPSHOT: tl.constexpr, PROJECT: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NORM: tl.constexpr = False, ROUND_BF16: tl.constexpr = True, QUANT: tl.constexpr = False,
+                      ROW_INTS: tl.constexpr = 0, K_PAD: tl.constexpr = 0, QBITS: tl.constexpr = 4,
+                      GROUP: tl.constexpr = 64):
     pdl_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,15 +138,33 @@ def _gdn_fused_kernel(x_ptr, alpha_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, state_
         if SNAPSHOT:
             tl.store(base + (t + 1) * slot_elems + tile, s)
     tl.store(base + tile, s)
+    if NORM:  # the last of the head's value tiles to finish normalizes its rows (gated_norm's arithmetic)
+        tl.debug_barrier()  # every thread's o stored before the count releases them
+        counter = count_ptr + b * HV + h
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(2) - 1:
+            tl.store(counter, 0)  # zero again for the next launch (every tile of this head has counted)
+            d = tl.arange(0, DV)
+            w = tl.load(norm_w_ptr + d).to(tl.float32)
+            for t in range(T):
+                row = b * T + t
+                # .cg: from L2, where the other programs' stores are (not a stale L1 line)
+                ov = tl.load(o_ptr + (row * HV + h) * DV + d, cache_modifier=".cg").to(tl.float32)
+                zv = tl.load(z_ptr + row * stride_z + h * DV + d).to(tl.float32)
+                y = gated_norm_rows(ov[None, :], zv[None, :], w, norm_eps, DV, ROUND_BF16)
+                y = tl.reshape(y.to(y_ptr.dtype.element_ty), (DV,))
+                tl.store(y_ptr + row * HV * DV + h * DV + d, y)
+                if QUANT:
+                    write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), h * DV, K_PAD, QBITS, GROUP, DV)
 
 
 def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapshot: bool = False, out=None,
-              projections=None):
+              projections=None, gate: GdnGate | None = None):
     """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV], or
     None with `projections` = (layer input [B*T, K], alpha weight [HV, K], beta weight [HV, K]), which
     the kernel multiplies itself; a_log, dt_bias [HV] fp32; state: slot stack [N, S, HV, DK, DV] fp32
     (slot 0 updated in place, slots 1..T get per-step snapshots with `snapshot`); lanes int [B].
-    Returns o [B, T, HV, DV] fp32."""
+    Returns o [B, T, HV, DV] fp32; with `gate`, the normed output gate.out [B*T, HV*DV] instead (GdnGate)."""
     bsz, t, width = x.shape
     _, slots, hv, dk, dv = state.shape
     key_dim = heads_k * dk
@@ -123,8 +172,18 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         raise ValueError(f"gdn_fused: x has {width} columns, expected {2 * key_dim + hv * dv}")
     if snapshot and slots < t + 1:
         raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {slots}")
-    if torch_path(x):
-        return _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections)
+    if gate is not None and (gate.out.shape != (bsz * t, hv * dv) or gate.z.shape != gate.out.shape
+                             or gate.z.stride(-1) != 1 or gate.weight.shape != (dv,)):
+        raise ValueError(f"gdn_fused: the gate's z {tuple(gate.z.shape)}, out {tuple(gate.out.shape)}, weight "
+                         f"{tuple(gate.weight.shape)} do not fit {bsz * t} rows of {hv} value heads of {dv}")
+    if torch_path(x) or (gate is not None and gate.counts.numel() < bsz * hv):
+        o = _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections) \
+            if torch_path(x) else gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out,
+                                            projections)
+        if gate is None:
+            return o
+        return gated_norm(o.reshape(bsz * t, hv, dv), gate.z, gate.weight, gate.eps, gate.out.dtype, out=gate.out,
+                          xq=gate.xq)
     x = x.reshape(bsz * t, width)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -139,16 +198,28 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
         alpha, beta = alpha.reshape(bsz * t, hv).contiguous(), beta.reshape(bsz * t, hv).contiguous()
         h = wa = wb = alpha  # unread
     o = out if out is not None else torch.empty(bsz, t, hv, dv, dtype=torch.float32, device=x.device)
-    block_v = dv if interpreted() else gdn_block_v(bsz, t, hv, dv)
+    block_v = (INTERPRETER_BLOCK_V or dv) if interpreted() else gdn_block_v(bsz, t, hv, dv)
     if dv % block_v or block_v & (block_v - 1) or GDN_TUNING["warps"] not in (1, 2, 4, 8):
         raise SystemExit(f"ninfer: NINFER_GDN_TILE={GDN_TUNING['block_v']},{GDN_TUNING['warps']} does not fit value "
                          f"heads of {dv} (block_v a power of two dividing it; 1, 2, 4 or 8 warps); unset it")
+    norm: dict = {"NORM": False}
+    z = norm_w = y = words = counts = o  # unread without a gate
+    stride_z, norm_eps, fused = 0, 0.0, True
+    if gate is not None:
+        z, norm_w, y, counts, stride_z, norm_eps = gate.z, gate.weight, gate.out, gate.counts, gate.z.stride(0), gate.eps
+        fused, words, quant = producer_words(gate.xq, y, bsz * t, hv * dv, dv, hv * dv)
+        norm = {"NORM": True, "ROUND_BF16": y.dtype == torch.bfloat16, **quant}
     _gdn_fused_kernel[(bsz, hv, dv // block_v)](
         x, alpha, beta, a_log, dt_bias, state, lanes, o, h, wa, wb, t, hv, slots, x.stride(0), hv, h.stride(0),
-        key_dim, dk ** -0.5, L2_EPS, RATIO=hv // heads_k, DK=dk, DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot,
-        PROJECT=projections is not None, K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024,
-        num_warps=GDN_TUNING["warps"], **LAUNCH)
-    return o
+        key_dim, dk ** -0.5, L2_EPS, z, norm_w, y, words, counts, stride_z, norm_eps, RATIO=hv // heads_k, DK=dk,
+        DV=dv, BLOCK_V=block_v, SNAPSHOT=snapshot, PROJECT=projections is not None,
+        K=h.shape[-1] if projections is not None else 0, BLOCK_K=1024, num_warps=GDN_TUNING["warps"], **norm,
+        **LAUNCH)
+    if gate is None:
+        return o
+    if gate.xq is not None and not fused:
+        gate.xq.fill(y)
+    return y
 
 
 def _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections):
