@@ -509,21 +509,14 @@ def test_causal_conv1d(b, t, c):
 
 @pytest.mark.parametrize("codec", list(CODECS))
 # 12 x 2 rows: a 32-row verify block; 66 x 2 rows: a 64-row prefill block; 256: one split holds every
-# key, so the attention kernel writes finished rows itself (no combine launch); -1: a prefill block's keys kept in
-# few splits (PREFILL_SPLIT_MIN as set: here every key in the first of the grid's splits), else splits of 64+ keys
-@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (12, 64), (66, 0), (66, -1), (66, 256),
-                                            (1, 256)])
+# key, so the attention kernel writes finished rows itself (no combine launch)
+@pytest.mark.parametrize("t,split_tokens", [(1, 0), (5, 0), (3, 64), (12, 64), (66, 0), (66, 256), (1, 256)])
 def test_paged_attention(codec, t, split_tokens, monkeypatch):
-    """Against the reference, with the combine taking several rows a program (COMBINE_PROGRAMS as low as it goes:
-    ragged last programs) wherever there is a combine."""
     from runtime.kernels import paged_attention as module
     from runtime.kernels.paged_attention import PAGE, paged_attention, paged_attention_reference
 
-    monkeypatch.setattr(module, "SPLIT_TOKENS", max(split_tokens, 0))  # 64: several key splits per lane
-    if split_tokens == 0:
-        monkeypatch.setattr(module, "PREFILL_SPLIT_MIN", 64)
+    monkeypatch.setattr(module, "SPLIT_TOKENS", split_tokens)  # 64: several key splits per lane
     monkeypatch.setattr(module, "PREFILL_MIN_ROWS", 128)  # t = 66: 64-row blocks at test size
-    monkeypatch.setattr(module, "COMBINE_PROGRAMS", 1)
 
     c = CODECS[codec]
     lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 3
@@ -552,7 +545,6 @@ def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
     from runtime.kernels.qgemv_int8 import QuantizedX
 
     monkeypatch.setattr(module, "SPLIT_TOKENS", 64)
-    monkeypatch.setattr(module, "COMBINE_PROGRAMS", 1)  # two rows a combine program
     c = CODECS[codec]
     lanes, t, hq, hkv, d, per_lane = 2, 1, 4, 2, 64, 3
     g = torch.Generator().manual_seed(21)
@@ -578,17 +570,6 @@ def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
     gate = AttentionGate(qg[:2], c.rotate_values, hq, d, DTYPE, QuantizedX.empty(2, nxt, DEVICE))
     assert torch.equal(paged_attention(q, pool, c, table, ctx, d ** -0.5, gate=gate.part(0)), want)
     assert torch.equal(gate.finish(), want) and gate.words_missing
-
-
-def test_combine_shape():
-    """A prefill chunk's combine takes rows a power of two at a time while ~COMBINE_PROGRAMS programs remain (at most
-    COMBINE_ROWS a program); decode keeps a row a program; splits go in steps no wider than there are splits."""
-    from runtime.kernels import paged_attention as pa
-
-    chunk = 4 * 3072 * 4  # 27B, 512 rows: kv heads x (rows x GQA group) x 64-lane blocks of 256
-    assert pa.combine_shape(chunk, 5) == (min(pa.COMBINE_ROWS, 8), 8)
-    assert pa.combine_shape(4 * 6 * 4, 40) == (1, 64)  # one decode row a lane
-    assert pa.combine_shape(10 ** 7, 200) == (pa.COMBINE_ROWS, 64)
 
 
 def test_attention_tiles_by_query_rows():

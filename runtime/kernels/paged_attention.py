@@ -32,14 +32,6 @@ from .qgemv_int8 import write_quantized_x
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
-# Prefill row blocks: at least this many keys a split (NINFER_PREFILL_SPLIT_MIN; 64 before session 41). A chunk
-# already runs hundreds of row-block programs, and each split used costs its rows' float32 partials written and read
-# back by the combine (27B, 512 rows: 12.6 MB a split), so a shallow chunk keeps its keys in few splits.
-PREFILL_SPLIT_MIN = int(os.environ.get("NINFER_PREFILL_SPLIT_MIN", "2048"))
-# The combine launch: up to COMBINE_ROWS rows a program while ~COMBINE_PROGRAMS programs remain (NINFER_COMBINE_ROWS=1:
-# a program a row, as before session 41)
-COMBINE_ROWS = int(os.environ.get("NINFER_COMBINE_ROWS", "16"))
-COMBINE_PROGRAMS = 4096
 # Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
 # two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
@@ -337,31 +329,17 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPL
                     qg_ptr, qg_stride, h_ptr, xq_ptr, ROW0, D: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, GATE: tl.constexpr = False,
                     ROTATE: tl.constexpr = False, QUANT: tl.constexpr = False, ROW_INTS: tl.constexpr = 0,
-                    K_PAD: tl.constexpr = 0, QBITS: tl.constexpr = 4, GROUP: tl.constexpr = 64,
-                    ROWS: tl.constexpr = 1):
+                    K_PAD: tl.constexpr = 0, QBITS: tl.constexpr = 4, GROUP: tl.constexpr = 64):
     """Merge the splits of one (lane, kv head, row) that hold keys visible to the row, with their
     log-sum-exp weights (splits past the row's last key contribute nothing and are not read). Each
     program takes BLOCK_D of the D lanes, so a long context's many splits are read by several
-    programs in few steps rather than by one in a long dependent chain; and ROWS rows one after the other
-    (a prefill chunk's thousands of rows: fewer, longer programs). With GATE (BLOCK_D = 64), the
+    programs in few steps rather than by one in a long dependent chain. With GATE (BLOCK_D = 64), the
     attention block's output gate follows as attention_gate computes it: o rounded to its dtype, H64-rotated
     back with ROTATE, times sigmoid(gate), written to o_ptr as rows [tokens, HQ * D] from row ROW0 on, and with
     QUANT also as the output product's dp4a words (a launch less per attention layer)."""
     pdl_wait()
     lane_kvh = tl.program_id(0)
-    rows_total = T * (HQ // HKV)
-    for r in range(tl.program_id(1) * ROWS, tl.minimum(tl.program_id(1) * ROWS + ROWS, rows_total)):
-        _combine_row(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN, qg_ptr, qg_stride,
-                     h_ptr, xq_ptr, ROW0, lane_kvh, r, D, BLOCK_S, BLOCK_D, BLOCK_N, GATE, ROTATE, QUANT, ROW_INTS,
-                     K_PAD, QBITS, GROUP)
-
-
-@triton.jit
-def _combine_row(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN, qg_ptr, qg_stride,
-                 h_ptr, xq_ptr, ROW0, lane_kvh, r, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, GATE: tl.constexpr, ROTATE: tl.constexpr, QUANT: tl.constexpr,
-                 ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr, GROUP: tl.constexpr):
-    """_combine_kernel's work for row r of (lane, kv head) `lane_kvh`."""
+    r = tl.program_id(1)
     lane = lane_kvh // HKV
     kvh = lane_kvh % HKV
     group = HQ // HKV
@@ -444,8 +422,7 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     capacity = block_table.shape[1] * PAGE
     split_tokens = split_size(capacity, lanes * hkv * triton.cdiv(rows, block_m), block_n, target)
     splits = triton.cdiv(capacity, split_tokens)
-    least = max(MIN_SPLIT, PREFILL_SPLIT_MIN) if block_m > VERIFY_MAX_BLOCK_M else MIN_SPLIT
-    split_min = split_tokens if SPLIT_TOKENS else -(-least // block_n) * block_n  # tests pin the split
+    split_min = split_tokens if SPLIT_TOKENS else -(-MIN_SPLIT // block_n) * block_n  # tests pin the split
     direct = splits == 1  # prefill chunks: enough row blocks to fill the GPU without splitting keys
     part_o = o if direct else torch.empty(lanes * hkv * splits * rows * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(1 if direct else lanes * hkv * splits * rows * 2, dtype=torch.float32, device=q.device)
@@ -462,33 +439,21 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     return combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate)
 
 
-def combine_shape(programs: int, splits: int) -> tuple[int, int]:
-    """(rows a program, splits a step) of a combine launch of `programs` one-row programs over `splits` splits:
-    a prefill chunk's rows (27B, 512 tokens: 49,152 programs) taken a power of two at a time down to ~COMBINE_PROGRAMS
-    programs (session 41, H100: 108 µs a combine of such a chunk riding, twice its attention kernel), the splits
-    in steps no wider than there are splits."""
-    rows = 1
-    while COMBINE_ROWS and rows < COMBINE_ROWS and programs // (2 * rows) >= COMBINE_PROGRAMS:
-        rows *= 2
-    return rows, min(64, triton.next_power_of_2(splits))
-
-
 def combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate=None):
     """The combine launch over the kernels' split partials; with `gate` (an AttentionGate part) the output gate
     too, into the part's rows of gate.y (and their dp4a words), which are returned in place of o."""
     lanes, d = o.shape[0], o.shape[-1]
     rows = t * (hq // hkv)
-    block_d = 64 if d % 64 == 0 or gate is not None else d
-    per_program, block_s = combine_shape(lanes * hkv * rows * (d // block_d), splits)
-    grid = (lanes * hkv, triton.cdiv(rows, per_program), d // block_d)
+    block_d = 64 if d % 64 == 0 else d
     if gate is None:
-        _combine_kernel[grid](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, o, 0, o, o, 0, D=d,
-                              BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n, ROWS=per_program, num_warps=4,
-                              **LAUNCH)
+        _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min,
+                                                           o, 0, o, o, 0, D=d, BLOCK_S=64, BLOCK_D=block_d,
+                                                           BLOCK_N=block_n, num_warps=4, **LAUNCH)
         return o
-    _combine_kernel[grid](part_o, part_ml, gate.y, ctx_len, t, hq, hkv, splits, split_min, gate.qg, gate.qg.stride(0),
-                          gate.hadamard, gate.words, gate.row0, D=d, BLOCK_S=block_s, BLOCK_D=64, BLOCK_N=block_n,
-                          GATE=True, ROTATE=gate.rotate, **gate.quant, ROWS=per_program, num_warps=4, **LAUNCH)
+    _combine_kernel[(lanes * hkv, rows, d // 64)](part_o, part_ml, gate.y, ctx_len, t, hq, hkv, splits, split_min,
+                                                  gate.qg, gate.qg.stride(0), gate.hadamard, gate.words, gate.row0,
+                                                  D=d, BLOCK_S=64, BLOCK_D=64, BLOCK_N=block_n, GATE=True,
+                                                  ROTATE=gate.rotate, **gate.quant, num_warps=4, **LAUNCH)
     return gate.y[gate.row0 : gate.row0 + lanes * t]
 
 
