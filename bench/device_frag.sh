@@ -50,6 +50,9 @@
 #                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
+#                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
+#                        bash bench/device_frag.sh s59       # next: the 35B's Q5 output projections, per product and
+#                                                            # in the one-lane step (fragment / dp4a / int8 fragment)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -637,6 +640,24 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
+  done
+  ;;
+s59)  # next session (~400 s): the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy in a one-lane
+  # step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one lane with them in
+  # fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and on the int8 fragment kernel (q5)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  NINFER_BENCH_SHAPES=35b timeout 200 python bench/gemv_compare.py "$OUT/s59-frag-35b.json" frag 2>&1 | grep "^{" | \
+    cut -c1-400
+  echo "35B shapes per product t=$(el)"
+  for mode in auto rows q5 auto rows q5; do
+    [ $(( ${DEADLINE:-400} - $(el) )) -gt 40 ] || break
+    frag=auto; int8=off
+    [ $mode = rows ] && frag=rows
+    [ $mode = q5 ] && int8=q5
+    NINFER_GEMV_FRAG=$frag NINFER_FRAGMENT_INT8=$int8 timeout 90 python -m ninfer_cli.main bench --random-weights \
+      qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
+      --json-out "$OUT/s59-35b-$mode-$(el).json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B one lane, Q5 products $mode t=$(el)"
   done
   ;;
 s58)  # session 41 (~420 s): the GPU tests of the two epilogues, then one lane (27B and 35B-A3B, 8K) with the GDN conv

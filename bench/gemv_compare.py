@@ -14,12 +14,15 @@ product as the model runs it (x already in dp4a words, K-split partials left for
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
     PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head]
+
+NINFER_BENCH_SHAPES=35b takes the 35B-A3B's dense layer products instead of the 27B's.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import sys
 
@@ -32,6 +35,12 @@ from runtime.kernels.qgemv_int8 import QuantizedX, qgemv_int8
 SHAPES = [("gdn qkvz Q4", 16384, 5120, "Q4G64_F16S"), ("mlp gate_up Q4", 34816, 5120, "Q4G64_F16S"),
           ("mlp down Q5", 5120, 17408, "Q5G64_F16S"), ("gdn out Q5", 5120, 6144, "Q5G64_F16S"),
           ("head Q6", 248320, 5120, "Q6G64_F16S"), ("shared W8", 1024, 2048, "W8G32_F16S")]
+# NINFER_BENCH_SHAPES=35b: the 35B-A3B's dense layer products instead, in the same slots (hidden 2,048: its Q5
+# output projections, 2,048 x 4,096, ran at ~0.32 of copy in a one-lane step, session 41)
+if os.environ.get("NINFER_BENCH_SHAPES") == "35b":
+    SHAPES = [("gdn qkvz Q4", 12288, 2048, "Q4G64_F16S"), ("attention qgkv Q4", 9216, 2048, "Q4G64_F16S"),
+              ("gdn out Q5", 2048, 4096, "Q5G64_F16S"), ("attention out Q5", 2048, 4096, "Q5G64_F16S"),
+              ("head Q6", 248320, 2048, "Q6G64_F16S"), ("shared W8", 1024, 2048, "W8G32_F16S")]
 
 
 def _split(w, block_n, block_k):
@@ -239,7 +248,8 @@ def float_codes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
-FRAG_SHAPES = [*SHAPES[:4], ("attention qgkv Q4", 14336, 5120, "Q4G64_F16S")]
+FRAG_SHAPES = [*SHAPES[:4]] if os.environ.get("NINFER_BENCH_SHAPES") == "35b" else \
+    [*SHAPES[:4], ("attention qgkv Q4", 14336, 5120, "Q4G64_F16S")]
 FRAG_TILES = [(hint, warps, programs) for hint in (0, 2, 3) for warps, programs in ((4, 528), (4, 1056), (8, 528))]
 
 
