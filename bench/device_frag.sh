@@ -51,8 +51,9 @@
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
-#                        bash bench/device_frag.sh s59       # next: the 35B's Q5 output projections, per product and
-#                                                            # in the one-lane step (fragment / dp4a / int8 fragment)
+#                        bash bench/device_frag.sh s59       # next: the combine 16 rows a program (ride profile); the
+#                                                            # 35B's Q5 output projections per product and in the
+#                                                            # one-lane step (fragment / dp4a / int8 fragment)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -642,15 +643,24 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s59)  # next session (~400 s): the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy in a one-lane
-  # step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one lane with them in
-  # fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and on the int8 fragment kernel (q5)
+s59)  # next session (~500 s): a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in) in the
+  # riding-chunk profile, off / on twice; then the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy
+  # in a one-lane step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one
+  # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel
   nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k "combine_rows or \
+    test_paged_attention or output_gate" 2>&1 | tail -2
+  echo "tests t=$(el)"
+  for rows in 0 16 0 16; do
+    NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
+      ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel"
+    echo "ride profile, combine rows $rows t=$(el)"
+  done
   NINFER_BENCH_SHAPES=35b timeout 200 python bench/gemv_compare.py "$OUT/s59-frag-35b.json" frag 2>&1 | grep "^{" | \
     cut -c1-400
   echo "35B shapes per product t=$(el)"
   for mode in auto rows q5 auto rows q5; do
-    [ $(( ${DEADLINE:-400} - $(el) )) -gt 40 ] || break
+    [ $(( ${DEADLINE:-500} - $(el) )) -gt 40 ] || break
     frag=auto; int8=off
     [ $mode = rows ] && frag=rows
     [ $mode = q5 ] && int8=q5

@@ -572,6 +572,50 @@ def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
     assert torch.equal(gate.finish(), want) and gate.words_missing
 
 
+@pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8"])
+@pytest.mark.parametrize("t", [1, 66])
+def test_combine_rows_kernel_matches_the_one_row_combine(codec, t, monkeypatch):
+    """NINFER_COMBINE_ROWS: 16 rows of a (lane, kv head) merged side by side per program (ragged last block, each row
+    stopping at its own last visible split) give the one-row combine's rows, plain and gated (rotated back where the
+    codec rotates values); words for the next product keep the one-row kernel; a bad value is refused in one line."""
+    from runtime.kernels import paged_attention as module
+    from runtime.kernels.attention_gate import AttentionGate
+    from runtime.kernels.paged_attention import PAGE, paged_attention
+    from runtime.kernels.qgemv_int8 import QuantizedX
+
+    monkeypatch.setattr(module, "SPLIT_TOKENS", 32)  # several splits, rows of a prefill block ending in different ones
+    monkeypatch.setattr(module, "PREFILL_MIN_ROWS", 128)
+    monkeypatch.setattr(module, "COMBINE_MIN_ROWS", 1)
+    c = CODECS[codec]
+    lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 3
+    g = torch.Generator().manual_seed(31 + t)
+    total = lanes * per_lane
+    pool = {k: v.to(DEVICE) for k, v in c.encode(torch.randn(total, PAGE, hkv, d, generator=g),
+                                                  torch.randn(total, PAGE, hkv, d, generator=g)).items()}
+    table = torch.randperm(total, generator=g).view(lanes, per_lane).int().to(DEVICE)
+    ctx = torch.tensor([70, 150], dtype=torch.int32, device=DEVICE)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g)).to(DTYPE).to(DEVICE)
+    qg = torch.randn(lanes * t, hq * 2 * d, generator=g).to(DTYPE).to(DEVICE)
+    got = {}
+    for rows in (0, 16):
+        monkeypatch.setattr(module, "COMBINE_ROWS", rows)
+        plain = paged_attention(q, pool, c, table, ctx, d ** -0.5)
+        gated = paged_attention(q, pool, c, table, ctx, d ** -0.5,
+                                gate=AttentionGate(qg, c.rotate_values, hq, d, DTYPE).part(0))
+        got[rows] = (plain.clone(), gated.clone())
+    tol = torch.float32 if DEVICE == "cpu" else DTYPE
+    for one, block in zip(got[0], got[16]):
+        _check(block.float().cpu(), one.float().cpu(), tol)
+    nxt = _packed(8, hq * d, FORMATS["Q4G64_F16S"], 2)
+    xq = QuantizedX.empty(lanes * t, nxt, DEVICE)
+    with_words = paged_attention(q, pool, c, table, ctx, d ** -0.5,
+                                 gate=AttentionGate(qg, c.rotate_values, hq, d, DTYPE, xq).part(0))
+    _check(with_words.float().cpu(), got[0][1].float().cpu(), tol)
+    monkeypatch.setattr(module, "COMBINE_ROWS", 12)
+    with pytest.raises(ValueError, match="NINFER_COMBINE_ROWS=12"):
+        paged_attention(q, pool, c, table, ctx, d ** -0.5)
+
+
 def test_attention_tiles_by_query_rows():
     """int4 keys take the ldmatrix verify tiles only for 17..32-row blocks (MTP3's 24 rows on the 27B):
     decode rows (16-row blocks) keep the pure decode and their tiles, prefill blocks the prefill tiles;

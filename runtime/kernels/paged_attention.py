@@ -32,6 +32,12 @@ from .qgemv_int8 import write_quantized_x
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
+# NINFER_COMBINE_ROWS=16 (opt-in, untimed): blocks of that many rows of a (lane, kv head) merged side by side per
+# combine program (_combine_rows_kernel) where it has COMBINE_MIN_ROWS rows or more, i.e. prefill chunks: a 512-token
+# 27B chunk's combine is 49,152 one-row programs otherwise (session 41, H100: ~120 µs a layer in a riding chunk,
+# more than its attention kernel; taking its rows one after the other in a program was slower still)
+COMBINE_ROWS = int(os.environ.get("NINFER_COMBINE_ROWS", "0"))
+COMBINE_MIN_ROWS = 256
 # Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
 # two-warp programs (4 per SM by registers x 132 SMs ~ 512: no cross-warp softmax traffic beyond two warps,
@@ -439,12 +445,79 @@ def paged_attention(q: torch.Tensor, pool: dict[str, torch.Tensor], codec: Codec
     return combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate)
 
 
+@triton.jit
+def _combine_rows_kernel(part_o_ptr, part_ml_ptr, o_ptr, ctx_len_ptr, T, HQ, HKV, SPLITS, SPLIT_MIN,
+                         qg_ptr, qg_stride, h_ptr, ROW0, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, GATE: tl.constexpr = False,
+                         ROTATE: tl.constexpr = False):
+    """_combine_kernel's merge for BLOCK_R rows of one (lane, kv head) side by side ([BLOCK_R, BLOCK_D] tiles, the
+    splits one after the other, each row stopping at its own last visible split): a prefill chunk's thousands of
+    rows in few programs. The output gate as _combine_kernel applies it (BLOCK_D = 64), without dp4a words."""
+    pdl_wait()
+    lane_kvh = tl.program_id(0)
+    lane = lane_kvh // HKV
+    kvh = lane_kvh % HKV
+    group = HQ // HKV
+    rows_total = T * group
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows_total
+    ctx = tl.load(ctx_len_ptr + lane)
+    used = tl.minimum(tl.cdiv(ctx - T + r // group + 1, _split_len(ctx, SPLITS, SPLIT_MIN, BLOCK_N)), SPLITS)
+    used = tl.where(r_ok, used, 0)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_all = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    l_all = tl.zeros((BLOCK_R,), tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for sp in range(0, tl.max(used, axis=0)):
+        ok = sp < used
+        part = (lane_kvh * SPLITS + sp) * rows_total + r
+        m = tl.load(part_ml_ptr + part * 2, mask=ok, other=float("-inf"))
+        l = tl.load(part_ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+        o = tl.load(part_o_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_all, m)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m_all - m_safe)
+        b = tl.exp(m - m_safe)
+        acc = acc * a[:, None] + o * b[:, None]
+        l_all = l_all * a + l * b
+        m_all = m_new
+    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    t = r // group
+    head = kvh * group + r % group
+    if GATE:
+        token = ROW0 + lane * T + t
+        o = out.to(o_ptr.dtype.element_ty).to(tl.float32)  # the attention output as the gate kernel reads it
+        if ROTATE:  # x @ H64 per row, in float32 (FMA, not the tensor cores' reduced precision)
+            i = tl.arange(0, 64)
+            o = tl.dot(o, tl.load(h_ptr + i[:, None] * 64 + i[None, :]), input_precision="ieee")
+        g = tl.load(qg_ptr + (token * qg_stride + head * (2 * D) + D)[:, None] + d[None, :], mask=r_ok[:, None],
+                    other=0.0).to(tl.float32)
+        y = (o * tl.sigmoid(g)).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + (token * (HQ * D) + head * D)[:, None] + d[None, :], y, mask=r_ok[:, None])
+    else:
+        tl.store(o_ptr + (((lane * T + t) * HQ + head) * D)[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=r_ok[:, None])
+
+
 def combine_splits(part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, block_n, gate=None):
     """The combine launch over the kernels' split partials; with `gate` (an AttentionGate part) the output gate
     too, into the part's rows of gate.y (and their dp4a words), which are returned in place of o."""
     lanes, d = o.shape[0], o.shape[-1]
     rows = t * (hq // hkv)
     block_d = 64 if d % 64 == 0 else d
+    if COMBINE_ROWS and (COMBINE_ROWS < 16 or COMBINE_ROWS & (COMBINE_ROWS - 1)):
+        raise ValueError(f"NINFER_COMBINE_ROWS={COMBINE_ROWS} is not a power of two from 16; unset it (0: a row a "
+                         "program)")
+    if COMBINE_ROWS and rows >= COMBINE_MIN_ROWS and d % 64 == 0 and (gate is None or not gate.quant["QUANT"]):
+        grid = (lanes * hkv, triton.cdiv(rows, COMBINE_ROWS), d // 64)
+        if gate is None:
+            _combine_rows_kernel[grid](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min, o, 0, o, 0, D=d,
+                                       BLOCK_R=COMBINE_ROWS, BLOCK_D=64, BLOCK_N=block_n, num_warps=4, **LAUNCH)
+            return o
+        _combine_rows_kernel[grid](part_o, part_ml, gate.y, ctx_len, t, hq, hkv, splits, split_min, gate.qg,
+                                   gate.qg.stride(0), gate.hadamard, gate.row0, D=d, BLOCK_R=COMBINE_ROWS, BLOCK_D=64,
+                                   BLOCK_N=block_n, GATE=True, ROTATE=gate.rotate, num_warps=4, **LAUNCH)
+        return gate.y[gate.row0 : gate.row0 + lanes * t]
     if gate is None:
         _combine_kernel[(lanes * hkv, rows, d // block_d)](part_o, part_ml, o, ctx_len, t, hq, hkv, splits, split_min,
                                                            o, 0, o, o, 0, D=d, BLOCK_S=64, BLOCK_D=block_d,
