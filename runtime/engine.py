@@ -579,12 +579,17 @@ class Engine:
                           lanes_idx, t, snapshot, projections, real_rows, conv_done, gate)
         if gate is not None:
             gated = o
-        else:
-            if riders is not None:
-                o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
-                o = torch.cat([o.reshape(main, hv, -1).float(), o_r.reshape(-1, hv, o_r.shape[-1]).float()])
+        elif riders is None:
             gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype,
                                xq=out_xq)
+        else:  # the chunk's rows and the riders' normed into one block, each where it lies (no join of the two)
+            o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
+            gated = torch.empty(n, z.shape[1], dtype=self.act_dtype, device=h.device)
+            for rows, part in ((slice(0, main), o), (slice(main, n), o_r)):
+                part_xq = None if out_xq is None else QuantizedX(out_xq.words[rows], out_xq.k_pad, out_xq.group,
+                                                                 out_xq.bits)
+                gated_norm(part.reshape(-1, hv, part.shape[-1]), z[rows], self.vec[p + "norm"], c.rms_norm_eps,
+                           self.act_dtype, out=gated[rows], xq=part_xq)
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, conv_done=False,
