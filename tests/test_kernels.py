@@ -660,6 +660,29 @@ def test_paged_attention_spreads_a_short_context_over_the_capacitys_splits(codec
     _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
 
 
+@pytest.mark.parametrize("keyed", [True, False])
+def test_moe_routing_breaks_ties_by_the_lowest_expert(keyed, monkeypatch):
+    """Equal router logits (a bf16 router rounds many alike) pick the lowest expert ids first, in both the route
+    launch and the expert GEMV's own routing (one reduction a pick over probability-then-index keys); experts past
+    E are never picked, a probability of 0 (underflow) still is."""
+    from runtime.kernels import moe
+    from runtime.kernels.moe import route
+
+    if not keyed and DEVICE == "cuda":
+        pytest.skip("a compiled kernel keeps the global it was built with; the two-pass order runs interpreted")
+    import triton.language as tl
+
+    monkeypatch.setattr(moe, "_TOPK_KEYED", tl.constexpr(keyed))  # NINFER_TOPK_KEYED=0: two reductions a pick
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 0.5, -200.0, 0.5],
+                           [-200.0, -200.0, 1.0, 1.0, -200.0, -200.0, -200.0, -200.0]], device=DEVICE)
+    ids, w = route(logits, 4)
+    assert ids.cpu().tolist() == [[1, 2, 4, 0], [2, 3, 0, 1]]
+    _check(w.cpu(), torch.softmax(logits.cpu(), -1).gather(1, ids.cpu().long()) /
+           torch.softmax(logits.cpu(), -1).gather(1, ids.cpu().long()).sum(-1, keepdim=True), torch.float32)
+    ids, _ = route(logits[:, :7], 4)  # 7 experts in a block of 8: the padding lane never comes out
+    assert ids.cpu().tolist() == [[1, 2, 4, 0], [2, 3, 0, 1]]
+
+
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 37, 4), (3, 256, 8)])
 def test_moe_routing(t, e, k):
     from runtime.kernels.moe import route, route_reference

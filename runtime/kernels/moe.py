@@ -16,6 +16,7 @@ on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ from .launch import LAUNCH, pdl_wait
 from .swiglu import swiglu as swiglu_rows
 
 
+_TOPK_KEYED = tl.constexpr(os.environ.get("NINFER_TOPK_KEYED", "1") != "0")
+
+
 @triton.jit
 def _top_k(logits_ptr, t, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Token t's routing: (expert ids [TOPK] int32, weights [TOPK] float32 summing to 1)."""
@@ -42,12 +46,25 @@ def _top_k(logits_ptr, t, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr
     k = tl.arange(0, TOPK)
     picked_ids = tl.zeros((TOPK,), dtype=tl.int32)
     picked = tl.zeros((TOPK,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)  # lowest index among ties, like torch.topk
-        picked_ids = tl.where(k == j, idx, picked_ids)
-        picked = tl.where(k == j, best, picked)
-        p = tl.where(e == idx, -1.0, p)
+    if _TOPK_KEYED:
+        # one reduction a pick (each a cross-warp round trip, and every expert-GEMV program routes before it can load
+        # a weight): a float32 >= 0 orders as its bits do, so (bits << 32 | BLOCK_E - 1 - e) as int64 orders by
+        # probability, then by the lowest index among ties, like torch.topk; -1.0 (no expert) sorts below every p
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+        for j in tl.static_range(TOPK):
+            top = tl.max(key, axis=0)
+            idx = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+            best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            picked_ids = tl.where(k == j, idx, picked_ids)
+            picked = tl.where(k == j, best, picked)
+            key = tl.where(e == idx, -1, key)
+    else:  # two reductions a pick (the value, then the lowest index holding it): NINFER_TOPK_KEYED=0, side by side
+        for j in tl.static_range(TOPK):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+            picked_ids = tl.where(k == j, idx, picked_ids)
+            picked = tl.where(k == j, best, picked)
+            p = tl.where(e == idx, -1.0, p)
     return picked_ids, picked / tl.sum(picked, axis=0)
 
 
