@@ -644,7 +644,7 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
   done
   ;;
 s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in) in the
-  # riding-chunk profile, off / on twice; the MoE routing's top-k keyed (default) or not, the expert launches alone;
+  # riding-chunk profile, off / on twice; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
   # then the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy
   # in a one-lane step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one
   # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel
@@ -657,7 +657,7 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
       ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel"
     echo "ride profile, combine rows $rows t=$(el)"
   done
-  for keyed in 0 1 0 1; do  # the MoE routing's top-k, two reductions a pick (0) or one over int64 keys (1, default)
+  for keyed in 0 1 0 1; do  # the MoE routing's top-k, two reductions a pick (0, default) or one over int64 keys (1)
     NINFER_TOPK_KEYED=$keyed timeout 60 python bench/moe_decode_tiles.py "$OUT/s59-topk-$keyed-$(el).json" 1 shared \
       2>&1 | tail -4 | cut -c1-300
     echo "35B expert launches at one token, top-k keyed $keyed t=$(el)"

@@ -32,7 +32,8 @@ from .launch import LAUNCH, pdl_wait
 from .swiglu import swiglu as swiglu_rows
 
 
-_TOPK_KEYED = tl.constexpr(os.environ.get("NINFER_TOPK_KEYED", "1") != "0")
+# NINFER_TOPK_KEYED=1 (opt-in until timed: device_frag.sh s59): one reduction a pick in the routing's top-k
+_TOPK_KEYED = tl.constexpr(os.environ.get("NINFER_TOPK_KEYED", "0") == "1")
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _top_k(logits_ptr, t, E, stride_t, TOPK: tl.constexpr, BLOCK_E: tl.constexpr
             picked_ids = tl.where(k == j, idx, picked_ids)
             picked = tl.where(k == j, best, picked)
             key = tl.where(e == idx, -1, key)
-    else:  # two reductions a pick (the value, then the lowest index holding it): NINFER_TOPK_KEYED=0, side by side
+    else:  # two reductions a pick: the value, then the lowest index holding it (the default until timed)
         for j in tl.static_range(TOPK):
             best = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
