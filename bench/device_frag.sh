@@ -652,9 +652,9 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
   timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k "combine_rows or \
     test_paged_attention or output_gate" 2>&1 | tail -2
   echo "tests t=$(el)"
-  for rows in 0 16 0 16; do
+  for rows in 0 16 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
     NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
-      ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel"
+      ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel|direct_copy|_conv4"
     echo "ride profile, combine rows $rows t=$(el)"
   done
   for keyed in 0 1 0 1; do  # the MoE routing's top-k, two reductions a pick (0, default) or one over int64 keys (1)

@@ -22,7 +22,7 @@ from .allocator import DeviceMemory
 from .kernels import tuning_from_env
 from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
-from .kernels.conv1d import causal_conv1d, causal_conv1d_lanes
+from .kernels.conv1d import CONV_SECTIONS, causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_rows import MAX_ROWS as DENSE_ROWS_MAX_T, dense_rows
 from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
@@ -604,12 +604,19 @@ class Engine:
         conv_stack = self.conv_stack[j]
         weight = self.vec[p + "convolution"]
         window_before = conv_stack[lanes_idx, 0].clone() if real_rows is not None else None
+        chunked = not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None
+        sections = None  # the conv's q, k, v as dense tensors, for the chunked kernel
         if conv_done:
             x = qkv.reshape(b, t, -1)
         elif c.conv_kernel == 4:
             # lane-indexed kernel: reads and writes the slot stack in place, snapshots included
             # inputs in the state's dtype (a no-op on the GPU), so carried and fresh rows round alike
-            x = causal_conv1d_lanes(qkv.reshape(b, t, -1).to(conv_stack.dtype), conv_stack, lanes_idx, weight, snapshot)
+            x = qkv.reshape(b, t, -1).to(conv_stack.dtype)
+            if chunked and CONV_SECTIONS:
+                sections = causal_conv1d_lanes(x, conv_stack, lanes_idx, weight, snapshot,
+                                               split_keys=c.linear_num_key_heads * c.linear_key_head_dim)
+            else:
+                x = causal_conv1d_lanes(x, conv_stack, lanes_idx, weight, snapshot)
         else:
             conv_state = conv_stack[lanes_idx, 0]  # a small copy: W-1 rows per lane
             x_in = qkv.reshape(b, t, -1).to(conv_state.dtype)
@@ -627,14 +634,16 @@ class Engine:
             from_block = qkv.reshape(b, t, -1).index_select(1, (keep - w).clamp(min=0)).to(window_before.dtype)
             conv_stack[lanes_idx, 0] = torch.where((keep < w)[None, :, None], from_window, from_block)
         o = None
-        if not snapshot and t >= CHUNKED_MIN_TOKENS and self.chunked_gdn and projections is None:
+        if chunked:
             try:
-                o = gdn_chunked(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
-                                lanes_idx, c.linear_num_key_heads)
+                o = gdn_chunked(sections if sections is not None else x, alpha, beta, self.vec[p + "a_log"],
+                                self.vec[p + "dt_bias"], self.rec_stack[j], lanes_idx, c.linear_num_key_heads)
             except Exception as exc:  # noqa: BLE001 - fla failed on this input: the recurrent kernel takes over
                 print(f"ninfer: chunked GDN prefill failed ({type(exc).__name__}: {exc}); using the recurrent "
                       "kernel from now on", file=sys.stderr)
                 self.chunked_gdn = False
+                if sections is not None:  # the recurrent kernel reads the conv's output whole
+                    x = torch.cat(sections, dim=-1)
         if o is None:
             return gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                              lanes_idx, c.linear_num_key_heads, snapshot, projections=projections, gate=gate)

@@ -410,8 +410,9 @@ def test_gdn_norm_in_the_recurrence_launch(b, t, snapshot, quantized, monkeypatc
                      gate=gf.GdnGate(zs[:, 1:], weight, 1e-6, _poison((b * t, hv * dv - 1)), counts))
 
 
+@pytest.mark.parametrize("sections", [False, True])
 @pytest.mark.parametrize("dk", [16, 128])
-def test_gdn_chunked_matches_the_recurrence(dk):
+def test_gdn_chunked_matches_the_recurrence(dk, sections):
     """fla's chunked prefill kernel (raw gates and betas in, lane-indexed float32 state) == the torch
     recurrence, including the carried-in state and the state it leaves behind."""
     from runtime.kernels.gdn_chunked import fla_available, gdn_chunked
@@ -429,7 +430,8 @@ def test_gdn_chunked_matches_the_recurrence(dk):
     before = stack.clone()
     want_o, want_steps = gdn_fused_reference(x.cpu(), alpha.cpu(), beta.cpu(), a_log.cpu(), dt_bias.cpu(),
                                              before[lanes.long(), 0].cpu(), hk)
-    got = gdn_chunked(x, alpha, beta, a_log, dt_bias, stack, lanes, hk)
+    parts = tuple(p.contiguous() for p in x.split([hk * dk, hk * dk, hv * dv], dim=-1)) if sections else x
+    got = gdn_chunked(parts, alpha, beta, a_log, dt_bias, stack, lanes, hk)  # sections: as the prefill conv writes
     _check(got.float().cpu(), want_o, torch.bfloat16)
     for j, lane in enumerate(lanes.tolist()):
         _check(stack[lane, 0].cpu(), want_steps[j, -1], torch.bfloat16)
@@ -468,6 +470,29 @@ def test_causal_conv1d_lanes_time_chunks(t, chunk, monkeypatch):
         _check(got[j : j + 1].cpu(), want_y)
         _check(stack[lane, 0].cpu(), want_s[0])
     assert torch.equal(stack[1], before[1]) and torch.equal(stack[:, 1], before[:, 1])
+
+
+@pytest.mark.parametrize("t,chunk", [(5, 64), (70, 16)])
+def test_causal_conv1d_lanes_writes_the_gdn_sections_apart(t, chunk, monkeypatch):
+    """split_keys: the conv's q, k and v sections come out as three dense tensors (blocks straddling a section
+    boundary included) holding exactly the whole output's columns, the state moved on alike; a split that does not
+    fit the channels is refused."""
+    from runtime.kernels import conv1d
+    from runtime.kernels.conv1d import causal_conv1d_lanes
+
+    monkeypatch.setattr(conv1d, "CONV_TIME_CHUNK", chunk)
+    b, c, keys = 2, 300, 70  # 70 + 70 + 160: no section a whole number of blocks
+    x = torch.randn(b, t, c, device=DEVICE).to(DTYPE)
+    stack = torch.randn(3, 2, 3, c, device=DEVICE).to(DTYPE)
+    lanes = torch.tensor([2, 0], device=DEVICE, dtype=torch.int32)
+    w = torch.randn(c, 4, device=DEVICE).to(DTYPE)
+    whole_stack, split_stack = stack.clone(), stack.clone()
+    whole = causal_conv1d_lanes(x, whole_stack, lanes, w)
+    q, k, v = causal_conv1d_lanes(x, split_stack, lanes, w, split_keys=keys)
+    assert all(part.is_contiguous() for part in (q, k, v))
+    assert torch.equal(torch.cat([q, k, v], dim=-1), whole) and torch.equal(split_stack, whole_stack)
+    with pytest.raises(ValueError, match="do not split"):
+        causal_conv1d_lanes(x, stack.clone(), lanes, w, split_keys=150)
 
 
 @pytest.mark.parametrize("t", [1, 2, 5])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -96,13 +97,16 @@ def conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt):
 
 
 @triton.jit
-def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, stride_x, T_CHUNK,
-                        BLOCK_C: tl.constexpr, SNAPSHOT: tl.constexpr, WRITE_STATE: tl.constexpr):
+def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, stride_x, T_CHUNK, yk_ptr, yv_ptr,
+                        BLOCK_C: tl.constexpr, SNAPSHOT: tl.constexpr, WRITE_STATE: tl.constexpr,
+                        SPLIT_KEYS: tl.constexpr = 0):
     """Width-4 causal conv + SiLU for one lane's channel block over steps [t0, t0 + T_CHUNK). The three
     carried inputs live in registers across the steps, so the lane's slot-0 state is read once and
     (with WRITE_STATE: the only time chunk) written once; with SNAPSHOT, the window after step t also
     goes to slot t+1 (speculative rollback). Prefill blocks run in many time chunks at once: one
-    program stepping 2,048 tokens in sequence was latency-bound (0.9 ms per layer, run 23)."""
+    program stepping 2,048 tokens in sequence was latency-bound (0.9 ms per layer, run 23). SPLIT_KEYS > 0:
+    channels [0, SPLIT_KEYS) (q), [SPLIT_KEYS, 2 SPLIT_KEYS) (k) and the rest (v) go to three dense outputs
+    y_ptr, yk_ptr, yv_ptr, as the chunked GDN kernel reads them (no copies to make them contiguous)."""
     pdl_wait()
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -117,8 +121,15 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
     w0, w1, w2, w3 = conv4_weights(w_ptr, cols, ok)
     for t in range(t0, tl.minimum(t0 + T_CHUNK, T)):
         xt = tl.load(x_ptr + (b * T + t) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        silu = conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt)
-        tl.store(y_ptr + (b * T + t) * C + cols, silu.to(y_ptr.dtype.element_ty), mask=ok)
+        silu = conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt).to(y_ptr.dtype.element_ty)
+        if SPLIT_KEYS > 0:  # each channel to its section's row (a block may straddle two sections)
+            row = b * T + t
+            tl.store(y_ptr + row * SPLIT_KEYS + cols, silu, mask=ok & (cols < SPLIT_KEYS))
+            tl.store(yk_ptr + row * SPLIT_KEYS + cols - SPLIT_KEYS, silu,
+                     mask=ok & (cols >= SPLIT_KEYS) & (cols < 2 * SPLIT_KEYS))
+            tl.store(yv_ptr + row * (C - 2 * SPLIT_KEYS) + cols - 2 * SPLIT_KEYS, silu, mask=ok & (cols >= 2 * SPLIT_KEYS))
+        else:
+            tl.store(y_ptr + (b * T + t) * C + cols, silu, mask=ok)
         p0, p1, p2 = p1, p2, xt
         if SNAPSHOT:
             snap = st + (t + 1) * slot
@@ -131,20 +142,30 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
         tl.store(st + 2 * C + cols, p2.to(state_ptr.dtype.element_ty), mask=ok)
 
 
+# The chunked GDN kernel (fla) reads q, k and v as dense tensors: the prefill conv writes them so (a copy of each
+# less per GDN layer and chunk: ~0.7 ms of a 512-token 27B riding chunk, session 41's profile); NINFER_CONV_SECTIONS=off
+# writes the conv's output whole, as before (untimed side by side)
+CONV_SECTIONS = os.environ.get("NINFER_CONV_SECTIONS", "on") != "off"
 CONV_TIME_CHUNK = 16  # steps per program for long blocks (prefill chunks): 5,120 programs for 2,048 tokens of the 27B
 
 
 def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tensor, weight: torch.Tensor,
-                        snapshot: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                        snapshot: bool = False, out: torch.Tensor | None = None, split_keys: int = 0):
     """Width-4 conv over x [B, T, C] (rows may be strided) for lanes `lanes` of a state stack
-    [N, S, 3, C]: slot 0 in place, snapshots of each step's window in slots 1..T. Returns [B, T, C]."""
+    [N, S, 3, C]: slot 0 in place, snapshots of each step's window in slots 1..T. Returns [B, T, C]; with
+    `split_keys` (GDN's key width) the three sections q, k, v as dense tensors [B, T, keys], [B, T, keys],
+    [B, T, C - 2 keys] instead."""
     bsz, t, c = x.shape
     if weight.shape[1] != 4 or stack.shape[2] != 3:
         raise ValueError("causal_conv1d_lanes handles width-4 convolutions only")
     if snapshot and stack.shape[1] < t + 1:
         raise ValueError(f"snapshots of {t} steps need {t + 1} slots; the state has {stack.shape[1]}")
+    if split_keys and (out is not None or not 0 < 2 * split_keys < c):
+        raise ValueError(f"causal_conv1d_lanes: {split_keys} key channels do not split {c} (and no out= with them)")
     if torch_path(x):
         y = causal_conv1d_lanes_reference(x, stack, lanes, weight, snapshot)
+        if split_keys:
+            return tuple(part.contiguous() for part in y.split([split_keys, split_keys, c - 2 * split_keys], -1))
         return out.copy_(y) if out is not None else y
     # the kernel steps rows (b, s) by one stride: one row per lane (decode) takes the lanes' own stride, so a
     # column slice of a wider product (qkv of qkvz) needs no copy — on the GPU a launch per layer for 2+ lanes
@@ -152,18 +173,23 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
     if x.stride(-1) != 1 or (t > 1 and x.stride(0) != t * x.stride(1)):
         x = x.contiguous()
         row_stride = x.stride(1)
-    y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
+    if split_keys:
+        y, yk, yv = (torch.empty(bsz, t, width, dtype=x.dtype, device=x.device)
+                     for width in (split_keys, split_keys, c - 2 * split_keys))
+    else:
+        y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
+        yk = yv = y  # unwritten
     block = 1024 if interpreted() else 256
     # snapshots and short blocks step through time in one program; long blocks in chunks side by side,
     # which all read the old state, so it is replaced only after the launch
     t_chunk = t if snapshot or t <= CONV_TIME_CHUNK else CONV_TIME_CHUNK
     chunks = triton.cdiv(t, t_chunk)
     _conv4_lanes_kernel[(bsz, triton.cdiv(c, block), chunks)](
-        x, stack, lanes, weight, y, t, c, stack.shape[1], row_stride, t_chunk, BLOCK_C=block, SNAPSHOT=snapshot,
-        WRITE_STATE=chunks == 1, **LAUNCH)
+        x, stack, lanes, weight, y, t, c, stack.shape[1], row_stride, t_chunk, yk, yv, BLOCK_C=block,
+        SNAPSHOT=snapshot, WRITE_STATE=chunks == 1, SPLIT_KEYS=split_keys, **LAUNCH)
     if chunks > 1:  # t > 3 here: the new window is the block's last three inputs
         stack[lanes.long(), 0] = x[:, t - 3 :].to(stack.dtype)
-    return y
+    return (y, yk, yv) if split_keys else y
 
 
 def causal_conv1d_lanes_reference(x, stack, lanes, weight, snapshot=False):

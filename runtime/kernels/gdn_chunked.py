@@ -29,17 +29,25 @@ def fla_available() -> bool:
 
 
 def gdn_chunked(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int):
-    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v); alpha, beta: raw projections [B*T, HV];
-    state: slot stack [N, S, HV, DK, DV] float32, slot 0 of `lanes` read and updated.
+    """x: conv output [B, T, 2*HK*DK + HV*DV] (q | k | v), or its three sections as dense tensors (q, k, v) —
+    causal_conv1d_lanes(split_keys=...), which spares the copies fla would make of column slices; alpha, beta:
+    raw projections [B*T, HV]; state: slot stack [N, S, HV, DK, DV] float32, slot 0 of `lanes` read and updated.
     Returns o [B, T, HV, DV] in x's dtype."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    bsz, t, width = x.shape
     _, _, hv, dk, dv = state.shape
     key_dim = heads_k * dk
-    if width != 2 * key_dim + hv * dv:
-        raise ValueError(f"gdn_chunked: x has {width} columns, expected {2 * key_dim + hv * dv}")
-    q, k, v = x.split([key_dim, key_dim, hv * dv], dim=-1)
+    if isinstance(x, tuple):
+        q, k, v = x
+        bsz, t = q.shape[:2]
+        widths = (q.shape[-1], k.shape[-1], v.shape[-1])
+        if widths != (key_dim, key_dim, hv * dv):
+            raise ValueError(f"gdn_chunked: q, k, v have {widths} columns, expected {(key_dim, key_dim, hv * dv)}")
+    else:
+        bsz, t, width = x.shape
+        if width != 2 * key_dim + hv * dv:
+            raise ValueError(f"gdn_chunked: x has {width} columns, expected {2 * key_dim + hv * dv}")
+        q, k, v = x.split([key_dim, key_dim, hv * dv], dim=-1)
     lanes_l = lanes.long()
     o, final = chunk_gated_delta_rule(
         q.reshape(bsz, t, heads_k, dk).contiguous(), k.reshape(bsz, t, heads_k, dk).contiguous(),
