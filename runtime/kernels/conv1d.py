@@ -99,7 +99,7 @@ def conv4_silu(w0, w1, w2, w3, p0, p1, p2, xt):
 @triton.jit
 def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, stride_x, T_CHUNK, yk_ptr, yv_ptr,
                         BLOCK_C: tl.constexpr, SNAPSHOT: tl.constexpr, WRITE_STATE: tl.constexpr,
-                        SPLIT_KEYS: tl.constexpr = 0):
+                        SPLIT_KEYS: tl.constexpr = 0, REPLACE_STATE: tl.constexpr = False):
     """Width-4 causal conv + SiLU for one lane's channel block over steps [t0, t0 + T_CHUNK). The three
     carried inputs live in registers across the steps, so the lane's slot-0 state is read once and
     (with WRITE_STATE: the only time chunk) written once; with SNAPSHOT, the window after step t also
@@ -140,6 +140,11 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
         tl.store(st + cols, p0.to(state_ptr.dtype.element_ty), mask=ok)
         tl.store(st + C + cols, p1.to(state_ptr.dtype.element_ty), mask=ok)
         tl.store(st + 2 * C + cols, p2.to(state_ptr.dtype.element_ty), mask=ok)
+    elif REPLACE_STATE and t0 == 0:  # several chunks of 3+ steps: the first is the only one that read the carried
+        # window, so it puts the block's last three inputs in its place after its own reads (no launch for that)
+        for i in tl.static_range(3):
+            xi = tl.load(x_ptr + (b * T + T - 3 + i) * stride_x + cols, mask=ok, other=0.0)
+            tl.store(st + i * C + cols, xi.to(state_ptr.dtype.element_ty), mask=ok)
 
 
 # The chunked GDN kernel (fla) reads q, k and v as dense tensors: the prefill conv writes them so (a copy of each
@@ -180,14 +185,15 @@ def causal_conv1d_lanes(x: torch.Tensor, stack: torch.Tensor, lanes: torch.Tenso
         y = out if out is not None else torch.empty(bsz, t, c, dtype=x.dtype, device=x.device)
         yk = yv = y  # unwritten
     block = 1024 if interpreted() else 256
-    # snapshots and short blocks step through time in one program; long blocks in chunks side by side,
-    # which all read the old state, so it is replaced only after the launch
+    # snapshots and short blocks step through time in one program; long blocks in chunks side by side, of which
+    # only the first reads the carried window (and then replaces it)
     t_chunk = t if snapshot or t <= CONV_TIME_CHUNK else CONV_TIME_CHUNK
     chunks = triton.cdiv(t, t_chunk)
     _conv4_lanes_kernel[(bsz, triton.cdiv(c, block), chunks)](
         x, stack, lanes, weight, y, t, c, stack.shape[1], row_stride, t_chunk, yk, yv, BLOCK_C=block,
-        SNAPSHOT=snapshot, WRITE_STATE=chunks == 1, SPLIT_KEYS=split_keys, **LAUNCH)
-    if chunks > 1:  # t > 3 here: the new window is the block's last three inputs
+        SNAPSHOT=snapshot, WRITE_STATE=chunks == 1, SPLIT_KEYS=split_keys, REPLACE_STATE=chunks > 1 and t_chunk >= 3,
+        **LAUNCH)
+    if chunks > 1 and t_chunk < 3:  # chunks of 1-2 steps (tests): several read the window; replace it after them
         stack[lanes.long(), 0] = x[:, t - 3 :].to(stack.dtype)
     return (y, yk, yv) if split_keys else y
 
