@@ -559,6 +559,22 @@ def test_paged_attention(codec, t, split_tokens, monkeypatch):
     _check(got.cpu(), want, torch.bfloat16 if c.key == "bf16" else torch.float16)
 
 
+def _two_lane_attention(c, t, hq, hkv, d, seed):
+    """Two lanes of 70 and 150 cached keys over 3 pages each (a shuffled block table) and their t query rows, on
+    DEVICE: (the generator, to draw more from; pool, table, ctx, q)."""
+    from runtime.kernels.paged_attention import PAGE
+
+    lanes, per_lane = 2, 3
+    g = torch.Generator().manual_seed(seed)
+    total = lanes * per_lane
+    pool = {k: v.to(DEVICE) for k, v in c.encode(torch.randn(total, PAGE, hkv, d, generator=g),
+                                                  torch.randn(total, PAGE, hkv, d, generator=g)).items()}
+    table = torch.randperm(total, generator=g).view(lanes, per_lane).int().to(DEVICE)
+    ctx = torch.tensor([70, 150], dtype=torch.int32, device=DEVICE)
+    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g)).to(DTYPE).to(DEVICE)
+    return g, pool, table, ctx, q
+
+
 @pytest.mark.parametrize("codec", ["bf16", "rk4v4-e8"])
 def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
     """paged_attention with an AttentionGate part: the combine launch gates its rows (rotated back when the codec
@@ -566,19 +582,13 @@ def test_output_gate_rides_in_the_attention_combine(codec, monkeypatch):
     same bytes as paged_attention then attention_gate. A one-split call (no combine) gates its rows apart."""
     from runtime.kernels import paged_attention as module
     from runtime.kernels.attention_gate import AttentionGate, attention_gate
-    from runtime.kernels.paged_attention import PAGE, paged_attention
+    from runtime.kernels.paged_attention import paged_attention
     from runtime.kernels.qgemv_int8 import QuantizedX
 
     monkeypatch.setattr(module, "SPLIT_TOKENS", 64)
     c = CODECS[codec]
-    lanes, t, hq, hkv, d, per_lane = 2, 1, 4, 2, 64, 3
-    g = torch.Generator().manual_seed(21)
-    total = lanes * per_lane
-    pool = {k: v.to(DEVICE) for k, v in c.encode(torch.randn(total, PAGE, hkv, d, generator=g),
-                                                  torch.randn(total, PAGE, hkv, d, generator=g)).items()}
-    table = torch.randperm(total, generator=g).view(lanes, per_lane).int().to(DEVICE)
-    ctx = torch.tensor([70, 150], dtype=torch.int32, device=DEVICE)
-    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g)).to(DTYPE).to(DEVICE)
+    lanes, t, hq, hkv, d = 2, 1, 4, 2, 64
+    g, pool, table, ctx, q = _two_lane_attention(c, t, hq, hkv, d, seed=21)
     n = 3 + lanes * t  # the gated block: 3 rows before these (another call's), then these rows
     qg = torch.randn(n, hq * 2 * d, generator=g).to(DTYPE).to(DEVICE)
     nxt = _packed(8, hq * d, FORMATS["Q4G64_F16S"], 2)
@@ -605,21 +615,15 @@ def test_combine_rows_kernel_matches_the_one_row_combine(codec, t, monkeypatch):
     codec rotates values); words for the next product keep the one-row kernel; a bad value is refused in one line."""
     from runtime.kernels import paged_attention as module
     from runtime.kernels.attention_gate import AttentionGate
-    from runtime.kernels.paged_attention import PAGE, paged_attention
+    from runtime.kernels.paged_attention import paged_attention
     from runtime.kernels.qgemv_int8 import QuantizedX
 
     monkeypatch.setattr(module, "SPLIT_TOKENS", 32)  # several splits, rows of a prefill block ending in different ones
     monkeypatch.setattr(module, "PREFILL_MIN_ROWS", 128)
     monkeypatch.setattr(module, "COMBINE_MIN_ROWS", 1)
     c = CODECS[codec]
-    lanes, hq, hkv, d, per_lane = 2, 4, 2, 64, 3
-    g = torch.Generator().manual_seed(31 + t)
-    total = lanes * per_lane
-    pool = {k: v.to(DEVICE) for k, v in c.encode(torch.randn(total, PAGE, hkv, d, generator=g),
-                                                  torch.randn(total, PAGE, hkv, d, generator=g)).items()}
-    table = torch.randperm(total, generator=g).view(lanes, per_lane).int().to(DEVICE)
-    ctx = torch.tensor([70, 150], dtype=torch.int32, device=DEVICE)
-    q = c.prepare_queries(torch.randn(lanes, t, hq, d, generator=g)).to(DTYPE).to(DEVICE)
+    lanes, hq, hkv, d = 2, 4, 2, 64
+    g, pool, table, ctx, q = _two_lane_attention(c, t, hq, hkv, d, seed=31 + t)
     qg = torch.randn(lanes * t, hq * 2 * d, generator=g).to(DTYPE).to(DEVICE)
     got = {}
     for rows in (0, 16):
