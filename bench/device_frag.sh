@@ -644,20 +644,21 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
   done
   ;;
 s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in) in the
-  # riding-chunk profile, off / on twice; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
+  # riding-chunk profile, off / on; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
   # then the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy
   # in a one-lane step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one
-  # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel
+  # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel,
+  # and the router + shared gate on the PDL dense kernel (NINFER_DENSE_ROWS=all) instead of cuBLAS, twice each
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k "combine_rows or \
     test_paged_attention or output_gate" 2>&1 | tail -2
   echo "tests t=$(el)"
-  for rows in 0 16 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
+  for rows in 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
     NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
       ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel|direct_copy|_conv4"
     echo "ride profile, combine rows $rows t=$(el)"
   done
-  for keyed in 0 1 0 1; do  # the MoE routing's top-k, two reductions a pick (0, default) or one over int64 keys (1)
+  for keyed in 0 1; do  # the MoE routing's top-k, two reductions a pick (0, default) or one over int64 keys (1)
     NINFER_TOPK_KEYED=$keyed timeout 60 python bench/moe_decode_tiles.py "$OUT/s59-topk-$keyed-$(el).json" 1 shared \
       2>&1 | tail -4 | cut -c1-300
     echo "35B expert launches at one token, top-k keyed $keyed t=$(el)"
@@ -665,12 +666,14 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
   NINFER_BENCH_SHAPES=35b timeout 200 python bench/gemv_compare.py "$OUT/s59-frag-35b.json" frag 2>&1 | grep "^{" | \
     cut -c1-400
   echo "35B shapes per product t=$(el)"
-  for mode in auto rows q5 auto rows q5; do
-    [ $(( ${DEADLINE:-500} - $(el) )) -gt 40 ] || break
-    frag=auto; int8=off
+  for mode in auto dense rows q5 auto dense rows q5; do  # dense: the router on the PDL dense kernel (NINFER_DENSE_ROWS=all)
+    [ $(( ${DEADLINE:-550} - $(el) )) -gt 40 ] || break
+    frag=auto; int8=off; dense=off
     [ $mode = rows ] && frag=rows
     [ $mode = q5 ] && int8=q5
-    NINFER_GEMV_FRAG=$frag NINFER_FRAGMENT_INT8=$int8 timeout 90 python -m ninfer_cli.main bench --random-weights \
+    [ $mode = dense ] && dense=all
+    NINFER_GEMV_FRAG=$frag NINFER_FRAGMENT_INT8=$int8 NINFER_DENSE_ROWS=$dense timeout 90 python -m ninfer_cli.main \
+      bench --random-weights \
       qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
       --json-out "$OUT/s59-35b-$mode-$(el).json" 2>&1 | grep "│ bf16"
     echo "35B-A3B one lane, Q5 products $mode t=$(el)"

@@ -101,8 +101,14 @@ PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoi
 # on kernels/dense_rows.py in one launch instead of the vendor's split-K GEMM and its reduction (~8 us a layer at 8
 # lanes of the 35B-A3B on an H100). Opt-in: measured with NINFER_MOE_SHARED_APART=2 (H100, session 32, alternated
 # twice in one call) it did not gain (8 lanes 5.65 / 5.75 ms a step against 5.52 / 5.51). Only small matrices:
-# larger ones (draft heads) keep the vendor GEMM, which streams them well.
-DENSE_ROWS = os.environ.get("NINFER_DENSE_ROWS", "off") == "on"
+# larger ones (draft heads) keep the vendor GEMM, which streams them well. NINFER_DENSE_ROWS=all takes one row too
+# (opt-in, untimed: the 35B-A3B's one-lane router + shared gate, 40 cuBLAS GEMVs a step of ~3.2 us, session 41, whose
+# launches do not take part in programmatic dependent launch, so the kernels on either side cannot overlap them).
+DENSE_ROWS_MODE = os.environ.get("NINFER_DENSE_ROWS", "off")
+if DENSE_ROWS_MODE not in ("off", "on", "all"):
+    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, on (2-16 rows) or all (1-16); "
+                     "unset it")
+DENSE_ROWS_MIN_T = {"off": DENSE_ROWS_MAX_T + 1, "on": 2, "all": 1}[DENSE_ROWS_MODE]
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
 
 
@@ -112,7 +118,7 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False) -> torch.Tensor:
         w = self.weight
-        if DENSE_ROWS and 2 <= x.shape[0] <= DENSE_ROWS_MAX_T and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 \
+        if DENSE_ROWS_MIN_T <= x.shape[0] <= DENSE_ROWS_MAX_T and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 \
                 and w.numel() <= DENSE_ROWS_MAX_ELEMENTS and w.stride(1) == 1:
             return dense_rows(x, w)
         return x @ w.t()

@@ -1362,9 +1362,9 @@ def test_float_code_products_match_the_reference(fmt, t):
     assert torch.equal(dense_reference(w).cpu(), want_w)  # the torch reference decodes bit for bit
 
 
-@pytest.mark.parametrize("t", [2, 5, 16])
+@pytest.mark.parametrize("t", [1, 2, 5, 16])
 def test_dense_rows(t):
-    """The small bf16 product over 2-16 rows of x (the MoE router + shared gate of several lanes) against
+    """The small bf16 product over 1-16 rows of x (the MoE router + shared gate of one or several lanes) against
     the plain-torch product, on a strided view with an odd row count and a K that is not a tile multiple."""
     from runtime.kernels.dense_rows import MAX_ROWS, dense_rows, dense_rows_reference
 
