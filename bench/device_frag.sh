@@ -674,8 +674,8 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
     [ $mode = dense ] && dense=all
     NINFER_GEMV_FRAG=$frag NINFER_FRAGMENT_INT8=$int8 NINFER_DENSE_ROWS=$dense timeout 90 python -m ninfer_cli.main \
       bench --random-weights \
-      qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 \
-      --json-out "$OUT/s59-35b-$mode-$(el).json" 2>&1 | grep "│ bf16"
+      qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 512 \
+      --json-out "$OUT/s59-35b-$mode-$(el).json" 2>&1 | grep "│ bf16"  # 512 steps: 128 spread ~8 % (session 41)
     echo "35B-A3B one lane, Q5 products $mode t=$(el)"
   done
   ;;
