@@ -653,11 +653,7 @@ class Engine:
         if o is None:
             return gdn_fused(x, alpha, beta, self.vec[p + "a_log"], self.vec[p + "dt_bias"], self.rec_stack[j],
                              lanes_idx, c.linear_num_key_heads, snapshot, projections=projections, gate=gate)
-        if gate is not None:
-            hv = c.linear_num_value_heads
-            return gated_norm(o.reshape(-1, hv, o.shape[-1]), gate.z, gate.weight, gate.eps, gate.out.dtype,
-                              out=gate.out, xq=gate.xq)
-        return o
+        return o if gate is None else gate.apply(o)  # the chunked kernel's rows, normed in their own launch
 
     def _ffn(self, p, h, xq=None, both_logits=None):
         """The MLP (dense) or MoE block of the layer under prefix `p`; `xq`: h as the gate/up product's

@@ -57,6 +57,12 @@ class GdnGate:
     counts: torch.Tensor
     xq: QuantizedX | None = None
 
+    def apply(self, o: torch.Tensor) -> torch.Tensor:
+        """The norm in its own launch (gated_norm) over o [rows, ..., DV] that a recurrence left: gate.out."""
+        hv = self.out.shape[1] // o.shape[-1]
+        return gated_norm(o.reshape(-1, hv, o.shape[-1]), self.z, self.weight, self.eps, self.out.dtype, out=self.out,
+                          xq=self.xq)
+
 
 def gdn_block_v(lanes: int, tokens: int, heads_v: int, dv: int) -> int:
     """Value columns per program of a launch over `lanes` x `tokens` rows: NINFER_GDN_TILE's block_v where given, else
@@ -176,14 +182,12 @@ def gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k: int, snapsh
                              or gate.z.stride(-1) != 1 or gate.weight.shape != (dv,)):
         raise ValueError(f"gdn_fused: the gate's z {tuple(gate.z.shape)}, out {tuple(gate.out.shape)}, weight "
                          f"{tuple(gate.weight.shape)} do not fit {bsz * t} rows of {hv} value heads of {dv}")
-    if torch_path(x) or (gate is not None and gate.counts.numel() < bsz * hv):
-        o = _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections) \
-            if torch_path(x) else gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out,
-                                            projections)
-        if gate is None:
-            return o
-        return gated_norm(o.reshape(bsz * t, hv, dv), gate.z, gate.weight, gate.eps, gate.out.dtype, out=gate.out,
-                          xq=gate.xq)
+    if torch_path(x) or (gate is not None and gate.counts.numel() < bsz * hv):  # the norm in a launch of its own
+        if torch_path(x):
+            o = _gdn_fused_torch(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections)
+        else:
+            o = gdn_fused(x, alpha, beta, a_log, dt_bias, state, lanes, heads_k, snapshot, out, projections)
+        return o if gate is None else gate.apply(o)
     x = x.reshape(bsz * t, width)
     if x.stride(-1) != 1:
         x = x.contiguous()
