@@ -650,8 +650,11 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
   # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel,
   # and the router + shared gate on the PDL dense kernel (NINFER_DENSE_ROWS=all) instead of cuBLAS, twice each
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k "combine_rows or \
-    test_paged_attention or output_gate" 2>&1 | tail -2
+  # GPU tests of session 41's work: the defaults never run on a GPU yet (the prefill conv's sections and its window
+  # replaced in-kernel, the riders' GDN norm in place) and the opt-ins
+  timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py -k \
+    "combine_rows or test_paged_attention or output_gate or conv1d or gdn_chunked or routing or dense_rows or \
+    gdn_norm_in or ride" 2>&1 | tail -3
   echo "tests t=$(el)"
   for rows in 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
     NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
