@@ -654,7 +654,7 @@ s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program 
   # replaced in-kernel, the riders' GDN norm in place) and the opt-ins
   timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py -k \
     "combine_rows or test_paged_attention or output_gate or conv1d or gdn_chunked or routing or dense_rows or \
-    gdn_norm_in or ride" 2>&1 | tail -3
+    gdn_norm_in or ride or greedy_tokens_equal or chunked_prefill" 2>&1 | tail -3
   echo "tests t=$(el)"
   for rows in 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
     NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
