@@ -643,12 +643,12 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s59)  # next session (~550 s): a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in) in the
-  # riding-chunk profile, off / on; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
-  # then the 35B-A3B's narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy
-  # in a one-lane step, session 41): per product on the 35B's shapes (fragment kernels vs the dp4a GEMV), then one
-  # lane with them in fragment order (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and the int8 fragment kernel,
-  # and the router + shared gate on the PDL dense kernel (NINFER_DENSE_ROWS=all) instead of cuBLAS, twice each
+s59)  # next session (~580 s): GPU tests; a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in)
+  # in the riding-chunk profile, off / on; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
+  # 35B-A3B one lane with its narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy, session 41) in fragment order
+  # (default), on the dp4a GEMV (NINFER_GEMV_FRAG=rows) and on the int8 fragment kernel, and the router + shared gate
+  # on the PDL dense kernel (NINFER_DENSE_ROWS=all) instead of cuBLAS, twice each; then, with the time left, those Q5
+  # products per product on the 35B's shapes (fragment kernels vs the dp4a GEMV)
   nvidia-smi --query-gpu=name --format=csv,noheader
   # GPU tests of session 41's work: the defaults never run on a GPU yet (the prefill conv's sections and its window
   # replaced in-kernel, the riders' GDN norm in place) and the opt-ins
