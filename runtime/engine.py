@@ -24,7 +24,6 @@ from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import CONV_SECTIONS, causal_conv1d, causal_conv1d_lanes
 from .kernels.dense_rows import MAX_ROWS as DENSE_ROWS_MAX_T, dense_rows
-from .kernels.gated_norm import gated_norm
 from .kernels.gdn_chunked import CHUNKED_MIN_TOKENS, chunked_probe, fla_available, gdn_chunked
 from .kernels.gdn_fused import NORM_EPILOGUE as GDN_NORM_EPILOGUE, PROJECT_MAX_ROWS, GdnGate, gdn_fused
 from .kernels.hadamard import rotate64
@@ -559,7 +558,6 @@ class Engine:
         if not conv_done:
             qkvz = qkvz_w(h, xq)
         qkv, z = qkvz.split([c.gdn_conv_dim, c.gdn_value_dim], dim=-1)
-        hv = c.linear_num_value_heads
         alpha_w, beta_w = self.lin[p + "alpha_projection"], self.lin[p + "beta_projection"]
         projections = None
         if h.shape[0] <= PROJECT_MAX_ROWS and riders is None and pad is None and isinstance(alpha_w, DenseLinear) \
@@ -572,11 +570,10 @@ class Engine:
         main = len(lanes_idx) * t
         n = h.shape[0]
         out_xq = self._quantized_input(p + "output", n)
-        gate = None
-        if GDN_NORM_EPILOGUE and riders is None and pad is None:  # the output norm in the recurrence's launch
-            gate = GdnGate(z, self.vec[p + "norm"], c.rms_norm_eps,
-                           torch.empty(n, z.shape[1], dtype=self.act_dtype, device=h.device), self.gdn_norm_counts,
-                           out_xq)
+        norm = GdnGate(z, self.vec[p + "norm"], c.rms_norm_eps,
+                       torch.empty(n, z.shape[1], dtype=self.act_dtype, device=h.device), self.gdn_norm_counts, out_xq)
+        # the output norm in the recurrence's launch, or (gate None) in its own
+        gate = norm if GDN_NORM_EPILOGUE and riders is None and pad is None else None
         if pad is not None:  # padding rows: decay 1 (alpha -> softplus 0) and beta 0 leave the recurrence as it was
             alpha, beta = alpha.clone(), beta.clone()
             alpha[:main].masked_fill_(pad[:, None], PAD_GATE)
@@ -586,16 +583,14 @@ class Engine:
         if gate is not None:
             gated = o
         elif riders is None:
-            gated = gated_norm(o.reshape(n, hv, -1), z, self.vec[p + "norm"], c.rms_norm_eps, self.act_dtype,
-                               xq=out_xq)
+            gated = norm.apply(o)
         else:  # the chunk's rows and the riders' normed into one block, each where it lies (no join of the two)
             o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
-            gated = torch.empty(n, z.shape[1], dtype=self.act_dtype, device=h.device)
             for rows, part in ((slice(0, main), o), (slice(main, n), o_r)):
                 part_xq = None if out_xq is None else QuantizedX(out_xq.words[rows], out_xq.k_pad, out_xq.group,
                                                                  out_xq.bits)
-                gated_norm(part.reshape(-1, hv, part.shape[-1]), z[rows], self.vec[p + "norm"], c.rms_norm_eps,
-                           self.act_dtype, out=gated[rows], xq=part_xq)
+                GdnGate(z[rows], norm.weight, norm.eps, norm.out[rows], norm.counts, part_xq).apply(part)
+            gated = norm.out
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 
     def _gdn_mix(self, i, qkv, alpha, beta, lanes_idx, t, snapshot, projections, real_rows=None, conv_done=False,

@@ -224,9 +224,15 @@ def test_gdn_norm_in_the_recurrence_launch_gives_the_same_logits(artifacts, monk
     (bit for bit on the CPU)."""
     import runtime.engine as engine_module
 
-    gated = []
-    original = engine_module.GdnGate
-    monkeypatch.setattr(engine_module, "GdnGate", lambda *a: gated.append(1) or original(*a))
+    gated = []  # one entry per recurrence launch that takes the norm in
+    original = engine_module.gdn_fused
+
+    def spy(*args, gate=None, **kwargs):
+        if gate is not None:
+            gated.append(1)
+        return original(*args, gate=gate, **kwargs)
+
+    monkeypatch.setattr(engine_module, "gdn_fused", spy)
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(engine_module, "GDN_NORM_EPILOGUE", on)

@@ -14,12 +14,12 @@ every value tile still its own program: session 32's norm in a program per head 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-
-import os
-from dataclasses import dataclass
 
 from . import interpreted, torch_path, tuning_from_env
 from .gated_norm import gated_norm, gated_norm_rows
