@@ -657,11 +657,13 @@ s59)  # next session (~580 s): GPU tests; a prefill chunk's combine with 16 rows
     gdn_norm_in or ride or greedy_tokens_equal or chunked_prefill" 2>&1 | tail -3
   echo "tests t=$(el)"
   for rows in 0 16; do  # (the prefill conv's sections apart, default since session 41: no q/k/v copies left)
+    [ $(( ${DEADLINE:-580} - $(el) )) -gt 60 ] || break
     NINFER_COMBINE_ROWS=$rows timeout 90 python bench/profile_decode.py qwen3.6-27b "$OUT/s59-ride-$rows-$(el).json" \
       ride bf16 2>&1 | grep -E "kernel time|_combine|_paged_attention_kernel|direct_copy|_conv4"
     echo "ride profile, combine rows $rows t=$(el)"
   done
   for keyed in 0 1; do  # the MoE routing's top-k, two reductions a pick (0, default) or one over int64 keys (1)
+    [ $(( ${DEADLINE:-580} - $(el) )) -gt 40 ] || break
     NINFER_TOPK_KEYED=$keyed timeout 60 python bench/moe_decode_tiles.py "$OUT/s59-topk-$keyed-$(el).json" 1 shared \
       2>&1 | tail -4 | cut -c1-300
     echo "35B expert launches at one token, top-k keyed $keyed t=$(el)"
