@@ -134,7 +134,10 @@ PER_API_BAD = {
            ("messages", [{"role": "wizard", "content": "x"}]), ("chat_template_kwargs", "x"),
            ("chat_template_kwargs", {"enable_thinking": "maybe"}), ("stream_options", "yes"), ("max_tokens", 0),
            ("max_tokens", "many"), ("stop", 5), ("stop", [1, 2]),
-           ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])],
+           ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+           ("logit_bias", {"5": 101}), ("logit_bias", {"5": "up"}), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
+           ("logit_bias", {str(VOCAB): 1}), ("logit_bias", {"99999999999999999999": 1}), ("logit_bias", [5]),
+           ("logit_bias", {str(i): 1 for i in range(301)})],
     MESSAGES: [("messages", "nope"), ("thinking", "yes"), ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
                ("messages", [{"role": "assistant", "content": [{"type": "thinking", "thinking": None}]}]),
                ("messages", [{"role": "user", "content": [{"type": "tool_result"}]}]), ("max_tokens", -3),
@@ -182,6 +185,32 @@ def test_malformed_requests_are_4xx_in_the_api_shape(srv, path, body):
 def test_well_formed_request_after_the_matrix(srv):
     r = srv.chat()
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_logit_bias_forces_and_bans_tokens(srv):
+    """Chat's logit_bias through the official SDK: +100 on one token makes it every pick (greedy and sampled),
+    -100 keeps a token out even where the model rates it first; the server says which key is wrong."""
+    import openai
+
+    tok = build_tokenizer(VOCAB)
+    z, q = tok.token_to_id("z"), tok.token_to_id("q")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0,
+                                           extra_body=no_thinking)
+    for temperature in (0, 1):
+        forced = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=temperature,
+                                                logit_bias={str(z): 100}, seed=3, extra_body=no_thinking)
+        assert forced.choices[0].message.content == "z" * 6
+    srv.engine.prefer = q  # the model now rates q first at every step: banned, the plain chain comes back
+    try:
+        banned = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0,
+                                                logit_bias={str(q): -100}, extra_body=no_thinking)
+    finally:
+        srv.engine.prefer = None
+    assert banned.choices[0].message.content == plain.choices[0].message.content and "q" not in plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="not a token id of this model"):
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, logit_bias={str(VOCAB + 5): 1})
 
 
 def test_any_integer_seed_samples_deterministically(srv):

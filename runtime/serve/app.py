@@ -495,6 +495,26 @@ class Server:
         # any integer is a seed: reduced to the generator's 64 bits (the same seed always samples the same)
         return (None if params.temperature == 0 else params), None if seed is None else seed & SEED_MASK
 
+    # a bias per token is added to the logits row on the host every step: bounded like OpenAI's own limit
+    MAX_LOGIT_BIAS = 300
+
+    def logit_bias(self, value) -> tuple[tuple[int, float], ...]:
+        """Chat's logit_bias ({"token id": bias in [-100, 100]}) as (id, bias) pairs of the vocabulary; -100
+        bans a token, +100 all but forces it (after penalties, before temperature and the filters)."""
+        if not value:
+            return ()
+        if len(value) > self.MAX_LOGIT_BIAS:
+            raise ApiError(400, "invalid_request_error", f"logit_bias has {len(value)} tokens; at most "
+                           f"{self.MAX_LOGIT_BIAS} are allowed", "logit_bias")
+        vocab = self.engine.cfg.vocab_size
+        pairs = []
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= vocab:
+                raise ApiError(400, "invalid_request_error", f"logit_bias: {key[:40]!r} is not a token id of this "
+                               f"model (integers 0..{vocab - 1})", "logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
+
     @staticmethod
     def stops(value) -> list[str]:
         if value is None:
@@ -514,6 +534,8 @@ class Server:
         max_tokens = self.max_tokens(limit, len(prompt))
         budget = self.config.reasoning_budget if budget is None else budget
         controls = self.tool_controls(choice, tools, parallel, thinking)
+        if api == "chat":  # the only one of the three APIs with the field
+            controls["logit_bias"] = self.logit_bias(body.get("logit_bias"))
         return Generation(self, prompt, max_tokens, params, self.stops(stop), tools, thinking, seed, budget, api, controls,
                           logprobs, grammar)
 

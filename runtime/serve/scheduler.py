@@ -61,6 +61,7 @@ class GenerationRequest:
     # once any thinking is over (a required / named call's opening), and a token after which the
     # generation ends (parallel_tool_calls false: the first call's close)
     banned_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # Chat's logit_bias: (token id, bias) added to every step's logits
     forced: tuple[int, ...] = ()
     stop_after: int | None = None  # counts once a call has opened (call_open) outside the thinking block
     call_open: int | None = None
@@ -87,6 +88,7 @@ class _Lane:
     reasoning: int = 0  # reasoning tokens emitted so far
     forced: list[int] = field(default_factory=list)  # still to emit once thinking is over
     calls_opened: int = 0
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's logit_bias as (ids, biases) on the device
 
     def budget_spent(self) -> bool:
         budget = self.request.thinking_budget
@@ -99,9 +101,10 @@ class _Lane:
         return not self.host_imposed() and not self.budget_spent()
 
     def host_imposed(self) -> bool:
-        """The host shapes this lane's tokens: forced tokens, bans, logprobs or a grammar."""
+        """The host shapes this lane's tokens: forced tokens, bans, logit biases, logprobs or a grammar."""
         r = self.request
-        return bool(self.forced) or bool(r.banned_ids) or r.logprobs is not None or r.grammar is not None
+        return (bool(self.forced) or bool(r.banned_ids) or bool(r.logit_bias) or r.logprobs is not None
+                or r.grammar is not None)
 
     def constrained(self) -> bool:
         """Decoding this lane needs the scheduler's token choice (no speculative rounds): a round could also
@@ -266,6 +269,10 @@ class Scheduler:
                 chunks = self.engine.prefill_chunks(lane, req.prompt, reuse=not req.images, images=req.images,
                                                     checkpoint_at=req.checkpoint_at, riders=self.riders)
                 state = _Lane(req, chunks, thinking=req.thinks and req.think_end is not None, forced=list(req.forced))
+                if req.logit_bias:
+                    ids, biases = zip(*req.logit_bias)
+                    state.bias = (torch.tensor(ids, dtype=torch.long, device=self.engine.device),
+                                  torch.tensor(biases, dtype=torch.float32, device=self.engine.device))
                 if req.params is not None:
                     device = self.engine.device
                     state.counts = torch.zeros(1, self.engine.cfg.vocab_size, dtype=torch.int32, device=device)
@@ -285,8 +292,11 @@ class Scheduler:
         if argmax is not None and self._plain_greedy(state):
             return argmax
         banned = state.request.banned_ids
+        if banned or state.bias is not None:
+            logits = logits.to(torch.float32, copy=True)  # the engine's row stays as it is
+        if state.bias is not None:
+            logits.index_add_(0, *state.bias)
         if banned:
-            logits = logits.clone()
             logits[list(banned)] = float("-inf")
         grammar = state.request.grammar
         if grammar is not None and grammar.active and (not state.thinking or grammar.call is not None):
@@ -296,7 +306,8 @@ class Scheduler:
     @staticmethod
     def _plain_greedy(state: _Lane) -> bool:
         """The lane's token is its logits' argmax (no sampler, no mask): one batched argmax serves it."""
-        return state.request.params is None and not state.request.banned_ids and state.request.grammar is None
+        r = state.request
+        return r.params is None and not r.banned_ids and not r.logit_bias and r.grammar is None
 
     def _argmaxes(self, lanes: list[int], logits: torch.Tensor) -> list[int | None]:
         """Every row's argmax in one launch and one copy to the host (a sync per lane costs ~0.1 ms on a

@@ -99,6 +99,9 @@ class ChatRequest(Sampling):
     logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
     response_format: Optional[ChatResponseFormat] = None
+    # token id (as a string, the OpenAI wire form) -> bias added to its logit; the ids are checked against the
+    # vocabulary where the tokenizer is known (Server.logit_bias)
+    logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]] = None
 
 
 class ThinkingConfig(_Body):
