@@ -487,6 +487,32 @@ def test_a_too_long_prompt_says_so_in_the_words_agents_parse():
         s.stop()
 
 
+def test_responses_truncation_auto_drops_the_oldest_whole_turns(srv):
+    """Responses `truncation: "auto"`: a conversation past the context loses its oldest turns (the fewest that
+    make it fit, the instructions kept) instead of a 400; "disabled" (the default) keeps the 400, and so does a
+    newest turn too long on its own."""
+    old = [{"role": "user", "content": "word " * 900}, {"role": "assistant", "content": "noted"}]  # ~3,600 tokens
+    recent = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "fine"},
+              {"role": "user", "content": "and now?"}]
+    body = {"instructions": "be brief", "max_output_tokens": 3}
+
+    def post(items, truncation=None):
+        extra = {"truncation": truncation} if truncation else {}
+        return httpx.post(srv.url + RESPONSES, json={**body, "input": items, **extra}, timeout=60)
+
+    full = post(old + recent)
+    assert full.status_code == 400 and "prompt is too long" in full.json()["error"]["message"]
+    alone = post(recent)
+    assert alone.status_code == 200
+    auto = post(old + recent, "auto")
+    assert auto.status_code == 200, auto.text[:300]
+    assert auto.json()["truncation"] == "auto"
+    assert auto.json()["usage"]["input_tokens"] == alone.json()["usage"]["input_tokens"]  # only the old turn went
+    huge = post([{"role": "user", "content": "word " * 1100}], "auto")
+    assert huge.status_code == 400 and "prompt is too long" in huge.json()["error"]["message"]
+    assert post(recent, "sometimes").status_code == 400
+
+
 def test_streams_stay_alive_while_nothing_is_generated(monkeypatch):
     """A long prefill sends no tokens: Anthropic streams get `ping` events, OpenAI streams SSE comments."""
     import runtime.serve.app as app_module

@@ -155,6 +155,35 @@ def parse(model, body: dict):
         raise ApiError(400, "invalid_request_error", message, param) from None
 
 
+def drop_oldest_turns(conversation: list[dict], tokenize) -> tuple[list[dict], list[int]]:
+    """Responses `truncation: "auto"`: the conversation and its prompt as they are if they fit, else with the
+    fewest oldest turns left out that makes them fit — whole turns (a user message up to the next), so no tool
+    result loses its call, and the system message always kept. The newest turn alone too long: the usual 400."""
+    try:
+        return conversation, tokenize(conversation)
+    except ApiError as exc:
+        if exc.kind != "context_length_exceeded":
+            raise
+        too_long = exc
+    system = conversation[:1] if conversation and conversation[0]["role"] == "system" else []
+    rest = conversation[len(system):]
+    starts = [i for i, m in enumerate(rest) if m["role"] == "user" and i > 0]  # where a later turn begins
+    lo, hi, best = 0, len(starts) - 1, None
+    while lo <= hi:  # the fewest dropped turns that fit (fitting only gets easier with more dropped)
+        mid = (lo + hi) // 2
+        kept = system + rest[starts[mid]:]
+        try:
+            best = kept, tokenize(kept)
+            hi = mid - 1
+        except ApiError as exc:
+            if exc.kind != "context_length_exceeded":
+                raise
+            lo = mid + 1
+    if best is None:
+        raise too_long
+    return best
+
+
 class Generation:
     """One request's tokens, decoded incrementally and parsed into reasoning / content / tool calls."""
 
@@ -959,7 +988,10 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
             turn = normalize_responses_input(None, body.get("input"), sink)
             head = [{"role": "system", "content": req.instructions}] if req.instructions else []
             conversation = system_first(head + prior + turn)  # a previous response's instructions do not carry over
-            return tools, customs, conversation, server.tokenize(conversation, tools, thinking, sink)
+            if req.truncation != "auto" or getattr(sink, "images", None):  # (images: placeholders and pixels stay together)
+                return tools, customs, conversation, server.tokenize(conversation, tools, thinking, sink)
+            conversation, prompt = drop_oldest_turns(conversation, lambda c: server.tokenize(c, tools, thinking, sink))
+            return tools, customs, conversation, prompt
 
         tools, customs, messages, prompt = await server.prompt(build)
         if req.store is False:
@@ -982,7 +1014,7 @@ def build_app(server: Server, cors: bool = False) -> FastAPI:
                 "store": req.store is not False,
                 "reasoning": body.get("reasoning"), "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                                                                         if req.text and req.text.format else {"type": "text"})},
-                "truncation": "disabled",
+                "truncation": req.truncation or "disabled",
                 "usage": None, "incomplete_details": None}
 
         def usage():

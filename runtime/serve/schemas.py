@@ -152,6 +152,7 @@ class ResponsesRequest(Sampling):
     thinking_budget: Optional[Annotated[StrictInt, Field(ge=0)]] = None  # reasoning tokens at most
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=20)]] = None
     include: Optional[list[StrictStr]] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
 
 
 def answer_schema(fmt: ChatResponseFormat | FlatResponseFormat | None) -> dict | None:
