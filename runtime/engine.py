@@ -587,9 +587,7 @@ class Engine:
         else:  # the chunk's rows and the riders' normed into one block, each where it lies (no join of the two)
             o_r = self._gdn_mix(i, qkv[main:], alpha[main:], beta[main:], riders, 1, False, None)
             for rows, part in ((slice(0, main), o), (slice(main, n), o_r)):
-                part_xq = None if out_xq is None else QuantizedX(out_xq.words[rows], out_xq.k_pad, out_xq.group,
-                                                                 out_xq.bits)
-                GdnGate(z[rows], norm.weight, norm.eps, norm.out[rows], norm.counts, part_xq).apply(part)
+                norm.rows(rows).apply(part)
             gated = norm.out
         return self.lin[p + "output"](gated, out_xq, defer_sum=True)  # summed by the next rmsnorm
 

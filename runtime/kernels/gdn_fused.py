@@ -15,7 +15,7 @@ every value tile still its own program: session 32's norm in a program per head 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,6 +56,11 @@ class GdnGate:
     out: torch.Tensor
     counts: torch.Tensor
     xq: QuantizedX | None = None
+
+    def rows(self, part: slice) -> "GdnGate":
+        """The same norm over rows `part` of z, out and xq (e.g. a riding chunk's rows apart from its riders')."""
+        xq = None if self.xq is None else replace(self.xq, words=self.xq.words[part])
+        return replace(self, z=self.z[part], out=self.out[part], xq=xq)
 
     def apply(self, o: torch.Tensor) -> torch.Tensor:
         """The norm in its own launch (gated_norm) over o [rows, ..., DV] that a recurrence left: gate.out."""
