@@ -32,11 +32,12 @@ from .qgemv_int8 import write_quantized_x
 PAGE = 64
 SPLIT_TOKENS = 0  # fixed keys per split when nonzero (tests); 0 = sized by split_size()
 MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads only splits with keys
-# NINFER_COMBINE_ROWS=16 (opt-in, untimed): blocks of that many rows of a (lane, kv head) merged side by side per
-# combine program (_combine_rows_kernel) where it has COMBINE_MIN_ROWS rows or more, i.e. prefill chunks: a 512-token
-# 27B chunk's combine is 49,152 one-row programs otherwise (session 41, H100: ~120 µs a layer in a riding chunk,
-# more than its attention kernel; taking its rows one after the other in a program was slower still)
-COMBINE_ROWS = int(os.environ.get("NINFER_COMBINE_ROWS", "0"))
+# Blocks of COMBINE_ROWS rows of a (lane, kv head) merged side by side per combine program (_combine_rows_kernel)
+# where it has COMBINE_MIN_ROWS rows or more, i.e. prefill chunks: a 512-token 27B chunk's combine is 49,152
+# one-row programs otherwise. H100, riding chunk with 3 riders: combine 108 -> 24 µs a layer, 32K prefill beside
+# 3 decoding lanes in 512-token chunks gap 58.5 / 59.6 -> 56.5 / 56.1 ms (session 43). NINFER_COMBINE_ROWS=0: a row
+# a program, as before.
+COMBINE_ROWS = int(os.environ.get("NINFER_COMBINE_ROWS", "16"))
 COMBINE_MIN_ROWS = 256
 # Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
