@@ -643,6 +643,23 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
+s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
+  # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
+  # one-lane row is issue 21's 8K number), then a 32K prefill beside 3 decoding lanes
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 120 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s61-lanes.json" 2>&1 | grep "│ bf16"
+  echo "27B lanes t=$(el)"
+  timeout 240 $B --depths 8k,32k,128k,200k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
+    --json-out "$OUT/s61-depths.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
+  echo "27B depths t=$(el)"
+  [ $(( ${DEADLINE:-470} - $(el) )) -gt 50 ] && timeout 80 python -m ninfer_cli.main bench --random-weights \
+    qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens \
+    --json-out "$OUT/s61-moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "35B-A3B lanes t=$(el)"
+  [ $(( ${DEADLINE:-470} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-470} - $(el) )) $B --lanes 1,4 --depths 8k \
+    --kv-dtype bf16 --concurrent-prefill 32k --json-out "$OUT/s61-beside.json" 2>&1 | grep -E "│" | tail -6
+  echo "32K prefill beside 3 lanes t=$(el)"
+  ;;
 s60)  # session 43 on an H200 (~520 s): issue 20 / 21's H200 tables with session 41-43's defaults: the 27B lanes
   # 1-8 at 8K (bf16 KV), the depth table (real prefill, bf16 and rk4v4-e8), then the 35B-A3B lanes (distinct tokens)
   nvidia-smi --query-gpu=name --format=csv,noheader
