@@ -7,13 +7,14 @@ products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at 
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
-the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `head`: the Q6
+the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `offset`: that
+kernel as the engine runs it with the codes' offset by FMA or by mma (NINFER_FRAGMENT_OFFSET). `head`: the Q6
 output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
 (DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|offset]
 
 NINFER_BENCH_SHAPES=35b takes the 35B-A3B's dense layer products instead of the 27B's.
 """
@@ -396,6 +397,41 @@ def shapes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def offset_main(out: str) -> None:
+    """The fragment-order kernel as the engine runs it (every measured rule) per 27B product at T = 1..16, the codes'
+    offset taken off by a packed FMA per A register ("fma", the default) against one more mma per step and column
+    tile ("mma", NINFER_FRAGMENT_OFFSET=mma), alternated twice; µs, fraction of copy, and the mma variant's largest
+    error against the fma one relative to the product's largest value."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+    from runtime.kernels import qgemm_rows_frag as rf
+
+    peak = copy_bandwidth()
+    rows = []
+    setting = rf.FRAGMENT_OFFSET
+    for label, n, k, fmt in FRAG_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
+        defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
+        for t in (1, 2, 4, 8, 16):
+            x, y = _xy(t, k, n)
+            outputs = {}
+            for rep, offset in enumerate(("fma", "mma", "fma", "mma")):
+                rf.FRAGMENT_OFFSET = offset
+                us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer))
+                row[f"t{t}_{offset}{rep // 2}_us"] = us
+                row[f"t{t}_{offset}{rep // 2}_frac"] = nbytes / (us * 1e-6) / peak
+                y1 = torch.zeros(t, n, device=x.device, dtype=torch.float32)
+                fl.qgemm_fragment_layout(x, planes[id(w)], y1)
+                outputs[offset] = y1
+            rf.FRAGMENT_OFFSET = setting
+            row[f"t{t}_mma_err"] = ((outputs["mma"] - outputs["fma"]).abs().max()
+                                    / outputs["fma"].abs().max()).item()
+        rows.append(row)
+        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
+                          for k2, v in row.items()}), flush=True)
+    _save(out, peak, rows)
+
+
 def head_main(out: str) -> None:
     """The output head (Q6 248320x5120) at T = 1, 2, 4, 8, 12, 16: the runtime's path on the artifact's planes (T = 1
     the dp4a GEMV, row blocks the int8 tensor-core kernel: "planes") against the fragment-order kernel over a copy of
@@ -471,6 +507,8 @@ def main(out: str, mode: str = "sweep") -> None:
         return shapes_main(out)
     if mode == "head":
         return head_main(out)
+    if mode == "offset":
+        return offset_main(out)
     if mode == "w8":
         return w8_main(out)
     if mode == "frag":
