@@ -654,6 +654,9 @@ s62)  # session 43 (~380 s, any GPU): the codes' offset taken off by an mma (NIN
     [ $(( ${DEADLINE:-380} - $(el) )) -gt 40 ] || break
     ONE_TIMEOUT=80 one "offset-$offset-$(el)" NINFER_FRAGMENT_OFFSET=$offset
   done
+  # with fewer instructions a group, the one lane's Q4 products in fragment order too (level with the dp4a GEMV before)
+  [ $(( ${DEADLINE:-380} - $(el) )) -gt 60 ] && ONE_TIMEOUT=80 one "offset-mma-q4frag-$(el)" NINFER_FRAGMENT_OFFSET=mma \
+    NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value,mlp/gate_up
   [ $(( ${DEADLINE:-380} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-380} - $(el) - 50 )) python bench/gemv_compare.py \
     "$OUT/s62-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
   echo "products t=$(el)"
