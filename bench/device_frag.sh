@@ -684,19 +684,6 @@ s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defa
     --kv-dtype bf16 --concurrent-prefill 32k --json-out "$OUT/s61-beside.json" 2>&1 | grep -E "│" | tail -6
   echo "32K prefill beside 3 lanes t=$(el)"
   ;;
-s60)  # session 43 on an H200 (~520 s): issue 20 / 21's H200 tables with session 41-43's defaults: the 27B lanes
-  # 1-8 at 8K (bf16 KV), the depth table (real prefill, bf16 and rk4v4-e8), then the 35B-A3B lanes (distinct tokens)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 130 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s60-lanes.json" 2>&1 | grep "│ bf16"
-  echo "27B lanes t=$(el)"
-  timeout 250 $B --depths 8k,32k,128k,200k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
-    --json-out "$OUT/s60-depths.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
-  echo "27B depths t=$(el)"
-  [ $(( ${DEADLINE:-520} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-520} - $(el) )) python -m ninfer_cli.main \
-    bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens \
-    --json-out "$OUT/s60-moe-lanes.json" 2>&1 | grep "│ bf16"
-  echo "35B-A3B lanes, distinct tokens t=$(el)"
-  ;;
 s59)  # session 43 (~580 s): GPU tests; a prefill chunk's combine with 16 rows a program (NINFER_COMBINE_ROWS, opt-in)
   # in the riding-chunk profile, off / on; the MoE routing's top-k keyed (opt-in) or not, the expert launches alone;
   # 35B-A3B one lane with its narrow Q5 output projections (2,048 x 4,096, ~0.32 of copy, session 41) in fragment order
