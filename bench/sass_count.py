@@ -5,6 +5,7 @@ values (rk2v4-e8) at 27B shapes.
 
     python bench/sass_count.py [int4|int8|e8] [--json]
     python bench/sass_count.py q4|q5        # the fragment-order product's instructions per 64-lane group,
+                                            # (q5: also with the codes as 5-bit fields)
                                             # lane / pair order, x loaded ahead, the int8 kernel, 8 and 16 columns
     python bench/sass_count.py w8           # the int8 fragment kernel over W8 (per 32-lane group), 8 and 16 columns
     python bench/sass_count.py prefill      # the prefill's grouped expert GEMM and dense dequantization over
@@ -90,8 +91,8 @@ def main(codec: str = "int4") -> dict:
     return out
 
 
-def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, swiglu: bool = False, cs: int = 1
-                  ) -> dict:
+def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, swiglu: bool = False, cs: int = 1,
+                  fields: bool = False) -> dict:
     """The fragment-order product's key loop (qgemm_fragment_layout, T <= 8 (nt 1) or <= 16 (nt 2), one K share
     per warp, 4 warps): SASS instructions per 64-lane group and warp (two 4-group chunks per loop step); `pairs`:
     code words in pair order (_compute_asm)."""
@@ -105,10 +106,10 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, s
     const = {"G": 80, "NT": nt, "BW": 2 if swiglu else 4, "KS": 2 if swiglu else 1, "BITS": bits, "X_AHEAD": xahead,
              "SWIGLU": swiglu, "CS": cs,
              "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
-             "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead))}
+             "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead), fields=fields)}
     sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4 * cs)
     ops = _loop(sass)
-    return {"bits": bits, "nt": nt, "pairs": pairs, "xahead": xahead, "swiglu": swiglu, "cs": cs,
+    return {"bits": bits, "nt": nt, "pairs": pairs, "fields": fields, "xahead": xahead, "swiglu": swiglu, "cs": cs,
             "instructions_per_group": sum(ops.values()) / 8, "top": dict(ops.most_common(8)),
             "registers": int(re.search(r"REG:(\d+)", usage).group(1))}
 
@@ -172,6 +173,10 @@ if __name__ == "__main__":
             if nt == 1:  # x loaded a chunk ahead
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, 1)))
             print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, swiglu=True)))  # SwiGLU in the launch
+            if sys.argv[1] == "q5":  # the codes as 5-bit fields (NINFER_Q5_FIELDS), x in place and ahead
+                print(json.dumps(fragment_gemv(5, True, nt, fields=True)))
+                if nt == 1:
+                    print(json.dumps(fragment_gemv(5, True, nt, 1, fields=True)))
             print(json.dumps(fragment_int8_gemv(int(sys.argv[1][1]), nt)))
         sys.exit()
     if len(sys.argv) > 1 and sys.argv[1] == "w8":

@@ -90,7 +90,8 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
                     xa = [x_addr + (min(r, t - 1) * k + gi * 64 + c * 16) * 2 for r in (g, g + 8)]
                     high_bits = chunk[lane][20 + j] if fp.fmt.bits != 4 else 0
                     args.append(acc[lane] + chunk[lane][4 * j : 4 * j + 4] + [chunk[lane][16 + j], high_bits] + xa)
-                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs), args, 8, mem)
+                acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
+                                                 fields=fp.order == "fields"), args, 8, mem)
         for lane in range(32):
             g, c = lane // 4, lane % 4
             for i in range(4 * nt):
@@ -120,7 +121,7 @@ def _layout_error(x, fp, want, **options) -> float:
     return ((y - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("order", ["pairs", "lanes", "bytes"])
+@pytest.mark.parametrize("order", ["pairs", "lanes", "bytes", "fields"])
 @pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
 @pytest.mark.parametrize("n", [16, 21])
 def test_fragment_layout_round_trips(fmt, n, order):
@@ -129,6 +130,10 @@ def test_fragment_layout_round_trips(fmt, n, order):
     w = _packed(n, 1024, fmt, seed=n)
     if fmt == "Q6G64_F16S" and order == "bytes":  # the int8 kernel's order takes Q4/Q5 only
         with pytest.raises(ValueError, match="Q6 has no byte order"):
+            fragment_planes(w, order)
+        return
+    if fmt != "Q5G64_F16S" and order == "fields":  # 5-bit fields: Q5 only
+        with pytest.raises(ValueError, match="fields order is for Q5 only"):
             fragment_planes(w, order)
         return
     fp = fragment_planes(w, order)
@@ -143,12 +148,14 @@ def test_fragment_layout_round_trips(fmt, n, order):
         assert high is None or torch.equal(high, w.high.view(n, -1)[sl])
 
 
-@pytest.mark.parametrize("order", ["pairs", "lanes"])
+@pytest.mark.parametrize("order", ["pairs", "lanes", "fields"])
 @pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
 @pytest.mark.parametrize("t,n", [(1, 16), (6, 21), (12, 16)])
 def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, order):
     from runtime.kernels.qgemm_fragment_layout import fragment_planes
 
+    if order == "fields" and fmt != "Q5G64_F16S":
+        pytest.skip("fields order is Q5's (the round-trip test checks that others are refused)")
     w = _packed(n, 512, fmt, seed=t + n)
     x = torch.randn(t, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     got = _emulate_fragment_layout(x, fragment_planes(w, order))

@@ -92,7 +92,13 @@ PAIR_ORDER = os.environ.get("NINFER_FRAGMENT_PAIRS", "1") != "0"
 # Q5 products) or on (all); built on a CPU and not yet measured on a GPU, so off by default
 FRAGMENT_INT8_MODES = ("off", "q5", "on")
 FRAGMENT_INT8 = os.environ.get("NINFER_FRAGMENT_INT8", "off")
-ORDERS = ("pairs", "lanes", "bytes")
+ORDERS = ("pairs", "lanes", "bytes", "fields")
+# NINFER_Q5_FIELDS=on (opt-in until timed, session 43): Q5 layer products in "fields" order — each thread's 5 words of
+# a group (its 4 code words and its high-bit word) hold its 32 codes as 5-bit fields side by side, three per 16-bit
+# half at bits 0, 5 and 10 and the 16th register's pair in the halves' top bits (_fields_of_pairs), so the group
+# product builds a bf16 pair with a shift and one lop3 as Q4 does, not with two shifts and two lop3 (sm_90 SASS per
+# group: bench/RESULTS.md §1). The prefill reads such planes through row_planes (a copy of the rows back), as Q6.
+Q5_FIELDS = os.environ.get("NINFER_Q5_FIELDS", "off")
 
 
 def fragment_order(bits: int) -> str:
@@ -103,6 +109,73 @@ def fragment_order(bits: int) -> str:
     if bits == W8_BITS or bits != 6 and (FRAGMENT_INT8 == "on" or (FRAGMENT_INT8 == "q5" and bits == 5)):
         return "bytes"
     return "pairs" if PAIR_ORDER else "lanes"
+
+
+def layer_order(bits: int) -> str:
+    """The order of a layer product's planes (an object of FRAGMENT_OBJECTS): fragment_order's, or "fields" for Q5
+    under NINFER_Q5_FIELDS=on (routed experts and the head keep fragment_order's: their kernels read pair order)."""
+    if Q5_FIELDS not in ("on", "off"):
+        raise ValueError(f"NINFER_Q5_FIELDS={Q5_FIELDS!r} is not on or off; unset it for off")
+    order = fragment_order(bits)
+    return "fields" if Q5_FIELDS == "on" and bits == 5 and order == "pairs" else order
+
+
+# (step, register) of a group product's 16 A registers, i = 4 step + register: the pair-order code word (0-3: row g's
+# two, row g + 8's two), its nibble j (the pair is nibbles j and j + 4) and the thread's high-bit word's first bit
+# for that word's nibbles (row g's 16 bits then row g + 8's; word 0 of a row bits 0-7, word 1 bits 8-15)
+def _register_sources() -> list[tuple[int, int, int]]:
+    out = []
+    for i in range(16):
+        step, reg = divmod(i, 4)
+        half, j = reg % 2, 2 * (step % 2) + reg // 2
+        word = 2 * half + step // 2
+        out.append((word, j, 16 * half + 8 * (step // 2)))
+    return out
+
+
+def _fields_of_pairs(words: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """[..., 5] int64 words of a (thread, group) — pair order's 4 code words and its high-bit word — into fields order
+    (or back). Register i's pair (u_lo, u_hi), u = code ^ 16 (the 5-bit code offset to unsigned, so 0x4300 | u is
+    bf16 128 + 16 + code), lies for i < 15 in word i // 3 at bits 5 (i % 3) and 16 + 5 (i % 3); register 15's bit b
+    of u_lo at bit 15 of word b, of u_hi at bit 31."""
+    out = torch.zeros_like(words)
+    for i, (word, j, hbit) in enumerate(_register_sources()):
+        for part in range(2):  # u_lo (nibble j), u_hi (nibble j + 4)
+            nib_at, high_at = 4 * (j + 4 * part), hbit + j + 4 * part
+            if i < 15:
+                field = (i // 3, 5 * (i % 3) + 16 * part)
+            if not inverse:
+                code = ((words[..., word] >> nib_at) & 0xF) | (((words[..., 4] >> high_at) & 1) << 4)
+                u = code ^ 16
+                if i < 15:
+                    out[..., field[0]] |= u << field[1]
+                else:
+                    for b in range(5):
+                        out[..., b] |= ((u >> b) & 1) << (15 + 16 * part)
+            else:
+                if i < 15:
+                    u = (words[..., field[0]] >> field[1]) & 0x1F
+                else:
+                    u = sum((((words[..., b] >> (15 + 16 * part)) & 1) << b) for b in range(5))
+                code = u ^ 16
+                out[..., word] |= (code & 0xF) << nib_at
+                out[..., 4] |= (code >> 4) << high_at
+    return out
+
+
+def _fields_planes(codes: torch.Tensor, high: torch.Tensor, inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5 planes in fragment order, uint8 codes [blocks, groups, 32 lanes, 16 bytes] and high [blocks, chunks, 32
+    lanes, 4 groups, 2 rows, 2 bytes] in pair order -> fields order (or back), same shapes."""
+    blocks, groups = codes.shape[0], codes.shape[1]
+    cw = codes.contiguous().view(-1).view(torch.int32).view(blocks, groups, 32, 4)
+    hw = high.contiguous().view(-1).view(torch.int32).view(blocks, groups // CHUNK, 32, CHUNK)
+    hw = hw.permute(0, 1, 3, 2).reshape(blocks, groups, 32)  # [blocks, groups, lanes]: a thread's word of a group
+    words = torch.cat([cw, hw[..., None]], dim=-1).to(torch.int64) & 0xFFFFFFFF
+    out = _fields_of_pairs(words, inverse)
+    out = torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+    new_codes = out[..., :4].contiguous().view(-1).view(torch.uint8).view(codes.shape)
+    new_high = out[..., 4].reshape(blocks, groups // CHUNK, CHUNK, 32).permute(0, 1, 3, 2).contiguous()
+    return new_codes, new_high.view(-1).view(torch.uint8).view(high.shape)
 
 
 def _nibbles(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +268,14 @@ def fragment_planes(w, order: str | None = None) -> FragmentPlanes:
     order = fragment_order(w.fmt.bits) if order is None else order
     if order not in ORDERS:
         raise ValueError(f"fragment layout: order {order!r} is not one of {', '.join(ORDERS)}")
+    if order == "fields":
+        if w.fmt.bits != 5:
+            raise ValueError(f"fragment layout: fields order is for Q5 only, not {w.fmt.name}")
+        fp = fragment_planes(w, "pairs")
+        blocks, groups = fp.blocks, fp.groups
+        codes, high = _fields_planes(fp.codes.view(blocks, groups, 32, 16), fp.high.view(blocks, groups // CHUNK, 32,
+                                                                                        CHUNK, 2, 2))
+        return FragmentPlanes(codes.view(-1), fp.scales, high.view(-1), fp.rows, fp.cols, fp.fmt, "fields")
     pairs = order == "pairs"
     if not fragment_supported(w.fmt, w.cols):
         raise ValueError(f"fragment layout: {w.fmt.name} [{w.rows}, {w.cols}] is not Q4/Q5/Q6 with K a multiple of "
@@ -349,6 +430,12 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     n = fp.rows - row0 if n is None else n
     b0, b1 = row0 // ROWS_PER_BLOCK, -(-(row0 + n) // ROWS_PER_BLOCK)
     groups, chunks, rows = fp.groups, fp.groups // CHUNK, (b1 - b0) * ROWS_PER_BLOCK
+    if fp.order == "fields":  # its blocks back in pair order first, then as pair order's
+        codes, high = _fields_planes(fp.codes.view(fp.blocks, groups, 32, 16)[b0:b1],
+                                     fp.high.view(fp.blocks, chunks, 32, CHUNK, 2, 2)[b0:b1], inverse=True)
+        part = FragmentPlanes(codes.view(-1), fp.scales.view(fp.blocks, -1)[b0:b1].reshape(-1), high.view(-1),
+                              rows, fp.cols, fp.fmt, "pairs")
+        return row_planes(part, row0 - b0 * ROWS_PER_BLOCK, n)
     first = row0 - b0 * ROWS_PER_BLOCK
     base = fp.codes.view(fp.blocks, groups, 8, 4, 2, 8)[b0:b1].permute(0, 4, 2, 1, 3, 5).reshape(rows, groups * 32)
     scale = fp.scales.view(fp.blocks, chunks, 8, CHUNK, 2)[b0:b1].permute(0, 4, 2, 1, 3).reshape(rows, groups)
@@ -827,7 +914,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_AHEAD=x_ahead,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
-                                                                 x_regs=x_ahead),
+                                                                 x_regs=x_ahead, fields=fp.order == "fields"),
                                         SWIGLU=False, CS=cs, num_warps=bw * ks * cs, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
@@ -868,6 +955,7 @@ def qgemm_fragment_swiglu(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     _qgemm_fragment_layout_kernel[(fp.blocks // 2, 1)](
         x, fp.codes, high, fp.scales, y, fp.rows // 2, t, k, fp.blocks, size, G=fp.groups, NT=nt, BW=2, KS=ks,
         BITS=fp.fmt.bits, X_AHEAD=x_ahead, LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
-        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs, x_regs=x_ahead), SWIGLU=True,
+        COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs, x_regs=x_ahead,
+                                 fields=fp.order == "fields"), SWIGLU=True,
         num_warps=2 * ks, **LAUNCH)
     return y

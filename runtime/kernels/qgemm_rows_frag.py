@@ -74,7 +74,22 @@ def _q6_pair(dst: str, word: str, j: int, w: int, high: str) -> str:
                   f"lop3.b32 {dst}, {src}, 0x000F000F, hx, 0x6A; ")
 
 
-def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x_regs: bool = False) -> str:
+def _field_pair(dst: str, i: int) -> str:
+    """Register i's bf16 pair from a Q5 group's words in fields order (qgemm_fragment_layout._fields_of_pairs) as
+    128 + u, u = code + 16 (exact): a 5-bit field of each half under 0x4300; register 15 gathers its bits from the
+    halves' top bits of the 5 words."""
+    if i < 15:
+        word, shift = f"w{i // 3}", 5 * (i % 3)
+        out = "" if shift == 0 else f"shr.u32 t, {word}, {shift}; "
+        return out + f"lop3.b32 {dst}, {word if shift == 0 else 't'}, 0x001F001F, 0x43004300, 0xEA; "
+    out = f"shr.u32 t, w0, 15; lop3.b32 {dst}, t, 0x00010001, 0x43004300, 0xEA; "
+    for b in range(1, 5):
+        out += f"shr.u32 t, w{b}, {15 - b}; lop3.b32 {dst}, t, 0x{(1 << (16 + b)) | (1 << b):08X}, {dst}, 0xEA; "
+    return out
+
+
+def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x_regs: bool = False,
+                 fields: bool = False) -> str:
     """One 64-lane group of 16 rows (per warp) times NT x 8 columns of x: d = A.B per 16-lane step, then
     acc += scale(row) * d. Operands: $0-$7 acc out, $8-$15 acc in, then either (packed) $16/$17 code words
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
@@ -87,15 +102,19 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
     pair they make lines up with one register of x as loaded, and B needs no byte permutes (8 fewer instructions
-    per group and column tile)."""
+    per group and column tile). `fields` (Q5, words): $16-$19 and $21 are the group's five words in fields order
+    (qgemm_fragment_layout.Q5_FIELDS), each register's pair the one pair order gives it, B as in pair order."""
     if bits == 6 and not words:
         raise ValueError("_compute_asm: Q6 takes code words (fragment order)")
+    if fields and (bits != 5 or not words):
+        raise ValueError("_compute_asm: fields order is Q5 code words")
+    pairs = pairs or fields
     offset = {4: "0xC308C308", 5: "0xC310C310", 6: "0xC320C320"}[bits]  # -(128 + 2^(b-1)) in bf16
     if FRAGMENT_OFFSET not in ("fma", "mma"):
         raise ValueError(f"NINFER_FRAGMENT_OFFSET={FRAGMENT_OFFSET!r} is not fma or mma; unset it (fma: the default)")
     by_mma, offset_mma = FRAGMENT_OFFSET == "mma", []
     xg, xg8 = ("$22", "$23") if words else ("$19", "$20")
-    lines = ["{ .reg .b32 w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
+    lines = ["{ .reg .b32 w0, w1, w2, w3, w4, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
              ".reg .b32 x<16>, bx<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
     if x_regs:
         if not words:
@@ -109,14 +128,15 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         lines.append(f"ld.global.nc.v4.b32 {{x8, x9, x10, x11}}, [{xg8}]; "
                      f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+16];")
     if words:
-        high = "mov.b64 {h0, h1}, $21;" if bits == 6 else "mov.b32 {s2, s3}, $21;"  # Q6: rows g / g + 8, 64 bits
+        high = "mov.b64 {h0, h1}, $21;" if bits == 6 else "mov.b32 w4, $21;" if fields else "mov.b32 {s2, s3}, $21;"
+        # (Q6: rows g / g + 8, 64 bits)
         lines.append("mov.b32 w0, $16; mov.b32 w1, $17; mov.b32 w2, $18; mov.b32 w3, $19; mov.b32 {s0, s1}, $20; "
                      + high)
     else:
         lines.append("mov.b64 {w0, w1}, $16; mov.b64 {w2, w3}, $17; mov.b64 {s0, s1, s2, s3}, $18;")
     lines += [f"mov.b32 one, 0x3F803F80; mov.b32 off, {offset};"]
     lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)]
-    if bits == 5:  # high bits of the thread's 16 lanes per row: lanes 0-7 for word 0, 8-15 for word 1, laid
+    if bits == 5 and not fields:  # high bits of the thread's 16 lanes per row: lanes 0-7 for word 0, 8-15 for word 1, laid
         # out so that lane j sits at bit j and lane j + 4 at bit j + 16 (see _nibble_pair; in pair order the
         # same code takes lanes 2j and 2j + 1)
         lines += ["cvt.u32.u16 h0, s2; cvt.u32.u16 h1, s3;",
@@ -128,7 +148,12 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         j = 2 * (step % 2)
         for dst, word, jj, high, row_high in (("a0", word_g, j, high_g, "h0"), ("a1", word_g8, j, high_g8, "h1"),
                                               ("a2", word_g, j + 1, high_g, "h0"), ("a3", word_g8, j + 1, high_g8, "h1")):
-            pair = _q6_pair(dst, word, jj, step // 2, row_high) if bits == 6 else _nibble_pair(dst, word, jj, bits, high)
+            if fields:
+                pair = _field_pair(dst, 4 * step + int(dst[1]))
+            elif bits == 6:
+                pair = _q6_pair(dst, word, jj, step // 2, row_high)
+            else:
+                pair = _nibble_pair(dst, word, jj, bits, high)
             lines.append(pair if by_mma else pair + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
         i0, i1 = (step, step + 2) if step < 2 else (step + 2, step + 4)
         for tile in range(nt):
