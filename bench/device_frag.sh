@@ -51,9 +51,10 @@
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
 #                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
-#                        bash bench/device_frag.sh s59       # next: the combine 16 rows a program (ride profile); the
-#                                                            # 35B's Q5 output projections per product and in the
-#                                                            # one-lane step (fragment / dp4a / int8 fragment)
+#                        bash bench/device_frag.sh s59       # session 43: the combine 16 rows a program (ride profile);
+#                                                            # the 35B's Q5 output projections (fragment / dp4a / int8)
+#                        bash bench/device_frag.sh s63       # next: Q5 as 5-bit fields, the offset by mma (one lane,
+#                                                            # lanes, per product); then s61 on an H200 (the tables)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -643,7 +644,33 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s62)  # session 43 (~380 s, any GPU): the codes' offset taken off by an mma (NINFER_FRAGMENT_OFFSET=mma, opt-in: 6-10 %
+s63)  # next session (~500 s, any GPU; supersedes s62): the Q5 products' group loop with fewer instructions, both opt-in
+  # (triton 3.6 sm_90 SASS per group, T <= 8: 111.9 default, 105.3 offset by mma, 75.3 fields, 68.0 both). GPU tests
+  # first (the hardware's rounding with the offset by mma), then the 27B one lane (its Q5 products in fragment order)
+  # default / fields / fields + mma alternated twice, 27B lanes default / fields, then the products per T (offset)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  NINFER_Q5_FIELDS=on NINFER_FRAGMENT_OFFSET=mma timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider \
+    tests/test_frag_kernel.py tests/test_engine.py -k "gpu or every_k_share or swiglu or column_tiles or first_column \
+    or fragment_kernels_in_the_engine or in_place_fragment" 2>&1 | grep -E "passed|failed|Error|assert" | tail -6
+  echo "tests t=$(el)"
+  for mode in default fields both default fields both; do
+    [ $(( ${DEADLINE:-500} - $(el) )) -gt 40 ] || break
+    fields=off; offset=fma
+    [ $mode != default ] && fields=on
+    [ $mode = both ] && offset=mma
+    ONE_TIMEOUT=80 one "$mode-$(el)" NINFER_Q5_FIELDS=$fields NINFER_FRAGMENT_OFFSET=$offset
+  done
+  for fields in off on; do
+    [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] || break
+    NINFER_Q5_FIELDS=$fields timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s63-lanes-$fields.json" 2>&1 | grep "│ bf16"
+    echo "lanes fields $fields t=$(el)"
+  done
+  [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-500} - $(el) - 10 )) python bench/gemv_compare.py \
+    "$OUT/s63-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
+  echo "products t=$(el)"
+  ;;
+s62)  # session 43 (~380 s, any GPU, not run): the codes' offset taken off by an mma (NINFER_FRAGMENT_OFFSET=mma, opt-in: 6-10 %
   # fewer SASS instructions a group at T <= 8, triton 3.6) — GPU tests with it (precision on the hardware), the 27B one
   # lane (its Q5 products in fragment order) fma / mma alternated twice, the products as the engine runs them, lanes
   nvidia-smi --query-gpu=name --format=csv,noheader

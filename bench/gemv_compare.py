@@ -8,7 +8,8 @@ CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
 the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `offset`: that
-kernel as the engine runs it with the codes' offset by FMA or by mma (NINFER_FRAGMENT_OFFSET). `head`: the Q6
+kernel as the engine runs it with the codes' offset by FMA or by mma (NINFER_FRAGMENT_OFFSET), Q5 also as
+5-bit fields (NINFER_Q5_FIELDS). `head`: the Q6
 output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
 (DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
@@ -398,10 +399,11 @@ def shapes_main(out: str) -> None:
 
 
 def offset_main(out: str) -> None:
-    """The fragment-order kernel as the engine runs it (every measured rule) per 27B product at T = 1..16, the codes'
-    offset taken off by a packed FMA per A register ("fma", the default) against one more mma per step and column
-    tile ("mma", NINFER_FRAGMENT_OFFSET=mma), alternated twice; µs, fraction of copy, and the mma variant's largest
-    error against the fma one relative to the product's largest value."""
+    """The fragment-order kernel as the engine runs it (every measured rule) per 27B product at T = 1..16: the codes'
+    offset taken off by a packed FMA per A register ("fma", the default) or by one more mma per step and column tile
+    ("mma", NINFER_FRAGMENT_OFFSET=mma), and for Q5 the planes as 5-bit fields ("fields", "fields_mma":
+    NINFER_Q5_FIELDS=on), each variant twice, alternated; µs, fraction of copy, and each variant's largest error
+    against "fma" relative to the product's largest value."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels import qgemm_rows_frag as rf
 
@@ -410,22 +412,30 @@ def offset_main(out: str) -> None:
     setting = rf.FRAGMENT_OFFSET
     for label, n, k, fmt in FRAG_SHAPES:
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
-        planes = {id(c): fl.fragment_planes(c) for c in rotating.weights}
+        planes = {"pairs": {id(c): fl.fragment_planes(c) for c in rotating.weights}}
+        variants = [("fma", "pairs", "fma"), ("mma", "pairs", "mma")]
+        if fmt.startswith("Q5"):
+            planes["fields"] = {id(c): fl.fragment_planes(c, "fields") for c in rotating.weights}
+            variants += [("fields", "fields", "fma"), ("fields_mma", "fields", "mma")]
         defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
         for t in (1, 2, 4, 8, 16):
             x, y = _xy(t, k, n)
             outputs = {}
-            for rep, offset in enumerate(("fma", "mma", "fma", "mma")):
-                rf.FRAGMENT_OFFSET = offset
-                us = rotating(lambda w: fl.qgemm_fragment_layout(x, planes[id(w)], y, defer_sum=defer))
-                row[f"t{t}_{offset}{rep // 2}_us"] = us
-                row[f"t{t}_{offset}{rep // 2}_frac"] = nbytes / (us * 1e-6) / peak
-                y1 = torch.zeros(t, n, device=x.device, dtype=torch.float32)
-                fl.qgemm_fragment_layout(x, planes[id(w)], y1)
-                outputs[offset] = y1
+            for rep in range(2):
+                for name, order, offset in variants:
+                    rf.FRAGMENT_OFFSET = offset
+                    laid = planes[order]
+                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer))
+                    row[f"t{t}_{name}{rep}_us"] = us
+                    row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
+                    y1 = torch.zeros(t, n, device=x.device, dtype=torch.float32)
+                    fl.qgemm_fragment_layout(x, laid[id(w)], y1)
+                    outputs[name] = y1
             rf.FRAGMENT_OFFSET = setting
-            row[f"t{t}_mma_err"] = ((outputs["mma"] - outputs["fma"]).abs().max()
-                                    / outputs["fma"].abs().max()).item()
+            for name in outputs:
+                if name != "fma":
+                    row[f"t{t}_{name}_err"] = ((outputs[name] - outputs["fma"]).abs().max()
+                                               / outputs["fma"].abs().max()).item()
         rows.append(row)
         print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
                           for k2, v in row.items()}), flush=True)

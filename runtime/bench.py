@@ -534,7 +534,7 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
     from format.layouts import RowSplitGeometry
     from format.numeric import get_format
 
-    from .kernels.qgemm_fragment_layout import takes_fragment_layout, to_fragment_layout
+    from .kernels.qgemm_fragment_layout import layer_order, takes_fragment_layout, to_fragment_layout
     from .kernels.qlinear import PackedLinear, fragment_layout_enabled, qlinear, rows_path, uses_frag
 
     products = distinct_products(path)
@@ -555,7 +555,7 @@ def run_kernel_bench(path, row_counts: list[int], device: str = "cuda", l2_bytes
             # as an engine multiplying up to that many rows per step binds it
             rows = max(row_counts)
             if fragment_layout_enabled(rows, fmt.bits, names[0]) and takes_fragment_layout(names[0], w, rows):
-                to_fragment_layout(w)
+                to_fragment_layout(w, layer_order(fmt.bits))
             weights.append(w)
         short = names[0].split("/layers/")[-1].split("/", 1)[-1] if "/layers/" in names[0] else names[0].split("/")[-1]
         row = {"matrix": short, "format": fmt_name, "N": n, "K": k, "bytes": geo.total_bytes, "per_step": len(names)}

@@ -34,7 +34,7 @@ from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_exper
                           shared_fusable)
 from .kernels.moe_fragment import MAX_TOKENS as MOE_FRAGMENT_MAX_TOKENS, MOE_FRAGMENT, MOE_FRAGMENT_OBJECTS, \
     MOE_FRAGMENT_TUNING, fragment_expert_gemv, shared_rides
-from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_place_supported, \
+from .kernels.qgemm_fragment_layout import ROWS_PER_BLOCK, fragment_rows, in_place_supported, layer_order, \
     takes_fragment_layout, to_fragment_layout
 from .kernels.qgemv_int8 import QuantizedX
 from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled, gather_rows, keep_dense_copies, qlinear,
@@ -335,9 +335,10 @@ class Engine:
                 geo = RowSplitGeometry(e.shape[0], e.shape[1], fmt)
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 rows = self.rows_per_step
-                if fragment_layout_enabled(rows, fmt.bits, r.name) and takes_fragment_layout(r.name, packed, rows) \
-                        or self._lays_out_head(r.name, packed) or self._lays_out_experts(r.name, packed):
-                    to_fragment_layout(packed)  # in place: the plan's bytes, permuted (a CPU reads them back)
+                layer = fragment_layout_enabled(rows, fmt.bits, r.name) and takes_fragment_layout(r.name, packed, rows)
+                if layer or self._lays_out_head(r.name, packed) or self._lays_out_experts(r.name, packed):
+                    # in place: the plan's bytes, permuted (a CPU reads them back)
+                    to_fragment_layout(packed, layer_order(fmt.bits) if layer else None)
                 self.lin[r.name] = QuantLinear(packed)
                 continue
             if isinstance(fmt, FloatCodeFormat):

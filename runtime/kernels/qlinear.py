@@ -371,13 +371,13 @@ FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAG
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows [row0, row0 + n) dense (the prefill GEMM's scratch, and row blocks of more than 64 rows); Q4/Q5/W8
-    planes in fragment order are read in place, Q6 ones (the output head) through a copy of those rows back in the
-    artifact's planes (row_planes)."""
+    planes in fragment order are read in place, Q6 ones (the output head) and Q5 ones in fields order through a copy
+    of those rows back in the artifact's planes (row_planes)."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
     fragment = 0
     base, high, scale = w.base, w.high, w.scale
-    if w.fragment is not None and w.fmt.bits == 6:
+    if w.fragment is not None and (w.fmt.bits == 6 or w.fragment.order == "fields"):
         base, high, scale = row_planes(w.fragment, row0, n)
         row0 = 0
     elif w.fragment is not None:
