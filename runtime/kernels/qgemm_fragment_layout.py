@@ -97,7 +97,7 @@ ORDERS = ("pairs", "lanes", "bytes", "fields")
 # a group (its 4 code words and its high-bit word) hold its 32 codes as 5-bit fields side by side, three per 16-bit
 # half at bits 0, 5 and 10 and the 16th register's pair in the halves' top bits (_fields_of_pairs), so the group
 # product builds a bf16 pair with a shift and one lop3 as Q4 does, not with two shifts and two lop3 (sm_90 SASS per
-# group: bench/RESULTS.md §1). The prefill reads such planes through row_planes (a copy of the rows back), as Q6.
+# group: bench/RESULTS.md §1). The prefill's dequantizer reads them in place (qlinear._field_codes).
 Q5_FIELDS = os.environ.get("NINFER_Q5_FIELDS", "off")
 
 

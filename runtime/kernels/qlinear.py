@@ -194,15 +194,50 @@ def _scale_offsets(rows, gidx, GPR: tl.constexpr, FRAGMENT: tl.constexpr):
 
 
 @triton.jit
+def _field_codes(base_ptr, high_ptr, rows, row_ok, pair, GPR: tl.constexpr):
+    """Unsigned 5-bit codes (two's complement bits) of lanes 2 pair and 2 pair + 1 of `rows` ([BLOCK_N, len(pair)]
+    int32 each) from Q5 planes in fields order."""
+    lane2 = 2 * pair
+    gi, c, q = lane2 // 64, (lane2 % 64) // 16, (lane2 % 16) // 2
+    jj = q % 4
+    i = (4 * (2 * (q // 4) + jj // 2) + 2 * (jj % 2))[None, :] + ((rows % 16) // 8)[:, None]  # the A register
+    thread = (4 * (rows % 8))[:, None] + c[None, :]
+    block = (rows // 16)[:, None]
+    codes_at = ((block * GPR + gi[None, :]) * 32 + thread) * 4  # the thread's 4 code words of group gi
+    high_at = ((block * (GPR // 4) + (gi // 4)[None, :]) * 32 + thread) * 4 + (gi % 4)[None, :]  # its 5th word
+    words = base_ptr.to(tl.pointer_type(tl.int32))
+    highs = high_ptr.to(tl.pointer_type(tl.int32))
+    wi = i // 3
+    ok = row_ok[:, None] & (i < 15)
+    word = tl.where(wi < 4, tl.load(words + codes_at + wi, mask=ok & (wi < 4), other=0),
+                    tl.load(highs + high_at, mask=ok & (wi == 4), other=0))
+    lo = (word >> (5 * (i % 3))) & 0x1F
+    hi = (word >> (5 * (i % 3) + 16)) & 0x1F
+    last = row_ok[:, None] & (i == 15)  # register 15: bit b of u in word b's bit 15 (lo) / 31 (hi)
+    for b in tl.static_range(5):
+        if b < 4:
+            wb = tl.load(words + codes_at + b, mask=last, other=0)
+        else:
+            wb = tl.load(highs + high_at, mask=last, other=0)
+        lo = tl.where(last, lo | (((wb >> 15) & 1) << b), lo)
+        hi = tl.where(last, hi | (((wb >> 31) & 1) << b), hi)
+    return lo ^ 16, hi ^ 16
+
+
+@triton.jit
 def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR: tl.constexpr,
                   HIGH_BYTES: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   FRAGMENT: tl.constexpr = False):
     """Signed codes of lanes [k0, k0 + BLOCK_K) of `rows`, split into even and odd lanes
     ([BLOCK_N, BLOCK_K / 2] int32 each) for the 4-, 5- and 6-bit formats; FRAGMENT (Q4/Q5): 1 planes in
     fragment order, 2 in fragment order with code words and high bytes in pair order, 3 in byte order (lane-order
-    codes, Q5 high bits as the int8 kernel reads them) (qgemm_fragment_layout)."""
+    codes, Q5 high bits as the int8 kernel reads them), 4 Q5 as 5-bit fields (qgemm_fragment_layout)."""
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte index within the row
-    if FRAGMENT == 2:  # lane 2i of a word (8 lanes) in nibble i, lane 2i + 1 in nibble i + 4: each word loaded once
+    if FRAGMENT == 4:  # Q5 as 5-bit fields (qgemm_fragment_layout._fields_of_pairs): lanes 2p and 2p + 1 are the two
+        # halves of one A register i of thread (row % 8, lane / 16)'s group; its word i // 3 (4: the high plane's word)
+        # at bit 5 (i % 3), register 15 in the top bits of the five words; u = code ^ 16
+        lo, hi = _field_codes(base_ptr, high_ptr, rows, row_ok, half, GPR)
+    elif FRAGMENT == 2:  # lane 2i of a word (8 lanes) in nibble i, lane 2i + 1 in nibble i + 4: each word loaded once
         words_at = _fragment_offsets(rows, k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8), 8, 32, GPR) // 4
         words_at = tl.max_contiguous(tl.multiple_of(words_at, [1, 2]), [1, 2])  # a unit's 2 words: one 8-byte load
         words = tl.load(base_ptr.to(tl.pointer_type(tl.int32)) + words_at, mask=row_ok[:, None], other=0)
@@ -217,7 +252,7 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
         packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
         lo = packed & 0xF
         hi = (packed >> 4) & 0xF
-    if BITS == 5:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7 (pair order:
+    if BITS == 5 and FRAGMENT != 4:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7 (pair order:
         # even lanes bits 0-3, odd lanes 4-7)
         hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if FRAGMENT:  # 2-byte runs at even offsets
@@ -366,18 +401,18 @@ SLICED_MAX_T_Q6 = 256  # the head: 16 reads (3.7 ms on an H100) still beat copyi
 SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
 
 
-FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3}  # the dequantizer's FRAGMENT for each fragment order
+FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3, "fields": 4}  # the dequantizer's FRAGMENT for each order
 
 
 def dequantize_rows(w: "PackedLinear", row0: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows [row0, row0 + n) dense (the prefill GEMM's scratch, and row blocks of more than 64 rows); Q4/Q5/W8
-    planes in fragment order are read in place, Q6 ones (the output head) and Q5 ones in fields order through a copy
-    of those rows back in the artifact's planes (row_planes)."""
+    planes in fragment order are read in place (Q5 fields too), Q6 ones (the output head) through a copy of those
+    rows back in the artifact's planes (row_planes)."""
     dense = torch.empty(n, w.cols, dtype=dtype, device=w.base.device)
     block_n, block_k = 32, 128
     fragment = 0
     base, high, scale = w.base, w.high, w.scale
-    if w.fragment is not None and (w.fmt.bits == 6 or w.fragment.order == "fields"):
+    if w.fragment is not None and w.fmt.bits == 6:
         base, high, scale = row_planes(w.fragment, row0, n)
         row0 = 0
     elif w.fragment is not None:
