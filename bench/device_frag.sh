@@ -660,6 +660,9 @@ s63)  # next session (~500 s, any GPU; supersedes s62): the Q5 products' group l
     [ $mode = both ] && offset=mma
     ONE_TIMEOUT=80 one "$mode-$(el)" NINFER_Q5_FIELDS=$fields NINFER_FRAGMENT_OFFSET=$offset
   done
+  # every one-lane product in fragment order with both (Q4 by mma: 59 instructions a group against the dp4a GEMV's ~70)
+  [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] && ONE_TIMEOUT=80 one "all-fragment-$(el)" NINFER_Q5_FIELDS=on \
+    NINFER_FRAGMENT_OFFSET=mma NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value,mlp/gate_up
   for fields in off on; do
     [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] || break
     NINFER_Q5_FIELDS=$fields timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
