@@ -673,30 +673,6 @@ s63)  # next session (~500 s, any GPU; supersedes s62): the Q5 products' group l
     "$OUT/s63-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
   echo "products t=$(el)"
   ;;
-s62)  # session 43 (~380 s, any GPU, not run): the codes' offset taken off by an mma (NINFER_FRAGMENT_OFFSET=mma, opt-in: 6-10 %
-  # fewer SASS instructions a group at T <= 8, triton 3.6) — GPU tests with it (precision on the hardware), the 27B one
-  # lane (its Q5 products in fragment order) fma / mma alternated twice, the products as the engine runs them, lanes
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  NINFER_FRAGMENT_OFFSET=mma timeout 120 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_frag_kernel.py \
-    -k "gpu or every_k_share or swiglu or column_tiles or first_column" 2>&1 | grep -E "passed|failed|Error|assert" | tail -6
-  echo "tests t=$(el)"
-  for offset in fma mma fma mma; do
-    [ $(( ${DEADLINE:-380} - $(el) )) -gt 40 ] || break
-    ONE_TIMEOUT=80 one "offset-$offset-$(el)" NINFER_FRAGMENT_OFFSET=$offset
-  done
-  # with fewer instructions a group, the one lane's Q4 products in fragment order too (level with the dp4a GEMV before)
-  [ $(( ${DEADLINE:-380} - $(el) )) -gt 60 ] && ONE_TIMEOUT=80 one "offset-mma-q4frag-$(el)" NINFER_FRAGMENT_OFFSET=mma \
-    NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value,mlp/gate_up
-  [ $(( ${DEADLINE:-380} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-380} - $(el) - 50 )) python bench/gemv_compare.py \
-    "$OUT/s62-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
-  echo "products t=$(el)"
-  for offset in fma mma; do
-    [ $(( ${DEADLINE:-380} - $(el) )) -gt 25 ] || break
-    NINFER_FRAGMENT_OFFSET=$offset timeout $(( ${DEADLINE:-380} - $(el) )) $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s62-lanes-$offset.json" 2>&1 | grep "│ bf16"
-    echo "lanes $offset t=$(el)"
-  done
-  ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
   # one-lane row is issue 21's 8K number), then a 32K prefill beside 3 decoding lanes

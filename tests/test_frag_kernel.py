@@ -429,8 +429,8 @@ def test_artifact_planes_kernel_runs_whole(kernel_device):
                          + [("Q5G64_F16S", "fields"), ("Q6G64_F16S", "pairs"), ("W8G32_F16S", "bytes")])
 def test_in_place_fragment_layout_keeps_every_product(fmt, order, monkeypatch):
     """to_fragment_layout permutes the planes in place (in row steps; pair order for the bf16 kernel, byte order
-    for the int8 one; Q5 also as 5-bit fields; Q6 the output head's, W8 byte order only) and the weight still multiplies (24 rows: on a GPU
-    Q6/W8 as blocks of 16), dequantizes rows for the prefill GEMM and refuses gathers:
+    for the int8 one; Q5 also as 5-bit fields; Q6 the output head's, W8 byte order only) and the weight still
+    multiplies (24 rows: on a GPU Q6/W8 as blocks of 16), dequantizes rows for the prefill GEMM and refuses gathers:
     on a CPU through the torch references and then the GPU's routes interpreted, on a GPU through the kernels
     themselves; only byte order takes its input as dp4a words."""
     from runtime.kernels import qgemm_fragment_layout as fl

@@ -134,8 +134,8 @@ def _register_sources() -> list[tuple[int, int, int]]:
 
 
 def _fields_of_pairs(words: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """[..., 5] int64 words of a (thread, group) — pair order's 4 code words and its high-bit word — into fields order
-    (or back). Register i's pair (u_lo, u_hi), u = code ^ 16 (the 5-bit code offset to unsigned, so 0x4300 | u is
+    """[..., 5] int64 words of a (thread, group) — pair order's 4 code words and its high-bit word — into fields
+    order (or back). Register i's pair (u_lo, u_hi), u = code ^ 16 (the 5-bit code offset to unsigned, so 0x4300 | u is
     bf16 128 + 16 + code), lies for i < 15 in word i // 3 at bits 5 (i % 3) and 16 + 5 (i % 3); register 15's bit b
     of u_lo at bit 15 of word b, of u_hi at bit 31."""
     out = torch.zeros_like(words)

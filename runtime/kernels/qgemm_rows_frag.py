@@ -128,17 +128,17 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         lines.append(f"ld.global.nc.v4.b32 {{x8, x9, x10, x11}}, [{xg8}]; "
                      f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+16];")
     if words:
+        # Q6: rows g / g + 8, 64 bits; fields: the group's fifth word
         high = "mov.b64 {h0, h1}, $21;" if bits == 6 else "mov.b32 w4, $21;" if fields else "mov.b32 {s2, s3}, $21;"
-        # (Q6: rows g / g + 8, 64 bits)
         lines.append("mov.b32 w0, $16; mov.b32 w1, $17; mov.b32 w2, $18; mov.b32 w3, $19; mov.b32 {s0, s1}, $20; "
                      + high)
     else:
         lines.append("mov.b64 {w0, w1}, $16; mov.b64 {w2, w3}, $17; mov.b64 {s0, s1, s2, s3}, $18;")
     lines += [f"mov.b32 one, 0x3F803F80; mov.b32 off, {offset};"]
     lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4 * nt)]
-    if bits == 5 and not fields:  # high bits of the thread's 16 lanes per row: lanes 0-7 for word 0, 8-15 for word 1, laid
-        # out so that lane j sits at bit j and lane j + 4 at bit j + 16 (see _nibble_pair; in pair order the
-        # same code takes lanes 2j and 2j + 1)
+    if bits == 5 and not fields:  # high bits of the thread's 16 lanes per row: lanes 0-7 for word 0, 8-15 for
+        # word 1, laid out so that lane j sits at bit j and lane j + 4 at bit j + 16 (see _nibble_pair; in pair order
+        # the same code takes lanes 2j and 2j + 1)
         lines += ["cvt.u32.u16 h0, s2; cvt.u32.u16 h1, s3;",
                   "shl.b32 t, h0, 12; or.b32 ha0, h0, t; shr.u32 hb0, h0, 8; shl.b32 t, hb0, 12; or.b32 hb0, hb0, t;",
                   "shl.b32 t, h1, 12; or.b32 ha1, h1, t; shr.u32 hb1, h1, 8; shl.b32 t, hb1, 12; or.b32 hb1, hb1, t;"]

@@ -252,8 +252,8 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
         packed = tl.load(base_ptr + code_at, mask=row_ok[:, None], other=0).to(tl.int32)
         lo = packed & 0xF
         hi = (packed >> 4) & 0xF
-    if BITS == 5 and FRAGMENT != 4:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7 (pair order:
-        # even lanes bits 0-3, odd lanes 4-7)
+    if BITS == 5 and FRAGMENT != 4:  # one high byte per 8 lanes: even lanes use bits 0,2,4,6; odd lanes 1,3,5,7
+        # (pair order: even lanes bits 0-3, odd lanes 4-7)
         hidx = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if FRAGMENT:  # 2-byte runs at even offsets
             high_at = tl.max_contiguous(tl.multiple_of(_fragment_offsets(rows, hidx, 2, 8, GPR), [1, 2]), [1, 2])
