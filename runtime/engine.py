@@ -336,9 +336,10 @@ class Engine:
                 packed = PackedLinear(*geo.split(raw), geo.rows, geo.cols, fmt)
                 rows = self.rows_per_step
                 layer = fragment_layout_enabled(rows, fmt.bits, r.name) and takes_fragment_layout(r.name, packed, rows)
-                if layer or self._lays_out_head(r.name, packed) or self._lays_out_experts(r.name, packed):
+                experts = not layer and self._lays_out_experts(r.name, packed)
+                if layer or experts or self._lays_out_head(r.name, packed):
                     # in place: the plan's bytes, permuted (a CPU reads them back)
-                    to_fragment_layout(packed, layer_order(fmt.bits) if layer else None)
+                    to_fragment_layout(packed, layer_order(fmt.bits) if layer or experts else None)
                 self.lin[r.name] = QuantLinear(packed)
                 continue
             if isinstance(fmt, FloatCodeFormat):

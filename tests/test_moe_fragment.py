@@ -12,9 +12,9 @@ from runtime.kernels.qgemm_fragment_layout import to_fragment_layout
 from tests.test_frag_kernel import _packed
 
 
-def _case(device, fmt, experts=3, inter=512, hid=512, seed=5):
-    gate_up = to_fragment_layout(_packed(experts * 2 * inter, hid, fmt, seed=seed, device=device), "pairs")
-    down = to_fragment_layout(_packed(experts * hid, inter, fmt, seed=seed + 1, device=device), "pairs")
+def _case(device, fmt, experts=3, inter=512, hid=512, seed=5, order="pairs"):
+    gate_up = to_fragment_layout(_packed(experts * 2 * inter, hid, fmt, seed=seed, device=device), order)
+    down = to_fragment_layout(_packed(experts * hid, inter, fmt, seed=seed + 1, device=device), order)
     shared_up = _packed(2 * inter, hid, "W8G32_F16S", seed=seed + 2, device=device)
     shared_down = _packed(hid, inter, "W8G32_F16S", seed=seed + 3, device=device)
     return gate_up, down, shared_up, shared_down
@@ -40,13 +40,13 @@ def _close(got, want, tol=2e-2):
     assert err < tol, f"relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("fmt", ["Q4G64_F16S", "Q5G64_F16S"])
-def test_fragment_expert_launches_route_and_multiply(kernel_device, monkeypatch, fmt):
+@pytest.mark.parametrize("fmt,order", [("Q4G64_F16S", "pairs"), ("Q5G64_F16S", "pairs"), ("Q5G64_F16S", "fields")])
+def test_fragment_expert_launches_route_and_multiply(kernel_device, monkeypatch, fmt, order):
     from runtime.kernels import moe_fragment as mf
 
     monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
     tokens, top_k, experts, inter, hid = 2, 2, 3, 512, 512
-    gate_up, down, shared_up, shared_down = _case(kernel_device, fmt, experts, inter, hid)
+    gate_up, down, shared_up, shared_down = _case(kernel_device, fmt, experts, inter, hid, order=order)
     x = torch.randn(tokens, hid, device=kernel_device).to(torch.bfloat16)
     logits = torch.cat([torch.randn(tokens, experts), torch.full((tokens, 1), 1e9)], dim=1).to(kernel_device)
     ids = torch.full((tokens * top_k,), -1, dtype=torch.int32, device=kernel_device)
@@ -83,13 +83,13 @@ def test_fragment_expert_torch_path_and_refusals():
 
 def test_expert_gemm_reads_experts_in_fragment_order(kernel_device, monkeypatch):
     """The prefill's grouped expert kernel reads experts laid out in fragment order in place (any order the
-    dequantizer reads, W8's byte order too): the numbers it gives over the artifact's planes (pair order: up to the
-    rounding of a sum taken in another lane order)."""
+    dequantizer reads, W8's byte order and Q5 fields too): the numbers it gives over the artifact's planes (pair
+    order: up to the rounding of a sum taken in another lane order)."""
     from runtime.kernels.moe import expert_gemm, sort_pairs
 
     monkeypatch.setattr("runtime.kernels.CPU_KERNELS", "triton")
     for fmt, order in (("Q4G64_F16S", "pairs"), ("Q5G64_F16S", "pairs"), ("Q5G64_F16S", "bytes"),
-                       ("W8G32_F16S", "bytes")):
+                       ("Q5G64_F16S", "fields"), ("W8G32_F16S", "bytes")):
         planes = _packed(3 * 32, 512, fmt, seed=7, device=kernel_device)
         laid_out = to_fragment_layout(_packed(3 * 32, 512, fmt, seed=7, device=kernel_device), order)
         x = torch.randn(5, 512, device=kernel_device).to(torch.bfloat16)
@@ -115,16 +115,20 @@ def moe_fragment_sized(tmp_path_factory):
     return convert_checkpoint(src, d / "moe.nfer", ConvertOptions(recipe="q4")).output
 
 
-def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monkeypatch):
-    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind, decodes through
-    the fragment expert launches (the shared expert riding) and prefills through the grouped kernel reading them
-    in place, and generates the reference's tokens."""
+@pytest.mark.parametrize("fields", ["off", "on"])
+def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monkeypatch, fields):
+    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind (with
+    NINFER_Q5_FIELDS=on the Q5 down projections as 5-bit fields), decodes through the fragment expert launches (the
+    shared expert riding) and prefills through the grouped kernel reading them in place, and generates the
+    reference's tokens."""
     import runtime.engine as engine_module
     from runtime.engine import Engine
+    from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.memory_plan import PlanOptions
     from tests.test_engine import DEVICE, PROMPT, _assert_matches_reference
 
     monkeypatch.setattr(engine_module, "MOE_FRAGMENT", "on")
+    monkeypatch.setattr(fl, "Q5_FIELDS", fields)
     calls = []
     real = engine_module.fragment_expert_gemv
     monkeypatch.setattr(engine_module, "fragment_expert_gemv",
@@ -133,6 +137,8 @@ def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monke
     laid_out = [n for n, lin in engine.lin.items() if n.endswith(("experts_gate_up", "experts_down"))
                 and lin.packed.fragment is not None]
     assert len(laid_out) == 4
+    orders = {engine.lin[n].packed.fmt.bits: engine.lin[n].packed.fragment.order for n in laid_out}
+    assert orders == {4: "pairs", 5: "fields" if fields == "on" else "pairs"}
     _assert_matches_reference(engine, moe_fragment_sized, PROMPT, 4)
     assert calls and all(shared is not None for shared, _ in calls) and not all(major for _, major in calls)
     # two lanes (the same prompt, so every expert is shared by both tokens, and another): routed first, then expert

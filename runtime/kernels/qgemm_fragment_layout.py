@@ -112,8 +112,8 @@ def fragment_order(bits: int) -> str:
 
 
 def layer_order(bits: int) -> str:
-    """The order of a layer product's planes (an object of FRAGMENT_OBJECTS): fragment_order's, or "fields" for Q5
-    under NINFER_Q5_FIELDS=on (routed experts and the head keep fragment_order's: their kernels read pair order)."""
+    """The order of a layer product's planes (an object of FRAGMENT_OBJECTS, or a MoE layer's stacked routed
+    experts): fragment_order's, or "fields" for Q5 under NINFER_Q5_FIELDS=on."""
     if Q5_FIELDS not in ("on", "off"):
         raise ValueError(f"NINFER_Q5_FIELDS={Q5_FIELDS!r} is not on or off; unset it for off")
     order = fragment_order(bits)
