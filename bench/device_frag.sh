@@ -669,6 +669,12 @@ s63)  # next session (~500 s, any GPU; supersedes s62): the Q5 products' group l
       --json-out "$OUT/s63-lanes-$fields.json" 2>&1 | grep "│ bf16"
     echo "lanes fields $fields t=$(el)"
   done
+  for fields in off on; do  # the 35B-A3B's Q5 expert down projections as fields in its lanes' fragment launches
+    [ $(( ${DEADLINE:-500} - $(el) )) -gt 90 ] || break
+    NINFER_Q5_FIELDS=$fields timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
+      --depths 8k --kv-dtype bf16 --distinct-lane-tokens --json-out "$OUT/s63-moe-lanes-$fields.json" 2>&1 | grep "│ bf16"
+    echo "35B-A3B lanes fields $fields t=$(el)"
+  done
   [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-500} - $(el) - 10 )) python bench/gemv_compare.py \
     "$OUT/s63-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
   echo "products t=$(el)"
