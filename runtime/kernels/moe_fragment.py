@@ -66,8 +66,9 @@ MAX_TOKENS = 16
 
 
 def fragment_experts_supported(w, rows_per_expert: int, paired: bool) -> bool:
-    """Whether a stacked expert matrix in fragment order (pair order, or Q5 fields) can take these launches: whole 16-row
-    blocks per expert (gate/up: 32, so the gate and up halves split at a block), K whole 512-lane chunk pairs."""
+    """Whether a stacked expert matrix in fragment order (pair order, or Q5 fields) can take these launches: whole
+    16-row blocks per expert (gate/up: 32, so the gate and up halves split at a block), K whole 512-lane chunk
+    pairs."""
     fp = w.fragment
     return (isinstance(fp, FragmentPlanes) and fp.order in ("pairs", "fields") and fp.fmt.bits in (4, 5)
             and rows_per_expert % (32 if paired else 16) == 0 and fp.rows % rows_per_expert == 0
