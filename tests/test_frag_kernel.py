@@ -91,7 +91,7 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
                     high_bits = chunk[lane][20 + j] if fp.fmt.bits != 4 else 0
                     args.append(acc[lane] + chunk[lane][4 * j : 4 * j + 4] + [chunk[lane][16 + j], high_bits] + xa)
                 acc = run_warp(frag._compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
-                                                 fields=fp.order == "fields"), args, 8, mem)
+                                                 fields=fp.fields), args, 8, mem)
         for lane in range(32):
             g, c = lane // 4, lane % 4
             for i in range(4 * nt):

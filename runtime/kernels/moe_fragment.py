@@ -70,7 +70,7 @@ def fragment_experts_supported(w, rows_per_expert: int, paired: bool) -> bool:
     16-row blocks per expert (gate/up: 32, so the gate and up halves split at a block), K whole 512-lane chunk
     pairs."""
     fp = w.fragment
-    return (isinstance(fp, FragmentPlanes) and fp.order in ("pairs", "fields") and fp.fmt.bits in (4, 5)
+    return (isinstance(fp, FragmentPlanes) and (fp.pairs or fp.fields) and fp.fmt.bits in (4, 5)
             and rows_per_expert % (32 if paired else 16) == 0 and fp.rows % rows_per_expert == 0
             and (fp.groups // CHUNK) % 2 == 0)
 
@@ -320,7 +320,7 @@ def fragment_expert_gemv(x: torch.Tensor, experts: torch.Tensor, w, rows_per_exp
         per_row * 32, per_row, per_row * high_per_row,
         G=fp.groups, BLOCKS=blocks, BW=bw, KS=ks, BITS=fp.fmt.bits,
         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[MOE_FRAGMENT_TUNING["hint"]]),
-        COMPUTE_ASM=_compute_asm(fp.fmt.bits, columns, words=True, pairs=True, fields=fp.order == "fields"),
+        COMPUTE_ASM=_compute_asm(fp.fmt.bits, columns, words=True, pairs=True, fields=fp.fields),
         SWIGLU=gate_up, TOPK=top_k,
         ROUTE=route_into is not None, BLOCK_E=triton.next_power_of_2(logits.shape[1]) if route_into is not None else 1,
         S_GPR=s.groups_per_row, S_K_PAD=s.k_pad, S_BITS=s.fmt.bits, S_GROUP=s.fmt.group_size,

@@ -67,6 +67,10 @@ class FragmentPlanes:
         return self.order == "pairs"
 
     @property
+    def fields(self) -> bool:
+        return self.order == "fields"
+
+    @property
     def blocks(self) -> int:
         return -(-self.rows // ROWS_PER_BLOCK)
 
@@ -430,7 +434,7 @@ def row_planes(fp: FragmentPlanes, row0: int = 0, n: int | None = None):
     n = fp.rows - row0 if n is None else n
     b0, b1 = row0 // ROWS_PER_BLOCK, -(-(row0 + n) // ROWS_PER_BLOCK)
     groups, chunks, rows = fp.groups, fp.groups // CHUNK, (b1 - b0) * ROWS_PER_BLOCK
-    if fp.order == "fields":  # its blocks back in pair order first, then as pair order's
+    if fp.fields:  # its blocks back in pair order first, then as pair order's
         codes, high = _fields_planes(fp.codes.view(fp.blocks, groups, 32, 16)[b0:b1],
                                      fp.high.view(fp.blocks, chunks, 32, CHUNK, 2, 2)[b0:b1], inverse=True)
         part = FragmentPlanes(codes.view(-1), fp.scales.view(fp.blocks, -1)[b0:b1].reshape(-1), high.view(-1),
@@ -914,7 +918,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_AHEAD=x_ahead,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
-                                                                 x_regs=x_ahead, fields=fp.order == "fields"),
+                                                                 x_regs=x_ahead, fields=fp.fields),
                                         SWIGLU=False, CS=cs, num_warps=bw * ks * cs, **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
@@ -956,6 +960,6 @@ def qgemm_fragment_swiglu(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
         x, fp.codes, high, fp.scales, y, fp.rows // 2, t, k, fp.blocks, size, G=fp.groups, NT=nt, BW=2, KS=ks,
         BITS=fp.fmt.bits, X_AHEAD=x_ahead, LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs, x_regs=x_ahead,
-                                 fields=fp.order == "fields"), SWIGLU=True,
+                                 fields=fp.fields), SWIGLU=True,
         num_warps=2 * ks, **LAUNCH)
     return y

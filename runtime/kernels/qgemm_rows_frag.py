@@ -146,10 +146,12 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         word_g, word_g8 = ("w0", "w2") if step < 2 else ("w1", "w3")
         high_g, high_g8 = ("ha0", "ha1") if step < 2 else ("hb0", "hb1")
         j = 2 * (step % 2)
-        for dst, word, jj, high, row_high in (("a0", word_g, j, high_g, "h0"), ("a1", word_g8, j, high_g8, "h1"),
-                                              ("a2", word_g, j + 1, high_g, "h0"), ("a3", word_g8, j + 1, high_g8, "h1")):
+        for reg, (dst, word, jj, high, row_high) in enumerate((("a0", word_g, j, high_g, "h0"),
+                                                               ("a1", word_g8, j, high_g8, "h1"),
+                                                               ("a2", word_g, j + 1, high_g, "h0"),
+                                                               ("a3", word_g8, j + 1, high_g8, "h1"))):
             if fields:
-                pair = _field_pair(dst, 4 * step + int(dst[1]))
+                pair = _field_pair(dst, 4 * step + reg)
             elif bits == 6:
                 pair = _q6_pair(dst, word, jj, step // 2, row_high)
             else:
