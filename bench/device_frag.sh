@@ -53,8 +53,8 @@
 #                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
 #                        bash bench/device_frag.sh s59       # session 43: the combine 16 rows a program (ride profile);
 #                                                            # the 35B's Q5 output projections (fragment / dp4a / int8)
-#                        bash bench/device_frag.sh s63       # next: Q5 as 5-bit fields, the offset by mma (one lane,
-#                                                            # lanes, per product); then s61 on an H200 (the tables)
+#                        bash bench/device_frag.sh s64       # next: Q5 as 5-bit fields, x in place (per product, one
+#                                                            # lane, lanes, MTP3); then s61 on an H200 (the tables)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -644,40 +644,27 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
     echo "dflash2 drafter kernels $kernels t=$(el)"
   done
   ;;
-s63)  # next session (~500 s, any GPU; supersedes s62): the Q5 products' group loop with fewer instructions, both opt-in
-  # (triton 3.6 sm_90 SASS per group, T <= 8: 111.9 default, 105.3 offset by mma, 75.3 fields, 68.0 both). GPU tests
-  # first (the hardware's rounding with the offset by mma), then the 27B one lane (its Q5 products in fragment order)
-  # default / fields / fields + mma alternated twice, 27B lanes default / fields, then the products per T (offset)
+s64)  # ~420 s, any GPU: Q5 as 5-bit fields without x ahead at 2-8 rows (session 44's rule; s63 found fields faster at
+  # T = 1 and slower at 2-8 with x ahead, 140 registers): per product, then 27B one lane, lanes and MTP3 off / on
   nvidia-smi --query-gpu=name --format=csv,noheader
-  NINFER_Q5_FIELDS=on NINFER_FRAGMENT_OFFSET=mma timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider \
-    tests/test_frag_kernel.py tests/test_engine.py -k "gpu or every_k_share or swiglu or column_tiles or first_column \
-    or fragment_kernels_in_the_engine or in_place_fragment" 2>&1 | grep -E "passed|failed|Error|assert" | tail -6
-  echo "tests t=$(el)"
-  for mode in default fields both default fields both; do
-    [ $(( ${DEADLINE:-500} - $(el) )) -gt 40 ] || break
-    fields=off; offset=fma
-    [ $mode != default ] && fields=on
-    [ $mode = both ] && offset=mma
-    ONE_TIMEOUT=80 one "$mode-$(el)" NINFER_Q5_FIELDS=$fields NINFER_FRAGMENT_OFFSET=$offset
+  timeout 150 python bench/gemv_compare.py "$OUT/s64-fields.json" fields 2>&1 | grep "^{" | cut -c1-600
+  echo "products t=$(el)"
+  for fields in off on off on; do
+    [ $(( ${DEADLINE:-420} - $(el) )) -gt 40 ] || break
+    ONE_TIMEOUT=80 one "$fields-$(el)" NINFER_Q5_FIELDS=$fields
   done
-  # every one-lane product in fragment order with both (Q4 by mma: 59 instructions a group against the dp4a GEMV's ~70)
-  [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] && ONE_TIMEOUT=80 one "all-fragment-$(el)" NINFER_Q5_FIELDS=on \
-    NINFER_FRAGMENT_OFFSET=mma NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value,mlp/gate_up
   for fields in off on; do
-    [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] || break
-    NINFER_Q5_FIELDS=$fields timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s63-lanes-$fields.json" 2>&1 | grep "│ bf16"
+    [ $(( ${DEADLINE:-420} - $(el) )) -gt 60 ] || break
+    NINFER_Q5_FIELDS=$fields timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
+      --json-out "$OUT/s64-lanes-$fields.json" 2>&1 | grep "│ bf16"
     echo "lanes fields $fields t=$(el)"
   done
-  for fields in off on; do  # the 35B-A3B's Q5 expert down projections as fields in its lanes' fragment launches
-    [ $(( ${DEADLINE:-500} - $(el) )) -gt 90 ] || break
-    NINFER_Q5_FIELDS=$fields timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
-      --depths 8k --kv-dtype bf16 --distinct-lane-tokens --json-out "$OUT/s63-moe-lanes-$fields.json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B lanes fields $fields t=$(el)"
+  for fields in off on; do
+    [ $(( ${DEADLINE:-420} - $(el) )) -gt 50 ] || break
+    NINFER_Q5_FIELDS=$fields timeout 80 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
+      --accepted-drafts 3 --json-out "$OUT/s64-mtp-$fields.json" 2>&1 | grep "│ bf16"
+    echo "mtp3 fields $fields t=$(el)"
   done
-  [ $(( ${DEADLINE:-500} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-500} - $(el) - 10 )) python bench/gemv_compare.py \
-    "$OUT/s63-offset.json" offset 2>&1 | grep "^{" | cut -c1-700
-  echo "products t=$(el)"
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its

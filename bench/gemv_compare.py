@@ -7,15 +7,15 @@ products (upstream's nvfp4 profile, dequantized in-kernel) over a tile sweep at 
 CUDA-graph replays, so launch overhead is not in the times. `frag`: the fragment kernels (Q4/Q5, T = 1..16;
 over the artifact's planes and over planes in fragment order) over a tile sweep next to the runtime's other
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
-the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `offset`: that
-kernel as the engine runs it with the codes' offset by FMA or by mma (NINFER_FRAGMENT_OFFSET), Q5 also as
-5-bit fields (NINFER_Q5_FIELDS). `head`: the Q6
+the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `fields`: that
+kernel as the engine runs it over the Q5 products in pair order and as 5-bit fields (NINFER_Q5_FIELDS), x ahead
+by the rule and as pair order takes it. `head`: the Q6
 output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
 (DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|offset]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|fields]
 
 NINFER_BENCH_SHAPES=35b takes the 35B-A3B's dense layer products instead of the 27B's.
 """
@@ -398,44 +398,40 @@ def shapes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
-def offset_main(out: str) -> None:
-    """The fragment-order kernel as the engine runs it (every measured rule) per 27B product at T = 1..16: the codes'
-    offset taken off by a packed FMA per A register ("fma", the default) or by one more mma per step and column tile
-    ("mma", NINFER_FRAGMENT_OFFSET=mma), and for Q5 the planes as 5-bit fields ("fields", "fields_mma":
-    NINFER_Q5_FIELDS=on), each variant twice, alternated; µs, fraction of copy, and each variant's largest error
-    against "fma" relative to the product's largest value."""
+def fields_main(out: str) -> None:
+    """The fragment-order kernel as the engine runs it over each Q5 product at T = 1..16: planes in pair order
+    ("pairs"), as 5-bit fields with x loaded ahead by the measured rule ("fields", NINFER_Q5_FIELDS=on) and with x
+    loaded ahead from 2 to 8 rows as pair order takes it ("fields_x"), each variant twice, alternated; µs, fraction
+    of copy, and each variant's largest difference against "pairs" relative to the product's largest value (fields
+    are exact: 0)."""
     from runtime.kernels import qgemm_fragment_layout as fl
-    from runtime.kernels import qgemm_rows_frag as rf
 
     peak = copy_bandwidth()
     rows = []
-    setting = rf.FRAGMENT_OFFSET
+    variants = [("pairs", "pairs", None), ("fields", "fields", None), ("fields_x", "fields", 2)]
     for label, n, k, fmt in FRAG_SHAPES:
+        if not fmt.startswith("Q5"):
+            continue
         w, nbytes, row, rotating = _rotating(label, n, k, fmt)
-        planes = {"pairs": {id(c): fl.fragment_planes(c) for c in rotating.weights}}
-        variants = [("fma", "pairs", "fma"), ("mma", "pairs", "mma")]
-        if fmt.startswith("Q5"):
-            planes["fields"] = {id(c): fl.fragment_planes(c, "fields") for c in rotating.weights}
-            variants += [("fields", "fields", "fma"), ("fields_mma", "fields", "mma")]
+        planes = {order: {id(c): fl.fragment_planes(c, order) for c in rotating.weights}
+                  for order in ("pairs", "fields")}
         defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
-        for t in (1, 2, 4, 8, 16):
+        for t in (1, 2, 4, 6, 8, 12, 16):
             x, y = _xy(t, k, n)
             outputs = {}
             for rep in range(2):
-                for name, order, offset in variants:
-                    rf.FRAGMENT_OFFSET = offset
+                for name, order, xahead in variants:
                     laid = planes[order]
-                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer))
+                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xahead=xahead))
                     row[f"t{t}_{name}{rep}_us"] = us
                     row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
-                    if rep == 0:  # each variant's whole product once, for its error against "fma"
+                    if rep == 0:  # each variant's whole product once, for its difference against "pairs"
                         outputs[name] = torch.zeros(t, n, device=x.device, dtype=torch.float32)
-                        fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name])
-            rf.FRAGMENT_OFFSET = setting
+                        fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xahead=xahead)
             for name in outputs:
-                if name != "fma":
-                    row[f"t{t}_{name}_err"] = ((outputs[name] - outputs["fma"]).abs().max()
-                                               / outputs["fma"].abs().max()).item()
+                if name != "pairs":
+                    row[f"t{t}_{name}_err"] = ((outputs[name] - outputs["pairs"]).abs().max()
+                                               / outputs["pairs"].abs().max()).item()
         rows.append(row)
         print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
                           for k2, v in row.items()}), flush=True)
@@ -517,8 +513,8 @@ def main(out: str, mode: str = "sweep") -> None:
         return shapes_main(out)
     if mode == "head":
         return head_main(out)
-    if mode == "offset":
-        return offset_main(out)
+    if mode == "fields":
+        return fields_main(out)
     if mode == "w8":
         return w8_main(out)
     if mode == "frag":

@@ -163,31 +163,6 @@ def test_fragment_layout_ptx_computes_the_group_sums(fmt, t, n, order):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
 
 
-@pytest.mark.parametrize("fmt", FMTS + ["Q6G64_F16S"])
-@pytest.mark.parametrize("t", [1, 12])
-def test_offset_taken_off_by_an_mma_keeps_the_group_sums(fmt, t, monkeypatch):
-    """NINFER_FRAGMENT_OFFSET=mma: no packed FMA per A register, one more mma per step and column tile (A: the offset
-    in every element); the group sums within float32 cancellation of the exact ones, fragment order and artifact
-    planes; a bad value is refused in one line."""
-    from runtime.kernels.qgemm_fragment_layout import fragment_planes
-
-    monkeypatch.setattr(frag, "FRAGMENT_OFFSET", "mma")
-    bits, nt = FORMATS[fmt].bits, 1 if t <= 8 else 2
-    asm = frag._compute_asm(bits, nt, words=True, pairs=True)
-    assert "fma.rn.bf16x2" not in asm and asm.count("mma.sync") == 2 * 4 * nt
-    w = _packed(24, 1024, fmt, seed=t + bits)
-    x = torch.randn(t, 1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    want = frag.frag_reference(x, w)
-    got = {"fragment order": _emulate_fragment_layout(x, fragment_planes(w))}
-    if fmt != "Q6G64_F16S":
-        got["artifact planes"] = _emulate(x, w)
-    for kernel, y in got.items():
-        assert ((y - want).abs().max() / want.abs().max()).item() < 1e-5, kernel
-    monkeypatch.setattr(frag, "FRAGMENT_OFFSET", "sub")
-    with pytest.raises(ValueError, match="NINFER_FRAGMENT_OFFSET='sub'"):
-        frag._compute_asm(bits, nt, words=True, pairs=True)
-
-
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("t,n", [(1, 16), (5, 24), (11, 16)])
 def test_fragment_ptx_computes_the_group_sums(fmt, t, n):
@@ -328,6 +303,8 @@ def test_x_loaded_ahead_by_the_measured_rule():
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 4, shared4)] == list(range(2, 17))  # gate_up: 9-16 too
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, shared4)] == list(range(2, 9))
     assert not loads_x_ahead(1, -1, 4, shared4) and not loads_x_ahead(1, -1, 5, loop)
+    assert not any(loads_x_ahead(t, -1, 5, split, fields=True) for t in range(1, 17))  # 140 registers with x ahead
+    assert loads_x_ahead(4, 2, 5, split, fields=True)  # unless asked for
     assert [t for t in range(1, 17) if loads_x_ahead(t, 1, 5, split)] == list(range(1, 9))
     assert [t for t in range(1, 17) if loads_x_ahead(t, 3)] == list(range(3, 9))
     assert not any(loads_x_ahead(t, 0, 4, loop) for t in range(1, 17))

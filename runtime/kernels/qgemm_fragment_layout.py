@@ -858,11 +858,12 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # faster for the Q4 product whose 4 warps share K in one split (MLP gate_up T = 12 54.6 -> 49.0 us, T = 16 63.4 ->
 # 51.7), slightly slower for the others (qgkv T = 16 27.1 -> 29.1, GDN qkvz 29.3 -> 30.7, MLP down even); batched
 # MTP3 rounds over 4 lanes (16 rows) 17.10 -> 16.33 ms with it on every product.
-def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None
-                  ) -> bool:
-    """Whether a t-row product of `bits`-bit codes launched in `shape` (layout_shape's) loads x a chunk ahead:
-    `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1 by the measured rule above; at 9-16 rows
-    (the first column tile's x) by FRAGMENT_TUNING's xwide (1 always, 0 never, -1 the rule) unless `xahead` is 0."""
+def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None,
+                  fields: bool = False) -> bool:
+    """Whether a t-row product of `bits`-bit codes (`fields`: Q5 as 5-bit fields) launched in `shape`
+    (layout_shape's) loads x a chunk ahead: `xahead` (else FRAGMENT_TUNING's) N >= 1 from N to 8 rows, 0 never, -1
+    by the measured rule above; at 9-16 rows (the first column tile's x) by FRAGMENT_TUNING's xwide (1 always, 0
+    never, -1 the rule) unless `xahead` is 0."""
     first = FRAGMENT_TUNING["xahead"] if xahead is None else xahead
     if first < 0 and bits == 6:  # Q6 with x ahead: 156 registers against 96, the head 1-3 % slower (session 35)
         return False
@@ -873,6 +874,8 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
         return wide > 0 or bits == 4 and shape is not None and shape[1] == 4 and shape[2] == 1
     if first >= 0:
         return 0 < first <= t <= 8
+    if fields:  # fields with x ahead: 140 registers against 114 (pair order's 127), so fewer warps per SM: MLP down
+        return False  # at 2-8 rows 22.2 -> 25.1 us against pair order (H100, session 44)
     if t == 1:
         return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
     return 2 <= t <= 8
@@ -910,7 +913,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     bw, ks, split, size = layout_shape(fp, t, warps, programs, ksplit, defer_sum)
     cs = 2 if splits_column_tiles(t, fp.fmt.bits, (bw, ks, split, size), tiles) else 1
     nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
-    x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size))
+    x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size), fp.fields)
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
@@ -955,7 +958,7 @@ def qgemm_fragment_swiglu(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     size = 2 * ks * triton.cdiv(chunks, 2 * ks)  # one split: every warp's share even
     high = fp.high if fp.high is not None else fp.codes
     hint = FRAGMENT_TUNING["hint"] if hint is None else hint
-    x_ahead = loads_x_ahead(t, xahead, fp.fmt.bits, (2, ks, 1, size))
+    x_ahead = loads_x_ahead(t, xahead, fp.fmt.bits, (2, ks, 1, size), fp.fields)
     _qgemm_fragment_layout_kernel[(fp.blocks // 2, 1)](
         x, fp.codes, high, fp.scales, y, fp.rows // 2, t, k, fp.blocks, size, G=fp.groups, NT=nt, BW=2, KS=ks,
         BITS=fp.fmt.bits, X_AHEAD=x_ahead, LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),

@@ -37,12 +37,6 @@ from .qgemv_int8 import SplitPartials, finish_splits, split_partials
 FRAG_BITS = (4, 5)
 ROWS_PER_WARP = 16
 GROUP = 64
-# NINFER_FRAGMENT_OFFSET=mma (opt-in until timed, session 43): the codes' offset taken off by one more mma per 16-lane
-# step and column tile (A: the offset in every element, B: x, so d gains -(128 + 2^(b-1)) * sum x) instead of a
-# packed FMA per A register: 16 FMAs a group become 4 (nt 1) or 8 (nt 2) mma, for the Q5 products whose loop is
-# issue-bound (bench/RESULTS.md §1). d then passes through values ~(128 + 2^(b-1)) / |q| larger than the result,
-# so float32 cancellation costs a few ulps of the group's |x|-weighted sum; the default ("fma") stays exact.
-FRAGMENT_OFFSET = os.environ.get("NINFER_FRAGMENT_OFFSET", "fma")
 
 
 def _nibble_pair(dst: str, word: str, j: int, bits: int, high: str | None) -> str:
@@ -110,12 +104,9 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
         raise ValueError("_compute_asm: fields order is Q5 code words")
     pairs = pairs or fields
     offset = {4: "0xC308C308", 5: "0xC310C310", 6: "0xC320C320"}[bits]  # -(128 + 2^(b-1)) in bf16
-    if FRAGMENT_OFFSET not in ("fma", "mma"):
-        raise ValueError(f"NINFER_FRAGMENT_OFFSET={FRAGMENT_OFFSET!r} is not fma or mma; unset it (fma: the default)")
-    by_mma, offset_mma = FRAGMENT_OFFSET == "mma", []
     xg, xg8 = ("$22", "$23") if words else ("$19", "$20")
     lines = ["{ .reg .b32 w0, w1, w2, w3, w4, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
-             ".reg .b32 x<16>, bx<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
+             ".reg .b32 x<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
     if x_regs:
         if not words:
             raise ValueError("_compute_asm: x in registers takes code words")
@@ -156,7 +147,7 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
                 pair = _q6_pair(dst, word, jj, step // 2, row_high)
             else:
                 pair = _nibble_pair(dst, word, jj, bits, high)
-            lines.append(pair if by_mma else pair + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
+            lines.append(pair + f"fma.rn.bf16x2 {dst}, {dst}, one, off;")
         i0, i1 = (step, step + 2) if step < 2 else (step + 2, step + 4)
         for tile in range(nt):
             d = ", ".join(f"d{4 * tile + i}" for i in range(4))
@@ -164,15 +155,10 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
                 b = f"x{2 * step + 8 * tile}, x{2 * step + 1 + 8 * tile}"
             else:
                 xa, xb = f"x{i0 + 8 * tile}", f"x{i1 + 8 * tile}"
-                b0, b1 = (f"bx{2 * (4 * tile + step)}", f"bx{2 * (4 * tile + step) + 1}") if by_mma else ("b0", "b1")
-                lines.append(f"prmt.b32 {b0}, {xa}, {xb}, 0x5410; prmt.b32 {b1}, {xa}, {xb}, 0x7632;")
-                b = f"{b0}, {b1}"  # (the offset's mma at the group's end reads each step's B: a pair of its own)
-            if by_mma:  # after the group's own mma, so the offset's registers are built once a group
-                offset_mma.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, "
-                                  f"{{off, off, off, off}}, {{{b}}}, {{{d}}};")
+                lines.append(f"prmt.b32 b0, {xa}, {xb}, 0x5410; prmt.b32 b1, {xa}, {xb}, 0x7632;")
+                b = "b0, b1"
             lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{a0, a1, a2, a3}}, {{{b}}}, "
                          f"{{{d}}};")
-    lines += offset_mma
     lines.append("cvt.f32.f16 f0, s0; cvt.f32.f16 f1, s1;")
     for i in range(8):
         if i < 4 * nt:
