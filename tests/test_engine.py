@@ -611,9 +611,9 @@ def test_int8_fragment_order_lays_out_and_generates(wide_q4, int8, monkeypatch):
 
 
 def test_q5_fields_order_lays_out_and_generates(wide_q4, monkeypatch):
-    """NINFER_Q5_FIELDS=on: an engine of several lanes lays out its Q5 layer products as 5-bit fields, its Q4 ones
-    and the Q6 head in pair order, and generates the reference's tokens (on a CPU the products and the prefill read
-    the planes back through row_planes); a bad value is refused in one line."""
+    """By default (NINFER_Q5_FIELDS=on) an engine of several lanes lays out its Q5 layer products as 5-bit fields,
+    its Q4 ones and the Q6 head in pair order, and generates the reference's tokens (on a CPU the products and the
+    prefill read the planes back through row_planes); a bad value is refused in one line."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_fragment_layout import takes_fragment_layout
 
@@ -633,12 +633,12 @@ def test_q5_fields_order_lays_out_and_generates(wide_q4, monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fragment kernels are inline PTX for NVIDIA GPUs; their PTX is "
                     "emulated on the CPU in tests/test_frag_kernel.py")
-@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8", "swiglu", "head", "fields"])
+@pytest.mark.parametrize("mode", ["auto", "rows", "layout", "int8", "swiglu", "head", "pairs"])
 def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     """The engine with the fragment kernels (rows: row blocks over the artifact's planes; auto with 4 lanes and
     layout: every 1..16-row product in fragment order; int8: NINFER_FRAGMENT_INT8=on, those products on the int8
-    kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch; fields:
-    NINFER_Q5_FIELDS=on, the Q5 products as 5-bit fields; head:
+    kernel, their inputs as dp4a words; swiglu: NINFER_SWIGLU_FRAGMENT=2, SwiGLU in the gate/up launch; pairs:
+    NINFER_Q5_FIELDS=off, the Q5 products in pair order rather than as 5-bit fields; head:
     the Q6 output head in fragment order, against NINFER_HEAD_FRAGMENT=off) matches the reference
     runtime, and 4 lanes decoding at once give the logits of the kernels turned off."""
     import runtime.engine as engine_module
@@ -654,8 +654,8 @@ def test_fragment_kernels_in_the_engine(wide_q4, mode, monkeypatch):
     if mode == "swiglu":
         monkeypatch.setattr(ql, "SWIGLU_FRAGMENT_KS", 2)
         mode = "auto"
-    if mode == "fields":
-        monkeypatch.setattr(fl, "Q5_FIELDS", "on")
+    if mode == "pairs":
+        monkeypatch.setattr(fl, "Q5_FIELDS", "off")
         mode = "auto"
     monkeypatch.setattr(ql, "FRAG_MODE", mode)
     engine = Engine(wide_q4, PlanOptions(max_context=128, max_concurrency=4, prefill_chunk=128), device=DEVICE)

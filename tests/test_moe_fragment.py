@@ -117,8 +117,8 @@ def moe_fragment_sized(tmp_path_factory):
 
 @pytest.mark.parametrize("fields", ["off", "on"])
 def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monkeypatch, fields):
-    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind (with
-    NINFER_Q5_FIELDS=on the Q5 down projections as 5-bit fields), decodes through the fragment expert launches (the
+    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind (by default
+    the Q5 down projections as 5-bit fields, NINFER_Q5_FIELDS=off in pair order), decodes through the fragment expert launches (the
     shared expert riding) and prefills through the grouped kernel reading them in place, and generates the
     reference's tokens."""
     import runtime.engine as engine_module

@@ -97,12 +97,13 @@ PAIR_ORDER = os.environ.get("NINFER_FRAGMENT_PAIRS", "1") != "0"
 FRAGMENT_INT8_MODES = ("off", "q5", "on")
 FRAGMENT_INT8 = os.environ.get("NINFER_FRAGMENT_INT8", "off")
 ORDERS = ("pairs", "lanes", "bytes", "fields")
-# NINFER_Q5_FIELDS=on (opt-in until timed, session 43): Q5 layer products in "fields" order — each thread's 5 words of
-# a group (its 4 code words and its high-bit word) hold its 32 codes as 5-bit fields side by side, three per 16-bit
-# half at bits 0, 5 and 10 and the 16th register's pair in the halves' top bits (_fields_of_pairs), so the group
-# product builds a bf16 pair with a shift and one lop3 as Q4 does, not with two shifts and two lop3 (sm_90 SASS per
-# group: bench/RESULTS.md §1). The prefill's dequantizer reads them in place (qlinear._field_codes).
-Q5_FIELDS = os.environ.get("NINFER_Q5_FIELDS", "off")
+# Q5 layer products in "fields" order by default (session 44; NINFER_Q5_FIELDS=off keeps pair order): each thread's 5
+# words of a group (its 4 code words and its high-bit word) hold its 32 codes as 5-bit fields side by side, three per
+# 16-bit half at bits 0, 5 and 10 and the 16th register's pair in the halves' top bits (_fields_of_pairs), so the
+# group product builds a bf16 pair with a shift and one lop3 as Q4 does, not with two shifts and two lop3 (sm_90 SASS
+# per group 112 -> 75). Exact, the same sums; H100: MLP down at one row 21.9 -> 20.9 us, GDN out 8.6 -> 8.3, 27B one
+# lane +1-2 %, lanes level (bench/RESULTS.md §1). The prefill's dequantizer reads them in place (qlinear._field_codes).
+Q5_FIELDS = os.environ.get("NINFER_Q5_FIELDS", "on")
 
 
 def fragment_order(bits: int) -> str:
@@ -117,9 +118,9 @@ def fragment_order(bits: int) -> str:
 
 def layer_order(bits: int) -> str:
     """The order of a layer product's planes (an object of FRAGMENT_OBJECTS, or a MoE layer's stacked routed
-    experts): fragment_order's, or "fields" for Q5 under NINFER_Q5_FIELDS=on."""
+    experts): fragment_order's, or "fields" for Q5 (unless NINFER_Q5_FIELDS=off)."""
     if Q5_FIELDS not in ("on", "off"):
-        raise ValueError(f"NINFER_Q5_FIELDS={Q5_FIELDS!r} is not on or off; unset it for off")
+        raise ValueError(f"NINFER_Q5_FIELDS={Q5_FIELDS!r} is not on or off; unset it for on")
     order = fragment_order(bits)
     return "fields" if Q5_FIELDS == "on" and bits == 5 and order == "pairs" else order
 
