@@ -53,8 +53,10 @@
 #                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
 #                        bash bench/device_frag.sh s59       # session 43: the combine 16 rows a program (ride profile);
 #                                                            # the 35B's Q5 output projections (fragment / dp4a / int8)
-#                        bash bench/device_frag.sh s64       # next: Q5 as 5-bit fields, x in place (per product, one
-#                                                            # lane, lanes, MTP3); then s61 on an H200 (the tables)
+#                        bash bench/device_frag.sh s64       # Q5 as 5-bit fields, x in place (per product, one lane,
+#                                                            # lanes, MTP3)
+#                        bash bench/device_frag.sh s65       # next: a graph step's wall time from the GPU timeline
+#                                                            # (27B 1 and 8 lanes, 35B-A3B); s61 on an H200
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -665,6 +667,18 @@ s64)  # ~420 s, any GPU: Q5 as 5-bit fields without x ahead at 2-8 rows (session
       --accepted-drafts 3 --json-out "$OUT/s64-mtp-$fields.json" 2>&1 | grep "│ bf16"
     echo "mtp3 fields $fields t=$(el)"
   done
+  ;;
+s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
+  # the GPU timeline: 27B one lane and 8 lanes, 35B-A3B one lane (bench/step_timeline.py, 8 chained steps each)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  for lanes in 1 8; do  # engines of their own: one plain lane keeps its Q4 products on the dp4a GEMV
+    timeout 120 python bench/step_timeline.py qwen3.6-27b "$OUT/s65-timeline-27b-$lanes.json" bf16 $lanes 8 2>&1 | \
+      grep -v "^ninfer:" | head -40
+    echo "27B $lanes lane(s) timeline t=$(el)"
+  done
+  timeout 120 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s65-timeline-35b.json" bf16 1 8 2>&1 | \
+    grep -v "^ninfer:" | head -40
+  echo "35B-A3B timeline t=$(el)"
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
