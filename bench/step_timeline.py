@@ -7,8 +7,9 @@ leave out launch gaps; issue 21 asks where a 27B step's time beyond its products
 
     PYTHONPATH=. python bench/step_timeline.py qwen3.6-27b OUT.json [KV_DTYPE] [LANES] [STEPS]
 
-Prints the step's period, its busy and idle time, idle gaps by size, and the charged time per kernel class and per
-kernel (calls a step, mean duration in place, charged); OUT.json holds the same.
+Prints the step's period (and the same steps timed without the profiler, whose own cost shows against it), its
+busy and idle time, idle gaps by size, and the charged time per kernel class and per kernel (calls a step, mean
+duration in place, charged); OUT.json holds the same.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def timeline_summary(spans: list[tuple[float, float, str]], steps: int) -> dict:
 
 
 def print_summary(title: str, s: dict, top: int = 25) -> None:
-    print(f"{title}: period {s['period_us']:.1f} µs a step, {s['spans_per_step']} kernels and copies; charged "
-          f"{s['busy_us']:.1f}, idle {s['idle_us']:.1f}")
+    unprofiled = f" ({s['unprofiled_period_us']:.1f} unprofiled)" if "unprofiled_period_us" in s else ""
+    print(f"{title}: period {s['period_us']:.1f} µs a step{unprofiled}, {s['spans_per_step']} kernels and copies; "
+          f"charged {s['busy_us']:.1f}, idle {s['idle_us']:.1f}")
     print("  idle gaps (µs): " + ", ".join(f"{lab}: {g['per_step']:.0f} x = {g['us_per_step']:.1f}"
                                           for lab, g in s["idle_gaps"].items()))
     for label, c in s["classes"].items():
@@ -131,13 +133,19 @@ def main(shape: str, out: str, kv_dtype: str = "bf16", lanes: str = "1", steps: 
             return tokens
 
         tokens = run(3, torch.ones(n, dtype=torch.long, device="cuda"))  # capture and warm up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        tokens = run(n_steps, tokens)
+        end.record()
         torch.cuda.synchronize()
+        unprofiled_us = start.elapsed_time(end) * 1000 / n_steps  # the profiler's own cost shows against this
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             run(n_steps, tokens)
             torch.cuda.synchronize()
         trace = Path(tempfile.mkdtemp()) / "trace.json"
         prof.export_chrome_trace(str(trace))
         results[n] = timeline_summary(kernel_spans(json.loads(trace.read_text())), n_steps)
+        results[n]["unprofiled_period_us"] = unprofiled_us
         if results[n]["spans_per_step"] < 20:
             print(f"step_timeline: only {results[n]['spans_per_step']} kernels a step recorded: this profiler does "
                   "not see the kernels inside CUDA graphs", file=sys.stderr)
