@@ -56,7 +56,8 @@
 #                        bash bench/device_frag.sh s64       # Q5 as 5-bit fields, x in place (per product, one lane,
 #                                                            # lanes, MTP3)
 #                        bash bench/device_frag.sh s65       # next: a graph step's wall time from the GPU timeline
-#                                                            # (27B 1 and 8 lanes, 35B-A3B); s61 on an H200
+#                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
+#                                                            # (streams, priority, green contexts); s61 on an H200
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -668,8 +669,9 @@ s64)  # ~420 s, any GPU: Q5 as 5-bit fields without x ahead at 2-8 rows (session
     echo "mtp3 fields $fields t=$(el)"
   done
   ;;
-s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
-  # the GPU timeline: 27B one lane and 8 lanes, 35B-A3B one lane (bench/step_timeline.py, 8 chained steps each)
+s65)  # ~400 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
+  # the GPU timeline: 27B one lane and 8 lanes, 35B-A3B one lane (bench/step_timeline.py, 8 chained steps each); then
+  # whether decode steps can run beside a prefill's GEMMs instead of riding in its chunks (bench/overlap_probe.py)
   nvidia-smi --query-gpu=name --format=csv,noheader
   for lanes in 1 8; do  # engines of their own: one plain lane keeps its Q4 products on the dp4a GEMV
     timeout 120 python bench/step_timeline.py qwen3.6-27b "$OUT/s65-timeline-27b-$lanes.json" bf16 $lanes 8 2>&1 | \
@@ -679,6 +681,9 @@ s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its pro
   timeout 120 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s65-timeline-35b.json" bf16 1 8 2>&1 | \
     grep -v "^ninfer:" | head -40
   echo "35B-A3B timeline t=$(el)"
+  # decode steps beside a prefill chunk's GEMMs in streams / priority / green contexts instead of riding (issue 20.4)
+  timeout 120 python bench/overlap_probe.py "$OUT/s65-overlap.json" 2>&1 | grep -E '^\{|Error' | head -12
+  echo "overlap probe t=$(el)"
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
