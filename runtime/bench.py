@@ -477,6 +477,7 @@ def kernel_switches() -> dict:
     from .kernels.paged_attention_frag import FRAG_ATTENTION
 
     return {"gemv_frag": ql.FRAG_MODE, "fragment_pairs": fl.PAIR_ORDER, "fragment_int8": fl.FRAGMENT_INT8,
+            "q5_fields": fl.Q5_FIELDS,
             "swiglu_epilogue": ql.SWIGLU_EPILOGUE, "attention_frag": FRAG_ATTENTION["mode"],
             "rmsnorm_spread_splits": rn.SPREAD_MAX_SPLITS, "moe_decode": engine_module.MOE_DECODE,
             "attention_launches": engine_module.ATTENTION_LAUNCHES, "weight_cache": engine_module.WEIGHT_CACHE,

@@ -200,12 +200,15 @@ def test_bench_results_record_the_kernel_switches_in_effect(monkeypatch):
     monkeypatch.setattr(ql, "SWIGLU_EPILOGUE", True)
     monkeypatch.setattr(fl, "FRAGMENT_INT8", "off")
     monkeypatch.setitem(FRAG_ATTENTION, "mode", "auto")
+    monkeypatch.setattr(fl, "Q5_FIELDS", "on")
     default = bench.kernel_switches()
     monkeypatch.setattr(ql, "SWIGLU_EPILOGUE", False)
     monkeypatch.setattr(fl, "FRAGMENT_INT8", "q5")
     monkeypatch.setitem(FRAG_ATTENTION, "mode", "off")
+    monkeypatch.setattr(fl, "Q5_FIELDS", "off")
     changed = bench.kernel_switches()
-    assert {k for k in default if default[k] != changed[k]} == {"swiglu_epilogue", "fragment_int8", "attention_frag"}
+    assert {k for k in default if default[k] != changed[k]} == {"swiglu_epilogue", "fragment_int8", "attention_frag",
+                                                                "q5_fields"}
 
 
 def test_lanes_bench_runs_batched_speculative_rounds(tiny_with_mtp, tmp_path, capsys):
