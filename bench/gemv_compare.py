@@ -400,15 +400,16 @@ def shapes_main(out: str) -> None:
 
 def fields_main(out: str) -> None:
     """The fragment-order kernel as the engine runs it over each Q5 product at T = 1..16: planes in pair order
-    ("pairs"), as 5-bit fields with x loaded ahead by the measured rule ("fields", NINFER_Q5_FIELDS=on) and with x
-    loaded ahead from 2 to 8 rows as pair order takes it ("fields_x"), each variant twice, alternated; µs, fraction
-    of copy, and each variant's largest difference against "pairs" relative to the product's largest value (fields
-    are exact: 0)."""
+    ("pairs"), as 5-bit fields with x loaded ahead by the measured rule ("fields", the default), with x loaded ahead
+    from 2 to 8 rows as pair order takes it ("fields_x") and so with the registers capped at 128 ("fields_x128",
+    NINFER_FIELDS_X_AHEAD=128), each variant twice, alternated; µs, fraction of copy, and each variant's largest
+    difference against "pairs" relative to the product's largest value (fields are exact: 0)."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
     peak = copy_bandwidth()
     rows = []
-    variants = [("pairs", "pairs", None), ("fields", "fields", None), ("fields_x", "fields", 2)]
+    variants = [("pairs", "pairs", None, None), ("fields", "fields", None, None), ("fields_x", "fields", 2, 0),
+                ("fields_x128", "fields", 2, 128)]
     for label, n, k, fmt in FRAG_SHAPES:
         if not fmt.startswith("Q5"):
             continue
@@ -420,14 +421,15 @@ def fields_main(out: str) -> None:
             x, y = _xy(t, k, n)
             outputs = {}
             for rep in range(2):
-                for name, order, xahead in variants:
+                for name, order, xahead, regs in variants:
                     laid = planes[order]
-                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xahead=xahead))
+                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xahead=xahead,
+                                                                     maxnreg=regs))
                     row[f"t{t}_{name}{rep}_us"] = us
                     row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
                     if rep == 0:  # each variant's whole product once, for its difference against "pairs"
                         outputs[name] = torch.zeros(t, n, device=x.device, dtype=torch.float32)
-                        fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xahead=xahead)
+                        fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xahead=xahead, maxnreg=regs)
             for name in outputs:
                 if name != "pairs":
                     row[f"t{t}_{name}_err"] = ((outputs[name] - outputs["pairs"]).abs().max()

@@ -292,9 +292,11 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
     assert any(splits > 1 and chunks % size for _, _, splits, size in shapes)  # a short last split
 
 
-def test_x_loaded_ahead_by_the_measured_rule():
+def test_x_loaded_ahead_by_the_measured_rule(monkeypatch):
     """The measured default (session 34): x a chunk ahead at 2-8 rows, at one row only for Q4 codes with two warps
-    sharing K in one split, at 9-16 rows only for Q4 codes with four; an explicit first row count or 0 overrides."""
+    sharing K in one split, at 9-16 rows only for Q4 codes with four, never for Q5 as fields (session 44) unless their
+    registers are capped; an explicit first row count or 0 overrides."""
+    from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_fragment_layout import loads_x_ahead
 
     loop, shared4, split = (2, 2, 1, 20), (1, 4, 1, 24), (4, 1, 6, 12)
@@ -304,6 +306,8 @@ def test_x_loaded_ahead_by_the_measured_rule():
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, shared4)] == list(range(2, 9))
     assert not loads_x_ahead(1, -1, 4, shared4) and not loads_x_ahead(1, -1, 5, loop)
     assert not any(loads_x_ahead(t, -1, 5, split, fields=True) for t in range(1, 17))  # 140 registers with x ahead
+    monkeypatch.setattr(fl, "FIELDS_X_REGS", 128)  # NINFER_FIELDS_X_AHEAD=128: ahead at 2-8 rows, registers capped
+    assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, split, fields=True)] == list(range(2, 9))
     assert loads_x_ahead(4, 2, 5, split, fields=True)  # unless asked for
     assert [t for t in range(1, 17) if loads_x_ahead(t, 1, 5, split)] == list(range(1, 9))
     assert [t for t in range(1, 17) if loads_x_ahead(t, 3)] == list(range(3, 9))

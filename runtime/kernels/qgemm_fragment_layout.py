@@ -37,7 +37,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from . import tuning_from_env
+from . import interpreted, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _store_rows,
                               _thread_ids, aligned_rows, finish_splits, split_partials)
@@ -859,6 +859,14 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # faster for the Q4 product whose 4 warps share K in one split (MLP gate_up T = 12 54.6 -> 49.0 us, T = 16 63.4 ->
 # 51.7), slightly slower for the others (qgkv T = 16 27.1 -> 29.1, GDN qkvz 29.3 -> 30.7, MLP down even); batched
 # MTP3 rounds over 4 lanes (16 rows) 17.10 -> 16.33 ms with it on every product.
+# NINFER_FIELDS_X_AHEAD=128 (opt-in, session 44, not yet timed): fields load x a chunk ahead at 2-8 rows with the
+# kernel's registers capped at 128 (ptxas: 77.4 instructions a group against 74.5 uncapped, one 8-byte spill), so as
+# many warps fit an SM as in pair order
+FIELDS_X_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_X_AHEAD", "off"), -1)
+if FIELDS_X_REGS < 0:
+    raise SystemExit("ninfer: NINFER_FIELDS_X_AHEAD is off or 128 (the register cap); unset it for off")
+
+
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None,
                   fields: bool = False) -> bool:
     """Whether a t-row product of `bits`-bit codes (`fields`: Q5 as 5-bit fields) launched in `shape`
@@ -876,7 +884,7 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     if first >= 0:
         return 0 < first <= t <= 8
     if fields:  # fields with x ahead: 140 registers against 114 (pair order's 127), so fewer warps per SM: MLP down
-        return False  # at 2-8 rows 22.2 -> 25.1 us against pair order (H100, session 44)
+        return FIELDS_X_REGS > 0 and 2 <= t <= 8  # at 2-8 rows 22.2 -> 25.1 us against pair order (H100, session 44)
     if t == 1:
         return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
     return 2 <= t <= 8
@@ -899,11 +907,12 @@ def splits_column_tiles(t: int, bits: int, shape: tuple[int, int, int, int], til
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xahead: int | None = None,
-                          tiles: int | None = None) -> torch.Tensor | SplitPartials:
+                          tiles: int | None = None, maxnreg: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
     ahead (loads_x_ahead); `tiles` (else FRAGMENT_TUNING's): 9-16 rows' two 8-column tiles of x in each warp (1),
     split across twice the warps (2: the kernel's CS; each warp then as at 8 rows, x ahead by its rule) or by the
-    measured rule (-1: splits_column_tiles)."""
+    measured rule (-1: splits_column_tiles); `maxnreg` caps the kernel's registers (0: no cap; else
+    NINFER_FIELDS_X_AHEAD's cap for fields loading x ahead)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -915,6 +924,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     cs = 2 if splits_column_tiles(t, fp.fmt.bits, (bw, ks, split, size), tiles) else 1
     nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
     x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size), fp.fields)
+    maxnreg = maxnreg if maxnreg is not None else FIELDS_X_REGS if fp.fields and x_ahead else 0
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
@@ -923,7 +933,8 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
                                                                  x_regs=x_ahead, fields=fp.fields),
-                                        SWIGLU=False, CS=cs, num_warps=bw * ks * cs, **LAUNCH)
+                                        SWIGLU=False, CS=cs, num_warps=bw * ks * cs,
+                                        **({"maxnreg": maxnreg} if maxnreg and not interpreted() else {}), **LAUNCH)
     return finish_splits(target, y, defer_sum)
 
 
