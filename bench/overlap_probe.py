@@ -73,7 +73,7 @@ def _decode_steps(torch, eng, stream, running=None, steps: int = 40) -> list[flo
 def _gemms_beside(torch, queue, rounds: int, stream, green=None) -> dict:
     """Queue the GEMM load on `stream` from a thread of its own (the launch queue fills, and its launches block while
     the decode steps go on; torch releases the GIL inside them), in `green`'s context if given; returns what the
-    thread saw: start / end events and FLOPs, or its error."""
+    thread saw: the GEMMs' ms and FLOPs, or its error."""
     import threading
 
     seen: dict = {"started": threading.Event()}
@@ -88,8 +88,8 @@ def _gemms_beside(torch, queue, rounds: int, stream, green=None) -> dict:
                 seen["started"].set()
                 seen["flops"] = queue(rounds)
                 end.record(stream)
-            seen["events"] = (start, end)
             end.synchronize()
+            seen["ms"] = start.elapsed_time(end)  # here: events belong to the context they were made in
             if green is not None:
                 green.pop_context()
         except Exception as exc:  # noqa: BLE001 - reported by the caller
@@ -159,8 +159,7 @@ def main(out: str, modes: str = "alone,streams,priority,green:16,green:32") -> N
                 seen["thread"].join()
                 if "error" in seen:
                     raise seen["error"]
-                gemm_start, gemm_end = seen["events"]
-                row["gemm_tflops"] = seen["flops"] / (gemm_start.elapsed_time(gemm_end) * 1e-3) / 1e12
+                row["gemm_tflops"] = seen["flops"] / (seen["ms"] * 1e-3) / 1e12
                 row["gemm_rounds"] = rounds
         except Exception as exc:  # noqa: BLE001 - a refused green context or stream is a result of the probe
             row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
