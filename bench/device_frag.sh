@@ -58,7 +58,7 @@
 #                        bash bench/device_frag.sh s65       # next: a graph step's wall time from the GPU timeline
 #                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
 #                                                            # (streams, priority, green contexts), fields with x
-#                                                            # ahead at 128 registers; s61 on an H200
+#                                                            # ahead at 128 registers, x a group ahead; s61 on H200
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -688,6 +688,10 @@ s65)  # ~480 s, any GPU: where a CUDA-graph step's wall time goes beyond its pro
   # NINFER_FIELDS_X_AHEAD=128 (opt-in): Q5 fields load x ahead at 2-8 rows with 128 registers; per product, then lanes
   timeout 100 python bench/gemv_compare.py "$OUT/s65-fields.json" fields 2>&1 | grep "^{" | cut -c1-400
   echo "products t=$(el)"
+  # x a group ahead for every column tile (NINFER_FRAGMENT_TILE's xgroup, opt-in) against the rule, per product
+  [ $(( ${DEADLINE:-480} - $(el) )) -gt 100 ] && timeout 120 python bench/gemv_compare.py "$OUT/s65-xgroup.json" \
+    xgroup 2>&1 | grep "^{" | cut -c1-500
+  echo "x a group ahead t=$(el)"
   for regs in off 128 off 128; do
     [ $(( ${DEADLINE:-480} - $(el) )) -gt 40 ] || break
     NINFER_FIELDS_X_AHEAD=$regs timeout 60 $B --lanes 2,4,8 --depths 8k --kv-dtype bf16 2>&1 | grep "│ bf16"

@@ -9,13 +9,14 @@ over the artifact's planes and over planes in fragment order) over a tile sweep 
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
 the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `fields`: that
 kernel as the engine runs it over the Q5 products in pair order and as 5-bit fields (NINFER_Q5_FIELDS), x ahead
-by the rule and as pair order takes it. `head`: the Q6
+by the rule and as pair order takes it. `xgroup`: that kernel with x a group ahead for every column tile against the
+measured rule. `head`: the Q6
 output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
 (DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|fields]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|fields|xgroup]
 
 NINFER_BENCH_SHAPES=35b takes the 35B-A3B's dense layer products instead of the 27B's.
 """
@@ -440,6 +441,38 @@ def fields_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def xgroup_main(out: str) -> None:
+    """The fragment-order kernel as the engine runs it per product at T = 1..16 ("rule": x in place or a chunk ahead
+    by the measured rule) against x loaded a group ahead for every column tile ("group", NINFER_FRAGMENT_TILE's
+    xgroup = 1), each twice, alternated; µs, fraction of copy, and the group variant's largest difference against the
+    rule's (the same sums: 0 up to float32 summation order)."""
+    from runtime.kernels import qgemm_fragment_layout as fl
+
+    peak = copy_bandwidth()
+    rows = []
+    for label, n, k, fmt in FRAG_SHAPES:
+        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
+        laid = {id(c): fl.fragment_planes(c, fl.layer_order(c.fmt.bits)) for c in rotating.weights}
+        defer = label.startswith(("mlp down", "gdn out"))
+        for t in (1, 2, 4, 8, 12, 16):
+            x, y = _xy(t, k, n)
+            for rep in range(2):
+                for name, xgroup in (("rule", 0), ("group", 1)):
+                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xgroup=xgroup))
+                    row[f"t{t}_{name}{rep}_us"] = us
+                    row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
+            outputs = {}
+            for name, xgroup in (("rule", 0), ("group", 1)):
+                outputs[name] = torch.zeros(t, n, device=x.device, dtype=torch.float32)
+                fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xgroup=xgroup)
+            row[f"t{t}_group_err"] = ((outputs["group"] - outputs["rule"]).abs().max()
+                                      / outputs["rule"].abs().max()).item()
+        rows.append(row)
+        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
+                          for k2, v in row.items()}), flush=True)
+    _save(out, peak, rows)
+
+
 def head_main(out: str) -> None:
     """The output head (Q6 248320x5120) at T = 1, 2, 4, 8, 12, 16: the runtime's path on the artifact's planes (T = 1
     the dp4a GEMV, row blocks the int8 tensor-core kernel: "planes") against the fragment-order kernel over a copy of
@@ -517,6 +550,8 @@ def main(out: str, mode: str = "sweep") -> None:
         return head_main(out)
     if mode == "fields":
         return fields_main(out)
+    if mode == "xgroup":
+        return xgroup_main(out)
     if mode == "w8":
         return w8_main(out)
     if mode == "frag":

@@ -327,6 +327,23 @@ def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkey
         assert _layout_error(x, fp, want, warps=4, programs=programs, ksplit=ksplit) < 1e-5, (programs, ksplit)
 
 
+@pytest.mark.parametrize("fmt,t,order", [("Q4G64_F16S", 1, "pairs"), ("Q5G64_F16S", 5, "fields"),
+                                         ("Q5G64_F16S", 16, "fields"), ("Q4G64_F16S", 12, "pairs"),
+                                         ("Q6G64_F16S", 13, "pairs")])
+def test_x_a_group_ahead_for_every_column_tile(kernel_device, fmt, t, order):
+    """xgroup = 1: each group's x loaded a group ahead, both column tiles at 9-16 rows (16 registers): the group sums,
+    with warps sharing K, K split across programs and the column tiles split across warps."""
+    from runtime.kernels.qgemm_fragment_layout import fragment_planes
+
+    fp, x, want = _layout_case(kernel_device, fmt, t, seed=19, cpu_k=2048)
+    if order != "pairs":
+        w = _packed(fp.rows, fp.cols, fmt, seed=19, device=kernel_device)
+        fp = fragment_planes(w, order)
+    for programs, ksplit, tiles in ((528, 2, 1), (3, 1, 1), (528, 1, 2)):
+        error = _layout_error(x, fp, want, warps=4, programs=programs, ksplit=ksplit, tiles=tiles, xgroup=1)
+        assert error < 1e-5, (programs, ksplit, tiles)
+
+
 @pytest.mark.parametrize("fmt,t", [("Q4G64_F16S", 16), ("Q5G64_F16S", 11), ("Q6G64_F16S", 9)])
 def test_column_tiles_split_across_warps(kernel_device, fmt, t):
     """tiles = 2: 9-16 rows' two 8-column tiles of x on twice the warps (each warp one tile over the same chunks),
