@@ -57,8 +57,9 @@
 #                                                            # lanes, MTP3)
 #                        bash bench/device_frag.sh s65       # next: a graph step's wall time from the GPU timeline
 #                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
-#                                                            # (streams, priority, green contexts), fields with x
-#                                                            # ahead at 128 registers, x a group ahead; s61 on H200
+#                                                            # (streams, priority, green contexts)
+#                        bash bench/device_frag.sh s66       # next: fields with x ahead at 128 registers, x a group
+#                                                            # ahead (tests, per product, lanes); s61 on an H200
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -670,7 +671,7 @@ s64)  # ~420 s, any GPU: Q5 as 5-bit fields without x ahead at 2-8 rows (session
     echo "mtp3 fields $fields t=$(el)"
   done
   ;;
-s65)  # ~480 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
+s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
   # the GPU timeline: 27B one lane and 8 lanes, 35B-A3B one lane (bench/step_timeline.py, 8 chained steps each); then
   # whether decode steps can run beside a prefill's GEMMs instead of riding in its chunks (bench/overlap_probe.py)
   nvidia-smi --query-gpu=name --format=csv,noheader
@@ -685,17 +686,27 @@ s65)  # ~480 s, any GPU: where a CUDA-graph step's wall time goes beyond its pro
   # decode steps beside a prefill chunk's GEMMs in streams / priority / green contexts instead of riding (issue 20.4)
   timeout 120 python bench/overlap_probe.py "$OUT/s65-overlap.json" 2>&1 | grep -E '^\{|Error' | head -12
   echo "overlap probe t=$(el)"
+  ;;
+s66)  # ~400 s, any GPU: session 44's two x-loading opt-ins per product, then in lanes. GPU tests first
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_frag_kernel.py -k "group_ahead or \
+    measured_rule or every_k_share or column_tiles or first_column" 2>&1 | grep -E "passed|failed|Error|assert" | tail -4
+  echo "tests t=$(el)"
   # NINFER_FIELDS_X_AHEAD=128 (opt-in): Q5 fields load x ahead at 2-8 rows with 128 registers; per product, then lanes
-  timeout 100 python bench/gemv_compare.py "$OUT/s65-fields.json" fields 2>&1 | grep "^{" | cut -c1-400
+  timeout 100 python bench/gemv_compare.py "$OUT/s66-fields.json" fields 2>&1 | grep "^{" | cut -c1-400
   echo "products t=$(el)"
   # x a group ahead for every column tile (NINFER_FRAGMENT_TILE's xgroup, opt-in) against the rule, per product
-  [ $(( ${DEADLINE:-480} - $(el) )) -gt 100 ] && timeout 120 python bench/gemv_compare.py "$OUT/s65-xgroup.json" \
+  [ $(( ${DEADLINE:-400} - $(el) )) -gt 100 ] && timeout 120 python bench/gemv_compare.py "$OUT/s66-xgroup.json" \
     xgroup 2>&1 | grep "^{" | cut -c1-500
   echo "x a group ahead t=$(el)"
-  for regs in off 128 off 128; do
-    [ $(( ${DEADLINE:-480} - $(el) )) -gt 40 ] || break
-    NINFER_FIELDS_X_AHEAD=$regs timeout 60 $B --lanes 2,4,8 --depths 8k --kv-dtype bf16 2>&1 | grep "│ bf16"
-    echo "lanes fields x ahead $regs t=$(el)"
+  for mode in off fields xgroup off fields xgroup; do  # lanes: the rule, fields with x ahead, x a group ahead
+    [ $(( ${DEADLINE:-400} - $(el) )) -gt 40 ] || break
+    regs=off; tile=""
+    [ $mode = fields ] && regs=128
+    [ $mode = xgroup ] && tile=2,4,528,0,-1,-1,-1,1
+    NINFER_FIELDS_X_AHEAD=$regs NINFER_FRAGMENT_TILE=$tile timeout 60 $B --lanes 2,4,8 --depths 8k --kv-dtype bf16 2>&1 | \
+      grep "│ bf16"
+    echo "lanes $mode t=$(el)"
   done
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
