@@ -399,6 +399,32 @@ def shapes_main(out: str) -> None:
     _save(out, peak, rows)
 
 
+def _variants_side_by_side(row: dict, y: torch.Tensor, rotating, nbytes: int, peak: float, variants: dict,
+                           reference: str) -> None:
+    """Time each variant (name -> product(w, out, timed) over weight w into out: as the engine runs it when timed,
+    whole float32 sums otherwise) twice, alternated, into y [t, n] and `row` (µs and fraction of copy), then each
+    one's largest difference against `reference`'s relative to its largest value."""
+    t = y.shape[0]
+    for rep in range(2):
+        for name, product in variants.items():
+            us = rotating(lambda w: product(w, y, True))
+            row[f"t{t}_{name}{rep}_us"] = us
+            row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
+    outputs = {}
+    for name, product in variants.items():
+        outputs[name] = torch.zeros(y.shape, device=y.device, dtype=torch.float32)
+        product(rotating.weights[0], outputs[name], False)
+    for name in outputs:
+        if name != reference:
+            row[f"t{t}_{name}_err"] = ((outputs[name] - outputs[reference]).abs().max()
+                                       / outputs[reference].abs().max()).item()
+
+
+def _print_row(row: dict) -> None:
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) and not k.endswith("err") else v)
+                      for k, v in row.items()}), flush=True)
+
+
 def fields_main(out: str) -> None:
     """The fragment-order kernel as the engine runs it over each Q5 product at T = 1..16: planes in pair order
     ("pairs"), as 5-bit fields with x loaded ahead by the measured rule ("fields", the default), with x loaded ahead
@@ -409,8 +435,6 @@ def fields_main(out: str) -> None:
 
     peak = copy_bandwidth()
     rows = []
-    variants = [("pairs", "pairs", None, None), ("fields", "fields", None, None), ("fields_x", "fields", 2, 0),
-                ("fields_x128", "fields", 2, 128)]
     for label, n, k, fmt in FRAG_SHAPES:
         if not fmt.startswith("Q5"):
             continue
@@ -420,24 +444,18 @@ def fields_main(out: str) -> None:
         defer = label.startswith(("mlp down", "gdn out"))  # summed by the next rmsnorm in the engine
         for t in (1, 2, 4, 6, 8, 12, 16):
             x, y = _xy(t, k, n)
-            outputs = {}
-            for rep in range(2):
-                for name, order, xahead, regs in variants:
-                    laid = planes[order]
-                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xahead=xahead,
-                                                                     maxnreg=regs))
-                    row[f"t{t}_{name}{rep}_us"] = us
-                    row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
-                    if rep == 0:  # each variant's whole product once, for its difference against "pairs"
-                        outputs[name] = torch.zeros(t, n, device=x.device, dtype=torch.float32)
-                        fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xahead=xahead, maxnreg=regs)
-            for name in outputs:
-                if name != "pairs":
-                    row[f"t{t}_{name}_err"] = ((outputs[name] - outputs["pairs"]).abs().max()
-                                               / outputs["pairs"].abs().max()).item()
+
+            def variant(order: str, xahead: int | None, regs: int | None):
+                return lambda w, out, timed: fl.qgemm_fragment_layout(x, planes[order][id(w)], out,
+                                                                      defer_sum=defer and timed, xahead=xahead,
+                                                                      maxnreg=regs)
+
+            _variants_side_by_side(row, y, rotating, nbytes, peak,
+                                   {"pairs": variant("pairs", None, None), "fields": variant("fields", None, None),
+                                    "fields_x": variant("fields", 2, 0), "fields_x128": variant("fields", 2, 128)},
+                                   "pairs")
         rows.append(row)
-        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
-                          for k2, v in row.items()}), flush=True)
+        _print_row(row)
     _save(out, peak, rows)
 
 
@@ -456,20 +474,14 @@ def xgroup_main(out: str) -> None:
         defer = label.startswith(("mlp down", "gdn out"))
         for t in (1, 2, 4, 8, 12, 16):
             x, y = _xy(t, k, n)
-            for rep in range(2):
-                for name, xgroup in (("rule", 0), ("group", 1)):
-                    us = rotating(lambda w: fl.qgemm_fragment_layout(x, laid[id(w)], y, defer_sum=defer, xgroup=xgroup))
-                    row[f"t{t}_{name}{rep}_us"] = us
-                    row[f"t{t}_{name}{rep}_frac"] = nbytes / (us * 1e-6) / peak
-            outputs = {}
-            for name, xgroup in (("rule", 0), ("group", 1)):
-                outputs[name] = torch.zeros(t, n, device=x.device, dtype=torch.float32)
-                fl.qgemm_fragment_layout(x, laid[id(w)], outputs[name], xgroup=xgroup)
-            row[f"t{t}_group_err"] = ((outputs["group"] - outputs["rule"]).abs().max()
-                                      / outputs["rule"].abs().max()).item()
+
+            def variant(xgroup: int):
+                return lambda w, out, timed: fl.qgemm_fragment_layout(x, laid[id(w)], out, defer_sum=defer and timed,
+                                                                      xgroup=xgroup)
+
+            _variants_side_by_side(row, y, rotating, nbytes, peak, {"rule": variant(0), "group": variant(1)}, "rule")
         rows.append(row)
-        print(json.dumps({k2: (round(v, 3) if isinstance(v, float) and not k2.endswith("err") else v)
-                          for k2, v in row.items()}), flush=True)
+        _print_row(row)
     _save(out, peak, rows)
 
 

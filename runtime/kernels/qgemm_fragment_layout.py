@@ -599,10 +599,10 @@ def _word_group_xx(acc, w0, w1, w2, w3, scales, high, xs, NT: tl.constexpr, BITS
                    COMPUTE_ASM: tl.constexpr):
     """_word_group with the group's x fragments of every column tile already loaded (_x_tiles; _compute_asm with
     x_regs, and x_tiles_in_regs at two tiles)."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = acc
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = xs
-    args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
     if NT == 2:
+        a0, a1, a2, a3, a4, a5, a6, a7 = acc
+        args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
         if BITS == 6:
             return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_XX_CONSTRAINTS_Q6,
                                              args + [x8, x9, x10, x11, x12, x13, x14, x15], dtype=(tl.float32,) * 8,
@@ -610,11 +610,8 @@ def _word_group_xx(acc, w0, w1, w2, w3, scales, high, xs, NT: tl.constexpr, BITS
         return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_XX_CONSTRAINTS,
                                          args + [x8, x9, x10, x11, x12, x13, x14, x15], dtype=(tl.float32,) * 8,
                                          is_pure=False, pack=1)
-    if BITS == 6:
-        return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X_CONSTRAINTS_Q6, args, dtype=(tl.float32,) * 8,
-                                         is_pure=False, pack=1)
-    return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_X_CONSTRAINTS, args, dtype=(tl.float32,) * 8, is_pure=False,
-                                     pack=1)
+    return _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, 0, 0, NT, BITS,
+                         COMPUTE_ASM)  # one column tile (the second tile's address unused)
 
 
 @triton.jit
