@@ -29,11 +29,6 @@ CHUNK_ROWS = 512
 DECODE_LANES = 3
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _gemm_load(torch):
     """The operands and a function queueing `rounds` passes over the chunk's four GEMM shapes on the current stream;
     returns the FLOPs queued."""
@@ -107,6 +102,7 @@ def main(out: str, modes: str = "alone,streams,priority,green:16,green:32") -> N
     import torch
 
     from format.shapes import write_shape_artifact
+    from runtime.bench import _percentile  # the lanes bench's gap percentiles
     from runtime.engine import Engine
     from runtime.memory_plan import PlanOptions
 

@@ -101,15 +101,15 @@ def _emulate_fragment_layout(x: torch.Tensor, fp) -> torch.Tensor:
     return out
 
 
-def _layout_case(kernel_device, fmt, t, seed, cpu_k):
-    """A product for the fragment-order kernel's option tests: its planes, t rows of x and the exact group sums
-    (the GPU takes the MLP down's K and 320 rows; the CPU's interpreter a small K)."""
+def _layout_case(kernel_device, fmt, t, seed, cpu_k, order=None):
+    """A product for the fragment-order kernel's option tests: its planes (in `order`, else fragment_order's), t rows
+    of x and the exact group sums (the GPU takes the MLP down's K and 320 rows; the CPU's interpreter a small K)."""
     from runtime.kernels.qgemm_fragment_layout import fragment_planes
 
     n, k = (320, 17408) if kernel_device == "cuda" else (40, cpu_k)
     w = _packed(n, k, fmt, seed=seed, device=kernel_device)
     x = torch.randn(t, k, device=kernel_device).to(torch.bfloat16)
-    return fragment_planes(w), x, frag.frag_reference(x, w)
+    return fragment_planes(w, order), x, frag.frag_reference(x, w)
 
 
 def _layout_error(x, fp, want, **options) -> float:
@@ -333,12 +333,7 @@ def test_first_column_tile_x_ahead_at_nine_to_sixteen_rows(kernel_device, monkey
 def test_x_a_group_ahead_for_every_column_tile(kernel_device, fmt, t, order):
     """xgroup = 1: each group's x loaded a group ahead, both column tiles at 9-16 rows (16 registers): the group sums,
     with warps sharing K, K split across programs and the column tiles split across warps."""
-    from runtime.kernels.qgemm_fragment_layout import fragment_planes
-
-    fp, x, want = _layout_case(kernel_device, fmt, t, seed=19, cpu_k=2048)
-    if order != "pairs":
-        w = _packed(fp.rows, fp.cols, fmt, seed=19, device=kernel_device)
-        fp = fragment_planes(w, order)
+    fp, x, want = _layout_case(kernel_device, fmt, t, seed=19, cpu_k=2048, order=order)
     for programs, ksplit, tiles in ((528, 2, 1), (3, 1, 1), (528, 1, 2)):
         error = _layout_error(x, fp, want, warps=4, programs=programs, ksplit=ksplit, tiles=tiles, xgroup=1)
         assert error < 1e-5, (programs, ksplit, tiles)

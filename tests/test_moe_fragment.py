@@ -117,10 +117,10 @@ def moe_fragment_sized(tmp_path_factory):
 
 @pytest.mark.parametrize("fields", ["off", "on"])
 def test_engine_decodes_over_experts_in_fragment_order(moe_fragment_sized, monkeypatch, fields):
-    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind (by default
-    the Q5 down projections as 5-bit fields, NINFER_Q5_FIELDS=off in pair order), decodes through the fragment expert launches (the
-    shared expert riding) and prefills through the grouped kernel reading them in place, and generates the
-    reference's tokens."""
+    """NINFER_MOE_FRAGMENT=on: the engine lays the routed experts out in fragment order at bind (by default the Q5
+    down projections as 5-bit fields, NINFER_Q5_FIELDS=off in pair order), decodes through the fragment expert
+    launches (the shared expert riding) and prefills through the grouped kernel reading them in place, and generates
+    the reference's tokens."""
     import runtime.engine as engine_module
     from runtime.engine import Engine
     from runtime.kernels import qgemm_fragment_layout as fl

@@ -24,8 +24,6 @@ same group sums in plain torch); GPU tests hold the kernel to it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
