@@ -55,11 +55,13 @@
 #                                                            # the 35B's Q5 output projections (fragment / dp4a / int8)
 #                        bash bench/device_frag.sh s64       # Q5 as 5-bit fields, x in place (per product, one lane,
 #                                                            # lanes, MTP3)
-#                        bash bench/device_frag.sh s65       # next: a graph step's wall time from the GPU timeline
+#                        bash bench/device_frag.sh s65       # a graph step's wall time from the GPU timeline
 #                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
 #                                                            # (streams, priority, green contexts)
-#                        bash bench/device_frag.sh s66       # next: fields with x ahead at 128 registers, x a group
-#                                                            # ahead (tests, per product, lanes); s61 on an H200
+#                        bash bench/device_frag.sh s66       # fields with x ahead at 128 registers, x a group
+#                                                            # ahead (tests, per product, lanes)
+#                        bash bench/device_frag.sh s67       # next: settings side by side in one engine (fields'
+#                                                            # register cap; 35B router on the dense kernel)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -708,6 +710,20 @@ s66)  # ~400 s, any GPU: session 44's two x-loading opt-ins per product, then in
       grep "│ bf16"
     echo "lanes $mode t=$(el)"
   done
+  ;;
+s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.py: one engine, each setting's steps
+  # captured anew and timed in turn, 3 rounds), which the separate bench processes' 5-8 % spread hid
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 90 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_frag_kernel.py -k "fields or \
+    measured_rule" 2>&1 | grep -E "passed|failed|Error|assert" | tail -4
+  echo "tests t=$(el)"
+  FL=runtime.kernels.qgemm_fragment_layout
+  timeout 150 python bench/engine_ab.py qwen3.6-27b "$OUT/s67-27b.json" 1,2,8 base= regs=$FL.FIELDS_REGS:128 2>&1 | \
+    grep -E "median|Error"
+  echo "27B t=$(el)"
+  timeout 150 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s67-35b.json" 1,8 base= regs=$FL.FIELDS_REGS:128 \
+    dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its

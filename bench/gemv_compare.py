@@ -9,14 +9,13 @@ over the artifact's planes and over planes in fragment order) over a tile sweep 
 products. `shapes`: the fragment-order kernel at T = 1..16 over its shape options (1, 2 or 4 warps sharing K,
 the loop's shape, the engine's measured choice, x loaded ahead), called as the engine calls it. `fields`: that
 kernel as the engine runs it over the Q5 products in pair order and as 5-bit fields (NINFER_Q5_FIELDS), x ahead
-by the rule and as pair order takes it. `xgroup`: that kernel with x a group ahead for every column tile against the
-measured rule. `head`: the Q6
+by the rule and as pair order takes it, and with the registers capped (NINFER_FIELDS_REGS). `head`: the Q6
 output head's row blocks on the runtime's path against the fragment-order kernel over a copy. `w8`: W8 products
 (DFlash2 drafter, MTP input projection, shared expert) on the runtime's path against the int8 fragment kernel. `t1`: the decode
 product as the model runs it (x already in dp4a words, K-split partials left for the next norm)
 graph-replayed over a sweep of tiles and of the program target that sets the K-splits.
 
-    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|fields|xgroup]
+    PYTHONPATH=. python bench/gemv_compare.py OUT.json [sweep|rows|lanes|t1|float_codes|frag|shapes|head|fields]
 
 NINFER_BENCH_SHAPES=35b takes the 35B-A3B's dense layer products instead of the 27B's.
 """
@@ -429,7 +428,7 @@ def fields_main(out: str) -> None:
     """The fragment-order kernel as the engine runs it over each Q5 product at T = 1..16: planes in pair order
     ("pairs"), as 5-bit fields with x loaded ahead by the measured rule ("fields", the default), with x loaded ahead
     from 2 to 8 rows as pair order takes it ("fields_x") and so with the registers capped at 128 ("fields_x128",
-    NINFER_FIELDS_X_AHEAD=128), each variant twice, alternated; µs, fraction of copy, and each variant's largest
+    NINFER_FIELDS_REGS=128), each variant twice, alternated; µs, fraction of copy, and each variant's largest
     difference against "pairs" relative to the product's largest value (fields are exact: 0)."""
     from runtime.kernels import qgemm_fragment_layout as fl
 
@@ -454,32 +453,6 @@ def fields_main(out: str) -> None:
                                    {"pairs": variant("pairs", None, None), "fields": variant("fields", None, None),
                                     "fields_x": variant("fields", 2, 0), "fields_x128": variant("fields", 2, 128)},
                                    "pairs")
-        rows.append(row)
-        _print_row(row)
-    _save(out, peak, rows)
-
-
-def xgroup_main(out: str) -> None:
-    """The fragment-order kernel as the engine runs it per product at T = 1..16 ("rule": x in place or a chunk ahead
-    by the measured rule) against x loaded a group ahead for every column tile ("group", NINFER_FRAGMENT_TILE's
-    xgroup = 1), each twice, alternated; µs, fraction of copy, and the group variant's largest difference against the
-    rule's (the same sums: 0 up to float32 summation order)."""
-    from runtime.kernels import qgemm_fragment_layout as fl
-
-    peak = copy_bandwidth()
-    rows = []
-    for label, n, k, fmt in FRAG_SHAPES:
-        w, nbytes, row, rotating = _rotating(label, n, k, fmt)
-        laid = {id(c): fl.fragment_planes(c, fl.layer_order(c.fmt.bits)) for c in rotating.weights}
-        defer = label.startswith(("mlp down", "gdn out"))
-        for t in (1, 2, 4, 8, 12, 16):
-            x, y = _xy(t, k, n)
-
-            def variant(xgroup: int):
-                return lambda w, out, timed: fl.qgemm_fragment_layout(x, laid[id(w)], out, defer_sum=defer and timed,
-                                                                      xgroup=xgroup)
-
-            _variants_side_by_side(row, y, rotating, nbytes, peak, {"rule": variant(0), "group": variant(1)}, "rule")
         rows.append(row)
         _print_row(row)
     _save(out, peak, rows)
@@ -562,8 +535,6 @@ def main(out: str, mode: str = "sweep") -> None:
         return head_main(out)
     if mode == "fields":
         return fields_main(out)
-    if mode == "xgroup":
-        return xgroup_main(out)
     if mode == "w8":
         return w8_main(out)
     if mode == "frag":

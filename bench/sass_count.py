@@ -95,7 +95,7 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, s
                   fields: bool = False) -> dict:
     """The fragment-order product's key loop (qgemm_fragment_layout, T <= 8 (nt 1) or <= 16 (nt 2), one K share
     per warp, 4 warps): SASS instructions per 64-lane group and warp (two 4-group chunks per loop step); `pairs`:
-    code words in pair order (_compute_asm); `xahead` the kernel's X_AHEAD (1 a chunk ahead, 2 a group ahead)."""
+    code words in pair order (_compute_asm); `xahead` the kernel's X_AHEAD (x a chunk ahead)."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_rows_frag import HINTS, _compute_asm
 
@@ -106,8 +106,7 @@ def fragment_gemv(bits: int, pairs: bool = True, nt: int = 1, xahead: int = 0, s
     const = {"G": 80, "NT": nt, "BW": 2 if swiglu else 4, "KS": 2 if swiglu else 1, "BITS": bits, "X_AHEAD": xahead,
              "SWIGLU": swiglu, "CS": cs,
              "LOAD_ASM": fl._chunk_load_asm(bits, HINTS[2]),
-             "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead), fields=fields,
-                                         x_tiles_in_regs=xahead == 2 and nt == 2)}
+             "COMPUTE_ASM": _compute_asm(bits, nt, words=True, pairs=pairs, x_regs=bool(xahead), fields=fields)}
     sass, usage = _sass(fl._qgemm_fragment_layout_kernel, sig, const, 4 * cs)
     ops = _loop(sass)
     return {"bits": bits, "nt": nt, "pairs": pairs, "fields": fields, "xahead": xahead, "swiglu": swiglu, "cs": cs,
@@ -173,13 +172,11 @@ if __name__ == "__main__":
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), pairs, nt)))
             if nt == 1:  # x loaded a chunk ahead
                 print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, 1)))
-            print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, 2)))  # a group ahead, every column tile
             print(json.dumps(fragment_gemv(int(sys.argv[1][1]), True, nt, swiglu=True)))  # SwiGLU in the launch
             if sys.argv[1] == "q5":  # the codes as 5-bit fields (NINFER_Q5_FIELDS), x in place and ahead
                 print(json.dumps(fragment_gemv(5, True, nt, fields=True)))
                 if nt == 1:
                     print(json.dumps(fragment_gemv(5, True, nt, 1, fields=True)))
-                print(json.dumps(fragment_gemv(5, True, nt, 2, fields=True)))
             print(json.dumps(fragment_int8_gemv(int(sys.argv[1][1]), nt)))
         sys.exit()
     if len(sys.argv) > 1 and sys.argv[1] == "w8":

@@ -486,12 +486,10 @@ _CHUNK_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=r"] * 20 + ["=l"] * 4 + ["l", "
 _WORDS_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 6 + ["l"] * 2))
 _WORDS_X_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14))
 _WORDS_X2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 14 + ["l"]))  # + 2nd tile's x address
-_WORDS_XX_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 22))  # both tiles' x loaded
 # Q6: the group's high bits one 64-bit operand
 _WORDS_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] * 3))
 _WORDS_X_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] + ["r"] * 8))
 _WORDS_X2_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] + ["r"] * 8 + ["l"]))
-_WORDS_XX_CONSTRAINTS_Q6 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 5 + ["l"] + ["r"] * 16))
 # one group's x fragment of this thread (one column tile): its 16 lanes of row g, 8 registers
 _X_GROUP_ASM = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];")
 _X_GROUP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["l"]))
@@ -581,54 +579,6 @@ def _chunk_product_x(acc, chunk, xs, xa1, ci, NT: tl.constexpr, BITS: tl.constex
                         BITS, COMPUTE_ASM)
     return _word_group_x(acc, c12, c13, c14, c15, s3, h3, d0, d1, d2, d3, d4, d5, d6, d7, xa1, ci * 4 + 3, NT,
                          BITS, COMPUTE_ASM)
-
-
-@triton.jit
-def _x_tiles(xa0, xa1, gi, NT: tl.constexpr):
-    """Group gi's x fragments of this thread for every column tile: 16 registers (one tile: its 8 twice)."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = _x_group(xa0, gi)
-    if NT == 2:
-        b0, b1, b2, b3, b4, b5, b6, b7 = _x_group(xa1, gi)
-    else:
-        b0, b1, b2, b3, b4, b5, b6, b7 = a0, a1, a2, a3, a4, a5, a6, a7
-    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
-
-
-@triton.jit
-def _word_group_xx(acc, w0, w1, w2, w3, scales, high, xs, NT: tl.constexpr, BITS: tl.constexpr,
-                   COMPUTE_ASM: tl.constexpr):
-    """_word_group with the group's x fragments of every column tile already loaded (_x_tiles; _compute_asm with
-    x_regs, and x_tiles_in_regs at two tiles)."""
-    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = xs
-    if NT == 2:
-        a0, a1, a2, a3, a4, a5, a6, a7 = acc
-        args = [a0, a1, a2, a3, a4, a5, a6, a7, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7]
-        if BITS == 6:
-            return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_XX_CONSTRAINTS_Q6,
-                                             args + [x8, x9, x10, x11, x12, x13, x14, x15], dtype=(tl.float32,) * 8,
-                                             is_pure=False, pack=1)
-        return tl.inline_asm_elementwise(COMPUTE_ASM, _WORDS_XX_CONSTRAINTS,
-                                         args + [x8, x9, x10, x11, x12, x13, x14, x15], dtype=(tl.float32,) * 8,
-                                         is_pure=False, pack=1)
-    return _word_group_x(acc, w0, w1, w2, w3, scales, high, x0, x1, x2, x3, x4, x5, x6, x7, 0, 0, NT, BITS,
-                         COMPUTE_ASM)  # one column tile (the second tile's address unused)
-
-
-@triton.jit
-def _chunk_product_g(acc, chunk, xs, xa0, xa1, ci, cnext, NT: tl.constexpr, BITS: tl.constexpr,
-                     COMPUTE_ASM: tl.constexpr):
-    """_chunk_product with x loaded a group ahead, every column tile: `xs` is group 4 ci's (_x_tiles), each group's
-    product runs after the next group's x is asked for; returns acc's 8 then chunk cnext's first group's x (16)."""
-    (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, s0, s1, s2, s3, h0, h1, h2, h3) = chunk
-    x1 = _x_tiles(xa0, xa1, ci * 4 + 1, NT)
-    acc = _word_group_xx(acc, c0, c1, c2, c3, s0, h0, xs, NT, BITS, COMPUTE_ASM)
-    x2 = _x_tiles(xa0, xa1, ci * 4 + 2, NT)
-    acc = _word_group_xx(acc, c4, c5, c6, c7, s1, h1, x1, NT, BITS, COMPUTE_ASM)
-    x3 = _x_tiles(xa0, xa1, ci * 4 + 3, NT)
-    acc = _word_group_xx(acc, c8, c9, c10, c11, s2, h2, x2, NT, BITS, COMPUTE_ASM)
-    y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _x_tiles(xa0, xa1, cnext * 4, NT)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _word_group_xx(acc, c12, c13, c14, c15, s3, h3, x3, NT, BITS, COMPUTE_ASM)
-    return a0, a1, a2, a3, a4, a5, a6, a7, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15
 
 
 @triton.jit
@@ -765,9 +715,8 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     """One program: BW 16-row blocks, one K-split of CHUNKS_PER_SPLIT 4-group chunks shared by KS warps per
     block (warp w: block w % BW, the (w // BW)-th even share of the split; the last split is shorter and some
     warps may get no chunk) and summed across them in the program; out is [T, N] (one split: y itself) or this
-    split's float32 partials. X_AHEAD 1: each chunk's x (of the first column tile) is loaded a chunk ahead, as the code
-    words are, instead of inside each group's product right before its mma; 2: each group's x (every column tile) a
-    group ahead, 16 registers instead of 32. SWIGLU (BW = 2, one split): the program
+    split's float32 partials. X_AHEAD: each chunk's x (of the first column tile) is loaded a chunk ahead, as the code
+    words are, instead of inside each group's product right before its mma. SWIGLU (BW = 2, one split): the program
     multiplies block pid of a gate/up pair's gate rows and of its up rows and stores silu(gate) * up (N: the
     output's width, half the pair's rows). CS = 2 (NT = 1, 9-16 rows): the warps repeat for x's second 8-column
     tile (the same chunks, read again from L1), so each warp multiplies one column tile."""
@@ -781,22 +730,7 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
     f = tl.zeros([32 * BW * KS * CS], tl.float32)
     acc = (f, f, f, f, f, f, f, f)
     last = G // 4 - 1
-    if X_AHEAD == 2:  # a group ahead, every column tile
-        xs = _x_tiles(xa0, xa1, tl.minimum(first, last) * 4, NT)
-        for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):
-            (a0, a1, a2, a3, a4, a5, a6, a7, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
-             y15) = _chunk_product_g(acc, c0, xs, xa0, xa1, tl.minimum(first + ci, last),
-                                     tl.minimum(first + ci + 1, last), NT, BITS, COMPUTE_ASM)
-            c0 = _load_chunk(ca, sa, ha, ci + 2, zero + ci + 2 < count, BITS, LOAD_ASM)
-            (a0, a1, a2, a3, a4, a5, a6, a7, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
-             y15) = _chunk_product_g((a0, a1, a2, a3, a4, a5, a6, a7), c1,
-                                     (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15), xa0, xa1,
-                                     tl.minimum(first + ci + 1, last), tl.minimum(first + ci + 2, last), NT, BITS,
-                                     COMPUTE_ASM)
-            c1 = _load_chunk(ca, sa, ha, ci + 3, zero + ci + 3 < count, BITS, LOAD_ASM)
-            acc = (a0, a1, a2, a3, a4, a5, a6, a7)
-            xs = (y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-    elif X_AHEAD:
+    if X_AHEAD:
         x0 = _chunk_x(xa0, tl.minimum(first, last))
         for ci in range(0, CHUNKS_PER_SPLIT // KS, 2):
             x1 = _chunk_x(xa0, tl.minimum(first + ci + 1, last))
@@ -818,14 +752,12 @@ def _qgemm_fragment_layout_kernel(x_ptr, codes_ptr, high_ptr, scales_ptr, out_pt
 # x a chunk ahead (the kernel's X_AHEAD) from N to 8 rows, 0 never, -1 by the measured rule (loads_x_ahead); xwide 1
 # loads the first column tile's x a chunk ahead at 9-16 rows too, 0 never, -1 by the measured rule; tiles 2 splits
 # 9-16 rows' two 8-column tiles of x across twice the warps of a program (each then multiplies one tile, as at 8 rows;
-# the second warp's chunk loads hit L1), 1 keeps both in each warp, -1 by the measured rule (splits_column_tiles);
-# xgroup 1 (opt-in, session 44, not yet timed) loads each group's x a group ahead for every column tile at every row
-# count instead (the kernel's X_AHEAD 2: 16 registers, not a chunk's 32 for the first tile only).
-# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide[,tiles[,xgroup]]]]]
+# the second warp's chunk loads hit L1), 1 keeps both in each warp, -1 by the measured rule (splits_column_tiles).
+# side-by-side runs: NINFER_FRAGMENT_TILE=hint,warps,programs[,ksplit[,xahead[,xwide[,tiles]]]]
 FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE",
-                                  ("hint", "warps", "programs", "ksplit", "xahead", "xwide", "tiles", "xgroup"),
+                                  ("hint", "warps", "programs", "ksplit", "xahead", "xwide", "tiles"),
                                   {"warps": 4, "programs": 528, "hint": 2, "ksplit": 0, "xahead": -1, "xwide": -1,
-                                   "tiles": -1, "xgroup": 0})
+                                   "tiles": -1})
 
 
 # Warps sharing each block's K by how a product is called, measured per product and row count (H100, session 33:
@@ -927,12 +859,15 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # faster for the Q4 product whose 4 warps share K in one split (MLP gate_up T = 12 54.6 -> 49.0 us, T = 16 63.4 ->
 # 51.7), slightly slower for the others (qgkv T = 16 27.1 -> 29.1, GDN qkvz 29.3 -> 30.7, MLP down even); batched
 # MTP3 rounds over 4 lanes (16 rows) 17.10 -> 16.33 ms with it on every product.
-# NINFER_FIELDS_X_AHEAD=128 (opt-in, session 44, not yet timed): fields load x a chunk ahead at 2-8 rows with the
-# kernel's registers capped at 128 (ptxas: 77.4 instructions a group against 74.5 uncapped, one 8-byte spill), so as
-# many warps fit an SM as in pair order
-FIELDS_X_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_X_AHEAD", "off"), -1)
-if FIELDS_X_REGS < 0:
-    raise SystemExit("ninfer: NINFER_FIELDS_X_AHEAD is off or 128 (the register cap); unset it for off")
+# NINFER_FIELDS_REGS=128 (opt-in until timed end to end): Q5 fields products of 1-8 rows compiled with their
+# registers capped at 128, and loading x a chunk ahead at 2-8 rows (ptxas: 77.4 instructions a group against 74.5
+# uncapped, one 8-byte spill), so as many warps fit an SM as in pair order. Per product on an H100 (session 45,
+# `bench/gemv_compare.py OUT fields`, each twice alternated), µs at T = 1 / 2 / 4 / 8: MLP down 21.0 / 22.4 / 22.6 /
+# 24.1 -> 20.5 / 20.8 / 20.7 / 21.1, GDN out 8.3 / 8.7 / 9.2 / 9.4 -> 7.7 / 8.1 / 8.6 / 9.0; at 12-16 rows the cap is
+# slower (MLP down 31.0 -> 34.2), so those stay uncapped.
+FIELDS_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_REGS", "off"), -1)
+if FIELDS_REGS < 0:
+    raise SystemExit("ninfer: NINFER_FIELDS_REGS is off or 128 (the register cap); unset it for off")
 
 
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None,
@@ -952,10 +887,15 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     if first >= 0:
         return 0 < first <= t <= 8
     if fields:  # fields with x ahead: 140 registers against 114 (pair order's 127), so fewer warps per SM: MLP down
-        return FIELDS_X_REGS > 0 and 2 <= t <= 8  # at 2-8 rows 22.2 -> 25.1 us against pair order (H100, session 44)
+        return FIELDS_REGS > 0 and 2 <= t <= 8  # uncapped at 2-8 rows 22.2 -> 25.1 us against pair order (session 44)
     if t == 1:
         return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
     return 2 <= t <= 8
+
+
+def register_cap(t: int, fields: bool) -> int:
+    """The register cap a t-row product is compiled with (0: none): NINFER_FIELDS_REGS's for Q5 fields at 1-8 rows."""
+    return FIELDS_REGS if fields and t <= 8 else 0
 
 
 # 9-16 rows' column tiles split across twice the warps, the measured rule. H100, session 35 (`bench/gemv_compare.py
@@ -975,14 +915,12 @@ def splits_column_tiles(t: int, bits: int, shape: tuple[int, int, int, int], til
 def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, warps: int | None = None,
                           programs: int | None = None, hint: int | None = None, defer_sum: bool = False,
                           ksplit: int | None = None, xahead: int | None = None,
-                          tiles: int | None = None, maxnreg: int | None = None,
-                          xgroup: int | None = None) -> torch.Tensor | SplitPartials:
+                          tiles: int | None = None, maxnreg: int | None = None) -> torch.Tensor | SplitPartials:
     """y [T, N] = x [T, K] @ W^T, W in fragment order, bf16 x with 1..16 rows (GPU only); `xahead`: x loaded a chunk
     ahead (loads_x_ahead); `tiles` (else FRAGMENT_TUNING's): 9-16 rows' two 8-column tiles of x in each warp (1),
     split across twice the warps (2: the kernel's CS; each warp then as at 8 rows, x ahead by its rule) or by the
     measured rule (-1: splits_column_tiles); `maxnreg` caps the kernel's registers (0: no cap; else
-    NINFER_FIELDS_X_AHEAD's cap for fields loading x ahead); `xgroup` (else FRAGMENT_TUNING's) 1: x a group ahead
-    for every column tile instead, whatever `xahead` says."""
+    NINFER_FIELDS_REGS's cap for fields products of 1-8 rows)."""
     t, k = x.shape
     if not 1 <= t <= 16 or x.dtype != torch.bfloat16 or k != fp.cols:
         raise ValueError(f"qgemm_fragment_layout: {t} rows of {x.dtype} with {k} columns against [{fp.rows}, "
@@ -994,18 +932,16 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     cs = 2 if splits_column_tiles(t, fp.fmt.bits, (bw, ks, split, size), tiles) else 1
     nt = 1 if t <= 8 or cs == 2 else 2  # column tiles per warp
     x_ahead = loads_x_ahead(8 if cs == 2 else t, xahead, fp.fmt.bits, (bw, ks, split, size), fp.fields)
-    by_group = bool(FRAGMENT_TUNING["xgroup"] if xgroup is None else xgroup)
-    maxnreg = maxnreg if maxnreg is not None else FIELDS_X_REGS if fp.fields and x_ahead and not by_group else 0
+    maxnreg = register_cap(t, fp.fields) if maxnreg is None else maxnreg
     target = split_partials(y, split)
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
                                         G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits,
-                                        X_AHEAD=2 if by_group else int(x_ahead),
+                                        X_AHEAD=x_ahead,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
-                                                                 x_regs=x_ahead or by_group, fields=fp.fields,
-                                                                 x_tiles_in_regs=by_group and nt == 2),
+                                                                 x_regs=x_ahead, fields=fp.fields),
                                         SWIGLU=False, CS=cs, num_warps=bw * ks * cs,
                                         **({"maxnreg": maxnreg} if maxnreg and not interpreted() else {}), **LAUNCH)
     return finish_splits(target, y, defer_sum)

@@ -81,7 +81,7 @@ def _field_pair(dst: str, i: int) -> str:
 
 
 def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x_regs: bool = False,
-                 fields: bool = False, x_tiles_in_regs: bool = False) -> str:
+                 fields: bool = False) -> str:
     """One 64-lane group of 16 rows (per warp) times NT x 8 columns of x: d = A.B per 16-lane step, then
     acc += scale(row) * d. Operands: $0-$7 acc out, $8-$15 acc in, then either (packed) $16/$17 code words
     of rows g / g + 8 (64-bit), $18 scales (and Q5 high bits), $19/$20 x addresses of columns g / g + 8, or
@@ -89,8 +89,7 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     $16-$19 code words (row g's two, row g + 8's two), $20 scales of rows g / g + 8, $21 their Q5 high
     halves (unused for Q4; Q6: 64 bits, row g's 32 then row g + 8's, see _q6_pair), $22/$23 x addresses (a thread's
     16 lanes of x: two 16-byte loads). `x_regs` (words): the first column tile's x comes in loaded, $22-$29
-    (_X_GROUP_ASM), instead of as an address; with two column tiles $30 is the second tile's x address, or with
-    `x_tiles_in_regs` the second tile's x loaded too, $30-$37.
+    (_X_GROUP_ASM), instead of as an address; with two column tiles $30 is the second tile's x address.
 
     `pairs`: the code words hold lanes (0, 2, 4, 6, 1, 3, 5, 7) in nibbles 0-7 and the Q5 high bytes their bits
     in that order (qgemm_fragment_layout's pair order), so nibbles j and j + 4 are lanes 2j and 2j + 1: the bf16
@@ -106,19 +105,15 @@ def _compute_asm(bits: int, nt: int, words: bool = False, pairs: bool = False, x
     xg, xg8 = ("$22", "$23") if words else ("$19", "$20")
     lines = ["{ .reg .b32 w0, w1, w2, w3, w4, a0, a1, a2, a3, b0, b1, t, hs, hx, one, off, h0, h1, ha0, ha1, hb0, hb1;",
              ".reg .b32 x<16>; .reg .f32 d<8>, f0, f1; .reg .b16 s0, s1, s2, s3;"]
-    if x_tiles_in_regs and not (x_regs and nt == 2):
-        raise ValueError("_compute_asm: both column tiles' x in registers takes x_regs and two column tiles")
     if x_regs:
         if not words:
             raise ValueError("_compute_asm: x in registers takes code words")
         lines += [f"mov.b32 x{i}, ${22 + i};" for i in range(8)]
-        xg8 = "$30"  # two column tiles: the second tile's x still loaded here (unless it comes in loaded too)
+        xg8 = "$30"  # two column tiles: the second tile's x still loaded here
     else:
         lines.append(f"ld.global.nc.v4.b32 {{x0, x1, x2, x3}}, [{xg}]; "
                      f"ld.global.nc.v4.b32 {{x4, x5, x6, x7}}, [{xg}+16];")
-    if x_tiles_in_regs:
-        lines += [f"mov.b32 x{8 + i}, ${30 + i};" for i in range(8)]
-    elif nt == 2:
+    if nt == 2:
         lines.append(f"ld.global.nc.v4.b32 {{x8, x9, x10, x11}}, [{xg8}]; "
                      f"ld.global.nc.v4.b32 {{x12, x13, x14, x15}}, [{xg8}+16];")
     if words:
