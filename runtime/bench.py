@@ -91,11 +91,38 @@ def _synthetic_context(engine, depth: int, gen: torch.Generator, lane: int = 0) 
         engine.speculator.assume_context(lane, depth)
 
 
-def _decode(engine, first_token: int, n: int) -> tuple[int, float]:
-    """Generate n tokens after the prefill (greedy); returns (tokens, seconds)."""
+def _decode(engine, first_token: int, n: int, chained: bool = False) -> tuple[int, float]:
+    """Generate n tokens after the prefill (greedy); returns (tokens, seconds). `chained` (plain decode on a GPU):
+    as the server runs it (runtime/serve/scheduler.py), each step's token is picked on the device and feeds the next
+    step at once, and the host reads it back a step behind while the GPU runs the next; else the host reads each
+    token before it launches the next step. Either way the same tokens."""
     nxt, produced = first_token, 0
     _sync(engine)
     t0 = time.perf_counter()
+    if chained and engine.speculator is None:
+        cuda = engine.device.type == "cuda"
+
+        def read_back_later(picked: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
+            host.copy_(picked, non_blocking=cuda)
+            ready = torch.cuda.Event() if cuda else None
+            if ready is not None:
+                ready.record()
+            return host, ready
+
+        picked = engine.decode_step([0], [nxt]).argmax(-1)
+        host, ready = read_back_later(picked)
+        produced = 1
+        while produced < n:
+            picked = engine.decode_step([0], None, device_tokens=picked).argmax(-1)
+            ahead = read_back_later(picked)
+            if ready is not None:
+                ready.synchronize()  # the step before: the GPU runs this one meanwhile
+            engine.record_fed_tokens([0], host.tolist())
+            (host, ready), produced = ahead, produced + 1
+        if ready is not None:
+            ready.synchronize()
+        engine.record_fed_tokens([0], host.tolist())
     while produced < n:
         if engine.speculator is not None and engine.speculator.can_speculate(0):
             new = engine.speculator.round([0], [nxt], [n - produced])[0]
@@ -115,7 +142,7 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
                "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "rows": []}
     bw = copy_bandwidth(device) if device.startswith("cuda") else 0.0
     results["copy_bandwidth_bytes_per_s"] = bw
-    margin = opts.decode_tokens + opts.draft_tokens + 2
+    margin = 2 * opts.decode_tokens + opts.draft_tokens + 2  # decode timed chained, then host-synced
     max_context = -(-(max(opts.depths) + margin) // 64) * 64
     for kv in opts.kv_dtypes:
         plan_opts = PlanOptions(max_context=max_context, kv_dtype=kv, prefill_chunk=opts.prefill_chunk,
@@ -167,8 +194,11 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
                     _synthetic_context(engine, depth, gen)
             if engine.speculator is not None:
                 engine.speculator.stats = SpecStats(accepted_at=[0] * engine.speculator.k)
-            n, secs = _decode(engine, first, opts.decode_tokens)
+            n, secs = _decode(engine, first, opts.decode_tokens, chained=True)
             row.update(decode_tokens=n, decode_s=secs, decode_tok_s=n / secs)
+            if engine.speculator is None:  # side by side: the host waiting on every token
+                n_synced, secs_synced = _decode(engine, first, opts.decode_tokens)
+                row["decode_tok_s_host_synced"] = n_synced / secs_synced
             if engine.speculator is not None:
                 row["spec_stats"] = engine.speculator.stats.as_dict()
             need = decode_bytes(engine, depth)
@@ -183,7 +213,9 @@ def run_bench(path, opts: BenchOptions, device: str = "cuda", log=print) -> dict
             row["weight_cache_bytes"] = engine.weight_cache_bytes  # part of the peak: dense copies in spare memory
             results["rows"].append(row)
             log(f"[{kv}] depth {depth}: " + (f"prefill {row['prefill_tok_s']:.0f} tok/s, " if row["prefill_tok_s"] else
-                                           "synthetic context, ") + f"decode {row['decode_tok_s']:.1f} tok/s")
+                                           "synthetic context, ") + f"decode {row['decode_tok_s']:.1f} tok/s" + (
+                f" ({row['decode_tok_s_host_synced']:.1f} with the host reading each token before the next step)"
+                if "decode_tok_s_host_synced" in row else ""))
         engine.close()
         del engine
     return results

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from format.container import Artifact  # noqa: E402
 from format.convert import ConvertOptions, convert_checkpoint  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+from runtime.engine import UNKNOWN_TOKEN, Engine  # noqa: E402
 from runtime.memory_plan import MemoryPlanError, PlanOptions  # noqa: E402
 from runtime.model import ReferenceModel  # noqa: E402
 
@@ -843,3 +843,19 @@ def test_padded_prompt_pieces_change_nothing(artifacts, monkeypatch, kind, align
         for got, want in [(last, plain_last), (tail, plain_tail)] + list(zip(states, plain_states)):
             got, want = got.float(), want.float()
             assert ((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item() < GPU_LOGIT_REL_RMS
+
+
+def test_bench_decode_chained_as_the_server_runs_it_gives_the_same_tokens(artifacts):
+    """The bench times plain decode as the server chains it (each step fed on the device, the host a step behind):
+    the lane ends up with the tokens the host-synced loop picks."""
+    from runtime.bench import _decode
+
+    held = {}
+    for chained in (False, True):
+        eng = Engine(artifacts["dense-q4"], PlanOptions(max_context=64), device=DEVICE, cuda_graphs=False)
+        first = int(torch.argmax(eng.prefill(0, PROMPT)))
+        n, secs = _decode(eng, first, NEW, chained=chained)
+        assert n == NEW and secs > 0
+        held[chained] = list(eng.lane_tokens[0])
+    assert held[True] == held[False] and len(held[True]) == len(PROMPT) + NEW
+    assert UNKNOWN_TOKEN not in held[True]  # every fed token told to the engine
