@@ -724,6 +724,12 @@ s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.p
   timeout 150 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s67-35b.json" 1,8 base= regs=$FL.FIELDS_REGS:128 \
     dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  # one lane's decode timed as the server chains it, beside the host reading every token (session 45's bench)
+  for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+    timeout 90 python -m ninfer_cli.main bench --random-weights $shape --depths 8k --prefill-limit 8k --kv-dtype bf16 \
+      --decode-tokens 256 --json-out "$OUT/s67-chained-$shape.json" 2>&1 | grep -E "depth 8192|Error"
+    echo "$shape chained t=$(el)"
+  done
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
