@@ -731,6 +731,17 @@ s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.p
     echo "$shape chained t=$(el)"
   done
   ;;
+s68)  # ~250 s, any GPU: the fused expert kernel's fields fix on the GPU, then the 35B-A3B settings in one engine (the
+  # register cap now default: "nocap" turns it off; the router on the PDL dense kernel)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 80 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_moe_fragment.py 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -4
+  echo "tests t=$(el)"
+  timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s68-35b.json" 1,8 base= \
+    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | \
+    grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its
   # one-lane row is issue 21's 8K number), then a 32K prefill beside 3 decoding lanes

@@ -294,8 +294,8 @@ def test_fragment_order_kernel_sums_every_k_share(kernel_device, fmt, t):
 
 def test_x_loaded_ahead_by_the_measured_rule(monkeypatch):
     """The measured default (session 34): x a chunk ahead at 2-8 rows, at one row only for Q4 codes with two warps
-    sharing K in one split, at 9-16 rows only for Q4 codes with four, never for Q5 as fields (session 44) unless their
-    registers are capped; an explicit first row count or 0 overrides."""
+    sharing K in one split, at 9-16 rows only for Q4 codes with four, for Q5 as fields at 2-8 rows with their registers
+    capped (the default; never uncapped); an explicit first row count or 0 overrides."""
     from runtime.kernels import qgemm_fragment_layout as fl
     from runtime.kernels.qgemm_fragment_layout import loads_x_ahead
 
@@ -305,12 +305,13 @@ def test_x_loaded_ahead_by_the_measured_rule(monkeypatch):
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 4, shared4)] == list(range(2, 17))  # gate_up: 9-16 too
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, shared4)] == list(range(2, 9))
     assert not loads_x_ahead(1, -1, 4, shared4) and not loads_x_ahead(1, -1, 5, loop)
-    assert not any(loads_x_ahead(t, -1, 5, split, fields=True) for t in range(1, 17))  # 140 registers with x ahead
-    assert not any(fl.register_cap(t, True) or fl.register_cap(t, False) for t in range(1, 17))
-    monkeypatch.setattr(fl, "FIELDS_REGS", 128)  # NINFER_FIELDS_REGS=128: ahead at 2-8 rows, 1-8 rows capped
+    monkeypatch.setattr(fl, "FIELDS_REGS", 128)  # the default: ahead at 2-8 rows, 1-8 rows capped
     assert [t for t in range(1, 17) if loads_x_ahead(t, -1, 5, split, fields=True)] == list(range(2, 9))
     assert [t for t in range(1, 17) if fl.register_cap(t, True) == 128] == list(range(1, 9))
     assert not any(fl.register_cap(t, False) for t in range(1, 17))  # pair order and Q4 never
+    monkeypatch.setattr(fl, "FIELDS_REGS", 0)  # NINFER_FIELDS_REGS=off: uncapped, 140 registers with x ahead
+    assert not any(loads_x_ahead(t, -1, 5, split, fields=True) for t in range(1, 17))
+    assert not any(fl.register_cap(t, True) or fl.register_cap(t, False) for t in range(1, 17))
     assert loads_x_ahead(4, 2, 5, split, fields=True)  # unless asked for
     assert [t for t in range(1, 17) if loads_x_ahead(t, 1, 5, split)] == list(range(1, 9))
     assert [t for t in range(1, 17) if loads_x_ahead(t, 3)] == list(range(3, 9))

@@ -859,15 +859,16 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # faster for the Q4 product whose 4 warps share K in one split (MLP gate_up T = 12 54.6 -> 49.0 us, T = 16 63.4 ->
 # 51.7), slightly slower for the others (qgkv T = 16 27.1 -> 29.1, GDN qkvz 29.3 -> 30.7, MLP down even); batched
 # MTP3 rounds over 4 lanes (16 rows) 17.10 -> 16.33 ms with it on every product.
-# NINFER_FIELDS_REGS=128 (opt-in until timed end to end): Q5 fields products of 1-8 rows compiled with their
-# registers capped at 128, and loading x a chunk ahead at 2-8 rows (ptxas: 77.4 instructions a group against 74.5
-# uncapped, one 8-byte spill), so as many warps fit an SM as in pair order. Per product on an H100 (session 45,
-# `bench/gemv_compare.py OUT fields`, each twice alternated), µs at T = 1 / 2 / 4 / 8: MLP down 21.0 / 22.4 / 22.6 /
-# 24.1 -> 20.5 / 20.8 / 20.7 / 21.1, GDN out 8.3 / 8.7 / 9.2 / 9.4 -> 7.7 / 8.1 / 8.6 / 9.0; at 12-16 rows the cap is
-# slower (MLP down 31.0 -> 34.2), so those stay uncapped.
-FIELDS_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_REGS", "off"), -1)
+# Q5 fields products of 1-8 rows are compiled with their registers capped at 128 and load x a chunk ahead at 2-8 rows
+# (ptxas: 77.4 instructions a group against 74.5 uncapped, one 8-byte spill), so as many warps fit an SM as in pair
+# order. Per product on an H100 (session 45, `bench/gemv_compare.py OUT fields`, each twice alternated), µs at T = 1 /
+# 2 / 4 / 8: MLP down 21.0 / 22.4 / 22.6 / 24.1 -> 20.5 / 20.8 / 20.7 / 21.1, GDN out 8.3 / 8.7 / 9.2 / 9.4 -> 7.7 /
+# 8.1 / 8.6 / 9.0; at 12-16 rows the cap is slower (MLP down 31.0 -> 34.2), so those stay uncapped. 27B steps in one
+# engine (bench/engine_ab.py, 3 rounds alternated): 1 / 2 / 8 lanes 7.630 / 8.051 / 10.418 -> 7.596 / 7.979 / 10.334
+# ms. NINFER_FIELDS_REGS=off: uncapped, x in place.
+FIELDS_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_REGS", "128"), -1)
 if FIELDS_REGS < 0:
-    raise SystemExit("ninfer: NINFER_FIELDS_REGS is off or 128 (the register cap); unset it for off")
+    raise SystemExit("ninfer: NINFER_FIELDS_REGS is 128 (the register cap, the default) or off; unset it for 128")
 
 
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None,
@@ -887,7 +888,7 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
     if first >= 0:
         return 0 < first <= t <= 8
     if fields:  # fields with x ahead: 140 registers against 114 (pair order's 127), so fewer warps per SM: MLP down
-        return FIELDS_REGS > 0 and 2 <= t <= 8  # uncapped at 2-8 rows 22.2 -> 25.1 us against pair order (session 44)
+        return FIELDS_REGS > 0 and 2 <= t <= 8  # uncapped: 140 registers, 22.2 -> 25.1 us against pair order
     if t == 1:
         return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
     return 2 <= t <= 8
