@@ -60,8 +60,11 @@
 #                                                            # (streams, priority, green contexts)
 #                        bash bench/device_frag.sh s66       # fields with x ahead at 128 registers, x a group
 #                                                            # ahead (tests, per product, lanes)
-#                        bash bench/device_frag.sh s67       # next: settings side by side in one engine (fields'
+#                        bash bench/device_frag.sh s67       # settings side by side in one engine (fields'
 #                                                            # register cap; 35B router on the dense kernel)
+#                        bash bench/device_frag.sh s68       # next: the fused expert kernel's fix on the GPU, 35B
+#                                                            # settings in one engine (cap off, router dense)
+#                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -741,6 +744,17 @@ s68)  # ~250 s, any GPU: the fused expert kernel's fields fix on the GPU, then t
     nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | \
     grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s69)  # ~200 s, any GPU: the one-lane norms' launch shape in one engine (issue 21 item 1: 177 RMSNorms of 4-5 µs a
+  # 27B step, 111 a 35B-A3B step, session 45's timelines): lanes a program, lanes a sum step, warps
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  N=runtime.kernels.rmsnorm
+  for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+    timeout 100 python bench/engine_ab.py $shape "$OUT/s69-$shape.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 \
+      chunk128=$N.SPREAD_CHUNK:128 sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 \
+      warps2=$N.SPREAD_WARPS:2 2>&1 | grep -E "median|Error"
+    echo "$shape t=$(el)"
+  done
   ;;
 s61)  # ~470 s on an H200: issue 20 / 21's H200 tables with session 41-43's defaults, most needed first: 27B lanes
   # 1-8 (bf16), the 27B depth table (real prefill, bf16 and rk4v4-e8), 35B-A3B lanes (each lane its own token; its

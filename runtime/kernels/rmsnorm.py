@@ -32,6 +32,7 @@ SPREAD_MAX_SPLITS = tuning_from_env("NINFER_RMSNORM_SPREAD_SPLITS", ("splits",),
 # 256 -> 2.86 us, 512 -> 3.08, 1,024 -> 2.96, one program per row 4.24
 SPREAD_CHUNK = 256
 SUM_BLOCK = 1024  # lanes per step of a spread program's sum-of-squares pass
+SPREAD_WARPS = 4  # warps of a spread program (module constants read at call time: bench/engine_ab.py sets them)
 ROUTER_DOT_LANES: tl.constexpr = tl.constexpr(512)  # lanes per step of a router program's dot ([rows, 512] tiles)
 # A MoE layer's router (and shared-expert gate) product in the norm before it, for decode and verify rows: extra
 # programs of the norm's launch (per row) each normalize the whole row themselves and multiply it with `rows` router
@@ -212,7 +213,7 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
         block, chunks = SPREAD_CHUNK, triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
         sum_lanes = min(SUM_BLOCK, triton.next_power_of_2(h))
         res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if residual is not None else y
-        num_warps = 4
+        num_warps = SPREAD_WARPS
     else:
         block, chunks, sum_lanes = triton.next_power_of_2(h), 1, 1
         res_out = res
