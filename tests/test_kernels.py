@@ -1225,6 +1225,32 @@ def test_rmsnorm_spread_over_programs_matches_one_program_rows(monkeypatch, t, d
     assert diff <= (1e-5 if DTYPE == torch.float32 else 2e-2), diff
 
 
+@pytest.mark.parametrize("setting,value", [("SPREAD_CHUNK", 128), ("SPREAD_CHUNK", 512), ("SUM_BLOCK", 512),
+                                           ("SUM_BLOCK", 2048), ("SPREAD_WARPS", 2), ("SPREAD_WARPS", 8)])
+def test_rmsnorm_spread_launch_shapes_keep_the_row(monkeypatch, setting, value):
+    """The spread launch's shapes that bench/engine_ab.py compares (lanes a program, lanes a sum step, warps): the
+    residual sum and the next product's words exactly as one program per row, the normed row within a rounding step."""
+    import runtime.kernels.rmsnorm as rn
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials, quantize_x
+
+    h = 1224  # over 2 x 512 lanes: spread at every chunk size here, the last chunk part-filled
+    nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
+    norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
+    y_in = SplitPartials(torch.randn(4, 1, h, device=DEVICE), torch.empty(1, h, device=DEVICE, dtype=DTYPE))
+    residual = torch.randn(1, h, device=DEVICE).to(DTYPE)
+    results = {}
+    for spread in (True, False):
+        monkeypatch.setattr(rn, "SPREAD_MAX_ROWS", 1 if spread else 0)
+        monkeypatch.setattr(rn, setting, value)
+        xq = QuantizedX.empty(1, nxt, DEVICE)
+        y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone(), out=_poison((1, h)), xq=xq)
+        assert torch.equal(xq.words, quantize_x(y, nxt))
+        results[spread] = (y.float(), res)
+    assert torch.equal(results[True][1], results[False][1])
+    diff = (results[True][0] - results[False][0]).abs().max().item()
+    assert diff <= (1e-5 if DTYPE == torch.float32 else 2e-2), diff
+
+
 @pytest.mark.parametrize("t,rows,deferred", [(1, 8, 0), (1, 16, 6), (1, 0, 0), (3, 8, 0), (3, 4, 6)])
 def test_rmsnorm_multiplies_the_router_in_its_launch(monkeypatch, t, rows, deferred):
     """Decode rows (one spread over programs, or several of one program each) with the MoE router in the norm
