@@ -734,11 +734,13 @@ s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.p
     echo "$shape chained t=$(el)"
   done
   ;;
-s68)  # ~250 s, any GPU: the fused expert kernel's fields fix on the GPU, then the 35B-A3B settings in one engine (the
+s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then the 35B-A3B settings in one engine (the
   # register cap now default: "nocap" turns it off; the router on the PDL dense kernel)
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 80 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_moe_fragment.py 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -4
+  # the GPU tests of every kernel and the engines, which session 44's fields default was not run through
+  timeout 200 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
+    tests/test_engine.py tests/test_kernels.py tests/test_frag_kernel.py tests/test_attention_frag.py 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -8
   echo "tests t=$(el)"
   timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s68-35b.json" 1,8 base= \
     nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | \
