@@ -735,7 +735,8 @@ s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.p
   done
   ;;
 s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then the 35B-A3B settings in one engine (the
-  # register cap now default: "nocap" turns it off; the router on the PDL dense kernel)
+  # register cap now default: "nocap" turns it off; the router on the PDL dense kernel; the router in the norm's launch,
+  # 8 rows a program: both modules' copies of the setting)
   nvidia-smi --query-gpu=name --format=csv,noheader
   # the GPU tests of every kernel and the engines, which session 44's fields default was not run through
   timeout 200 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
@@ -743,7 +744,8 @@ s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then t
     grep -E "passed|failed|Error|assert" | tail -8
   echo "tests t=$(el)"
   timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s68-35b.json" 1,8 base= \
-    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | \
+    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 \
+    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
     grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
