@@ -237,7 +237,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from runtime.kernels.moe import EXPERT_GEMM_TILE, _expert_gemm_kernel as fn, expert_gemm_stages
+from runtime.kernels.moe import EXPERT_GEMM_TILE, _expert_gemm_kernel as fn
 from runtime.memory_plan import MOE_BLOCK_ROWS
 sig = {"x_ptr": "*bf16", "x_rows_ptr": "*i32", "block_experts_ptr": "*i32", "base_ptr": "*u8", "high_ptr": "*u8",
        "scale_ptr": "*fp16", "y_ptr": "*bf16", "ROWS_PER_EXPERT": "i32", "K": "i32", "stride_x": "i32"}
@@ -249,8 +249,8 @@ for bits, fragment in json.loads(sys.argv[1]):
     full = {**sig, **{k: "constexpr" for k in const}}
     src = ASTSource(fn, full, {(fn.arg_names.index(k),): v for k, v in const.items()},
                     {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(full.values()) if ty.startswith("*")})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": EXPERT_GEMM_TILE["num_warps"], "num_stages": expert_gemm_stages(fragment)})
+    options = {"num_warps": EXPERT_GEMM_TILE["num_warps"], "num_stages": EXPERT_GEMM_TILE["num_stages"]}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     out[f"{bits}/{fragment}"] = kernel.metadata.shared
 print(json.dumps(out))
 '''
@@ -259,7 +259,8 @@ print(json.dumps(out))
 def test_fused_expert_kernel_fits_an_sm90_block():
     """The prefill's fused expert kernel, compiled for sm_90 (here, on the CPU) at the engine's block rows and the
     launch's pipeline stages, needs no more shared memory than a block may take (232,448 bytes) in every order it
-    reads: Q5 as fields at triton's default 3 stages needed 254 KB, and every launch failed on the GPU."""
+    reads: Q5 as fields needed 254 KB (seven lane-wide gathers a step, each buffered per stage), and every launch
+    failed on the GPU."""
     import json
     import os
     import subprocess

@@ -304,7 +304,9 @@ def expert_gemv_reference(x, x_rows, experts, w: PackedLinear, rows_per_expert):
 # pair rows per block (the memory plan's, which counts the padding): padding costs E x (BLOCK_M - 1) rows, weight
 # dequantization is repeated per block (35B-A3B at 8K: 256 pairs per expert on average, ~12 % padding at 32)
 EXPERT_BLOCK_M = MOE_BLOCK_ROWS
-EXPERT_GEMM_TILE = {"block_n": 64, "block_k": 128, "num_warps": 4}
+# 3 pipeline stages: 25-45 KB of shared memory in every order the kernel reads (sm_90 allows 227 KB a block; Q5
+# fields took 254 KB until session 45 gathered each thread's five words once, and every launch failed on the GPU)
+EXPERT_GEMM_TILE = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -356,17 +358,10 @@ def expert_gemm(x: torch.Tensor, x_rows: torch.Tensor, block_experts: torch.Tens
         x, x_rows, block_experts, base, high if high is not None else base, scale, y, rows_per_expert,
         w.cols, x.stride(0), GPR=w.groups_per_row, K_PAD=w.k_pad, BITS=w.fmt.bits, GROUP=w.fmt.group_size,
         HIGH_BYTES=w.fmt.high_bytes_per_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        FRAGMENT=fragment, num_warps=EXPERT_GEMM_TILE["num_warps"], num_stages=expert_gemm_stages(fragment), **LAUNCH)
+        FRAGMENT=fragment, num_warps=EXPERT_GEMM_TILE["num_warps"], num_stages=EXPERT_GEMM_TILE["num_stages"],
+        **LAUNCH)
     return y
 
-
-def expert_gemm_stages(fragment: int) -> int:
-    """Software-pipeline stages of the fused expert kernel's K loop. Q5 as fields gathers each code from one of
-    five words (seven [BLOCK_N, BLOCK_K / 2] loads a step): triton's default 3 stages buffer them in 254 KB of shared
-    memory at 32 rows a block, over sm_90's 227 KB, and every launch failed on the GPU (session 45: a 35B-A3B engine
-    of several lanes, whose experts lie in fragment order, could not prefill a chunk shorter than 3,072 tokens); one
-    stage takes 24 KB. The other orders take 8-33 KB at 3 stages."""
-    return 1 if fragment == FRAGMENT_ORDERS["fields"] else 3
 
 
 def sort_pairs(ids: torch.Tensor, experts: int, block_m: int = EXPERT_BLOCK_M):

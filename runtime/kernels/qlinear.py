@@ -194,34 +194,42 @@ def _scale_offsets(rows, gidx, GPR: tl.constexpr, FRAGMENT: tl.constexpr):
 
 
 @triton.jit
-def _field_codes(base_ptr, high_ptr, rows, row_ok, pair, GPR: tl.constexpr):
-    """Unsigned 5-bit codes (two's complement bits) of lanes 2 pair and 2 pair + 1 of `rows` ([BLOCK_N, len(pair)]
-    int32 each) from Q5 planes in fields order."""
-    lane2 = 2 * pair
-    gi, c, q = lane2 // 64, (lane2 % 64) // 16, (lane2 % 16) // 2
-    jj = q % 4
-    i = (4 * (2 * (q // 4) + jj // 2) + 2 * (jj % 2))[None, :] + ((rows % 16) // 8)[:, None]  # the A register
-    thread = (4 * (rows % 8))[:, None] + c[None, :]
+def _field_codes(base_ptr, high_ptr, rows, row_ok, k0, GPR: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Unsigned 5-bit codes (two's complement bits) of lanes 2p and 2p + 1 for p in [k0 / 2, (k0 + BLOCK_K) / 2) of
+    `rows` ([BLOCK_N, BLOCK_K / 2] int32 each) from Q5 planes in fields order. Lane pair 8c + q of group gi (a
+    16-lane quarter c) is A register i = 2q + (row % 16) / 8 of thread 4 (row % 8) + c, whose five words (four code
+    words, its word of the high plane) are loaded once per (row, group, quarter): register i < 15 at bits 5 (i % 3)
+    of word i / 3, register 15 bit b in word b's bit 15 (low lane) / 31 (high lane). Five [BLOCK_N, BLOCK_K / 16]
+    loads, not seven lane-wide gathers (whose pipeline buffers overflowed sm_90's shared memory at 3 stages)."""
+    GQ: tl.constexpr = BLOCK_K // 16  # (group, quarter) pairs of the block
+    gq = tl.arange(0, GQ)
+    gi = k0 // 64 + gq // 4
+    thread = (4 * (rows % 8))[:, None] + (gq % 4)[None, :]
     block = (rows // 16)[:, None]
     codes_at = ((block * GPR + gi[None, :]) * 32 + thread) * 4  # the thread's 4 code words of group gi
     high_at = ((block * (GPR // 4) + (gi // 4)[None, :]) * 32 + thread) * 4 + (gi % 4)[None, :]  # its 5th word
     words = base_ptr.to(tl.pointer_type(tl.int32))
-    highs = high_ptr.to(tl.pointer_type(tl.int32))
+    ok = row_ok[:, None]
+    w0 = tl.load(words + codes_at, mask=ok, other=0)
+    w1 = tl.load(words + codes_at + 1, mask=ok, other=0)
+    w2 = tl.load(words + codes_at + 2, mask=ok, other=0)
+    w3 = tl.load(words + codes_at + 3, mask=ok, other=0)
+    w4 = tl.load(high_ptr.to(tl.pointer_type(tl.int32)) + high_at, mask=ok, other=0)
+    i = 2 * tl.arange(0, 8)[None, None, :] + ((rows % 16) // 8)[:, None, None]  # [BLOCK_N, 1, 8]
     wi = i // 3
-    ok = row_ok[:, None] & (i < 15)
-    word = tl.where(wi < 4, tl.load(words + codes_at + wi, mask=ok & (wi < 4), other=0),
-                    tl.load(highs + high_at, mask=ok & (wi == 4), other=0))
-    lo = (word >> (5 * (i % 3))) & 0x1F
-    hi = (word >> (5 * (i % 3) + 16)) & 0x1F
-    last = row_ok[:, None] & (i == 15)  # register 15: bit b of u in word b's bit 15 (lo) / 31 (hi)
-    for b in tl.static_range(5):
-        if b < 4:
-            wb = tl.load(words + codes_at + b, mask=last, other=0)
-        else:
-            wb = tl.load(highs + high_at, mask=last, other=0)
-        lo = tl.where(last, lo | (((wb >> 15) & 1) << b), lo)
-        hi = tl.where(last, hi | (((wb >> 31) & 1) << b), hi)
-    return lo ^ 16, hi ^ 16
+    word = tl.where(wi == 0, w0[:, :, None], tl.where(wi == 1, w1[:, :, None], tl.where(
+        wi == 2, w2[:, :, None], tl.where(wi == 3, w3[:, :, None], w4[:, :, None]))))  # [BLOCK_N, GQ, 8]
+    shift = 5 * (i % 3)
+    lo = (word >> shift) & 0x1F
+    hi = (word >> (shift + 16)) & 0x1F
+    top_lo = ((w0 >> 15) & 1) | (((w1 >> 15) & 1) << 1) | (((w2 >> 15) & 1) << 2) | (((w3 >> 15) & 1) << 3) | \
+        (((w4 >> 15) & 1) << 4)
+    top_hi = ((w0 >> 31) & 1) | (((w1 >> 31) & 1) << 1) | (((w2 >> 31) & 1) << 2) | (((w3 >> 31) & 1) << 3) | \
+        (((w4 >> 31) & 1) << 4)
+    lo = tl.where(i == 15, top_lo[:, :, None], lo)
+    hi = tl.where(i == 15, top_hi[:, :, None], hi)
+    return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)) ^ 16, tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)) ^ 16
 
 
 @triton.jit
@@ -236,7 +244,7 @@ def _nibble_codes(base_ptr, high_ptr, rows, row_ok, k0, K_PAD: tl.constexpr, GPR
     if FRAGMENT == 4:  # Q5 as 5-bit fields (qgemm_fragment_layout._fields_of_pairs): lanes 2p and 2p + 1 are the two
         # halves of one A register i of thread (row % 8, lane / 16)'s group; its word i // 3 (4: the high plane's word)
         # at bit 5 (i % 3), register 15 in the top bits of the five words; u = code ^ 16
-        lo, hi = _field_codes(base_ptr, high_ptr, rows, row_ok, half, GPR)
+        lo, hi = _field_codes(base_ptr, high_ptr, rows, row_ok, k0, GPR, BLOCK_N, BLOCK_K)
     elif FRAGMENT == 2:  # lane 2i of a word (8 lanes) in nibble i, lane 2i + 1 in nibble i + 4: each word loaded once
         words_at = _fragment_offsets(rows, k0 // 2 + 4 * tl.arange(0, BLOCK_K // 8), 8, 32, GPR) // 4
         words_at = tl.max_contiguous(tl.multiple_of(words_at, [1, 2]), [1, 2])  # a unit's 2 words: one 8-byte load
