@@ -58,8 +58,6 @@
 #                        bash bench/device_frag.sh s65       # a graph step's wall time from the GPU timeline
 #                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
 #                                                            # (streams, priority, green contexts)
-#                        bash bench/device_frag.sh s66       # fields with x ahead at 128 registers, x a group
-#                                                            # ahead (tests, per product, lanes)
 #                        bash bench/device_frag.sh s67       # settings side by side in one engine (fields'
 #                                                            # register cap; 35B router on the dense kernel)
 #                        bash bench/device_frag.sh s68       # next: the fused expert kernel's fix on the GPU, 35B
@@ -691,28 +689,6 @@ s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its pro
   # decode steps beside a prefill chunk's GEMMs in streams / priority / green contexts instead of riding (issue 20.4)
   timeout 120 python bench/overlap_probe.py "$OUT/s65-overlap.json" 2>&1 | grep -E '^\{|Error' | head -12
   echo "overlap probe t=$(el)"
-  ;;
-s66)  # ~400 s, any GPU: session 44's two x-loading opt-ins per product, then in lanes. GPU tests first
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_frag_kernel.py -k "group_ahead or \
-    measured_rule or every_k_share or column_tiles or first_column" 2>&1 | grep -E "passed|failed|Error|assert" | tail -4
-  echo "tests t=$(el)"
-  # NINFER_FIELDS_X_AHEAD=128 (opt-in): Q5 fields load x ahead at 2-8 rows with 128 registers; per product, then lanes
-  timeout 100 python bench/gemv_compare.py "$OUT/s66-fields.json" fields 2>&1 | grep "^{" | cut -c1-400
-  echo "products t=$(el)"
-  # x a group ahead for every column tile (NINFER_FRAGMENT_TILE's xgroup, opt-in) against the rule, per product
-  [ $(( ${DEADLINE:-400} - $(el) )) -gt 100 ] && timeout 120 python bench/gemv_compare.py "$OUT/s66-xgroup.json" \
-    xgroup 2>&1 | grep "^{" | cut -c1-500
-  echo "x a group ahead t=$(el)"
-  for mode in off fields xgroup off fields xgroup; do  # lanes: the rule, fields with x ahead, x a group ahead
-    [ $(( ${DEADLINE:-400} - $(el) )) -gt 40 ] || break
-    regs=off; tile=""
-    [ $mode = fields ] && regs=128
-    [ $mode = xgroup ] && tile=2,4,528,0,-1,-1,-1,1
-    NINFER_FIELDS_X_AHEAD=$regs NINFER_FRAGMENT_TILE=$tile timeout 60 $B --lanes 2,4,8 --depths 8k --kv-dtype bf16 2>&1 | \
-      grep "│ bf16"
-    echo "lanes $mode t=$(el)"
-  done
   ;;
 s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.py: one engine, each setting's steps
   # captured anew and timed in turn, 3 rounds), which the separate bench processes' 5-8 % spread hid
