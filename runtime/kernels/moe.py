@@ -363,7 +363,6 @@ def expert_gemm(x: torch.Tensor, x_rows: torch.Tensor, block_experts: torch.Tens
     return y
 
 
-
 def sort_pairs(ids: torch.Tensor, experts: int, block_m: int = EXPERT_BLOCK_M):
     """Expert ids [T, k] -> (x_rows [S] int32: the token of each sorted pair row, -1 for padding;
     block_experts [S / block_m] int32; slot [T, k] int64: where pair (t, j) landed). Pairs are grouped
