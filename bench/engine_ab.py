@@ -97,8 +97,8 @@ def main(shape: str, out: str, lanes: str, *settings: str) -> None:
     if len(parsed) < 2:
         raise SystemExit("engine_ab: give two or more settings to compare")
     counts = [int(n) for n in lanes.split(",")]
-    rounds, steps, depth = int(os.environ.get("NINFER_AB_ROUNDS", "3")), int(os.environ.get("NINFER_AB_STEPS", "64")), \
-        8192
+    rounds, steps = int(os.environ.get("NINFER_AB_ROUNDS", "3")), int(os.environ.get("NINFER_AB_STEPS", "64"))
+    depth = 8192
     advance = rounds * len(parsed) * (steps + 3) * len(counts)
     art = write_shape_artifact(shape, Path(tempfile.mkdtemp()) / f"{shape}.nfer", "q4")
     eng = Engine(art, PlanOptions(max_context=depth + advance + 64, prefill_chunk=2048, kv_dtype="bf16",

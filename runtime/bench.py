@@ -100,29 +100,16 @@ def _decode(engine, first_token: int, n: int, chained: bool = False) -> tuple[in
     _sync(engine)
     t0 = time.perf_counter()
     if chained and engine.speculator is None:
-        cuda = engine.device.type == "cuda"
-
-        def read_back_later(picked: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-            host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
-            host.copy_(picked, non_blocking=cuda)
-            ready = torch.cuda.Event() if cuda else None
-            if ready is not None:
-                ready.record()
-            return host, ready
+        from .engine import HostCopy
 
         picked = engine.decode_step([0], [nxt]).argmax(-1)
-        host, ready = read_back_later(picked)
-        produced = 1
+        copy, produced = HostCopy.start(picked), 1
         while produced < n:
             picked = engine.decode_step([0], None, device_tokens=picked).argmax(-1)
-            ahead = read_back_later(picked)
-            if ready is not None:
-                ready.synchronize()  # the step before: the GPU runs this one meanwhile
-            engine.record_fed_tokens([0], host.tolist())
-            (host, ready), produced = ahead, produced + 1
-        if ready is not None:
-            ready.synchronize()
-        engine.record_fed_tokens([0], host.tolist())
+            ahead = HostCopy.start(picked)
+            engine.record_fed_tokens([0], copy.tolist())  # the step before: the GPU runs this one meanwhile
+            copy, produced = ahead, produced + 1
+        engine.record_fed_tokens([0], copy.tolist())
     while produced < n:
         if engine.speculator is not None and engine.speculator.can_speculate(0):
             new = engine.speculator.round([0], [nxt], [n - produced])[0]

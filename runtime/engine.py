@@ -187,6 +187,30 @@ class EngineStats:
 UNKNOWN_TOKEN = -1  # a chained step's token in lane_tokens until the host learns it (matches no prompt token)
 
 
+@dataclass
+class HostCopy:
+    """A device tensor's copy on its way to the host, so a chained step's tokens reach the host while the GPU runs
+    the next step: pinned memory behind a CUDA event on a GPU (None on the CPU: the copy is done)."""
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, tensor: torch.Tensor) -> "HostCopy":
+        cuda = tensor.is_cuda
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+        host.copy_(tensor, non_blocking=cuda)
+        ready = torch.cuda.Event() if cuda else None
+        if ready is not None:
+            ready.record()
+        return cls(host, ready)
+
+    def tolist(self) -> list:
+        """The values, once the copy has landed (waits for nothing queued after it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class Riders:
     """Decode lanes a scheduler offers to a lane's next prefill chunk (Engine.prefill_chunks(riders=...)):
     `offer` them before asking for the chunk; afterwards `logits` [R, V] holds their next-token logits

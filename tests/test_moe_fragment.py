@@ -232,49 +232,37 @@ def test_expert_major_threshold_from_the_tuning(moe_fragment_sized, monkeypatch)
         tokens = got
 
 
-SM90_COMPILE = r'''
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from runtime.kernels.moe import EXPERT_GEMM_TILE, _expert_gemm_kernel as fn
-from runtime.memory_plan import MOE_BLOCK_ROWS
-sig = {"x_ptr": "*bf16", "x_rows_ptr": "*i32", "block_experts_ptr": "*i32", "base_ptr": "*u8", "high_ptr": "*u8",
-       "scale_ptr": "*fp16", "y_ptr": "*bf16", "ROWS_PER_EXPERT": "i32", "K": "i32", "stride_x": "i32"}
-out = {}
-for bits, fragment in json.loads(sys.argv[1]):
-    const = {"GPR": 8, "K_PAD": 512, "BITS": bits, "GROUP": 64, "HIGH_BYTES": 8 if bits == 5 else 0,
-             "BLOCK_M": MOE_BLOCK_ROWS, "BLOCK_N": EXPERT_GEMM_TILE["block_n"], "BLOCK_K": EXPERT_GEMM_TILE["block_k"],
-             "FRAGMENT": fragment}
-    full = {**sig, **{k: "constexpr" for k in const}}
-    src = ASTSource(fn, full, {(fn.arg_names.index(k),): v for k, v in const.items()},
-                    {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(full.values()) if ty.startswith("*")})
-    options = {"num_warps": EXPERT_GEMM_TILE["num_warps"], "num_stages": EXPERT_GEMM_TILE["num_stages"]}
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    out[f"{bits}/{fragment}"] = kernel.metadata.shared
-print(json.dumps(out))
-'''
-
-
-def test_fused_expert_kernel_fits_an_sm90_block():
-    """The prefill's fused expert kernel, compiled for sm_90 (here, on the CPU) at the engine's block rows and the
-    launch's pipeline stages, needs no more shared memory than a block may take (232,448 bytes) in every order it
-    reads: Q5 as fields needed 254 KB (seven lane-wide gathers a step, each buffered per stage), and every launch
-    failed on the GPU."""
+def test_fused_expert_kernel_fits_an_sm90_block(tmp_path):
+    """The prefill's fused expert kernel, compiled for sm_90 (here, on the CPU, by bench/compile_check.py) at the
+    engine's block rows and the launch's warps and pipeline stages, needs no more shared memory than a block may take
+    in every order it reads: Q5 as fields needed 254 KB (seven lane-wide gathers a step, each buffered per stage), and
+    every launch failed on the GPU."""
     import json
     import os
     import subprocess
     import sys
 
-    cases = [[4, 0], [5, 0], [4, 2], [5, 2], [5, 3], [5, 4]]  # (bits, FRAGMENT): planes, pairs, bytes, fields
+    from runtime.kernels.moe import EXPERT_GEMM_TILE
+    from runtime.memory_plan import MOE_BLOCK_ROWS
+
+    pointers = {"x_ptr": "*bf16", "x_rows_ptr": "*i32", "block_experts_ptr": "*i32", "base_ptr": "*u8",
+                "high_ptr": "*u8", "scale_ptr": "*fp16", "y_ptr": "*bf16", "ROWS_PER_EXPERT": "i32", "K": "i32",
+                "stride_x": "i32"}
+    launches = []
+    for bits, fragment in ((4, 0), (5, 0), (4, 2), (5, 2), (5, 3), (5, 4)):  # planes, pairs, bytes, fields
+        constants = {"GPR": 8, "K_PAD": 512, "BITS": bits, "GROUP": 64, "HIGH_BYTES": 8 if bits == 5 else 0,
+                     "BLOCK_M": MOE_BLOCK_ROWS, "BLOCK_N": EXPERT_GEMM_TILE["block_n"],
+                     "BLOCK_K": EXPERT_GEMM_TILE["block_k"], "FRAGMENT": fragment}
+        launches.append({"module": "runtime.kernels.moe", "name": "_expert_gemm_kernel",
+                         "signature": {**pointers, **{k: "constexpr" for k in constants}}, "constants": constants,
+                         "num_warps": EXPERT_GEMM_TILE["num_warps"], "num_stages": EXPERT_GEMM_TILE["num_stages"]})
+    recorded = tmp_path / "launches.json"
+    recorded.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU compiler, not the interpreter
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(cases)], capture_output=True, text=True,
-                         env=env, timeout=600)
-    if run.returncode != 0:
-        if "ptxas" in run.stderr.lower() or "cuda" in run.stderr.lower() and "not found" in run.stderr.lower():
-            pytest.skip(f"no sm_90 toolchain here: {run.stderr.strip().splitlines()[-1][:200]}")
-        raise AssertionError(run.stderr[-2000:])
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(shared) == {f"{b}/{f}" for b, f in cases}
-    assert all(v <= 232448 for v in shared.values()), shared
+    run = subprocess.run([sys.executable, "bench/compile_check.py", "compile", str(recorded)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    report = run.stdout + run.stderr
+    if run.returncode != 0 and "shared memory" not in report and "ptxas" in report.lower():
+        pytest.skip(f"no sm_90 toolchain here: {report.strip().splitlines()[-1][:200]}")
+    assert run.returncode == 0 and f"{len(launches)} of {len(launches)} launches compile" in report, report[-2000:]

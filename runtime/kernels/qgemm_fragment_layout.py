@@ -887,8 +887,8 @@ def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple
         return wide > 0 or bits == 4 and shape is not None and shape[1] == 4 and shape[2] == 1
     if first >= 0:
         return 0 < first <= t <= 8
-    if fields:  # fields with x ahead: 140 registers against 114 (pair order's 127), so fewer warps per SM: MLP down
-        return FIELDS_REGS > 0 and 2 <= t <= 8  # uncapped: 140 registers, 22.2 -> 25.1 us against pair order
+    if fields:  # x ahead only under the register cap: uncapped it takes 140 registers against 114 in place (pair
+        return FIELDS_REGS > 0 and 2 <= t <= 8  # order's 127), fewer warps an SM: MLP down at 2-8 rows 22.2 -> 25.1 us
     if t == 1:
         return bits == 4 and shape is not None and shape[1] == 2 and shape[2] == 1
     return 2 <= t <= 8
@@ -938,8 +938,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
     high = fp.high if fp.high is not None else fp.codes
     grid = (triton.cdiv(fp.blocks, bw), split)
     _qgemm_fragment_layout_kernel[grid](x, fp.codes, high, fp.scales, target, fp.rows, t, k, fp.blocks, size,
-                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits,
-                                        X_AHEAD=x_ahead,
+                                        G=fp.groups, NT=nt, BW=bw, KS=ks, BITS=fp.fmt.bits, X_AHEAD=x_ahead,
                                         LOAD_ASM=_chunk_load_asm(fp.fmt.bits, HINTS[hint]),
                                         COMPUTE_ASM=_compute_asm(fp.fmt.bits, nt, words=True, pairs=fp.pairs,
                                                                  x_regs=x_ahead, fields=fp.fields),

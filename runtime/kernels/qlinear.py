@@ -194,6 +194,13 @@ def _scale_offsets(rows, gidx, GPR: tl.constexpr, FRAGMENT: tl.constexpr):
 
 
 @triton.jit
+def _register15_code(w0, w1, w2, w3, w4, BIT: tl.constexpr):
+    """A fields thread's 16th register code (bit b in word b's bit BIT: 15 the low lane's, 31 the high lane's)."""
+    return ((w0 >> BIT) & 1) | (((w1 >> BIT) & 1) << 1) | (((w2 >> BIT) & 1) << 2) | (((w3 >> BIT) & 1) << 3) | \
+        (((w4 >> BIT) & 1) << 4)
+
+
+@triton.jit
 def _field_codes(base_ptr, high_ptr, rows, row_ok, k0, GPR: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """Unsigned 5-bit codes (two's complement bits) of lanes 2p and 2p + 1 for p in [k0 / 2, (k0 + BLOCK_K) / 2) of
@@ -223,12 +230,8 @@ def _field_codes(base_ptr, high_ptr, rows, row_ok, k0, GPR: tl.constexpr, BLOCK_
     shift = 5 * (i % 3)
     lo = (word >> shift) & 0x1F
     hi = (word >> (shift + 16)) & 0x1F
-    top_lo = ((w0 >> 15) & 1) | (((w1 >> 15) & 1) << 1) | (((w2 >> 15) & 1) << 2) | (((w3 >> 15) & 1) << 3) | \
-        (((w4 >> 15) & 1) << 4)
-    top_hi = ((w0 >> 31) & 1) | (((w1 >> 31) & 1) << 1) | (((w2 >> 31) & 1) << 2) | (((w3 >> 31) & 1) << 3) | \
-        (((w4 >> 31) & 1) << 4)
-    lo = tl.where(i == 15, top_lo[:, :, None], lo)
-    hi = tl.where(i == 15, top_hi[:, :, None], hi)
+    lo = tl.where(i == 15, _register15_code(w0, w1, w2, w3, w4, 15)[:, :, None], lo)
+    hi = tl.where(i == 15, _register15_code(w0, w1, w2, w3, w4, 31)[:, :, None], hi)
     return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)) ^ 16, tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)) ^ 16
 
 

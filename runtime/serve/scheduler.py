@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..engine import Riders
+from ..engine import HostCopy, Riders
 from ..kernels.sampling import SamplingParams, pick_token, pick_token_on_device
 
 
@@ -130,8 +130,7 @@ class _Chained:
     lanes: list[int]
     states: list[_Lane]
     picked: torch.Tensor  # [B] int64 on the device
-    host: torch.Tensor  # [B] int64, pinned on a GPU
-    ready: object | None  # a CUDA event recorded after the copy (None on the CPU: the copy is done)
+    copy: HostCopy  # picked on its way to the host
 
 
 # Chained decode (default on): while the same lanes keep decoding with tokens the device can pick itself
@@ -407,25 +406,12 @@ class Scheduler:
         else:
             logits = self.engine.decode_step(lanes, None, device_tokens=previous.picked)
         picked = self._pick_on_device(lanes, logits)
-        cuda = picked.is_cuda
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
-        host.copy_(picked, non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        self.chained = _Chained(lanes, [self.lanes[lane] for lane in lanes], picked, host, ready)
+        self.chained = _Chained(lanes, [self.lanes[lane] for lane in lanes], picked, HostCopy.start(picked))
         if previous is not None:
             self.stats["chained_steps"] += 1
-            tokens = self._read_back(previous)
+            tokens = previous.copy.tolist()
             self.engine.record_fed_tokens(lanes, tokens)
             self._hand_out(previous, tokens)
-
-    @staticmethod
-    def _read_back(step: _Chained) -> list[int]:
-        if step.ready is not None:
-            step.ready.synchronize()
-        return step.host.tolist()
 
     def _hand_out(self, step: _Chained, tokens: list[int]) -> None:
         for lane, state, token in zip(step.lanes, step.states, tokens):
@@ -436,7 +422,7 @@ class Scheduler:
         """End the chain: the in-flight step's tokens go to their clients; no step is launched behind it."""
         step, self.chained = self.chained, None
         if step is not None:
-            self._hand_out(step, self._read_back(step))
+            self._hand_out(step, step.copy.tolist())
 
     def _step(self) -> None:
         for lane, state in list(self.lanes.items()):
