@@ -63,6 +63,7 @@
 #                        bash bench/device_frag.sh s68       # next: the fused expert kernel's fix on the GPU, 35B
 #                                                            # settings in one engine (cap off, router dense)
 #                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
+#                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -720,6 +721,25 @@ s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then t
     grep -E "passed|failed|Error|assert" | tail -8
   echo "tests t=$(el)"
   timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s68-35b.json" 1,8 base= \
+    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 \
+    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
+    grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  ;;
+s70)  # ~520 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix and session 46's queued host-to-device
+  # copies never ran on a GPU), then in one engine each: decode steps queued behind the one in flight (session 46's
+  # default) against blocking copies (a stream sync a step, as before), 27B and 35B-A3B at 1 and 8 lanes; and s68's
+  # 35B-A3B settings (register cap off, router on the PDL dense kernel, router in the norm's launch)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 200 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
+    tests/test_engine.py tests/test_kernels.py tests/test_frag_kernel.py tests/test_attention_frag.py 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -8
+  echo "tests t=$(el)"
+  timeout 120 python bench/engine_ab.py qwen3.6-27b "$OUT/s70-27b.json" 1,8 base= \
+    blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
+  [ $(( ${DEADLINE:-580} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-580} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-35b-a3b "$OUT/s70-35b.json" 1,8 base= blocking=runtime.transfers.QUEUED_COPIES:False \
     nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 \
     "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
     grep -E "median|Error"

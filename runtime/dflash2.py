@@ -35,6 +35,7 @@ from .kernels.head_norm_rope import head_norm_rope, head_norm_rope_reference
 from .kernels.selector_walk import selector_walk, selector_walk_reference
 from .reference_ops import rope_cos_sin
 from .speculate import Speculator
+from .transfers import device_ints
 
 # the drafter's small ops: the plain-torch ones, or with NINFER_DFLASH2_KERNELS=fused each dynamic convolution in one
 # launch (block_conv, the residual add and the next product's dtype inside; ~9 torch launches a call, four calls a
@@ -145,7 +146,7 @@ class DFlash2State(Speculator):
         """After a target prefill chunk [start, stop): project its tapped rows (the chunk's last ones, at
         most a window) into the context cache. A continued conversation first commits the rows its last
         round accepted (they precede `start`)."""
-        lane_t = torch.tensor([lane], device=self.e.device)
+        lane_t = device_ints([lane], self.e.device)
         if self.pending_rows[lane]:
             self.commit_pending(lane_t)
         rows = tapped.shape[0]
@@ -289,5 +290,5 @@ class DFlash2State(Speculator):
 
     def _draft_block(self, lanes, lanes_t, held, next_tokens, key):
         dev = self.e.device
-        return self.e.run_step(("draft", key), self._draft, lanes_t, torch.tensor(next_tokens, device=dev),
-                               torch.tensor(held, device=dev))
+        ids = device_ints([list(next_tokens), held], dev)
+        return self.e.run_step(("draft", key), self._draft, lanes_t, ids[0], ids[1])

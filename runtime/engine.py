@@ -47,6 +47,7 @@ from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
                           shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
+from .transfers import HostCopy, device_ints  # noqa: F401 - HostCopy: the scheduler's and the bench's
 
 
 # MoE decode (kernels/moe.py): "fused" (three launches per layer: the router and shared gate in one product, routing
@@ -185,30 +186,6 @@ class EngineStats:
 
 
 UNKNOWN_TOKEN = -1  # a chained step's token in lane_tokens until the host learns it (matches no prompt token)
-
-
-@dataclass
-class HostCopy:
-    """A device tensor's copy on its way to the host, so a chained step's tokens reach the host while the GPU runs
-    the next step: pinned memory behind a CUDA event on a GPU (None on the CPU: the copy is done)."""
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    @classmethod
-    def start(cls, tensor: torch.Tensor) -> "HostCopy":
-        cuda = tensor.is_cuda
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
-        host.copy_(tensor, non_blocking=cuda)
-        ready = torch.cuda.Event() if cuda else None
-        if ready is not None:
-            ready.record()
-        return cls(host, ready)
-
-    def tolist(self) -> list:
-        """The values, once the copy has landed (waits for nothing queued after it)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 class Riders:
@@ -917,7 +894,7 @@ class Engine:
             self.checkpoint_at[lane] = 0  # the old checkpoint's tokens are about to be overwritten
         self.stats.reused_tokens += held
         self.lane_tokens[lane] = list(prompt)
-        lane_t = torch.tensor([lane], device=self.device)
+        lane_t = device_ints([lane], self.device)
         chunk = self.opts.prefill_chunk
         spec = self.speculator
         rope3 = embeds = None
@@ -949,7 +926,7 @@ class Engine:
                 stop = checkpoint_at
             piece = prompt[start:stop]
             self.ctx_len[lane] = start + len(piece)
-            toks = torch.tensor([piece], device=self.device)
+            toks = device_ints([piece], self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)[None]
             extra = {}
             if rope3 is not None:
@@ -1018,9 +995,9 @@ class Engine:
         """Prefill `piece` padded to `bucket` rows (with the offered decode rows riding, if any) from one CUDA
         graph per (bucket, riders); returns the piece's last logits [1, V] and sets riders.logits."""
         n = len(piece)
-        toks = torch.tensor([piece + [piece[-1]] * (bucket - n)], device=self.device)
+        toks = device_ints([piece + [piece[-1]] * (bucket - n)], self.device)
         pos = torch.arange(start, start + bucket, device=self.device)[None]
-        real = torch.tensor([n], device=self.device)
+        real = device_ints([n], self.device)
         self.ctx_len[lane] = start + bucket  # the block's rows sit at ctx_len - bucket .. ctx_len - 1
         if offered:
             all_lanes, rider_toks, rider_pos = self._take_riders(lane, offered, riders)
@@ -1029,7 +1006,7 @@ class Engine:
             logits = both[:1].clone()
             riders.logits = both[1:].clone()
         else:
-            logits = self.run_step(("piece", bucket, 0), self._piece_forward, torch.tensor([lane], device=self.device),
+            logits = self.run_step(("piece", bucket, 0), self._piece_forward, device_ints([lane], self.device),
                                    toks, pos, real).clone()
         self.ctx_len[lane] = start + n
         return logits
@@ -1038,11 +1015,13 @@ class Engine:
         """Count the offered decode rows into this forward of `lane`'s prefill: returns the lanes [1 + R] (the
         prefilling one first), the riders' tokens [R] and positions [R] on the device."""
         rider_lanes, rider_tokens = [r for r, _ in offered], [tok for _, tok in offered]
-        rider_pos = self._advance(rider_lanes, rider_tokens)
+        positions = self._advance(rider_lanes, rider_tokens)
         riders.advanced = rider_lanes  # counted: if the forward fails, their state is lost too
         self.stats.rider_tokens += len(rider_lanes)
-        return (torch.tensor([lane] + rider_lanes, device=self.device), torch.tensor(rider_tokens, device=self.device),
-                rider_pos)
+        lengths = [p + 1 for p in positions]
+        packed = device_ints([[lane] + rider_lanes, [0] + rider_tokens, [0] + positions, [0] + lengths], self.device)
+        self._count_on_device(packed[0, 1:], packed[3, 1:])
+        return packed[0], packed[1, 1:], packed[2, 1:]
 
     def _piece_forward(self, lanes_t, toks, pos, real):
         return self.forward(lanes_t, toks, pos, real_rows=real)
@@ -1055,33 +1034,43 @@ class Engine:
         return self.speculator is None and prefilling not in lanes and len(set(lanes)) == len(lanes) \
             and all(not self.rope_delta[r] and self.held_tokens(r) + 1 <= self.opts.max_context for r in lanes)
 
-    def _advance(self, lanes: list[int], tokens: list[int] | None) -> torch.Tensor:
-        """Count one new token per lane (decode): returns their positions [B] on the device. tokens None:
-        they are still on the device (a chained step); record_fed_tokens fills them in."""
+    def _advance(self, lanes: list[int], tokens: list[int] | None) -> list[int]:
+        """Count one new token per lane (decode): returns their positions; the caller tells the device
+        (_count_on_device). tokens None: they are still on the device (a chained step); record_fed_tokens
+        fills them in."""
         if max(self.held_tokens(lane) for lane in lanes) + 1 > self.opts.max_context:
             raise MemoryPlanError(f"a lane reached --max-context {self.opts.max_context}")
-        pos = torch.tensor([self.held_tokens(lane) for lane in lanes], device=self.device)
-        self.ctx_len[torch.tensor(lanes, device=self.device)] += 1
+        positions = [self.held_tokens(lane) for lane in lanes]
         self.stats.decode_tokens += len(lanes)
         for lane, token in zip(lanes, tokens if tokens is not None else [UNKNOWN_TOKEN] * len(lanes)):
             self.lane_tokens[lane].append(token)
         if self.speculator is not None:  # a plain step leaves the drafter behind: no more drafting here
             for lane in lanes:
                 self.speculator.mark_stale(lane)
-        return pos
+        return positions
+
+    def _count_on_device(self, lanes_t: torch.Tensor, lengths_t: torch.Tensor) -> None:
+        """ctx_len[lanes] = lengths, queued on the stream (no host sync)."""
+        self.ctx_len.index_put_((lanes_t,), lengths_t.to(self.ctx_len.dtype))
 
     def decode_step(self, lanes: list[int], tokens: list[int] | None, device_tokens: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """One token for each listed lane; returns logits [B, V] (a CUDA-graph replay when enabled).
         With `device_tokens` ([B] on the device, tokens None) the step is chained behind the one that picks
         them: nothing waits for the host, which tells the tokens afterwards (record_fed_tokens)."""
-        lanes_t = torch.tensor(lanes, device=self.device)
-        pos = self._advance(lanes, None if device_tokens is not None else tokens)[:, None]
-        toks = device_tokens.long()[:, None] if device_tokens is not None else \
-            torch.tensor(tokens, device=self.device)[:, None]
-        if any(self.rope_delta[lane] for lane in lanes):  # after images: shifted rotary positions
-            shift = torch.tensor([self.rope_delta[lane] for lane in lanes], device=self.device)[:, None]
-            logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos, pos + shift)
+        positions = self._advance(lanes, None if device_tokens is not None else tokens)
+        shifted = any(self.rope_delta[lane] for lane in lanes)  # after images: shifted rotary positions
+        rows = [lanes, positions, [p + 1 for p in positions]]
+        rows.append(tokens if device_tokens is None else [0] * len(lanes))
+        if shifted:
+            rows.append([p + self.rope_delta[lane] for p, lane in zip(positions, lanes)])
+        packed = device_ints(rows, self.device)  # one copy, queued: the step before may still run
+        lanes_t, pos = packed[0], packed[1][:, None]
+        self._count_on_device(lanes_t, packed[2])
+        toks = device_tokens.long()[:, None] if device_tokens is not None else packed[3][:, None]
+        if shifted:
+            logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos,
+                                   packed[4][:, None])
         else:
             logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()

@@ -18,6 +18,7 @@ from format.binding import mtp_layer_count
 from .kernels.paged_attention import PAGE
 from .kernels.rmsnorm import rmsnorm
 from .speculate import Speculator
+from .transfers import device_ints
 
 
 class MtpState(Speculator):
@@ -102,9 +103,9 @@ class MtpState(Speculator):
         m = self.start[lane]
         rows = torch.cat([self.tail[lane, : start - m].to(hidden.dtype), hidden[:-1]]) if start > m else hidden[:-1]
         if end - 1 > m:
-            lanes_t = torch.tensor([lane], device=e.device)
+            lanes_t = device_ints([lane], e.device)
             self.ctx[lane] = end - 1
-            toks = torch.tensor([prompt[m + 1 : end]], device=e.device)
+            toks = device_ints([prompt[m + 1 : end]], e.device)
             pos = torch.arange(m, end - 1, device=e.device)[None]
             self._forward(0, lanes_t, toks, rows[None], pos)
         self.tail[lane, 0] = hidden[-1].to(self.tail.dtype)
@@ -137,9 +138,10 @@ class MtpState(Speculator):
         for lane, L, m, nxt in zip(lanes, held, first, next_tokens):
             toks = e.lane_tokens[lane][m + 1 : L] + [nxt]
             tail_tokens.append(toks + [0] * (k + 1 - len(toks)))
-        rows = torch.tensor([L - m for L, m in zip(held, first)], device=e.device)
-        return e.run_step(("draft", key), self._draft, lanes_t, torch.tensor(tail_tokens, device=e.device),
-                          torch.tensor(first, device=e.device), rows)
+        b = len(lanes)
+        rows = [L - m for L, m in zip(held, first)]
+        ids = device_ints(rows + first + [t for row in tail_tokens for t in row], e.device)  # one copy, queued
+        return e.run_step(("draft", key), self._draft, lanes_t, ids[2 * b :].view(b, k + 1), ids[b : 2 * b], ids[:b])
 
     def _commit_drafter(self, lane: int, b: int, held: int, keep: int, hidden: torch.Tensor) -> None:
         self.tail[lane, :keep] = hidden[b, :keep].to(self.tail.dtype)

@@ -13,6 +13,7 @@ from format.inventory import DRAFT_HEAD, DRAFT_TOKEN_IDS
 
 from .kernels.paged_attention import PAGE
 from .kernels.sampling import pick_token
+from .transfers import device_ints
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Speculator:
         e, k = self.e, self.k
         dev = e.device
         held = [e.held_tokens(lane) for lane in lanes]
-        lanes_t = torch.tensor(lanes, device=dev)
+        lanes_t = device_ints(lanes, dev)
         key = len(lanes)  # graphs are per batch size; the lane indices are a graph input
         # blocks of more than 16 rows take the MoE prefill path: grouped, without host syncs, but not yet
         # captured in a CUDA graph on a GPU, so these steps stay eager
@@ -78,9 +79,13 @@ class Speculator:
         drafts = self._draft_block(lanes, lanes_t, held, next_tokens, key)
         if timed:
             marks[1].record()
-        verify_tokens = torch.cat([torch.tensor(next_tokens, device=dev)[:, None], drafts], dim=1)
-        positions = torch.tensor(held, device=dev)[:, None] + torch.arange(k + 1, device=dev)[None]
-        e.ctx_len[lanes_t] = torch.tensor([L + k + 1 for L in held], device=dev, dtype=torch.int32)
+        # one copy queued behind the drafts, not waiting for them: first tokens, new lengths, block positions
+        b = len(lanes)
+        ids = device_ints(list(next_tokens) + [L + k + 1 for L in held] + [L + j for L in held for j in range(k + 1)],
+                          dev)
+        verify_tokens = torch.cat([ids[:b, None], drafts], dim=1)
+        positions = ids[2 * b :].view(b, k + 1)
+        e.ctx_len[lanes_t] = ids[b : 2 * b].to(torch.int32)
         logits, aux = e.run_step(("verify", key), self._verify, lanes_t, verify_tokens, positions)
         if timed:
             marks[2].record()

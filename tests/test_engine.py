@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from format.container import Artifact  # noqa: E402
 from format.convert import ConvertOptions, convert_checkpoint  # noqa: E402
-from runtime.engine import UNKNOWN_TOKEN, Engine  # noqa: E402
+from runtime.engine import UNKNOWN_TOKEN, Engine, HostCopy  # noqa: E402
 from runtime.memory_plan import MemoryPlanError, PlanOptions  # noqa: E402
 from runtime.model import ReferenceModel  # noqa: E402
 
@@ -859,3 +859,37 @@ def test_bench_decode_chained_as_the_server_runs_it_gives_the_same_tokens(artifa
         held[chained] = list(eng.lane_tokens[0])
     assert held[True] == held[False] and len(held[True]) == len(PROMPT) + NEW
     assert UNKNOWN_TOKEN not in held[True]  # every fed token told to the engine
+
+
+def test_device_ints_are_the_host_values():
+    from runtime import transfers
+
+    for queued in (True, False):
+        transfers.QUEUED_COPIES = queued
+        try:
+            got = transfers.device_ints([[1, 2], [3, 2**40]], torch.device(DEVICE))
+        finally:
+            transfers.QUEUED_COPIES = True
+        assert got.dtype == torch.long and got.device.type == DEVICE and got.tolist() == [[1, 2], [3, 2**40]]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a host sync is a CUDA stream's; the CPU has none to avoid")
+def test_a_chained_decode_step_is_queued_without_waiting_for_the_gpu(artifacts):
+    """A chained step (tokens fed on the device) and the copy of its tokens to the host must not synchronize: one
+    blocking host-to-device copy makes every step wait for the one before and idles the GPU while the host launches
+    the next (torch.tensor(..., device="cuda") did, three times a step, until session 46). Speculative rounds are
+    not held to this: their acceptance reads the verify block back."""
+    eng = Engine(artifacts["dense-q4"], PlanOptions(max_context=64, max_concurrency=2), device=DEVICE)
+    first = int(torch.argmax(eng.prefill(0, PROMPT)))
+    eng.prefill(1, PROMPT[:5])
+    for lanes in ([0], [0, 1]):
+        picked = eng.decode_step(lanes, [first] * len(lanes)).argmax(-1)  # captures this batch size's graph
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                picked = eng.decode_step(lanes, None, device_tokens=picked).argmax(-1)
+                copy = HostCopy.start(picked)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(copy.tolist()) == len(lanes)
