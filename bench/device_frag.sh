@@ -64,6 +64,7 @@
 #                                                            # settings in one engine (cap off, router dense)
 #                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
 #                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
+#                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -744,6 +745,29 @@ s70)  # ~520 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix a
     "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
     grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
+  # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);
+  # then s69's norm launch shapes for the 27B
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+    timeout 100 python -m ninfer_cli.main bench --random-weights $shape --depths 8k --prefill-limit 8k --kv-dtype bf16 \
+      --decode-tokens 256 --json-out "$OUT/s71-$shape.json" 2>&1 | grep "│ bf16"
+    python - "$OUT/s71-$shape.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["rows"][0]
+print({k: r.get(k) for k in ("decode_tok_s", "decode_tok_s_host_synced", "of_roofline")})
+PY
+    echo "$shape one lane t=$(el)"
+  done
+  timeout 110 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s71-lanes.json" 2>&1 | grep "│ bf16"
+  echo "27B lanes t=$(el)"
+  N=runtime.kernels.rmsnorm
+  [ $(( ${DEADLINE:-580} - $(el) )) -gt 80 ] && timeout $(( ${DEADLINE:-580} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-27b "$OUT/s71-norms.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 chunk128=$N.SPREAD_CHUNK:128 \
+    sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2 2>&1 | \
+    grep -E "median|Error"
+  echo "27B norms t=$(el)"
   ;;
 s69)  # ~200 s, any GPU: the one-lane norms' launch shape in one engine (issue 21 item 1: 177 RMSNorms of 4-5 µs a
   # 27B step, 111 a 35B-A3B step, session 45's timelines): lanes a program, lanes a sum step, warps
