@@ -893,3 +893,20 @@ def test_a_chained_decode_step_is_queued_without_waiting_for_the_gpu(artifacts):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert len(copy.tolist()) == len(lanes)
+
+
+def test_step_paths_make_no_blocking_host_to_device_copies():
+    """torch.tensor(..., device=...) on a GPU waits for the whole stream (a blocking copy), so the modules that
+    queue decode steps and speculative rounds build device ints with runtime.transfers.device_ints instead; this
+    keeps a new blocking copy out of them on a CPU-only CI, where the GPU test above cannot run."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "runtime"
+    found = []
+    for name in ("engine.py", "speculate.py", "mtp.py", "dflash2.py", "generate.py"):
+        for node in ast.walk(ast.parse((root / name).read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("tensor", "as_tensor") and any(k.arg == "device" for k in node.keywords):
+                found.append(f"runtime/{name}:{node.lineno}")
+    assert not found, f"blocking host-to-device copies: {found}"
