@@ -727,10 +727,11 @@ s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then t
     grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
-s70)  # ~520 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix and session 46's queued host-to-device
+s70)  # ~540 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix and session 46's queued host-to-device
   # copies never ran on a GPU), then in one engine each: decode steps queued behind the one in flight (session 46's
-  # default) against blocking copies (a stream sync a step, as before), 27B and 35B-A3B at 1 and 8 lanes; and s68's
-  # 35B-A3B settings (register cap off, router on the PDL dense kernel, router in the norm's launch)
+  # default) against blocking copies (a stream sync a step, as before), 27B and 35B-A3B at 1 and 8 lanes, with the
+  # 35B-A3B's router in the norm's launch (8 rows a program) and on the PDL dense kernel beside them; then, with the
+  # time left, one lane of the 35B-A3B end to end (bench: chained and host-synced)
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 200 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
     tests/test_engine.py tests/test_kernels.py tests/test_frag_kernel.py tests/test_attention_frag.py 2>&1 | \
@@ -739,12 +740,15 @@ s70)  # ~520 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix a
   timeout 120 python bench/engine_ab.py qwen3.6-27b "$OUT/s70-27b.json" 1,8 base= \
     blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
-  [ $(( ${DEADLINE:-580} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-580} - $(el) )) python bench/engine_ab.py \
+  [ $(( ${DEADLINE:-570} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-570} - $(el) )) python bench/engine_ab.py \
     qwen3.6-35b-a3b "$OUT/s70-35b.json" 1,8 base= blocking=runtime.transfers.QUEUED_COPIES:False \
-    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 \
-    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
-    grep -E "median|Error"
+    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" \
+    dense=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  [ $(( ${DEADLINE:-570} - $(el) )) -gt 70 ] && timeout $(( ${DEADLINE:-570} - $(el) )) python -m ninfer_cli.main \
+    bench --random-weights qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 256 \
+    --json-out "$OUT/s70-35b-bench.json" 2>&1 | grep -E "│ bf16|decode .* tok/s"
+  echo "35B-A3B one lane t=$(el)"
   ;;
 s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
   # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);
