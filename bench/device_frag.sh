@@ -65,6 +65,7 @@
 #                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
 #                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
 #                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
+#                        bash bench/device_frag.sh s72       # s70 for a short budget (~360 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -749,6 +750,22 @@ s70)  # ~540 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix a
     bench --random-weights qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 256 \
     --json-out "$OUT/s70-35b-bench.json" 2>&1 | grep -E "│ bf16|decode .* tok/s"
   echo "35B-A3B one lane t=$(el)"
+  ;;
+s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
+  # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
+  # the norm's launch beside them)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
+    tests/test_engine.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
+  echo "tests t=$(el)"
+  timeout 90 python bench/engine_ab.py qwen3.6-27b "$OUT/s72-27b.json" 1 base= \
+    blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
+  [ $(( ${DEADLINE:-370} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-370} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-35b-a3b "$OUT/s72-35b.json" 1,8 base= blocking=runtime.transfers.QUEUED_COPIES:False \
+    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
+    grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
   ;;
 s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
   # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);
