@@ -66,6 +66,7 @@
 #                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
 #                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
 #                        bash bench/device_frag.sh s72       # s70 for a short budget (~360 s)
+#                        bash bench/device_frag.sh s73       # the least of s72 (~230 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -766,6 +767,20 @@ s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines an
     "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
     grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s73)  # ~230 s, any GPU: the least of s72: the queued copies' GPU test and the fused expert kernel's (a 35B-A3B engine of
+  # several lanes prefills through it), then queued vs blocking copies, one lane of the 27B and of the 35B-A3B
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 70 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
+    tests/test_engine.py -k "queued or blocking or device_ints or fused or moe or chained" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -8
+  echo "tests t=$(el)"
+  for shape in qwen3.6-27b qwen3.6-35b-a3b; do
+    [ $(( ${DEADLINE:-240} - $(el) )) -gt 40 ] && NINFER_AB_ROUNDS=2 timeout $(( ${DEADLINE:-240} - $(el) )) python \
+      bench/engine_ab.py $shape "$OUT/s73-$shape.json" 1 base= blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | \
+      grep -E "median|Error"
+    echo "$shape t=$(el)"
+  done
   ;;
 s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
   # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);
