@@ -100,7 +100,7 @@ def _decode(engine, first_token: int, n: int, chained: bool = False) -> tuple[in
     _sync(engine)
     t0 = time.perf_counter()
     if chained and engine.speculator is None:
-        from .engine import HostCopy
+        from .transfers import HostCopy
 
         picked = engine.decode_step([0], [nxt]).argmax(-1)
         copy, produced = HostCopy.start(picked), 1

@@ -47,7 +47,7 @@ from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
                           shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
-from .transfers import HostCopy, device_ints  # noqa: F401 - HostCopy: the scheduler's and the bench's
+from .transfers import device_ints
 
 
 # MoE decode (kernels/moe.py): "fused" (three launches per layer: the router and shared gate in one product, routing
@@ -1061,7 +1061,8 @@ class Engine:
         positions = self._advance(lanes, None if device_tokens is not None else tokens)
         shifted = any(self.rope_delta[lane] for lane in lanes)  # after images: shifted rotary positions
         rows = [lanes, positions, [p + 1 for p in positions]]
-        rows.append(tokens if device_tokens is None else [0] * len(lanes))
+        if device_tokens is None:
+            rows.append(tokens)
         if shifted:
             rows.append([p + self.rope_delta[lane] for p, lane in zip(positions, lanes)])
         packed = device_ints(rows, self.device)  # one copy, queued: the step before may still run
@@ -1070,7 +1071,7 @@ class Engine:
         toks = device_tokens.long()[:, None] if device_tokens is not None else packed[3][:, None]
         if shifted:
             logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos,
-                                   packed[4][:, None])
+                                   packed[-1][:, None])
         else:
             logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
         return logits.clone()

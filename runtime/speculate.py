@@ -85,7 +85,7 @@ class Speculator:
                           dev)
         verify_tokens = torch.cat([ids[:b, None], drafts], dim=1)
         positions = ids[2 * b :].view(b, k + 1)
-        e.ctx_len[lanes_t] = ids[b : 2 * b].to(torch.int32)
+        e._count_on_device(lanes_t, ids[b : 2 * b])
         logits, aux = e.run_step(("verify", key), self._verify, lanes_t, verify_tokens, positions)
         if timed:
             marks[2].record()

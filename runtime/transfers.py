@@ -11,6 +11,7 @@ import torch
 # session 46), for side-by-side timing (bench/engine_ab.py runtime.transfers.QUEUED_COPIES:False); read at call time
 QUEUED_COPIES = True
 
+
 @dataclass
 class HostCopy:
     """A device tensor's copy on its way to the host, so a chained step's tokens reach the host while the GPU runs

@@ -8,9 +8,10 @@ pytest.importorskip("triton")
 
 from format.container import Artifact  # noqa: E402
 from format.convert import ConvertOptions, convert_checkpoint  # noqa: E402
-from runtime.engine import UNKNOWN_TOKEN, Engine, HostCopy  # noqa: E402
+from runtime.engine import UNKNOWN_TOKEN, Engine  # noqa: E402
 from runtime.memory_plan import MemoryPlanError, PlanOptions  # noqa: E402
 from runtime.model import ReferenceModel  # noqa: E402
+from runtime.transfers import HostCopy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = [3, 17, 99, 150, 42, 7, 250, 11, 64, 300, 5, 128]
@@ -861,15 +862,12 @@ def test_bench_decode_chained_as_the_server_runs_it_gives_the_same_tokens(artifa
     assert UNKNOWN_TOKEN not in held[True]  # every fed token told to the engine
 
 
-def test_device_ints_are_the_host_values():
+def test_device_ints_are_the_host_values(monkeypatch):
     from runtime import transfers
 
     for queued in (True, False):
-        transfers.QUEUED_COPIES = queued
-        try:
-            got = transfers.device_ints([[1, 2], [3, 2**40]], torch.device(DEVICE))
-        finally:
-            transfers.QUEUED_COPIES = True
+        monkeypatch.setattr(transfers, "QUEUED_COPIES", queued)
+        got = transfers.device_ints([[1, 2], [3, 2**40]], torch.device(DEVICE))
         assert got.dtype == torch.long and got.device.type == DEVICE and got.tolist() == [[1, 2], [3, 2**40]]
 
 

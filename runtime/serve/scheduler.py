@@ -28,8 +28,9 @@ from typing import Callable
 
 import torch
 
-from ..engine import HostCopy, Riders
+from ..engine import Riders
 from ..kernels.sampling import SamplingParams, pick_token, pick_token_on_device
+from ..transfers import HostCopy
 
 
 class QueueFull(RuntimeError):
