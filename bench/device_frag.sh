@@ -67,6 +67,8 @@
 #                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
 #                        bash bench/device_frag.sh s72       # s70 for a short budget (~360 s)
 #                        bash bench/device_frag.sh s73       # the least of s72 (~230 s)
+#                        bash bench/device_frag.sh s74       # after s70: 2-16-row bf16 products on the dense kernel,
+#                                                            # 35B-A3B / 27B lanes; 27B norm launch shapes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -751,6 +753,27 @@ s70)  # ~540 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix a
     bench --random-weights qwen3.6-35b-a3b --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens 256 \
     --json-out "$OUT/s70-35b-bench.json" 2>&1 | grep -E "│ bf16|decode .* tok/s"
   echo "35B-A3B one lane t=$(el)"
+  ;;
+s74)  # ~330 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 lanes of the 35B-A3B, 2 % slower at
+  # one): the small bf16 products of 2-16 rows on the dense kernel (NINFER_DENSE_ROWS=on) against the vendor GEMM,
+  # 35B-A3B at 2, 4, 8 lanes and 27B at 2, 8 lanes (its GDN alpha/beta projections), in one engine each; the GPU
+  # test s70 failed (prefill chunks' host lengths, now eager); then s69's norm launch shapes, 27B one lane
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_engine.py \
+    -k segment_route 2>&1 | grep -E "passed|failed|Error|assert" | tail -4
+  echo "test t=$(el)"
+  timeout 130 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s74-35b.json" 2,4,8 base= \
+    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  timeout 90 python bench/engine_ab.py qwen3.6-27b "$OUT/s74-27b.json" 2,8 base= \
+    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
+  N=runtime.kernels.rmsnorm
+  [ $(( ${DEADLINE:-360} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-360} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-27b "$OUT/s74-norms.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 chunk128=$N.SPREAD_CHUNK:128 \
+    sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2 2>&1 | \
+    grep -E "median|Error"
+  echo "27B norms t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in

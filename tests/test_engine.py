@@ -296,7 +296,9 @@ def test_prefill_chunks_through_the_segment_route_match_the_paged_attention(arti
     monkeypatch.setattr(vendor, "vendor_prefill",
                         lambda q, host_ctx, *rest: seen.append(host_ctx) or (host_ctx is not None and q.shape[1] > 8))
     prompt = [(i * 37 + 11) % 380 for i in range(300)]  # chunks of 128: keys before the chunk from the second on
-    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=384, prefill_chunk=128, kv_dtype=kv), device=DEVICE)
+    # eager: on a GPU the 44-token tail would replay a padded piece graph, which hands the attention no host lengths
+    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=384, prefill_chunk=128, kv_dtype=kv,
+                                                       cuda_graphs=False), device=DEVICE)
     routed = engine.prefill(0, prompt).float().cpu()
     routed_tokens = engine.generate(prompt, 3)
     assert {(128,), (256,), (300,)} <= set(seen)  # every chunk's end, as the host knows it
