@@ -69,6 +69,8 @@
 #                        bash bench/device_frag.sh s73       # the least of s72 (~230 s)
 #                        bash bench/device_frag.sh s74       # after s70: 2-16-row bf16 products on the dense kernel,
 #                                                            # 35B-A3B / 27B lanes; 27B norm launch shapes
+#                        bash bench/device_frag.sh s75       # step inputs straight into the graph vs before; dense
+#                                                            # kernel for 2-16 rows (35B-A3B, 27B at 1 and 8 lanes)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -774,6 +776,22 @@ s74)  # ~330 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 l
     sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2 2>&1 | \
     grep -E "median|Error"
   echo "27B norms t=$(el)"
+  ;;
+s75)  # ~330 s, any GPU: session 47's decode step inputs copied from pinned memory straight into the step's graph,
+  # which counts the context lengths itself, against session 46's way (copied and counted before the replay); the
+  # engine's GPU tests first (graph replays of packed inputs); the 35B-A3B's 2-16-row products on the dense kernel
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -6
+  echo "tests t=$(el)"
+  timeout 150 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s75-35b.json" 1,8 base= \
+    before=runtime.engine.STEP_INPUTS_IN_GRAPH:False dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | \
+    grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  [ $(( ${DEADLINE:-340} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-340} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-27b "$OUT/s75-27b.json" 1,8 base= before=runtime.engine.STEP_INPUTS_IN_GRAPH:False \
+    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in

@@ -7,6 +7,7 @@ static and decode can be captured once per batch shape.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
                           shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
-from .transfers import device_ints
+from .transfers import device_ints, staged_ints
 
 
 # MoE decode (kernels/moe.py): "fused" (three launches per layer: the router and shared gate in one product, routing
@@ -94,6 +95,10 @@ MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
 # riders' rows out of the bucket the same way (a 300-token tail: 509 rows + 3, not 512 + 3). NINFER_RIDE_ALIGN=off
 # keeps the whole --prefill-chunk-shared (and bucket) of prompt rows (side-by-side runs).
 RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "on") == "on"
+# A decode step's packed inputs are copied from pinned memory straight into its CUDA graph, which counts the lanes'
+# context lengths itself: a chained step is two copies and a replay (session 47). False: copied to the device and
+# counted before the replay, then copied into the graph (session 46), for side-by-side timing (bench/engine_ab.py).
+STEP_INPUTS_IN_GRAPH = True
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
@@ -1065,16 +1070,33 @@ class Engine:
             rows.append(tokens)
         if shifted:
             rows.append([p + self.rope_delta[lane] for p, lane in zip(positions, lanes)])
-        packed = device_ints(rows, self.device)  # one copy, queued: the step before may still run
-        lanes_t, pos = packed[0], packed[1][:, None]
-        self._count_on_device(lanes_t, packed[2])
-        toks = device_tokens.long()[:, None] if device_tokens is not None else packed[3][:, None]
-        if shifted:
-            logits = self.run_step(("decode-shifted", len(lanes)), self._shifted_forward, lanes_t, toks, pos,
-                                   packed[-1][:, None])
+        # one copy, queued (the step before may still run), straight into the step graph's input; the graph counts
+        # the lanes' context lengths itself, so a chained step is its tokens' copy, this one and the replay
+        packed = staged_ints(rows, self.device)
+        key = ("decode-shifted" if shifted else "decode", len(lanes), device_tokens is None, STEP_INPUTS_IN_GRAPH)
+        fn = functools.partial(self._decode_forward, rope_row=shifted, count=STEP_INPUTS_IN_GRAPH)
+        if not STEP_INPUTS_IN_GRAPH:  # session 46's way: copied and counted before the replay
+            packed = packed.to(self.device, non_blocking=True)
+            self._count_on_device(packed[0], packed[2])
+        if device_tokens is None:
+            logits = self.run_step(key, fn, packed)
         else:
-            logits = self.run_step(("decode", len(lanes)), self.forward, lanes_t, toks, pos)
+            logits = self.run_step(key, fn, packed, device_tokens.long()[:, None])
         return logits.clone()
+
+    def _decode_forward(self, packed: torch.Tensor, toks: torch.Tensor | None = None, rope_row: bool = False,
+                        count: bool = True) -> torch.Tensor:
+        """One decode step from decode_step's packed rows [R, B]: lanes, positions, context lengths (counted here
+        unless `count` is off), then the tokens (unless `toks` [B, 1] come from the device) and, after images, the
+        shifted rotary positions (last row)."""
+        lanes_t, pos = packed[0], packed[1][:, None]
+        if count:
+            self._count_on_device(lanes_t, packed[2])
+        if toks is None:
+            toks = packed[3][:, None]
+        if rope_row:
+            return self.forward(lanes_t, toks, pos, rope_positions=packed[-1])
+        return self.forward(lanes_t, toks, pos)
 
     def record_fed_tokens(self, lanes: list[int], tokens: list[int]) -> None:
         """The host's copy of the tokens a chained decode step fed these lanes (its last token each)."""
@@ -1087,15 +1109,19 @@ class Engine:
         """A prefill chunk of lane all_lanes[0] with one decode row for each of all_lanes[1:]."""
         return self.forward(all_lanes[:1], toks, pos, riders=(all_lanes[1:], rider_toks, rider_pos))
 
-    def _shifted_forward(self, lanes_t, toks, pos, rope_pos):
-        return self.forward(lanes_t, toks, pos, rope_positions=rope_pos.reshape(-1))
-
     def run_step(self, key, fn, lanes_t, *inputs):
         """Run `fn(lanes_t, *inputs)`: eagerly, or as a CUDA graph captured on first use for `key`
         (a step kind and batch size: fixed shapes). Every kernel reads its lanes from the lanes tensor
         on the device, so one graph per batch size serves any set of lanes: their indices are copied
         into the graph's lanes tensor like any other input. Returns fn's outputs (static buffers when
-        graphed)."""
+        graphed). `lanes_t` may instead be a decode step's packed rows [R, B] (row 0 the lanes), and may still be
+        in pinned host memory: a replay copies it straight into the graph's input."""
+        if lanes_t.device.type != self.device.type:
+            if self.use_graphs and key in self._graphs:
+                graph, static_lanes, static_inputs, outputs = self._graphs[key]
+                static_lanes.copy_(lanes_t, non_blocking=True)
+                return self._replay(graph, static_inputs, inputs, outputs)
+            lanes_t = lanes_t.to(self.device, non_blocking=True)
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
@@ -1114,6 +1140,10 @@ class Engine:
                 return fn(lanes_t, *inputs)
         graph, static_lanes, static_inputs, outputs = self._graphs[key]
         static_lanes.copy_(lanes_t)
+        return self._replay(graph, static_inputs, inputs, outputs)
+
+    @staticmethod
+    def _replay(graph, static_inputs, inputs, outputs):
         for dst, src in zip(static_inputs, inputs):
             dst.copy_(src)
         graph.replay()
@@ -1126,7 +1156,8 @@ class Engine:
         # every tensor the graph reads must outlive it: a freed input's memory would be reused and the
         # replay would read garbage (seen on the H200 as out-of-bounds lane indices)
         lanes_t = lanes_t.clone()
-        saved = [(stack, stack[:, lanes_t, 0].clone()) for stack in (self.conv_stack, self.rec_stack)]
+        lanes_idx = lanes_t if lanes_t.dim() == 1 else lanes_t[0]  # a decode step's packed rows: the lanes first
+        saved = [(stack, stack[:, lanes_idx, 0].clone()) for stack in (self.conv_stack, self.rec_stack)]
         static_inputs = [x.clone() for x in inputs]
         try:
             stream = torch.cuda.Stream(self.device)
@@ -1139,7 +1170,7 @@ class Engine:
                 outputs = fn(lanes_t, *static_inputs)
         finally:
             for stack, old in saved:
-                stack[:, lanes_t, 0] = old
+                stack[:, lanes_idx, 0] = old
         return graph, lanes_t, static_inputs, outputs  # lanes_t too: the graph reads it on every replay
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=(), lane: int = 0,

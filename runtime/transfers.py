@@ -42,9 +42,15 @@ def device_ints(values: list, device: torch.device | str) -> torch.Tensor:
     waits for every kernel queued before it: a decode step chained behind the one in flight would wait
     for it to finish, and the GPU would idle while the host launched the next (~0.1-0.2 ms a step). The
     pinned staging block is not reused before the copy has run (torch's pinned allocator records it)."""
+    staged = staged_ints(values, device)
+    return staged if staged.device.type == torch.device(device).type else staged.to(device, non_blocking=True)
+
+
+def staged_ints(values: list, device: torch.device | str) -> torch.Tensor:
+    """device_ints without the copy: the ints in pinned host memory when `device` is a GPU, for a caller that copies
+    them straight into a buffer of its own (a CUDA graph's static input: one copy instead of two), else the tensor
+    device_ints would return (on the CPU; with QUEUED_COPIES off, already on the device by a blocking copy)."""
     if not QUEUED_COPIES:
         return torch.tensor(values, dtype=torch.long, device=device)
     host = torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory() if torch.device(device).type == "cuda" else host
