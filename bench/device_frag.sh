@@ -71,6 +71,7 @@
 #                                                            # 35B-A3B / 27B lanes; 27B norm launch shapes
 #                        bash bench/device_frag.sh s75       # step inputs straight into the graph vs before; dense
 #                                                            # kernel for 2-16 rows (35B-A3B, 27B at 1 and 8 lanes)
+#                        bash bench/device_frag.sh s76       # s75, then 35B-A3B and 27B lanes end to end (~480 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -792,6 +793,18 @@ s75)  # ~330 s, any GPU: session 47's decode step inputs copied from pinned memo
     qwen3.6-27b "$OUT/s75-27b.json" 1,8 base= before=runtime.engine.STEP_INPUTS_IN_GRAPH:False \
     dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
+  ;;
+s76)  # ~480 s, any GPU: s75 (tests, step inputs in the graph vs before), then with the time left (DEADLINE, 480) the
+  # lanes benches end to end: 35B-A3B 1-8 lanes (each its own token; the one-lane row is issue 21's 8K number), 27B
+  DEADLINE=330 bash bench/device_frag.sh s75
+  DEADLINE=${DEADLINE:-480}
+  [ $(( DEADLINE - $(el) )) -gt 70 ] && timeout $(( DEADLINE - $(el) )) python -m ninfer_cli.main bench \
+    --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens \
+    --json-out "$OUT/s76-moe-lanes.json" 2>&1 | grep "│ bf16"
+  echo "35B-A3B lanes t=$(el)"
+  [ $(( DEADLINE - $(el) )) -gt 90 ] && timeout $(( DEADLINE - $(el) )) $B --lanes 1,2,4,8 --depths 8k \
+    --kv-dtype bf16 --json-out "$OUT/s76-lanes.json" 2>&1 | grep "│ bf16"
+  echo "27B lanes t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
