@@ -757,16 +757,16 @@ s70)  # ~540 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix a
     --json-out "$OUT/s70-35b-bench.json" 2>&1 | grep -E "│ bf16|decode .* tok/s"
   echo "35B-A3B one lane t=$(el)"
   ;;
-s74)  # ~330 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 lanes of the 35B-A3B, 2 % slower at
-  # one): the small bf16 products of 2-16 rows on the dense kernel (NINFER_DENSE_ROWS=on) against the vendor GEMM,
-  # 35B-A3B at 2, 4, 8 lanes and 27B at 2, 8 lanes (its GDN alpha/beta projections), in one engine each; the GPU
+s74)  # ~400 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 lanes of the 35B-A3B, 2 % slower at
+  # one; default from 8 rows since): 2-16 rows on the dense kernel (NINFER_DENSE_ROWS=on), the default, and none,
+  # 35B-A3B at 2, 4, 8 lanes and 27B at 2, 8 lanes (any small bf16 product), in one engine each; the GPU
   # test s70 failed (prefill chunks' host lengths, now eager); then s69's norm launch shapes, 27B one lane
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_engine.py \
     -k segment_route 2>&1 | grep -E "passed|failed|Error|assert" | tail -4
   echo "test t=$(el)"
-  timeout 130 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s74-35b.json" 2,4,8 base= \
-    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
+  timeout 200 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s74-35b.json" 2,4,8 base= \
+    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 off=runtime.engine.DENSE_ROWS_MIN_T:17 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   timeout 90 python bench/engine_ab.py qwen3.6-27b "$OUT/s74-27b.json" 2,8 base= \
     dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
@@ -778,20 +778,19 @@ s74)  # ~330 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 l
     grep -E "median|Error"
   echo "27B norms t=$(el)"
   ;;
-s75)  # ~330 s, any GPU: session 47's decode step inputs copied from pinned memory straight into the step's graph,
+s75)  # ~420 s, any GPU: session 47's decode step inputs copied from pinned memory straight into the step's graph,
   # which counts the context lengths itself, against session 46's way (copied and counted before the replay); the
-  # engine's GPU tests first (graph replays of packed inputs); the 35B-A3B's 2-16-row products on the dense kernel
+  # engine's GPU tests first (graph replays of packed inputs)
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py 2>&1 | \
     grep -E "passed|failed|Error|assert" | tail -6
   echo "tests t=$(el)"
-  timeout 150 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s75-35b.json" 1,8 base= \
-    before=runtime.engine.STEP_INPUTS_IN_GRAPH:False dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | \
-    grep -E "median|Error"
+  timeout 220 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s75-35b.json" 1,8 base= \
+    before=runtime.engine.STEP_INPUTS_IN_GRAPH:False 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
-  [ $(( ${DEADLINE:-340} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-340} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-27b "$OUT/s75-27b.json" 1,8 base= before=runtime.engine.STEP_INPUTS_IN_GRAPH:False \
-    dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
+  [ $(( ${DEADLINE:-420} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-420} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-27b "$OUT/s75-27b.json" 1,8 base= before=runtime.engine.STEP_INPUTS_IN_GRAPH:False 2>&1 | \
+    grep -E "median|Error"
   echo "27B t=$(el)"
   ;;
 s76)  # ~480 s, any GPU: s75 (tests, step inputs in the graph vs before), then with the time left (DEADLINE, 480) the

@@ -102,18 +102,18 @@ STEP_INPUTS_IN_GRAPH = True
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
-# Small bf16 products over 2-16 rows (the MoE router + shared gate of several lanes): NINFER_DENSE_ROWS=on runs them
-# on kernels/dense_rows.py in one launch instead of the vendor's split-K GEMM and its reduction (~8 us a layer at 8
-# lanes of the 35B-A3B on an H100). Opt-in: measured with NINFER_MOE_SHARED_APART=2 (H100, session 32, alternated
-# twice in one call) it did not gain (8 lanes 5.65 / 5.75 ms a step against 5.52 / 5.51). Only small matrices:
-# larger ones (draft heads) keep the vendor GEMM, which streams them well. NINFER_DENSE_ROWS=all takes one row too
-# (opt-in, untimed: the 35B-A3B's one-lane router + shared gate, 40 cuBLAS GEMVs a step of ~3.2 us, session 41, whose
-# launches do not take part in programmatic dependent launch, so the kernels on either side cannot overlap them).
-DENSE_ROWS_MODE = os.environ.get("NINFER_DENSE_ROWS", "off")
-if DENSE_ROWS_MODE not in ("off", "on", "all"):
-    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, on (2-16 rows) or all (1-16); "
-                     "unset it")
-DENSE_ROWS_MIN_T = {"off": DENSE_ROWS_MAX_T + 1, "on": 2, "all": 1}[DENSE_ROWS_MODE]
+# Small bf16 products of several rows (the MoE router + shared gate of several lanes) on kernels/dense_rows.py in one
+# launch instead of the vendor's split-K GEMM and its reduction. By default (auto) from 8 rows: side by side in one
+# engine (H100, session 47, bench/engine_ab.py) 8 lanes of the 35B-A3B 3.558 against 3.667 ms a step (3.0 %), while
+# one row was 2 % slower than cuBLAS's GEMV (2.200 against 2.158 ms); 2-7 rows are not yet timed side by side
+# (session 32 saw no gain at 2+ rows beside NINFER_MOE_SHARED_APART=2, 8 lanes 5.65 / 5.75 ms against 5.52 / 5.51).
+# NINFER_DENSE_ROWS=on takes 2-16 rows, all 1-16, off none. Only small matrices: larger ones (draft heads) keep the
+# vendor GEMM, which streams them well.
+DENSE_ROWS_MODE = os.environ.get("NINFER_DENSE_ROWS", "auto")
+if DENSE_ROWS_MODE not in ("off", "auto", "on", "all"):
+    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, auto (8-16 rows), on (2-16) or all "
+                     "(1-16); unset it")
+DENSE_ROWS_MIN_T = {"off": DENSE_ROWS_MAX_T + 1, "auto": 8, "on": 2, "all": 1}[DENSE_ROWS_MODE]
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
 
 
