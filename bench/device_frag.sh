@@ -72,6 +72,7 @@
 #                        bash bench/device_frag.sh s75       # step inputs straight into the graph vs before; dense
 #                                                            # kernel for 2-16 rows (35B-A3B, 27B at 1 and 8 lanes)
 #                        bash bench/device_frag.sh s76       # s75, then 35B-A3B and 27B lanes end to end (~480 s)
+#                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -804,6 +805,22 @@ s76)  # ~480 s, any GPU: s75 (tests, step inputs in the graph vs before), then w
   [ $(( DEADLINE - $(el) )) -gt 90 ] && timeout $(( DEADLINE - $(el) )) $B --lanes 1,2,4,8 --depths 8k \
     --kv-dtype bf16 --json-out "$OUT/s76-lanes.json" 2>&1 | grep "│ bf16"
   echo "27B lanes t=$(el)"
+  ;;
+s77)  # ~200 s, any GPU: the 35B-A3B's one-lane step under launch settings in one engine (issue 21: 0.346 of the H100's
+  # roofline, 0.35 needs ~1.3 % more): the norms' spread shape (111 launches, ~390 µs a step) and the one-token expert
+  # tiles (80 launches, ~612 µs; picked from isolated L2-cold launches in session 29, never inside the step's graph)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  N=runtime.kernels.rmsnorm
+  E=runtime.kernels.moe.EXPERT_TUNING
+  timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s77-35b.json" 1 base= \
+    chunk128=$N.SPREAD_CHUNK:128 chunk512=$N.SPREAD_CHUNK:512 warps2=$N.SPREAD_WARPS:2 warps8=$N.SPREAD_WARPS:8 \
+    sum512=$N.SUM_BLOCK:512 "gu16=$E[gate_up/one]:{'block_n':16,'block_k':1024,'num_warps':4}" \
+    "gu64=$E[gate_up/one]:{'block_n':64,'block_k':1024,'num_warps':4}" \
+    "gu_w8=$E[gate_up/one]:{'block_n':32,'block_k':1024,'num_warps':8}" \
+    "dn64=$E[down/one]:{'block_n':64,'block_k':512,'num_warps':8}" \
+    "dn16=$E[down/one]:{'block_n':16,'block_k':512,'num_warps':8}" \
+    "dn_w4=$E[down/one]:{'block_n':32,'block_k':512,'num_warps':4}" 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in

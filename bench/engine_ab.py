@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SETTING_ITEM = re.compile(r"^([\w.]+)\.(\w+)(?:\[(\w+)\])?:(.+)$")
+SETTING_ITEM = re.compile(r"^([\w.]+)\.(\w+)(?:\[([\w/]+)\])?:(.+)$")  # keys like gate_up/one
 
 
 def parse_setting(text: str) -> tuple[str, list[tuple[str, str, str | None, object]]]:

@@ -20,6 +20,18 @@ def test_settings_apply_and_undo():
     assert parse_setting("base=") == ("base", [])
 
 
+def test_a_table_entry_takes_a_whole_tile():
+    """An expert tile (a key with a slash, a dict value) is set and undone whole."""
+    from runtime.kernels import moe
+
+    before = dict(moe.EXPERT_TUNING["down/one"])
+    _, items = parse_setting('dn=runtime.kernels.moe.EXPERT_TUNING[down/one]:{"block_n":64,"block_k":512,"num_warps":4}')
+    undo = apply_setting(items)
+    assert moe.EXPERT_TUNING["down/one"] == {"block_n": 64, "block_k": 512, "num_warps": 4}
+    undo_setting(undo)
+    assert moe.EXPERT_TUNING["down/one"] == before
+
+
 @pytest.mark.parametrize("text,problem", [("noequals", "is not label="), ("x=runtime.engine.NAME", "module.NAME:value"),
                                           ("x=runtime.engine.DENSE_ROWS_MIN_T:two", "not a Python literal")])
 def test_malformed_settings_are_refused(text, problem):
