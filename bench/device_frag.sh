@@ -73,6 +73,7 @@
 #                                                            # kernel for 2-16 rows (35B-A3B, 27B at 1 and 8 lanes)
 #                        bash bench/device_frag.sh s76       # s75, then 35B-A3B and 27B lanes end to end (~480 s)
 #                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
+#                        bash bench/device_frag.sh s78       # the server, 4 streaming clients against one (35B, 27B)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -821,6 +822,15 @@ s77)  # ~200 s, any GPU: the 35B-A3B's one-lane step under launch settings in on
     "dn16=$E[down/one]:{'block_n':16,'block_k':512,'num_warps':8}" \
     "dn_w4=$E[down/one]:{'block_n':32,'block_k':512,'num_warps':4}" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s78)  # ~250 s, any GPU: the server with 4 streaming clients against one, after the queued host copies (session 46) and
+  # the step inputs in the graph (47): issue 20's 35B-A3B row (2.91x, session 40), then the 27B (3.42x, session 34)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 120 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6
+  echo "35B-A3B server 4 clients t=$(el)"
+  [ $(( ${DEADLINE:-250} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-250} - $(el) )) python bench/serve_lanes.py \
+    qwen3.6-27b --lanes 4 --tokens 256 2>&1 | tail -6
+  echo "27B server 4 clients t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
