@@ -74,6 +74,7 @@
 #                        bash bench/device_frag.sh s76       # s75, then 35B-A3B and 27B lanes end to end (~480 s)
 #                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
 #                        bash bench/device_frag.sh s78       # the server, 4 streaming clients against one (35B, 27B)
+#                        bash bench/device_frag.sh s79       # 35B-A3B router on the few-rows dense kernel, 1-4 lanes
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -831,6 +832,20 @@ s78)  # ~250 s, any GPU: the server with 4 streaming clients against one, after 
   [ $(( ${DEADLINE:-250} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-250} - $(el) )) python bench/serve_lanes.py \
     qwen3.6-27b --lanes 4 --tokens 256 2>&1 | tail -6
   echo "27B server 4 clients t=$(el)"
+  ;;
+s79)  # ~250 s, any GPU: session 47's few-rows dense kernel (1-4 rows of x on the CUDA cores, 2 weight rows a program, the
+  # first weight tile loaded before the PDL wait) for the 35B-A3B's router + shared gate at 1, 2, 4 lanes, against
+  # cuBLAS (the default below 8 rows), the tensor-core tile kernel (s70: 2 % slower than cuBLAS at one lane) and
+  # two other tiles; the dense kernels' GPU test first
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k dense_rows \
+    2>&1 | grep -E "passed|failed|Error|assert" | tail -4
+  D=runtime.kernels.dense_rows
+  M=runtime.engine.DENSE_ROWS_MIN_T
+  timeout $(( ${DEADLINE:-250} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s79-35b.json" 1,2,4 base= \
+    few=$M:1 "tile=$M:1;$D.ROW_KERNEL_MAX_ROWS:0" "few_n4=$M:1;$D.ROW_TUNING[block_n]:4" \
+    "few_k2048=$M:1;$D.ROW_TUNING[block_k]:2048" 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in

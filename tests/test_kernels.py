@@ -1051,7 +1051,7 @@ def test_attention_gate(rotate, n):
 # _load_group / _load_chunk load weights)
 _BEFORE_WAIT = {"tl.program_id", "tl.arange", "tl.multiple_of", "tl.zeros", "tl.minimum", "_weight_tile", "_thread_ids",
                 "_weight_addresses", "_load_group", "_chunk_addresses", "_load_chunk",
-                "_program_start"}  # (ids, addresses and weight chunks only)
+                "_program_start", "_preload_weights"}  # (ids, addresses and weight chunks only)
 
 
 def _call_name(node) -> str:
@@ -1388,11 +1388,15 @@ def test_float_code_products_match_the_reference(fmt, t):
     assert torch.equal(dense_reference(w).cpu(), want_w)  # the torch reference decodes bit for bit
 
 
-@pytest.mark.parametrize("t", [1, 2, 5, 16])
-def test_dense_rows(t):
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 16])
+def test_dense_rows(t, monkeypatch):
     """The small bf16 product over 1-16 rows of x (the MoE router + shared gate of one or several lanes) against
-    the plain-torch product, on a strided view with an odd row count and a K that is not a tile multiple."""
+    the plain-torch product, on a strided view with an odd row count and a K that is not a tile multiple (1-4 rows
+    on the few-rows kernel, its K in several tiles, a weight tile loaded ahead)."""
+    from runtime.kernels import dense_rows as module
     from runtime.kernels.dense_rows import MAX_ROWS, dense_rows, dense_rows_reference
+
+    monkeypatch.setitem(module.ROW_TUNING, "block_k", 64)  # 200 = 3 whole tiles and a part
 
     torch.manual_seed(t)
     both = torch.randn(40, 200, device=DEVICE).to(DTYPE)
