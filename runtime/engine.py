@@ -20,7 +20,7 @@ from format.layouts import RowSplitGeometry
 from format.numeric import FloatCodeFormat, GroupedFormat, get_format
 
 from .allocator import DeviceMemory
-from .kernels import tuning_from_env
+from .kernels import embed_rows, tuning_from_env
 from .kernels.attention_gate import AttentionGate
 from .kernels.float_gemv import FloatCodes, dense_reference, float_codes, float_linear
 from .kernels.conv1d import CONV_SECTIONS, causal_conv1d, causal_conv1d_lanes
@@ -131,9 +131,10 @@ class DenseLinear:
     def rows(self, begin: int, end: int) -> "DenseLinear":
         return DenseLinear(self.weight[begin:end])
 
-    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows `tokens` (the embedding lookup)."""
-        return self.weight[tokens]
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `tokens` (the embedding lookup), in `dtype` (default the weight's)."""
+        rows = self.weight[tokens]
+        return rows if dtype is None else rows.to(dtype)
 
 
 class CodeLinear:
@@ -148,9 +149,9 @@ class CodeLinear:
     def rows(self, begin: int, end: int) -> "CodeLinear":
         return CodeLinear(self.codes.rows_view(begin, end))
 
-    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows `tokens` decoded."""
-        return dense_reference(self.codes.take(tokens.reshape(-1))).view(*tokens.shape, self.codes.cols)
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `tokens` decoded, in `dtype`."""
+        return dense_reference(self.codes.take(tokens.reshape(-1))).view(*tokens.shape, self.codes.cols).to(dtype)
 
 
 class QuantLinear:
@@ -160,9 +161,12 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False):
         return qlinear(x, self.packed, xq=xq, defer_sum=defer_sum)
 
-    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows `tokens` decoded."""
-        return gather_rows(self.packed, tokens)
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `tokens` decoded, in `dtype` (a W8 table in one launch, kernels/embed_rows.py)."""
+        p = self.packed
+        if embed_rows.ONE_LAUNCH and p.fmt.bits == 8 and p.high is None and p.fragment is None:
+            return embed_rows.embed_w8(p.base, p.scale, p.rows, p.cols, p.fmt.group_size, tokens, dtype)
+        return gather_rows(p, tokens).to(dtype)
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
@@ -765,7 +769,7 @@ class Engine:
         return p + ("attention/query_gate_key_value" if c.is_full_attention(i) else "gdn/query_key_value_z")
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lin["text/token_embedding"].gather(tokens).to(self.act_dtype)
+        return self.lin["text/token_embedding"].gather(tokens, self.act_dtype)
 
     @torch.no_grad()
     def forward(self, lanes_idx: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
