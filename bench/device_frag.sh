@@ -75,6 +75,8 @@
 #                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
 #                        bash bench/device_frag.sh s78       # the server, 4 streaming clients against one (35B, 27B)
 #                        bash bench/device_frag.sh s79       # 35B-A3B router on the few-rows dense kernel, 1-4 lanes
+#                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
+#                                                            # few-rows router; their GPU tests (~420 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -846,6 +848,25 @@ s79)  # ~250 s, any GPU: session 47's few-rows dense kernel (1-4 rows of x on th
     few=$M:1 "tile=$M:1;$D.ROW_KERNEL_MAX_ROWS:0" "few_n4=$M:1;$D.ROW_TUNING[block_n]:4" \
     "few_k2048=$M:1;$D.ROW_TUNING[block_k]:2048" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s80)  # ~420 s, any GPU: session 47's launches outside PDL cut, first on the list for the next device call: the GPU tests of
+  # the new kernels (W8 embedding rows, K/V slots, few-rows dense) and the engine; then in one engine each, one lane
+  # and 8 lanes: the embedding and the K/V slots each back on torch (7 and 6 small kernels a step), and (35B-A3B)
+  # the router + shared gate on the few-rows kernel (NINFER_DENSE_ROWS=all) against cuBLAS
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py \
+    tests/test_kernels.py -k "engine or kv_slots or embedding_rows or dense_rows or greedy or lanes" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -6
+  echo "tests t=$(el)"
+  K=runtime.kernels
+  timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s80-35b.json" 1,8 base= \
+    torch_embed=$K.embed_rows.ONE_LAUNCH:False torch_slots=$K.kv_slots.ONE_LAUNCH:False \
+    few_router=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  [ $(( ${DEADLINE:-420} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-420} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-27b "$OUT/s80-27b.json" 1,8 base= "torch_both=$K.embed_rows.ONE_LAUNCH:False;$K.kv_slots.ONE_LAUNCH:False" \
+    2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in

@@ -30,6 +30,7 @@ from .kernels.gdn_fused import NORM_EPILOGUE as GDN_NORM_EPILOGUE, PROJECT_MAX_R
 from .kernels.hadamard import rotate64
 from .kernels.kv_append import SUPPORTED as KV_APPEND_KINDS
 from .kernels.kv_append import append_keys_values
+from .kernels.kv_slots import kv_slots
 from .kernels.paged_attention import PAGE, paged_attention
 from .kernels.moe import (DENSE_EXPERTS_MIN_PAIRS, ExpertPartials, combine_experts, expert_gemv, expert_prefill, route,
                           shared_fusable)
@@ -478,9 +479,7 @@ class Engine:
     def kv_slots(block_table, ctx_len, lanes_idx, t, positions):
         """Where this block's K/V rows go (page, slot) and the lanes' block tables and lengths; the same
         for every attention layer of a forward, so computed once per forward."""
-        lane_of_row = lanes_idx.repeat_interleave(t)
-        page = block_table[lane_of_row, (positions // PAGE).long()]
-        return page, positions % PAGE, block_table[lanes_idx], ctx_len[lanes_idx]
+        return kv_slots(block_table, ctx_len, lanes_idx, t, positions, PAGE)
 
     def _attention(self, p, pool, block_table, ctx_len, h, lanes_idx, t, positions, rope_positions=None,
                    slots=None, xq=None, host_ctx=None):

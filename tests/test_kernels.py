@@ -1388,6 +1388,27 @@ def test_float_code_products_match_the_reference(fmt, t):
     assert torch.equal(dense_reference(w).cpu(), want_w)  # the torch reference decodes bit for bit
 
 
+@pytest.mark.parametrize("lanes,t", [([2], 1), ([3, 0, 1], 1), ([1, 2], 5), ([0], 300)])
+def test_kv_slots_in_one_launch(lanes, t, monkeypatch):
+    """Each row's page and slot, the lanes' block tables and context lengths: the one launch gives torch's indexing
+    (dtypes too), for decode rows of several lanes in any order, verify blocks and a prefill chunk longer than a
+    program's block of rows, with a lane's table longer than a block of pages."""
+    from runtime.kernels import kv_slots as module
+
+    monkeypatch.setattr(module, "BLOCK_ROWS", 128)
+    monkeypatch.setattr(module, "BLOCK_PAGES", 4)  # 7 pages a lane: two blocks, the second partial
+    page_size, pages = 64, 7
+    g = torch.Generator().manual_seed(t)
+    table = torch.randperm(4 * pages, generator=g).to(torch.int32).view(4, pages).to(DEVICE)
+    ctx = torch.tensor([5, 70, 400, 9], dtype=torch.int32, device=DEVICE)
+    lanes_idx = torch.tensor(lanes, device=DEVICE)
+    positions = torch.randint(0, pages * page_size, (len(lanes) * t,), generator=g).to(torch.int32).to(DEVICE)
+    got = module.kv_slots(table, ctx, lanes_idx, t, positions, page_size)
+    want = module.kv_slots_reference(table, ctx, lanes_idx, t, positions, page_size)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_embedding_rows_of_a_w8_table_in_one_launch(dtype):
     """The W8 embedding lookup's kernel gives the rows the torch decoder gives (gather_rows: code * scale in float32),
