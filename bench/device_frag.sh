@@ -85,6 +85,10 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 . bench/device_env.sh
+# the RMSNorm's spread-launch shapes beside its default (engine_ab settings): columns a program, lanes a sum step, warps
+N=runtime.kernels.rmsnorm
+NORM_SHAPES="chunk512=$N.SPREAD_CHUNK:512 chunk128=$N.SPREAD_CHUNK:128 sum2048=$N.SUM_BLOCK:2048 \
+sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2"
 B="python -m ninfer_cli.main bench --random-weights qwen3.6-27b"
 lanes() {  # mode kv (mode: rows, auto, layout-k1, or auto-lanes: fragment order without pair order)
   local tile="" pairs=1
@@ -776,11 +780,8 @@ s74)  # ~400 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 l
   timeout 90 python bench/engine_ab.py qwen3.6-27b "$OUT/s74-27b.json" 2,8 base= \
     dense2=runtime.engine.DENSE_ROWS_MIN_T:2 2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
-  N=runtime.kernels.rmsnorm
   [ $(( ${DEADLINE:-360} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-360} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-27b "$OUT/s74-norms.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 chunk128=$N.SPREAD_CHUNK:128 \
-    sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2 2>&1 | \
-    grep -E "median|Error"
+    qwen3.6-27b "$OUT/s74-norms.json" 1 base= $NORM_SHAPES 2>&1 | grep -E "median|Error"
   echo "27B norms t=$(el)"
   ;;
 s75)  # ~420 s, any GPU: session 47's decode step inputs copied from pinned memory straight into the step's graph,
@@ -814,7 +815,6 @@ s77)  # ~200 s, any GPU: the 35B-A3B's one-lane step under launch settings in on
   # roofline, 0.35 needs ~1.3 % more): the norms' spread shape (111 launches, ~390 µs a step) and the one-token expert
   # tiles (80 launches, ~612 µs; picked from isolated L2-cold launches in session 29, never inside the step's graph)
   nvidia-smi --query-gpu=name --format=csv,noheader
-  N=runtime.kernels.rmsnorm
   E=runtime.kernels.moe.EXPERT_TUNING
   timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s77-35b.json" 1 base= \
     chunk128=$N.SPREAD_CHUNK:128 chunk512=$N.SPREAD_CHUNK:512 warps2=$N.SPREAD_WARPS:2 warps8=$N.SPREAD_WARPS:8 \
@@ -914,21 +914,16 @@ PY
   done
   timeout 110 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s71-lanes.json" 2>&1 | grep "│ bf16"
   echo "27B lanes t=$(el)"
-  N=runtime.kernels.rmsnorm
   [ $(( ${DEADLINE:-580} - $(el) )) -gt 80 ] && timeout $(( ${DEADLINE:-580} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-27b "$OUT/s71-norms.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 chunk128=$N.SPREAD_CHUNK:128 \
-    sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 warps2=$N.SPREAD_WARPS:2 2>&1 | \
-    grep -E "median|Error"
+    qwen3.6-27b "$OUT/s71-norms.json" 1 base= $NORM_SHAPES 2>&1 | grep -E "median|Error"
   echo "27B norms t=$(el)"
   ;;
 s69)  # ~200 s, any GPU: the one-lane norms' launch shape in one engine (issue 21 item 1: 177 RMSNorms of 4-5 µs a
   # 27B step, 111 a 35B-A3B step, session 45's timelines): lanes a program, lanes a sum step, warps
   nvidia-smi --query-gpu=name --format=csv,noheader
-  N=runtime.kernels.rmsnorm
   for shape in qwen3.6-27b qwen3.6-35b-a3b; do
-    timeout 100 python bench/engine_ab.py $shape "$OUT/s69-$shape.json" 1 base= chunk512=$N.SPREAD_CHUNK:512 \
-      chunk128=$N.SPREAD_CHUNK:128 sum2048=$N.SUM_BLOCK:2048 sum512=$N.SUM_BLOCK:512 warps8=$N.SPREAD_WARPS:8 \
-      warps2=$N.SPREAD_WARPS:2 2>&1 | grep -E "median|Error"
+    timeout 100 python bench/engine_ab.py $shape "$OUT/s69-$shape.json" 1 base= $NORM_SHAPES \
+      2>&1 | grep -E "median|Error"
     echo "$shape t=$(el)"
   done
   ;;
