@@ -77,6 +77,7 @@
 #                        bash bench/device_frag.sh s79       # 35B-A3B router on the few-rows dense kernel, 1-4 lanes
 #                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
 #                                                            # few-rows router; their GPU tests (~420 s)
+#                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -867,6 +868,16 @@ s80)  # ~420 s, any GPU: session 47's launches outside PDL cut, first on the lis
     qwen3.6-27b "$OUT/s80-27b.json" 1,8 base= "torch_both=$K.embed_rows.ONE_LAUNCH:False;$K.kv_slots.ONE_LAUNCH:False" \
     2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
+  ;;
+s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4,096, 40 launches of ~5.2 µs at 0.34 of
+  # copy, latency-bound) with K shared by 2 or 4 warps of a program instead of split across programs, and 8 warps a
+  # program for every fragment-order product, in one engine
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  F=runtime.kernels.qgemm_fragment_layout
+  timeout $(( ${DEADLINE:-150} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s81-35b.json" 1 base= \
+    "ks2=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,2)]}" "ks4=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,4)]}" \
+    "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
