@@ -78,6 +78,7 @@
 #                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
 #                                                            # few-rows router; their GPU tests (~420 s)
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
+#                        bash bench/device_frag.sh s82       # next first (~570 s): s80, then s77 with the time left
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -878,6 +879,14 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "ks2=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,2)]}" "ks4=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,4)]}" \
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s82)  # ~570 s, any GPU: session 48's first call (devices are scarce: one call may be all there is), most needed first:
+  # s80 (the GPU tests of session 47's kernels and engine; embedding rows / K/V slots / few-rows router side by side),
+  # then s77 (the 35B-A3B's one-lane norm shapes and expert tiles) with the time left. Next calls: s81, s74, s78, s71
+  DEADLINE=${DEADLINE:-570}
+  DEADLINE=400 bash bench/device_frag.sh s80
+  [ $(( DEADLINE - $(el) )) -gt 120 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s77
+  echo "s82 t=$(el)"
   ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
