@@ -861,7 +861,7 @@ s80)  # ~420 s, any GPU: session 47's launches outside PDL cut, first on the lis
     grep -E "passed|failed|Error|assert" | tail -6
   echo "tests t=$(el)"
   K=runtime.kernels
-  timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s80-35b.json" 1,8 base= \
+  timeout 230 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s80-35b.json" 1,8 base= \
     torch_embed=$K.embed_rows.ONE_LAUNCH:False torch_slots=$K.kv_slots.ONE_LAUNCH:False \
     few_router=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
@@ -884,7 +884,7 @@ s82)  # ~570 s, any GPU: session 48's first call (devices are scarce: one call m
   # s80 (the GPU tests of session 47's kernels and engine; embedding rows / K/V slots / few-rows router side by side),
   # then s77 (the 35B-A3B's one-lane norm shapes and expert tiles) with the time left. Next calls: s81, s74, s78, s71
   DEADLINE=${DEADLINE:-570}
-  DEADLINE=400 bash bench/device_frag.sh s80
+  DEADLINE=420 bash bench/device_frag.sh s80
   [ $(( DEADLINE - $(el) )) -gt 120 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s77
   echo "s82 t=$(el)"
   ;;
