@@ -1068,35 +1068,30 @@ class Engine:
         them: nothing waits for the host, which tells the tokens afterwards (record_fed_tokens)."""
         positions = self._advance(lanes, None if device_tokens is not None else tokens)
         shifted = any(self.rope_delta[lane] for lane in lanes)  # after images: shifted rotary positions
-        rows = [lanes, positions, [p + 1 for p in positions]]
-        if device_tokens is None:
-            rows.append(tokens)
+        # a chained step's tokens come from the device: the host row is a placeholder, so both kinds of step share
+        # one graph per batch size (the graphs' memory is planned per batch size)
+        rows = [lanes, positions, [p + 1 for p in positions], tokens if device_tokens is None else [0] * len(lanes)]
         if shifted:
             rows.append([p + self.rope_delta[lane] for p, lane in zip(positions, lanes)])
         # one copy, queued (the step before may still run), straight into the step graph's input; the graph counts
-        # the lanes' context lengths itself, so a chained step is its tokens' copy, this one and the replay
+        # the lanes' context lengths itself, so a chained step is this copy, its tokens' copy and the replay
         packed = staged_ints(rows, self.device)
-        key = ("decode-shifted" if shifted else "decode", len(lanes), device_tokens is None, STEP_INPUTS_IN_GRAPH)
+        key = ("decode-shifted" if shifted else "decode", len(lanes), STEP_INPUTS_IN_GRAPH)
         fn = functools.partial(self._decode_forward, rope_row=shifted, count=STEP_INPUTS_IN_GRAPH)
         if not STEP_INPUTS_IN_GRAPH:  # session 46's way: copied and counted before the replay
             packed = packed.to(self.device, non_blocking=True)
             self._count_on_device(packed[0], packed[2])
-        if device_tokens is None:
-            logits = self.run_step(key, fn, packed)
-        else:
-            logits = self.run_step(key, fn, packed, device_tokens.long()[:, None])
-        return logits.clone()
+        toks = packed[3][:, None] if device_tokens is None else device_tokens.long()[:, None]
+        return self.run_step(key, fn, packed, toks).clone()
 
-    def _decode_forward(self, packed: torch.Tensor, toks: torch.Tensor | None = None, rope_row: bool = False,
-                        count: bool = True) -> torch.Tensor:
-        """One decode step from decode_step's packed rows [R, B]: lanes, positions, context lengths (counted here
-        unless `count` is off), then the tokens (unless `toks` [B, 1] come from the device) and, after images, the
+    def _decode_forward(self, packed: torch.Tensor, toks: torch.Tensor, rope_row: bool = False, count: bool = True
+                        ) -> torch.Tensor:
+        """One decode step of tokens `toks` [B, 1] from decode_step's packed rows [R, B]: lanes, positions, context
+        lengths (counted here unless `count` is off), the host's tokens (read through `toks`) and, after images, the
         shifted rotary positions (last row)."""
         lanes_t, pos = packed[0], packed[1][:, None]
         if count:
             self._count_on_device(lanes_t, packed[2])
-        if toks is None:
-            toks = packed[3][:, None]
         if rope_row:
             return self.forward(lanes_t, toks, pos, rope_positions=packed[-1])
         return self.forward(lanes_t, toks, pos)
@@ -1117,14 +1112,14 @@ class Engine:
         (a step kind and batch size: fixed shapes). Every kernel reads its lanes from the lanes tensor
         on the device, so one graph per batch size serves any set of lanes: their indices are copied
         into the graph's lanes tensor like any other input. Returns fn's outputs (static buffers when
-        graphed). `lanes_t` may instead be a decode step's packed rows [R, B] (row 0 the lanes), and may still be
-        in pinned host memory: a replay copies it straight into the graph's input."""
-        if lanes_t.device.type != self.device.type:
-            if self.use_graphs and key in self._graphs:
-                graph, static_lanes, static_inputs, outputs = self._graphs[key]
-                static_lanes.copy_(lanes_t, non_blocking=True)
-                return self._replay(graph, static_inputs, inputs, outputs)
-            lanes_t = lanes_t.to(self.device, non_blocking=True)
+        graphed). `lanes_t` may instead be a decode step's packed rows [R, B] (row 0 the lanes); it and the inputs
+        may still be in pinned host memory: a replay copies them straight into the graph's inputs."""
+        if self.use_graphs and key in self._graphs:
+            graph, static_lanes, static_inputs, outputs = self._graphs[key]
+            static_lanes.copy_(lanes_t, non_blocking=True)
+            return self._replay(graph, static_inputs, inputs, outputs)
+        lanes_t = self._on_device(lanes_t)
+        inputs = tuple(self._on_device(x) for x in inputs)
         if not self.use_graphs or key in self._eager_keys:
             return fn(lanes_t, *inputs)
         if key not in self._graphs:
@@ -1145,10 +1140,14 @@ class Engine:
         static_lanes.copy_(lanes_t)
         return self._replay(graph, static_inputs, inputs, outputs)
 
+    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` on the engine's device (a host tensor is pinned: the copy is queued, nothing waits)."""
+        return x if x.device.type == self.device.type else x.to(self.device, non_blocking=True)
+
     @staticmethod
     def _replay(graph, static_inputs, inputs, outputs):
         for dst, src in zip(static_inputs, inputs):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)  # from pinned host memory: queued, no stream sync
         graph.replay()
         return outputs
 

@@ -887,12 +887,15 @@ def test_a_chained_decode_step_is_queued_without_waiting_for_the_gpu(artifacts):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
+            eng.decode_step(lanes, [first] * len(lanes))  # the host's tokens: queued as well
             for _ in range(3):
                 picked = eng.decode_step(lanes, None, device_tokens=picked).argmax(-1)
                 copy = HostCopy.start(picked)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert len(copy.tolist()) == len(lanes)
+    # steps of the host's tokens and chained steps share one graph per batch size (the plan holds one's memory)
+    assert sorted(key[1] for key in eng._graphs if key[0] == "decode") == [1, 2]
 
 
 def test_step_paths_make_no_blocking_host_to_device_copies():
