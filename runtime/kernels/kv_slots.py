@@ -48,7 +48,7 @@ def kv_slots(block_table: torch.Tensor, ctx_len: torch.Tensor, lanes_idx: torch.
     b, pages = lanes_idx.shape[0], block_table.shape[1]
     if positions.numel() != b * t or block_table.stride(1) != 1:
         raise ValueError(f"kv_slots: {positions.numel()} positions for {b} lanes of {t} rows")
-    positions = positions.contiguous()
+    positions, lanes_idx = positions.contiguous(), lanes_idx.contiguous()  # no copies where they already are
     page = torch.empty(b * t, dtype=block_table.dtype, device=positions.device)
     slot = torch.empty(b * t, dtype=positions.dtype, device=positions.device)
     tables = torch.empty(b, pages, dtype=block_table.dtype, device=positions.device)
