@@ -49,7 +49,7 @@ from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
                           shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
-from .transfers import device_ints, staged_ints
+from .transfers import device_ints, staged_ints, to_device
 
 
 # MoE decode (kernels/moe.py): "fused" (three launches per layer: the router and shared gate in one product, routing
@@ -132,10 +132,9 @@ class DenseLinear:
     def rows(self, begin: int, end: int) -> "DenseLinear":
         return DenseLinear(self.weight[begin:end])
 
-    def gather(self, tokens: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows `tokens` (the embedding lookup), in `dtype` (default the weight's)."""
-        rows = self.weight[tokens]
-        return rows if dtype is None else rows.to(dtype)
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `tokens` (the embedding lookup), in `dtype`."""
+        return self.weight[tokens].to(dtype)
 
 
 class CodeLinear:
@@ -150,7 +149,7 @@ class CodeLinear:
     def rows(self, begin: int, end: int) -> "CodeLinear":
         return CodeLinear(self.codes.rows_view(begin, end))
 
-    def gather(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `tokens` decoded, in `dtype`."""
         return dense_reference(self.codes.take(tokens.reshape(-1))).view(*tokens.shape, self.codes.cols).to(dtype)
 
@@ -162,12 +161,11 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False):
         return qlinear(x, self.packed, xq=xq, defer_sum=defer_sum)
 
-    def gather(self, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def gather(self, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `tokens` decoded, in `dtype` (a W8 table in one launch, kernels/embed_rows.py)."""
-        p = self.packed
-        if embed_rows.ONE_LAUNCH and p.fmt.bits == 8 and p.high is None and p.fragment is None:
-            return embed_rows.embed_w8(p.base, p.scale, p.rows, p.cols, p.fmt.group_size, tokens, dtype)
-        return gather_rows(p, tokens).to(dtype)
+        if embed_rows.ONE_LAUNCH and embed_rows.takes(self.packed):
+            return embed_rows.embed_w8(self.packed, tokens, dtype)
+        return gather_rows(self.packed, tokens).to(dtype)
 
     def rows(self, begin: int, end: int) -> "QuantLinear":
         p = self.packed
@@ -1079,7 +1077,7 @@ class Engine:
         key = ("decode-shifted" if shifted else "decode", len(lanes), STEP_INPUTS_IN_GRAPH)
         fn = functools.partial(self._decode_forward, rope_row=shifted, count=STEP_INPUTS_IN_GRAPH)
         if not STEP_INPUTS_IN_GRAPH:  # session 46's way: copied and counted before the replay
-            packed = packed.to(self.device, non_blocking=True)
+            packed = to_device(packed, self.device)
             self._count_on_device(packed[0], packed[2])
         toks = packed[3][:, None] if device_tokens is None else device_tokens.long()[:, None]
         return self.run_step(key, fn, packed, toks).clone()
@@ -1114,15 +1112,11 @@ class Engine:
         into the graph's lanes tensor like any other input. Returns fn's outputs (static buffers when
         graphed). `lanes_t` may instead be a decode step's packed rows [R, B] (row 0 the lanes); it and the inputs
         may still be in pinned host memory: a replay copies them straight into the graph's inputs."""
-        if self.use_graphs and key in self._graphs:
-            graph, static_lanes, static_inputs, outputs = self._graphs[key]
-            static_lanes.copy_(lanes_t, non_blocking=True)
-            return self._replay(graph, static_inputs, inputs, outputs)
-        lanes_t = self._on_device(lanes_t)
-        inputs = tuple(self._on_device(x) for x in inputs)
-        if not self.use_graphs or key in self._eager_keys:
-            return fn(lanes_t, *inputs)
-        if key not in self._graphs:
+        if not self.use_graphs or key not in self._graphs:
+            lanes_t = to_device(lanes_t, self.device)
+            inputs = tuple(to_device(x, self.device) for x in inputs)
+            if not self.use_graphs or key in self._eager_keys:
+                return fn(lanes_t, *inputs)
             prefill_sized = key[0] in ("ride", "piece")
             if prefill_sized and self._ride_pool is None:
                 self._ride_pool = torch.cuda.graph_pool_handle()
@@ -1137,17 +1131,10 @@ class Engine:
                 self._eager_keys.add(key)
                 return fn(lanes_t, *inputs)
         graph, static_lanes, static_inputs, outputs = self._graphs[key]
-        static_lanes.copy_(lanes_t)
-        return self._replay(graph, static_inputs, inputs, outputs)
-
-    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` on the engine's device (a host tensor is pinned: the copy is queued, nothing waits)."""
-        return x if x.device.type == self.device.type else x.to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _replay(graph, static_inputs, inputs, outputs):
+        # from pinned host memory these copies are queued: no stream sync
+        static_lanes.copy_(lanes_t, non_blocking=True)
         for dst, src in zip(static_inputs, inputs):
-            dst.copy_(src, non_blocking=True)  # from pinned host memory: queued, no stream sync
+            dst.copy_(src, non_blocking=True)
         graph.replay()
         return outputs
 

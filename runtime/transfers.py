@@ -42,8 +42,7 @@ def device_ints(values: list, device: torch.device | str) -> torch.Tensor:
     waits for every kernel queued before it: a decode step chained behind the one in flight would wait
     for it to finish, and the GPU would idle while the host launched the next (~0.1-0.2 ms a step). The
     pinned staging block is not reused before the copy has run (torch's pinned allocator records it)."""
-    staged = staged_ints(values, device)
-    return staged if staged.device.type == torch.device(device).type else staged.to(device, non_blocking=True)
+    return to_device(staged_ints(values, device), device)
 
 
 def staged_ints(values: list, device: torch.device | str) -> torch.Tensor:
@@ -54,3 +53,9 @@ def staged_ints(values: list, device: torch.device | str) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
     host = torch.tensor(values, dtype=torch.long)
     return host.pin_memory() if torch.device(device).type == "cuda" else host
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`tensor` on `device`'s kind; a host tensor on its way to a GPU is pinned (staged_ints), so the copy is queued
+    behind the stream's work and nothing waits."""
+    return tensor if tensor.device.type == torch.device(device).type else tensor.to(device, non_blocking=True)

@@ -1414,17 +1414,17 @@ def test_embedding_rows_of_a_w8_table_in_one_launch(dtype):
     """The W8 embedding lookup's kernel gives the rows the torch decoder gives (gather_rows: code * scale in float32),
     rounded once to the activation dtype: tokens repeated, first and last rows, a width that is not a multiple of
     the planes' 128-column padding nor of the kernel's column block."""
-    from runtime.kernels.embed_rows import BLOCK, embed_w8, embed_w8_reference
+    from runtime.kernels.embed_rows import BLOCK, embed_w8, takes
     from runtime.kernels.qlinear import gather_rows
 
     rows, cols = 37, BLOCK + 200
     w = _packed(rows, cols, FORMATS["W8G32_F16S"], seed=5)
+    assert takes(w) and not takes(_packed(rows, cols, FORMATS["Q6G64_F16S"], seed=5))
     ids = torch.tensor([0, 36, 7, 7, 21], device=DEVICE)
-    want = gather_rows(w, ids.cpu() if DEVICE == "cpu" else ids).to(dtype)
-    got = embed_w8(w.base, w.scale, rows, cols, 32, ids, dtype)
+    want = gather_rows(w, ids).to(dtype)
+    got = embed_w8(w, ids, dtype)
     assert got.dtype == dtype and got.shape == (5, cols)
     assert torch.equal(got.cpu(), want.cpu())
-    assert torch.equal(embed_w8_reference(w.base, w.scale, rows, cols, 32, ids, dtype).cpu(), want.cpu())
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 16])

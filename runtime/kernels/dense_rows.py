@@ -27,7 +27,8 @@ ROW_TUNING = {"block_n": 2, "block_k": 1024, "num_warps": 4}
 
 @triton.jit
 def _preload_weights(w_rows, k, ok, K):
-    """A [BLOCK_N, BLOCK_K] tile of weight rows (fixed during inference: may be read before pdl_wait)."""
+    """A [BLOCK_N, BLOCK_K] tile of weight rows at columns k (fixed during inference: may be read before
+    pdl_wait)."""
     return tl.load(w_rows + k[None, :], mask=ok[:, None] & (k < K)[None, :], other=0.0)
 
 
@@ -50,8 +51,7 @@ def _dense_few_rows_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_x, stride_w, str
         kk = k0 + k
         xt = tl.load(x_ptr + toks[:, None] * stride_x + kk[None, :], mask=tok_ok[:, None] & (kk < K)[None, :],
                      other=0.0).to(tl.float32)
-        w_next = tl.load(w_rows + (kk + BLOCK_K)[None, :], mask=ok[:, None] & ((kk + BLOCK_K) < K)[None, :],
-                         other=0.0)
+        w_next = _preload_weights(w_rows, kk + BLOCK_K, ok, K)
         acc += tl.sum(w.to(tl.float32)[:, None, :] * xt[None, :, :], axis=2)
         w = w_next
     tl.store(y_ptr + toks[None, :] * stride_y + rows[:, None], acc.to(y_ptr.dtype.element_ty),

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from . import torch_path
 from .launch import LAUNCH, pdl_wait
+from .qlinear import PackedLinear, gather_rows
 
 BLOCK = 1024  # columns a program
 # False: the engine decodes the rows with torch's gather as before session 47 (side-by-side runs, bench/engine_ab.py
@@ -32,27 +33,21 @@ def _embed_w8_kernel(ids_ptr, base_ptr, scale_ptr, out_ptr, cols, row_bytes, row
     tl.store(out_ptr + r.to(tl.int64) * cols + c, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def embed_w8(base: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, group: int, ids: torch.Tensor,
-             dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` [n] of a W8 table (`base`: the uint8 codes of `rows` rows, `scale`: their float16 scales, a
-    group of `group` columns each) -> [n, cols] in `dtype`: code * scale in float32, rounded once."""
+def takes(w: PackedLinear) -> bool:
+    """Whether embed_w8 decodes `w`'s rows: 8-bit codes on the artifact's row planes."""
+    return w.fmt.bits == 8 and w.high is None and w.fragment is None
+
+
+def embed_w8(w: PackedLinear, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the W8 table `w` (takes(w)) -> [n, cols] in `dtype`: code * scale in float32, rounded once,
+    as the torch decoder (qlinear.gather_rows) gives them."""
     ids = ids.reshape(-1)
     if torch_path(ids):
-        return embed_w8_reference(base, scale, rows, cols, group, ids, dtype)
-    codes, scales = base.reshape(rows, -1), scale.reshape(rows, -1)
-    if codes.stride(1) != 1 or scales.stride(1) != 1 or codes.shape[1] < cols or scales.shape[1] * group < cols:
-        raise ValueError(f"embed_w8: planes {tuple(codes.shape)} / {tuple(scales.shape)} do not hold {cols} columns "
-                         f"in groups of {group}")
-    out = torch.empty(ids.shape[0], cols, dtype=dtype, device=ids.device)
+        return gather_rows(w, ids).to(dtype)
+    codes, scales = w.base.view(w.rows, -1), w.scale.view(w.rows, -1)
+    out = torch.empty(ids.shape[0], w.cols, dtype=dtype, device=ids.device)
     if ids.shape[0]:
-        _embed_w8_kernel[(ids.shape[0], triton.cdiv(cols, BLOCK))](
-            ids, codes, scales, out, cols, codes.stride(0), scales.stride(0), GROUP=group, BLOCK=BLOCK, **LAUNCH)
+        _embed_w8_kernel[(ids.shape[0], triton.cdiv(w.cols, BLOCK))](
+            ids, codes, scales, out, w.cols, codes.stride(0), scales.stride(0), GROUP=w.fmt.group_size, BLOCK=BLOCK,
+            **LAUNCH)
     return out
-
-
-def embed_w8_reference(base: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, group: int, ids: torch.Tensor,
-                       dtype: torch.dtype) -> torch.Tensor:
-    ids = ids.reshape(-1).long()
-    codes = base.reshape(rows, -1)[ids, :cols].view(torch.int8).float()
-    scales = scale.reshape(rows, -1)[ids].float().repeat_interleave(group, dim=1)[:, :cols]
-    return (codes * scales).to(dtype)
