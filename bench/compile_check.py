@@ -10,7 +10,7 @@ one triton version compiles and another rejects, passes every CPU test and fails
     # compile every recorded launch for sm_90 (here with triton 3.6 from another environment, same Python)
     PYTHONPATH=/path/to/triton36/site-packages:. python bench/compile_check.py compile OUT.json
 
-`compile` prints one line per failing launch and a count; exit status 1 if any failed. A launch whose kernel needs
+`compile` writes each launch's PTX into the folder COMPILE_CHECK_PTX names, where set. It prints one line per failing launch and a count; exit status 1 if any failed. A launch whose kernel needs
 more shared memory than an sm_90 block may take (232,448 bytes) fails too: the GPU refuses it at launch time (session
 45: Q5 fields in the fused expert kernel at triton's default 3 pipeline stages, 254 KB).
 """
@@ -123,6 +123,11 @@ def compile_all(path: str) -> int:
             kernel = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()},
                                      attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
+            if os.environ.get("COMPILE_CHECK_PTX"):  # a folder: each launch's PTX there, to read what the GPU runs
+                os.makedirs(os.environ["COMPILE_CHECK_PTX"], exist_ok=True)
+                with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{entries.index(entry)}-{entry['name']}.ptx"),
+                          "w") as f:
+                    f.write(kernel.asm["ptx"])
             if kernel.metadata.shared > SM90_MAX_SHARED:
                 raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory, over sm_90's "
                                    f"{SM90_MAX_SHARED} a block")

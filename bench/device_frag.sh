@@ -888,6 +888,27 @@ s82)  # ~570 s, any GPU: session 48's first call (devices are scarce: one call m
   [ $(( DEADLINE - $(el) )) -gt 120 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s77
   echo "s82 t=$(el)"
   ;;
+s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
+  # for each other instead of each re-reading the whole row's K-split partials from L2; opt-in NINFER_RMSNORM_BARRIER):
+  # its GPU test, then one lane of the 27B (129 RMSNorms at ~5.2 us) and the 35B-A3B side by side in one engine each
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k barrier \
+    2>&1 | grep -E "passed|failed|Error|assert" | tail -4
+  R=runtime.kernels.rmsnorm
+  timeout $(( (${DEADLINE:-200} - $(el)) * 5 / 9 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1 base= \
+    barrier=$R.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
+  timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
+    barrier=$R.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  ;;
+s84)  # ~570 s, any GPU: s80 (the GPU tests of session 47's kernels and engine, the A/B of embedding rows / K/V slots /
+  # few-rows router), then s83 (the spread-norm barrier) with the time left
+  DEADLINE=${DEADLINE:-570}
+  DEADLINE=400 bash bench/device_frag.sh s80
+  [ $(( DEADLINE - $(el) )) -gt 100 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s83
+  echo "s84 t=$(el)"
+  ;;
 s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
   # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
   # the norm's launch beside them)

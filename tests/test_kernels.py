@@ -1505,3 +1505,98 @@ def test_selector_walk_matches_reference(n, k, c, rank, vocab):
     assert got.dtype == torch.int64 and torch.equal(got, want)
     with pytest.raises(ValueError, match="selector_walk"):
         selector_walk(unary, candidates[:, :, :-1], projected, predecessors, successors, anchors)
+
+
+def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path):
+    """A spread row whose programs share their chunks' sums of squares and wait for each other (NINFER_RMSNORM_BARRIER)
+    cannot run under the interpreter, which runs a launch's programs one after another: the launcher's barrier launch
+    (scratch and constants as it makes them) is taken here and compiled for sm_90 by bench/compile_check.py, so a
+    construct the GPU compiler rejects fails on the CPU. The GPU test below runs it against the re-reading spread."""
+    import importlib.util
+    import inspect
+    import json
+    import subprocess
+    import sys
+
+    import runtime.kernels.rmsnorm as rn
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials
+
+    spec = importlib.util.spec_from_file_location("compile_check", "bench/compile_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    kernel, launches = rn._rmsnorm_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(rn, "_rmsnorm_kernel", Recorder())
+    monkeypatch.setattr(rn, "interpreted", lambda: False)
+    monkeypatch.setattr(rn, "SPREAD_BARRIER", True)
+    h = 5120
+    nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
+    parts = SplitPartials(torch.randn(6, 1, h), torch.empty(1, h, dtype=torch.bfloat16))
+    rn.rmsnorm(parts, torch.zeros(h, dtype=torch.bfloat16), 1e-6, residual=torch.zeros(1, h, dtype=torch.bfloat16),
+               xq=QuantizedX.empty(1, nxt, "cpu"))
+    (grid, args, kwargs), = launches
+    assert kwargs["BARRIER"] and kwargs["CHUNKS"] == grid[1] == h // rn.SPREAD_CHUNK
+    sums, arrivals = rn._barrier_scratch["cpu"]
+    assert not arrivals.any()  # zeroed once; every launch leaves its counters at zero
+    bound = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+    params = inspect.signature(kernel.fn).parameters
+    signature, constants = {}, {}
+    for name in kernel.arg_names:
+        if "constexpr" in str(params[name].annotation):
+            signature[name], constants[name] = "constexpr", check._constant(bound[name])
+        else:
+            signature[name] = check._argument(bound[name])[0]
+    entry = {"module": "runtime.kernels.rmsnorm", "name": "_rmsnorm_kernel", "signature": signature,
+             "constants": constants, "num_warps": kwargs["num_warps"], "num_stages": 3}
+    recorded = tmp_path / "launches.json"
+    recorded.write_text(json.dumps([entry]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "bench/compile_check.py", "compile", str(recorded)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    report = run.stdout + run.stderr
+    if run.returncode != 0 and "ptxas" in report.lower() and "error" not in report.lower():
+        pytest.skip(f"no sm_90 toolchain here: {report.strip().splitlines()[-1][:200]}")
+    assert run.returncode == 0 and "1 of 1 launches compile" in report, report[-2000:]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the spread barrier needs a launch's programs resident together (a GPU)")
+@pytest.mark.parametrize("deferred", [0, 6])
+def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, deferred):
+    """Programs that share their chunks' sums of squares through the barrier == programs that each re-read the row:
+    the residual sum and the next product's words exactly, the normed row within a rounding step; launched many times
+    over (the counters reset by each launch), inside a CUDA graph too."""
+    import runtime.kernels.rmsnorm as rn
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials, quantize_x
+
+    h = 5120 + 200
+    nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
+    norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
+    if deferred:
+        y_in = SplitPartials(torch.randn(deferred, 1, h, device=DEVICE), torch.empty(1, h, device=DEVICE, dtype=DTYPE))
+    else:
+        y_in = torch.randn(1, h, device=DEVICE).to(DTYPE)
+    residual = torch.randn(1, h, device=DEVICE).to(DTYPE)
+    results = {}
+    for barrier in (False, True):
+        monkeypatch.setattr(rn, "SPREAD_BARRIER", barrier)
+        for _ in range(50 if barrier else 1):
+            xq = QuantizedX.empty(1, nxt, DEVICE)
+            y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone(), out=_poison((1, h)), xq=xq)
+        torch.cuda.synchronize()
+        assert torch.equal(xq.words, quantize_x(y, nxt))
+        results[barrier] = (y.float(), res)
+    assert not rn._barrier_scratch[str(y.device)][1].any()
+    assert torch.equal(results[True][1], results[False][1])
+    assert (results[True][0] - results[False][0]).abs().max().item() <= 2e-2
+    graph, static_res = torch.cuda.CUDAGraph(), residual.clone()
+    with torch.cuda.graph(graph):
+        y_graph, _ = rn.rmsnorm(y_in, norm_w, 1e-6, residual=static_res, out=_poison((1, h)))
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, results[True][0].to(DTYPE)) and not rn._barrier_scratch[str(y.device)][1].any()

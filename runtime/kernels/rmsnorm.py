@@ -11,11 +11,13 @@ the residual in place (another program may still be reading it), so they write a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from . import torch_path, tuning_from_env
+from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import ExpertPartials
 from .qgemv_int8 import QuantizedX, SplitPartials, producer_words, write_quantized_x
@@ -40,6 +42,16 @@ ROUTER_DOT_LANES: tl.constexpr = tl.constexpr(512)  # lanes per step of a router
 # lanes a GEMM plus its split-K reduction, 215 + 99 us, H100 profiles of sessions 37-38). Built on a CPU, not yet
 # measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
 ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows": 0})["rows"]
+# A spread row's programs share their chunks' sums of squares through global memory and wait for each other (a
+# barrier of a few atomics) instead of each re-reading the whole row, every K-split partial of it, from L2: at 5,120
+# lanes and 6 partials that is 120 KB a program, 20 programs a norm, a chain of dependent loads in each of the
+# step's ~130 norms (5.2 us an RMSNorm in the 27B's one-lane step, session 45's GPU timeline). Safe only where
+# every program of the launch is resident at once: a spread launch has ~20 programs, and under PDL the next kernel
+# is released only after all of them passed their wait (launch.py). Never under the interpreter, which runs the
+# programs one after another. Built on a CPU, not yet timed: off by default; NINFER_RMSNORM_BARRIER=1 turns it on.
+SPREAD_BARRIER = os.environ.get("NINFER_RMSNORM_BARRIER", "0") == "1"
+BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
+_barrier_scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
@@ -120,7 +132,8 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
                     SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
                     QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                     GROUP: tl.constexpr, router_ptr, logits_ptr, E_ROUTER, stride_router, stride_logits, CHUNKS,
-                    ROUTER_ROWS: tl.constexpr):
+                    ROUTER_ROWS: tl.constexpr, sums_ptr, arrivals_ptr, BARRIER: tl.constexpr,
+                    CHUNKS_POW2: tl.constexpr):
     """Program (row, chunk) normalizes lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row; with SPREAD
     its sum of squares comes from a pass over the whole row (SUM_STEPS x SUM_LANES lanes, unrolled so
     the loads go out together), else from its own lanes (BLOCK covers the row). ROUTER_ROWS: programs
@@ -140,11 +153,35 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
             _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
                         stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
                         BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS,
-                        GROUP)
+                        GROUP, sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2)
     else:
         _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
                     stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
-                    BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS, GROUP)
+                    BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS, GROUP,
+                    sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2)
+
+
+@triton.jit
+def _shared_row_variance(own_squares, sums_ptr, arrivals_ptr, row, chunk, CHUNKS, H, CHUNKS_POW2: tl.constexpr):
+    """The row's mean square from every program's own chunk: each stores its sum of squares, counts itself in, waits
+    until all CHUNKS programs of the row have, then sums the stored sums in chunk order (the same order in every
+    program, so the row is normalized alike everywhere). The last program out resets the row's two counters for the
+    next launch (which waits for this one to finish before it touches them)."""
+    tl.store(sums_ptr + row * CHUNKS_POW2 + chunk, own_squares)
+    tl.debug_barrier()  # every thread's store issued before the release below publishes them
+    arrived = tl.atomic_add(arrivals_ptr + row * 2, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < CHUNKS:
+        arrived = tl.atomic_add(arrivals_ptr + row * 2, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    idx = tl.arange(0, CHUNKS_POW2)
+    sums = tl.load(sums_ptr + row * CHUNKS_POW2 + idx, mask=idx < CHUNKS, other=0.0, cache_modifier=".cg")
+    total = tl.sum(sums, axis=0)
+    tl.debug_barrier()  # every thread has read the sums before this program counts itself out
+    left = tl.atomic_add(arrivals_ptr + row * 2 + 1, 1, sem="acq_rel", scope="gpu") + 1
+    if left == CHUNKS:
+        tl.atomic_xchg(arrivals_ptr + row * 2, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(arrivals_ptr + row * 2 + 1, 0, sem="relaxed", scope="gpu")
+    return total / H
 
 
 @triton.jit
@@ -153,14 +190,17 @@ def _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, 
                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TOPK: tl.constexpr,
                 GATED: tl.constexpr, SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
                 QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                GROUP: tl.constexpr):
+                GROUP: tl.constexpr, sums_ptr, arrivals_ptr, CHUNKS, BARRIER: tl.constexpr, CHUNKS_POW2: tl.constexpr):
     """Lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row: summed, normalized, stored (and quantized)."""
     k0 = tl.program_id(1) * BLOCK
     cols = k0 + tl.arange(0, BLOCK)
     ok = cols < H
     h = _summed_row(x_ptr, res_ptr, y_ptr, row, cols, ok, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
                     moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
-    if SPREAD:
+    if SPREAD and BARRIER:
+        var = _shared_row_variance(tl.sum(h * h, axis=0), sums_ptr, arrivals_ptr, row, tl.program_id(1), CHUNKS, H,
+                                   CHUNKS_POW2)
+    elif SPREAD:
         var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
                             moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
     else:
@@ -228,6 +268,8 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
             res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     router_programs = triton.cdiv(router.shape[0], router_rows) if router_rows else 0
     r_w, r_out = (router, router_out) if router_rows else (weight, y)  # unread without router rows
+    barrier = spread and SPREAD_BARRIER and t <= BARRIER_ROWS and chunks <= BARRIER_CHUNKS and not interpreted()
+    sums, arrivals = _barrier_scratch_for(y.device) if barrier else (y, y)  # unread without the barrier
     _rmsnorm_kernel[(t, chunks + router_programs)](source, res, weight, y, res_out, words, h, eps,
                                  source.stride(1) if splits else source.stride(0), res.stride(0), y.stride(0),
                                  res_out.stride(0), split_stride,
@@ -238,12 +280,28 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
                                  SUM_STEPS=triton.cdiv(h, sum_lanes), SUM_LANES=sum_lanes, **quant,
                                  router_ptr=r_w, logits_ptr=r_out, E_ROUTER=r_w.shape[0], stride_router=r_w.stride(0),
                                  stride_logits=r_out.stride(0), CHUNKS=chunks, ROUTER_ROWS=router_rows,
+                                 sums_ptr=sums, arrivals_ptr=arrivals, BARRIER=barrier,
+                                 CHUNKS_POW2=triton.next_power_of_2(chunks) if barrier else 1,
                                  num_warps=num_warps, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
     if router is not None and not router_rows:
         torch.matmul(y, router.t(), out=router_out)
     return y, (res_out if residual is not None else None)
+
+
+def _barrier_scratch_for(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spread barrier's sums of squares and (arrived, left) counters of a device, zeroed once and kept: each
+    launch leaves its counters at zero. One set a device: the norms of a device run in one stream's order (the engine's
+    step, its CUDA graphs' replays)."""
+    key = str(device)
+    if key not in _barrier_scratch:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("rmsnorm: the spread barrier's scratch must exist before CUDA graph capture "
+                               "(run one eager step first)")
+        _barrier_scratch[key] = (torch.zeros(BARRIER_ROWS * BARRIER_CHUNKS, dtype=torch.float32, device=device),
+                                 torch.zeros(BARRIER_ROWS * 2, dtype=torch.int32, device=device))
+    return _barrier_scratch[key]
 
 
 def rmsnorm_reference(x, weight, eps, residual=None):
