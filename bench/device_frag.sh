@@ -890,13 +890,14 @@ s82)  # ~570 s, any GPU: session 48's first call (devices are scarce: one call m
   ;;
 s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
   # for each other instead of each re-reading the whole row's K-split partials from L2; opt-in NINFER_RMSNORM_BARRIER):
-  # its GPU test, then one lane of the 27B (129 RMSNorms at ~5.2 us) and the 35B-A3B side by side in one engine each
+  # its GPU test, then the 27B (129 RMSNorms at ~5.2 us one lane; 8 lanes with the barrier spreading all 8 rows too)
+  # and one lane of the 35B-A3B side by side in one engine each
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k barrier \
     2>&1 | grep -E "passed|failed|Error|assert" | tail -4
   R=runtime.kernels.rmsnorm
-  timeout $(( (${DEADLINE:-200} - $(el)) * 5 / 9 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1 base= \
-    barrier=$R.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+  timeout $(( (${DEADLINE:-200} - $(el)) * 5 / 8 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1,8 base= \
+    barrier=$R.SPREAD_BARRIER:True "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" 2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
   timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
     barrier=$R.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"

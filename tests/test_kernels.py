@@ -1565,11 +1565,11 @@ def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the spread barrier needs a launch's programs resident together (a GPU)")
-@pytest.mark.parametrize("deferred", [0, 6])
-def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, deferred):
+@pytest.mark.parametrize("t,deferred", [(1, 0), (1, 6), (4, 8)])
+def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, t, deferred):
     """Programs that share their chunks' sums of squares through the barrier == programs that each re-read the row:
-    the residual sum and the next product's words exactly, the normed row within a rounding step; launched many times
-    over (the counters reset by each launch), inside a CUDA graph too."""
+    the residual sum and the next product's words exactly, the normed rows within a rounding step; launched many
+    times over (the counters reset by each launch), inside a CUDA graph too; several rows (BARRIER_SPREAD_ROWS)."""
     import runtime.kernels.rmsnorm as rn
     from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials, quantize_x
 
@@ -1577,16 +1577,19 @@ def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, deferr
     nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
     norm_w = (torch.randn(h, device=DEVICE) * 0.1).to(DTYPE)
     if deferred:
-        y_in = SplitPartials(torch.randn(deferred, 1, h, device=DEVICE), torch.empty(1, h, device=DEVICE, dtype=DTYPE))
+        y_in = SplitPartials(torch.randn(deferred, t, h, device=DEVICE), torch.empty(t, h, device=DEVICE, dtype=DTYPE))
     else:
-        y_in = torch.randn(1, h, device=DEVICE).to(DTYPE)
-    residual = torch.randn(1, h, device=DEVICE).to(DTYPE)
+        y_in = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    residual = torch.randn(t, h, device=DEVICE).to(DTYPE)
+    monkeypatch.setattr(rn, "SPREAD_MAX_ROWS", t)  # the re-reading spread for every row as the reference
+    monkeypatch.setattr(rn, "SPREAD_MAX_SPLITS", 8)
+    monkeypatch.setattr(rn, "BARRIER_SPREAD_ROWS", t)
     results = {}
     for barrier in (False, True):
         monkeypatch.setattr(rn, "SPREAD_BARRIER", barrier)
         for _ in range(50 if barrier else 1):
-            xq = QuantizedX.empty(1, nxt, DEVICE)
-            y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone(), out=_poison((1, h)), xq=xq)
+            xq = QuantizedX.empty(t, nxt, DEVICE)
+            y, res = rn.rmsnorm(y_in, norm_w, 1e-6, residual=residual.clone(), out=_poison((t, h)), xq=xq)
         torch.cuda.synchronize()
         assert torch.equal(xq.words, quantize_x(y, nxt))
         results[barrier] = (y.float(), res)
@@ -1595,7 +1598,7 @@ def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, deferr
     assert (results[True][0] - results[False][0]).abs().max().item() <= 2e-2
     graph, static_res = torch.cuda.CUDAGraph(), residual.clone()
     with torch.cuda.graph(graph):
-        y_graph, _ = rn.rmsnorm(y_in, norm_w, 1e-6, residual=static_res, out=_poison((1, h)))
+        y_graph, _ = rn.rmsnorm(y_in, norm_w, 1e-6, residual=static_res, out=_poison((t, h)))
     for _ in range(20):
         graph.replay()
     torch.cuda.synchronize()

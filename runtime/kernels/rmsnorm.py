@@ -51,6 +51,10 @@ ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows
 # programs one after another. Built on a CPU, not yet timed: off by default; NINFER_RMSNORM_BARRIER=1 turns it on.
 SPREAD_BARRIER = os.environ.get("NINFER_RMSNORM_BARRIER", "0") == "1"
 BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
+# Rows a launch spreads with the barrier on. Spreading several rows lost without it (each program re-reading its row's
+# partials, SPREAD_MAX_ROWS above); with it a program reads only its own chunk, so lanes and verify blocks may gain.
+# Side-by-side runs set 4 or 8 (bench/engine_ab.py).
+BARRIER_SPREAD_ROWS = 1
 _barrier_scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -248,9 +252,13 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
-    spread = t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS and h > 2 * SPREAD_CHUNK
-    if spread:  # chunks cover the next product's padded lanes too (zeros), so its words are filled here
-        block, chunks = SPREAD_CHUNK, triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
+    spread_chunks = triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)  # the next product's padded
+    # lanes too (zeros), so its words are filled here
+    barrier = (SPREAD_BARRIER and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
+               and h > 2 * SPREAD_CHUNK and not (router is not None and ROUTER_IN_NORM_ROWS) and not interpreted())
+    spread = barrier or t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS and h > 2 * SPREAD_CHUNK
+    if spread:
+        block, chunks = SPREAD_CHUNK, spread_chunks
         sum_lanes = min(SUM_BLOCK, triton.next_power_of_2(h))
         res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if residual is not None else y
         num_warps = SPREAD_WARPS
@@ -268,7 +276,6 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
             res_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     router_programs = triton.cdiv(router.shape[0], router_rows) if router_rows else 0
     r_w, r_out = (router, router_out) if router_rows else (weight, y)  # unread without router rows
-    barrier = spread and SPREAD_BARRIER and t <= BARRIER_ROWS and chunks <= BARRIER_CHUNKS and not interpreted()
     sums, arrivals = _barrier_scratch_for(y.device) if barrier else (y, y)  # unread without the barrier
     _rmsnorm_kernel[(t, chunks + router_programs)](source, res, weight, y, res_out, words, h, eps,
                                  source.stride(1) if splits else source.stride(0), res.stride(0), y.stride(0),
