@@ -897,10 +897,11 @@ s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs shar
     2>&1 | grep -E "passed|failed|Error|assert" | tail -4
   R=runtime.kernels.rmsnorm
   timeout $(( (${DEADLINE:-200} - $(el)) * 5 / 8 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1,8 base= \
-    barrier=$R.SPREAD_BARRIER:True "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" 2>&1 | grep -E "median|Error"
+    barrier=$R.SPREAD_BARRIER:True "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" \
+    "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | grep -E "median|Error"
   echo "27B t=$(el)"
   timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
-    barrier=$R.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+    barrier=$R.SPREAD_BARRIER:True "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
 s84)  # ~570 s, any GPU: s80 (the GPU tests of session 47's kernels and engine, the A/B of embedding rows / K/V slots /
