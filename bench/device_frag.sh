@@ -65,20 +65,16 @@
 #                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
 #                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
 #                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
-#                        bash bench/device_frag.sh s72       # s70 for a short budget (~360 s)
-#                        bash bench/device_frag.sh s73       # the least of s72 (~230 s)
 #                        bash bench/device_frag.sh s74       # after s70: 2-16-row bf16 products on the dense kernel,
 #                                                            # 35B-A3B / 27B lanes; 27B norm launch shapes
-#                        bash bench/device_frag.sh s75       # step inputs straight into the graph vs before; dense
-#                                                            # kernel for 2-16 rows (35B-A3B, 27B at 1 and 8 lanes)
-#                        bash bench/device_frag.sh s76       # s75, then 35B-A3B and 27B lanes end to end (~480 s)
 #                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
 #                        bash bench/device_frag.sh s78       # the server, 4 streaming clients against one (35B, 27B)
 #                        bash bench/device_frag.sh s79       # 35B-A3B router on the few-rows dense kernel, 1-4 lanes
 #                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
 #                                                            # few-rows router; their GPU tests (~420 s)
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
-#                        bash bench/device_frag.sh s82       # next first (~570 s): s80, then s77 with the time left
+#                        bash bench/device_frag.sh s83       # the spread-norm barrier: GPU test, 27B 1 / 8 lanes, 35B
+#                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -786,33 +782,6 @@ s74)  # ~400 s, any GPU: after s70 (router on the dense kernel 3 % faster at 8 l
     qwen3.6-27b "$OUT/s74-norms.json" 1 base= $NORM_SHAPES 2>&1 | grep -E "median|Error"
   echo "27B norms t=$(el)"
   ;;
-s75)  # ~420 s, any GPU: session 47's decode step inputs copied from pinned memory straight into the step's graph,
-  # which counts the context lengths itself, against session 46's way (copied and counted before the replay); the
-  # engine's GPU tests first (graph replays of packed inputs)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -6
-  echo "tests t=$(el)"
-  timeout 220 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s75-35b.json" 1,8 base= \
-    before=runtime.engine.STEP_INPUTS_IN_GRAPH:False 2>&1 | grep -E "median|Error"
-  echo "35B-A3B t=$(el)"
-  [ $(( ${DEADLINE:-420} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-420} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-27b "$OUT/s75-27b.json" 1,8 base= before=runtime.engine.STEP_INPUTS_IN_GRAPH:False 2>&1 | \
-    grep -E "median|Error"
-  echo "27B t=$(el)"
-  ;;
-s76)  # ~480 s, any GPU: s75 (tests, step inputs in the graph vs before), then with the time left (DEADLINE, 480) the
-  # lanes benches end to end: 35B-A3B 1-8 lanes (each its own token; the one-lane row is issue 21's 8K number), 27B
-  DEADLINE=330 bash bench/device_frag.sh s75
-  DEADLINE=${DEADLINE:-480}
-  [ $(( DEADLINE - $(el) )) -gt 70 ] && timeout $(( DEADLINE - $(el) )) python -m ninfer_cli.main bench \
-    --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens \
-    --json-out "$OUT/s76-moe-lanes.json" 2>&1 | grep "│ bf16"
-  echo "35B-A3B lanes t=$(el)"
-  [ $(( DEADLINE - $(el) )) -gt 90 ] && timeout $(( DEADLINE - $(el) )) $B --lanes 1,2,4,8 --depths 8k \
-    --kv-dtype bf16 --json-out "$OUT/s76-lanes.json" 2>&1 | grep "│ bf16"
-  echo "27B lanes t=$(el)"
-  ;;
 s77)  # ~200 s, any GPU: the 35B-A3B's one-lane step under launch settings in one engine (issue 21: 0.346 of the H100's
   # roofline, 0.35 needs ~1.3 % more): the norms' spread shape (111 launches, ~390 µs a step) and the one-token expert
   # tiles (80 launches, ~612 µs; picked from isolated L2-cold launches in session 29, never inside the step's graph)
@@ -880,14 +849,6 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
-s82)  # ~570 s, any GPU: session 48's first call (devices are scarce: one call may be all there is), most needed first:
-  # s80 (the GPU tests of session 47's kernels and engine; embedding rows / K/V slots / few-rows router side by side),
-  # then s77 (the 35B-A3B's one-lane norm shapes and expert tiles) with the time left. Next calls: s81, s74, s78, s71
-  DEADLINE=${DEADLINE:-570}
-  DEADLINE=420 bash bench/device_frag.sh s80
-  [ $(( DEADLINE - $(el) )) -gt 120 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s77
-  echo "s82 t=$(el)"
-  ;;
 s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
   # for each other instead of each re-reading the whole row's K-split partials from L2; opt-in NINFER_RMSNORM_BARRIER):
   # its GPU test, then the 27B (129 RMSNorms at ~5.2 us one lane; 8 lanes with the barrier spreading all 8 rows too)
@@ -910,36 +871,6 @@ s84)  # ~570 s, any GPU: s80 (the GPU tests of session 47's kernels and engine, 
   DEADLINE=400 bash bench/device_frag.sh s80
   [ $(( DEADLINE - $(el) )) -gt 100 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s83
   echo "s84 t=$(el)"
-  ;;
-s72)  # ~360 s, any GPU: s70 for a short budget: the GPU tests of the engines and the MoE fragment / fused expert
-  # kernels, then queued vs blocking copies in one engine (27B one lane; 35B-A3B 1 and 8 lanes with the router in
-  # the norm's launch beside them)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
-    tests/test_engine.py 2>&1 | grep -E "passed|failed|Error|assert" | tail -8
-  echo "tests t=$(el)"
-  timeout 90 python bench/engine_ab.py qwen3.6-27b "$OUT/s72-27b.json" 1 base= \
-    blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | grep -E "median|Error"
-  echo "27B t=$(el)"
-  [ $(( ${DEADLINE:-370} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-370} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-35b-a3b "$OUT/s72-35b.json" 1,8 base= blocking=runtime.transfers.QUEUED_COPIES:False \
-    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
-    grep -E "median|Error"
-  echo "35B-A3B t=$(el)"
-  ;;
-s73)  # ~230 s, any GPU: the least of s72: the queued copies' GPU test and the fused expert kernel's (a 35B-A3B engine of
-  # several lanes prefills through it), then queued vs blocking copies, one lane of the 27B and of the 35B-A3B
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 70 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
-    tests/test_engine.py -k "queued or blocking or device_ints or fused or moe or chained" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -8
-  echo "tests t=$(el)"
-  for shape in qwen3.6-27b qwen3.6-35b-a3b; do
-    [ $(( ${DEADLINE:-240} - $(el) )) -gt 40 ] && NINFER_AB_ROUNDS=2 timeout $(( ${DEADLINE:-240} - $(el) )) python \
-      bench/engine_ab.py $shape "$OUT/s73-$shape.json" 1 base= blocking=runtime.transfers.QUEUED_COPIES:False 2>&1 | \
-      grep -E "median|Error"
-    echo "$shape t=$(el)"
-  done
   ;;
 s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
   # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);
