@@ -75,6 +75,7 @@
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 #                        bash bench/device_frag.sh s83       # the spread-norm barrier: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
+#                        bash bench/device_frag.sh s85       # codecs at 200K, the 4-client server, then s81 (~560 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -848,6 +849,18 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "ks2=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,2)]}" "ks4=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,4)]}" \
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed codecs at 200K with today's step (rk2v4-e8
+  # 0.62 of its roofline in session 26, target 0.65; int8 0.83; rk4v4-e8), the server with 4 clients against one (s78),
+  # then the 35B-A3B's Q5 output projections (s81) with the time left
+  DEADLINE=${DEADLINE:-560}
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 120 $B --depths 200k --prefill-limit 8k --kv-dtype rk2v4-e8,int8,rk4v4-e8 --decode-tokens 64 \
+    --json-out "$OUT/s85-codecs-200k.json" 2>&1 | grep -E "│ (int8|rk2v4|rk4v4)"
+  echo "codecs at 200K t=$(el)"
+  DEADLINE=250 bash bench/device_frag.sh s78
+  [ $(( DEADLINE - $(el) )) -gt 90 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s81
+  echo "s85 t=$(el)"
   ;;
 s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
   # for each other instead of each re-reading the whole row's K-split partials from L2; opt-in NINFER_RMSNORM_BARRIER):
