@@ -75,6 +75,7 @@
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 #                        bash bench/device_frag.sh s83       # the spread-norm barrier: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
+#                        bash bench/device_frag.sh s86       # s84 for a short budget, one engine a shape (~440 s)
 #                        bash bench/device_frag.sh s85       # codecs at 200K, the 4-client server, then s81 (~560 s)
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
@@ -849,6 +850,24 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "ks2=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,2)]}" "ks4=$F.WARPS_SHARING_K:{(2048,4096):[(1,1,4)]}" \
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
+  ;;
+s86)  # ~440 s, any GPU: s84 for a short budget, one engine a shape: the GPU tests of session 47's kernels and engine
+  # and session 48's barrier, then one lane of the 35B-A3B (embedding / K/V slots back on torch, the few-rows router,
+  # the barrier) and the 27B (both back on torch, the barrier), each against the defaults
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py \
+    tests/test_kernels.py -k "engine or kv_slots or embedding_rows or dense_rows or greedy or lanes or barrier" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -6
+  echo "tests t=$(el)"
+  K=runtime.kernels
+  timeout $(( (${DEADLINE:-440} - $(el)) / 2 )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s86-35b.json" 1 base= \
+    torch_embed=$K.embed_rows.ONE_LAUNCH:False torch_slots=$K.kv_slots.ONE_LAUNCH:False \
+    few_router=runtime.engine.DENSE_ROWS_MIN_T:1 barrier=$K.rmsnorm.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+  echo "35B-A3B t=$(el)"
+  timeout $(( ${DEADLINE:-440} - $(el) )) python bench/engine_ab.py qwen3.6-27b "$OUT/s86-27b.json" 1 base= \
+    "torch_both=$K.embed_rows.ONE_LAUNCH:False;$K.kv_slots.ONE_LAUNCH:False" barrier=$K.rmsnorm.SPREAD_BARRIER:True \
+    2>&1 | grep -E "median|Error"
+  echo "27B t=$(el)"
   ;;
 s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed codecs at 200K with today's step (rk2v4-e8
   # 0.62 of its roofline in session 26, target 0.65; int8 0.83; rk4v4-e8), the server with 4 clients against one (s78),
