@@ -862,11 +862,11 @@ s86)  # ~440 s, any GPU: s84 for a short budget, one engine a shape: the GPU tes
   K=runtime.kernels
   timeout $(( (${DEADLINE:-440} - $(el)) / 2 )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s86-35b.json" 1 base= \
     torch_embed=$K.embed_rows.ONE_LAUNCH:False torch_slots=$K.kv_slots.ONE_LAUNCH:False \
-    few_router=runtime.engine.DENSE_ROWS_MIN_T:1 barrier=$K.rmsnorm.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error"
+    few_router=runtime.engine.DENSE_ROWS_MIN_T:1 barrier=$K.rmsnorm.SPREAD_BARRIER:True 2>&1 | grep -E "median|Error|round"
   echo "35B-A3B t=$(el)"
   timeout $(( ${DEADLINE:-440} - $(el) )) python bench/engine_ab.py qwen3.6-27b "$OUT/s86-27b.json" 1 base= \
     "torch_both=$K.embed_rows.ONE_LAUNCH:False;$K.kv_slots.ONE_LAUNCH:False" barrier=$K.rmsnorm.SPREAD_BARRIER:True \
-    2>&1 | grep -E "median|Error"
+    2>&1 | grep -E "median|Error|round"
   echo "27B t=$(el)"
   ;;
 s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed codecs at 200K with today's step (rk2v4-e8
