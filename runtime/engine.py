@@ -103,18 +103,20 @@ STEP_INPUTS_IN_GRAPH = True
 PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoid of it are exactly 0 in float32
 
 
-# Small bf16 products of several rows (the MoE router + shared gate of several lanes) on kernels/dense_rows.py in one
-# launch instead of the vendor's split-K GEMM and its reduction. By default (auto) from 8 rows: side by side in one
-# engine (H100, session 47, bench/engine_ab.py) 8 lanes of the 35B-A3B 3.558 against 3.667 ms a step (3.0 %), while
-# one row was 2 % slower than cuBLAS's GEMV (2.200 against 2.158 ms); 2-7 rows are not yet timed side by side
-# (session 32 saw no gain at 2+ rows beside NINFER_MOE_SHARED_APART=2, 8 lanes 5.65 / 5.75 ms against 5.52 / 5.51).
-# NINFER_DENSE_ROWS=on takes 2-16 rows, all 1-16, off none. Only small matrices: larger ones (draft heads) keep the
-# vendor GEMM, which streams them well.
+# Small bf16 products (the MoE router + shared gate) on kernels/dense_rows.py in one launch instead of the vendor's
+# GEMV (one row) or split-K GEMM and its reduction (several). By default (auto) one row (its few-rows kernel: CUDA-core
+# products, the first weight tile loaded before the PDL wait) and 8-16 rows. Side by side in one engine (H100,
+# bench/engine_ab.py): one lane of the 35B-A3B 1.998 against cuBLAS's 2.071 ms a step (3.5 %, session 48; the tile
+# kernel at one row was 2 % slower, session 47); 8 lanes 3.558 against 3.667 ms (3.0 %, session 47). 2-7 rows are not
+# yet timed side by side (session 32 saw no gain at 2+ rows beside NINFER_MOE_SHARED_APART=2, 8 lanes 5.65 / 5.75 ms
+# against 5.52 / 5.51). NINFER_DENSE_ROWS=on takes 2-16 rows, all 1-16, off none. Only small matrices: larger ones
+# (draft heads) keep the vendor GEMM, which streams them well.
 DENSE_ROWS_MODE = os.environ.get("NINFER_DENSE_ROWS", "auto")
 if DENSE_ROWS_MODE not in ("off", "auto", "on", "all"):
-    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, auto (8-16 rows), on (2-16) or all "
-                     "(1-16); unset it")
+    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, auto (1 and 8-16 rows), on (2-16) or "
+                     "all (1-16); unset it")
 DENSE_ROWS_MIN_T = {"off": DENSE_ROWS_MAX_T + 1, "auto": 8, "on": 2, "all": 1}[DENSE_ROWS_MODE]
+DENSE_ROWS_ONE_ROW = DENSE_ROWS_MODE in ("auto", "all")  # one row on the kernel too (below DENSE_ROWS_MIN_T)
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
 
 
@@ -124,7 +126,9 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor, xq: QuantizedX | None = None, defer_sum: bool = False) -> torch.Tensor:
         w = self.weight
-        if DENSE_ROWS_MIN_T <= x.shape[0] <= DENSE_ROWS_MAX_T and x.is_cuda and x.dtype == w.dtype == torch.bfloat16 \
+        rows = x.shape[0]
+        if (DENSE_ROWS_MIN_T <= rows <= DENSE_ROWS_MAX_T or rows == 1 and DENSE_ROWS_ONE_ROW) and x.is_cuda \
+                and x.dtype == w.dtype == torch.bfloat16 \
                 and w.numel() <= DENSE_ROWS_MAX_ELEMENTS and w.stride(1) == 1:
             return dense_rows(x, w)
         return x @ w.t()

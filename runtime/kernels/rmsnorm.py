@@ -43,13 +43,21 @@ ROUTER_DOT_LANES: tl.constexpr = tl.constexpr(512)  # lanes per step of a router
 # measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
 ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows": 0})["rows"]
 # A spread row's programs share their chunks' sums of squares through global memory and wait for each other (a
-# barrier of a few atomics) instead of each re-reading the whole row, every K-split partial of it, from L2: at 5,120
-# lanes and 6 partials that is 120 KB a program, 20 programs a norm, a chain of dependent loads in each of the
-# step's ~130 norms (5.2 us an RMSNorm in the 27B's one-lane step, session 45's GPU timeline). Safe only where
-# every program of the launch is resident at once: a spread launch has ~20 programs, and under PDL the next kernel
-# is released only after all of them passed their wait (launch.py). Never under the interpreter, which runs the
-# programs one after another. Built on a CPU, not yet timed: off by default; NINFER_RMSNORM_BARRIER=1 turns it on.
-SPREAD_BARRIER = os.environ.get("NINFER_RMSNORM_BARRIER", "0") == "1"
+# barrier of a few atomics) instead of each re-reading the whole row, every K-split partial of it, from L2. Safe only
+# where every program of the launch is resident at once: a spread launch has 8-40 small programs, and under PDL the
+# next kernel is released only after all of them passed their wait (launch.py). Never under the interpreter, which
+# runs the programs one after another. Side by side in one engine (H100, session 48, bench/engine_ab.py, one lane):
+# the 35B-A3B's rows of 8 chunks (2,048 lanes; a MoE block's 8 expert outputs and the shared one re-read per program)
+# 2.053 against 2.071 ms a step (0.9 % faster; end to end 511.1 against 506.4 tok/s), the 27B's rows of 20 chunks
+# 7.085 against 7.032 (0.8 % slower: there the atomics' round trips cost more than the re-reads). So by default
+# (auto) rows of at most BARRIER_AUTO_CHUNKS chunks wait at the barrier; NINFER_RMSNORM_BARRIER=1 every spread row,
+# 0 none. SPREAD_BARRIER: None (auto), True or False (bench/engine_ab.py sets it).
+_BARRIER_MODES = {"auto": None, "1": True, "0": False}
+if os.environ.get("NINFER_RMSNORM_BARRIER", "auto") not in _BARRIER_MODES:
+    raise SystemExit(f"ninfer: NINFER_RMSNORM_BARRIER={os.environ['NINFER_RMSNORM_BARRIER']!r} is not auto, 1 or 0; "
+                     "unset it for auto")
+SPREAD_BARRIER = _BARRIER_MODES[os.environ.get("NINFER_RMSNORM_BARRIER", "auto")]
+BARRIER_AUTO_CHUNKS = 8
 BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
 # Rows a launch spreads with the barrier on. Spreading several rows lost without it (each program re-reading its row's
 # partials, SPREAD_MAX_ROWS above); with it a program reads only its own chunk, so lanes and verify blocks may gain.
@@ -254,7 +262,8 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     res = residual if residual is not None else x
     spread_chunks = triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)  # the next product's padded
     # lanes too (zeros), so its words are filled here
-    barrier = (SPREAD_BARRIER and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
+    wanted = spread_chunks <= BARRIER_AUTO_CHUNKS if SPREAD_BARRIER is None else SPREAD_BARRIER
+    barrier = (wanted and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
                and h > 2 * SPREAD_CHUNK and not (router is not None and ROUTER_IN_NORM_ROWS) and not interpreted())
     spread = barrier or t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS and h > 2 * SPREAD_CHUNK
     if spread:
