@@ -73,7 +73,7 @@
 #                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
 #                                                            # few-rows router; their GPU tests (~420 s)
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
-#                        bash bench/device_frag.sh s83       # the spread-norm barrier: GPU test, 27B 1 / 8 lanes, 35B
+#                        bash bench/device_frag.sh s83       # the norm barrier's options: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
 #                        bash bench/device_frag.sh s86       # s84 for a short budget, one engine a shape (~440 s)
 #                        bash bench/device_frag.sh s85       # codecs at 200K, the 4-client server, then s81 (~560 s)
@@ -881,20 +881,24 @@ s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed c
   [ $(( DEADLINE - $(el) )) -gt 90 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s81
   echo "s85 t=$(el)"
   ;;
-s83)  # ~200 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
-  # for each other instead of each re-reading the whole row's K-split partials from L2; opt-in NINFER_RMSNORM_BARRIER):
-  # its GPU test, then the 27B (129 RMSNorms at ~5.2 us one lane; 8 lanes with the barrier spreading all 8 rows too)
-  # and one lane of the 35B-A3B side by side in one engine each
+s83)  # ~250 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
+  # for each other instead of each re-reading the whole row's K-split partials; default for rows of <= 8 chunks, the
+  # 35B-A3B's): its GPU tests, then the 27B (20 chunks: 0.8 % slower with it in session 48) at 1 and 8 lanes with the
+  # barrier, counting out after the stores (BARRIER_LEAVE_LAST), spreading 8 rows, 128 lanes a program; and one lane of
+  # the 35B-A3B (base = the barrier) without it, counting out last, 128 lanes a program
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k barrier \
     2>&1 | grep -E "passed|failed|Error|assert" | tail -4
   R=runtime.kernels.rmsnorm
-  timeout $(( (${DEADLINE:-200} - $(el)) * 5 / 8 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1,8 base= \
-    barrier=$R.SPREAD_BARRIER:True "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" \
-    "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | grep -E "median|Error"
+  timeout $(( (${DEADLINE:-250} - $(el)) * 5 / 8 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1,8 base= \
+    barrier=$R.SPREAD_BARRIER:True "leave_last=$R.SPREAD_BARRIER:True;$R.BARRIER_LEAVE_LAST:True" \
+    "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | \
+    grep -E "median|Error|round"
   echo "27B t=$(el)"
-  timeout $(( ${DEADLINE:-200} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
-    barrier=$R.SPREAD_BARRIER:True "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | grep -E "median|Error"
+  timeout $(( ${DEADLINE:-250} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
+    nobarrier=$R.SPREAD_BARRIER:False leave_last=$R.BARRIER_LEAVE_LAST:True \
+    "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | \
+    grep -E "median|Error|round"
   echo "35B-A3B t=$(el)"
   ;;
 s84)  # ~570 s, any GPU: s80 (the GPU tests of session 47's kernels and engine, the A/B of embedding rows / K/V slots /

@@ -1507,7 +1507,8 @@ def test_selector_walk_matches_reference(n, k, c, rank, vocab):
         selector_walk(unary, candidates[:, :, :-1], projected, predecessors, successors, anchors)
 
 
-def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path):
+@pytest.mark.parametrize("leave_last", [False, True])
+def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path, leave_last):
     """A spread row whose programs share their chunks' sums of squares and wait for each other (NINFER_RMSNORM_BARRIER)
     cannot run under the interpreter, which runs a launch's programs one after another: the launcher's barrier launch
     (scratch and constants as it makes them) is taken here and compiled for sm_90 by bench/compile_check.py, so a
@@ -1533,13 +1534,14 @@ def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path):
     monkeypatch.setattr(rn, "_rmsnorm_kernel", Recorder())
     monkeypatch.setattr(rn, "interpreted", lambda: False)
     monkeypatch.setattr(rn, "SPREAD_BARRIER", True)
+    monkeypatch.setattr(rn, "BARRIER_LEAVE_LAST", leave_last)
     h = 5120
     nxt = _packed(16, h, FORMATS["Q4G64_F16S"], 4)
     parts = SplitPartials(torch.randn(6, 1, h), torch.empty(1, h, dtype=torch.bfloat16))
     rn.rmsnorm(parts, torch.zeros(h, dtype=torch.bfloat16), 1e-6, residual=torch.zeros(1, h, dtype=torch.bfloat16),
                xq=QuantizedX.empty(1, nxt, "cpu"))
     (grid, args, kwargs), = launches
-    assert kwargs["BARRIER"] and kwargs["CHUNKS"] == grid[1] == h // rn.SPREAD_CHUNK
+    assert kwargs["BARRIER"] and kwargs["LEAVE_LAST"] == leave_last and kwargs["CHUNKS"] == grid[1] == h // rn.SPREAD_CHUNK
     sums, arrivals = rn._barrier_scratch["cpu"]
     assert not arrivals.any()  # zeroed once; every launch leaves its counters at zero
     bound = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
@@ -1565,8 +1567,9 @@ def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the spread barrier needs a launch's programs resident together (a GPU)")
-@pytest.mark.parametrize("t,deferred", [(1, 0), (1, 6), (4, 8)])
-def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, t, deferred):
+@pytest.mark.parametrize("t,deferred,leave_last", [(1, 0, False), (1, 6, False), (4, 8, False), (1, 6, True),
+                                                   (4, 8, True)])
+def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, t, deferred, leave_last):
     """Programs that share their chunks' sums of squares through the barrier == programs that each re-read the row:
     the residual sum and the next product's words exactly, the normed rows within a rounding step; launched many
     times over (the counters reset by each launch), inside a CUDA graph too; several rows (BARRIER_SPREAD_ROWS)."""
@@ -1584,6 +1587,7 @@ def test_rmsnorm_spread_barrier_matches_the_rereading_spread(monkeypatch, t, def
     monkeypatch.setattr(rn, "SPREAD_MAX_ROWS", t)  # the re-reading spread for every row as the reference
     monkeypatch.setattr(rn, "SPREAD_MAX_SPLITS", 8)
     monkeypatch.setattr(rn, "BARRIER_SPREAD_ROWS", t)
+    monkeypatch.setattr(rn, "BARRIER_LEAVE_LAST", leave_last)
     results = {}
     for barrier in (False, True):
         monkeypatch.setattr(rn, "SPREAD_BARRIER", barrier)

@@ -58,6 +58,10 @@ if os.environ.get("NINFER_RMSNORM_BARRIER", "auto") not in _BARRIER_MODES:
                      "unset it for auto")
 SPREAD_BARRIER = _BARRIER_MODES[os.environ.get("NINFER_RMSNORM_BARRIER", "auto")]
 BARRIER_AUTO_CHUNKS = 8
+# True: a program counts itself out of the barrier after its stores (a relaxed atomic), so that round trip overlaps
+# them instead of delaying the normalization (the 27B's rows, where the barrier lost 0.8 %, may gain). Built on a CPU, not yet timed:
+# False (the protocol timed in session 48) until then; bench/engine_ab.py sets it.
+BARRIER_LEAVE_LAST = False
 BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
 # Rows a launch spreads with the barrier on. Spreading several rows lost without it (each program re-reading its row's
 # partials, SPREAD_MAX_ROWS above); with it a program reads only its own chunk, so lanes and verify blocks may gain.
@@ -145,7 +149,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
                     QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
                     GROUP: tl.constexpr, router_ptr, logits_ptr, E_ROUTER, stride_router, stride_logits, CHUNKS,
                     ROUTER_ROWS: tl.constexpr, sums_ptr, arrivals_ptr, BARRIER: tl.constexpr,
-                    CHUNKS_POW2: tl.constexpr):
+                    CHUNKS_POW2: tl.constexpr, LEAVE_LAST: tl.constexpr):
     """Program (row, chunk) normalizes lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row; with SPREAD
     its sum of squares comes from a pass over the whole row (SUM_STEPS x SUM_LANES lanes, unrolled so
     the loads go out together), else from its own lanes (BLOCK covers the row). ROUTER_ROWS: programs
@@ -165,20 +169,21 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, H, eps, s
             _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
                         stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
                         BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS,
-                        GROUP, sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2)
+                        GROUP, sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2, LEAVE_LAST)
     else:
         _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, stride_x, stride_r, stride_y,
                     stride_ro, split_stride, moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, HAS_RESIDUAL,
                     BLOCK, SPLITS, TOPK, GATED, SPREAD, SUM_STEPS, SUM_LANES, QUANT, ROW_INTS, K_PAD, QBITS, GROUP,
-                    sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2)
+                    sums_ptr, arrivals_ptr, CHUNKS, BARRIER, CHUNKS_POW2, LEAVE_LAST)
 
 
 @triton.jit
-def _shared_row_variance(own_squares, sums_ptr, arrivals_ptr, row, chunk, CHUNKS, H, CHUNKS_POW2: tl.constexpr):
+def _shared_row_variance(own_squares, sums_ptr, arrivals_ptr, row, chunk, CHUNKS, H, CHUNKS_POW2: tl.constexpr,
+                         LEAVE_LAST: tl.constexpr):
     """The row's mean square from every program's own chunk: each stores its sum of squares, counts itself in, waits
     until all CHUNKS programs of the row have, then sums the stored sums in chunk order (the same order in every
-    program, so the row is normalized alike everywhere). The last program out resets the row's two counters for the
-    next launch (which waits for this one to finish before it touches them)."""
+    program, so the row is normalized alike everywhere). Each then counts itself out (_barrier_leave) here, or with
+    LEAVE_LAST after its stores, where the atomic's round trip overlaps them."""
     tl.store(sums_ptr + row * CHUNKS_POW2 + chunk, own_squares)
     tl.debug_barrier()  # every thread's store issued before the release below publishes them
     arrived = tl.atomic_add(arrivals_ptr + row * 2, 1, sem="acq_rel", scope="gpu") + 1
@@ -188,12 +193,26 @@ def _shared_row_variance(own_squares, sums_ptr, arrivals_ptr, row, chunk, CHUNKS
     idx = tl.arange(0, CHUNKS_POW2)
     sums = tl.load(sums_ptr + row * CHUNKS_POW2 + idx, mask=idx < CHUNKS, other=0.0, cache_modifier=".cg")
     total = tl.sum(sums, axis=0)
+    if not LEAVE_LAST:
+        _barrier_leave(arrivals_ptr, row, CHUNKS, False)
+    return total / H
+
+
+@triton.jit
+def _barrier_leave(arrivals_ptr, row, CHUNKS, RELAXED: tl.constexpr):
+    """Count this program out of the row's barrier (after it has read the stored sums); the last one out resets the
+    row's two counters for the next launch, which waits for this one to finish before it touches them. RELAXED (after
+    the stores): no release, which would first wait for every store of the program to land. It needs none: the count
+    comes after this program's acquiring spin in program order, so the reset follows every program's spin, and the
+    sums are rewritten only by a later launch."""
     tl.debug_barrier()  # every thread has read the sums before this program counts itself out
-    left = tl.atomic_add(arrivals_ptr + row * 2 + 1, 1, sem="acq_rel", scope="gpu") + 1
+    if RELAXED:
+        left = tl.atomic_add(arrivals_ptr + row * 2 + 1, 1, sem="relaxed", scope="gpu") + 1
+    else:
+        left = tl.atomic_add(arrivals_ptr + row * 2 + 1, 1, sem="acq_rel", scope="gpu") + 1
     if left == CHUNKS:
         tl.atomic_xchg(arrivals_ptr + row * 2, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(arrivals_ptr + row * 2 + 1, 0, sem="relaxed", scope="gpu")
-    return total / H
 
 
 @triton.jit
@@ -202,7 +221,8 @@ def _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, 
                 HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TOPK: tl.constexpr,
                 GATED: tl.constexpr, SPREAD: tl.constexpr, SUM_STEPS: tl.constexpr, SUM_LANES: tl.constexpr,
                 QUANT: tl.constexpr, ROW_INTS: tl.constexpr, K_PAD: tl.constexpr, QBITS: tl.constexpr,
-                GROUP: tl.constexpr, sums_ptr, arrivals_ptr, CHUNKS, BARRIER: tl.constexpr, CHUNKS_POW2: tl.constexpr):
+                GROUP: tl.constexpr, sums_ptr, arrivals_ptr, CHUNKS, BARRIER: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+                LEAVE_LAST: tl.constexpr):
     """Lanes [chunk * BLOCK, chunk * BLOCK + BLOCK) of the row: summed, normalized, stored (and quantized)."""
     k0 = tl.program_id(1) * BLOCK
     cols = k0 + tl.arange(0, BLOCK)
@@ -211,7 +231,7 @@ def _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, 
                     moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED)
     if SPREAD and BARRIER:
         var = _shared_row_variance(tl.sum(h * h, axis=0), sums_ptr, arrivals_ptr, row, tl.program_id(1), CHUNKS, H,
-                                   CHUNKS_POW2)
+                                   CHUNKS_POW2, LEAVE_LAST)
     elif SPREAD:
         var = _row_variance(x_ptr, res_ptr, y_ptr, row, H, stride_x, stride_r, split_stride, HAS_RESIDUAL, SPLITS,
                             moe_w_ptr, moe_shared_ptr, moe_gate_ptr, gate_stride, TOPK, GATED, SUM_STEPS, SUM_LANES)
@@ -224,6 +244,8 @@ def _norm_chunk(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, xq_ptr, row, H, eps, 
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
     if QUANT:  # the stored (rounded) values, as the product would quantize them from memory
         write_quantized_x(xq_ptr + row * ROW_INTS, y.to(tl.float32), k0, K_PAD, QBITS, GROUP, BLOCK)
+    if SPREAD and BARRIER and LEAVE_LAST:
+        _barrier_leave(arrivals_ptr, row, CHUNKS, True)
 
 
 def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tensor, eps: float,
@@ -298,6 +320,7 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
                                  stride_logits=r_out.stride(0), CHUNKS=chunks, ROUTER_ROWS=router_rows,
                                  sums_ptr=sums, arrivals_ptr=arrivals, BARRIER=barrier,
                                  CHUNKS_POW2=triton.next_power_of_2(chunks) if barrier else 1,
+                                 LEAVE_LAST=barrier and BARRIER_LEAVE_LAST,
                                  num_warps=num_warps, **LAUNCH)
     if xq is not None and not fused:
         xq.fill(y)
