@@ -884,7 +884,7 @@ s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed c
 s83)  # ~250 s, any GPU: session 48's spread-norm barrier (a row's programs share their chunks' sums of squares and wait
   # for each other instead of each re-reading the whole row's K-split partials; default for rows of <= 8 chunks, the
   # 35B-A3B's): its GPU tests, then the 27B (20 chunks: 0.8 % slower with it in session 48) at 1 and 8 lanes with the
-  # barrier, counting out after the stores (BARRIER_LEAVE_LAST), spreading 8 rows, 128 lanes a program; and one lane of
+  # barrier, counting out after the stores (BARRIER_LEAVE_LAST), spreading 8 rows, 128 / 512 lanes a program; one lane of
   # the 35B-A3B (base = the barrier) without it, counting out last, 128 lanes a program
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k barrier \
@@ -892,8 +892,8 @@ s83)  # ~250 s, any GPU: session 48's spread-norm barrier (a row's programs shar
   R=runtime.kernels.rmsnorm
   timeout $(( (${DEADLINE:-250} - $(el)) * 5 / 8 )) python bench/engine_ab.py qwen3.6-27b "$OUT/s83-27b.json" 1,8 base= \
     barrier=$R.SPREAD_BARRIER:True "leave_last=$R.SPREAD_BARRIER:True;$R.BARRIER_LEAVE_LAST:True" \
-    "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | \
-    grep -E "median|Error|round"
+    "rows8=$R.SPREAD_BARRIER:True;$R.BARRIER_SPREAD_ROWS:8" "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" \
+    "b_c512=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:512" 2>&1 | grep -E "median|Error|round"
   echo "27B t=$(el)"
   timeout $(( ${DEADLINE:-250} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s83-35b.json" 1 base= \
     nobarrier=$R.SPREAD_BARRIER:False leave_last=$R.BARRIER_LEAVE_LAST:True \
