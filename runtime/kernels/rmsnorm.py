@@ -4,7 +4,8 @@ x may be a product's unsummed K-split partials (SplitPartials) or a MoE block's 
 launches before and after it fold in here.
 
 A single decode row is spread over several programs: each reads the whole
-row for its sum of squares (from L2) and normalizes, stores and quantizes only its own chunk. One
+row for its sum of squares (from L2), or (SPREAD_BARRIER) only its own chunk, sharing the sums with the row's other
+programs at a barrier, and normalizes, stores and quantizes only its own chunk. One
 program per 5,120-lane row took ~4.5 us on the H200, most of it the one-SM quantization of the whole
 row (the run record (`git show 5d8956c:bench/RESULTS.md`) §14); the decode step runs 129 of these norms. Spread programs cannot update
 the residual in place (another program may still be reading it), so they write a new residual tensor."""
@@ -59,8 +60,8 @@ if os.environ.get("NINFER_RMSNORM_BARRIER", "auto") not in _BARRIER_MODES:
 SPREAD_BARRIER = _BARRIER_MODES[os.environ.get("NINFER_RMSNORM_BARRIER", "auto")]
 BARRIER_AUTO_CHUNKS = 8
 # True: a program counts itself out of the barrier after its stores (a relaxed atomic), so that round trip overlaps
-# them instead of delaying the normalization (the 27B's rows, where the barrier lost 0.8 %, may gain). Built on a CPU, not yet timed:
-# False (the protocol timed in session 48) until then; bench/engine_ab.py sets it.
+# them instead of delaying the normalization (the 27B's rows, where the barrier lost 0.8 %, may gain). Built on a CPU,
+# not yet timed: False (the protocol timed in session 48) until then; bench/engine_ab.py sets it.
 BARRIER_LEAVE_LAST = False
 BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
 # Rows a launch spreads with the barrier on. Spreading several rows lost without it (each program re-reading its row's
@@ -282,8 +283,8 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     t, h = x.shape
     y = out if out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
-    spread_chunks = triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)  # the next product's padded
-    # lanes too (zeros), so its words are filled here
+    # a spread row's chunks cover the next product's padded lanes too (zeros), so its words are filled here
+    spread_chunks = triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
     wanted = spread_chunks <= BARRIER_AUTO_CHUNKS if SPREAD_BARRIER is None else SPREAD_BARRIER
     barrier = (wanted and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
                and h > 2 * SPREAD_CHUNK and not (router is not None and ROUTER_IN_NORM_ROWS) and not interpreted())
