@@ -76,7 +76,7 @@
 #                        bash bench/device_frag.sh s83       # the norm barrier's options: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
 #                        bash bench/device_frag.sh s86       # s84 for a short budget, one engine a shape (~440 s)
-#                        bash bench/device_frag.sh s85       # codecs at 200K, the 4-client server, then s81 (~560 s)
+#                        bash bench/device_frag.sh s85       # next first (~560 s): s83, the 4-client server, then s81
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -869,14 +869,11 @@ s86)  # ~440 s, any GPU: s84 for a short budget, one engine a shape: the GPU tes
     2>&1 | grep -E "median|Error|round"
   echo "27B t=$(el)"
   ;;
-s85)  # ~560 s, any GPU: what issue 20/21 still lack after s84: the compressed codecs at 200K with today's step (rk2v4-e8
-  # 0.62 of its roofline in session 26, target 0.65; int8 0.83; rk4v4-e8), the server with 4 clients against one (s78),
-  # then the 35B-A3B's Q5 output projections (s81) with the time left
+s85)  # ~560 s, any GPU: what issue 20/21 still lack after session 48's call: the spread-norm barrier's options (s83),
+  # the server with 4 clients against one (s78: the 35B-A3B was 2.91x in session 40, before the queued host copies;
+  # issue 20 asks 3x), then the 35B-A3B's Q5 output projections (s81) with the time left
   DEADLINE=${DEADLINE:-560}
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 120 $B --depths 200k --prefill-limit 8k --kv-dtype rk2v4-e8,int8,rk4v4-e8 --decode-tokens 64 \
-    --json-out "$OUT/s85-codecs-200k.json" 2>&1 | grep -E "│ (int8|rk2v4|rk4v4)"
-  echo "codecs at 200K t=$(el)"
+  DEADLINE=250 bash bench/device_frag.sh s83
   DEADLINE=250 bash bench/device_frag.sh s78
   [ $(( DEADLINE - $(el) )) -gt 90 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s81
   echo "s85 t=$(el)"
