@@ -802,9 +802,10 @@ s77)  # ~200 s, any GPU: the 35B-A3B's one-lane step under launch settings in on
 s78)  # ~250 s, any GPU: the server with 4 streaming clients against one, after the queued host copies (session 46) and
   # the step inputs in the graph (47): issue 20's 35B-A3B row (2.91x, session 40), then the 27B (3.42x, session 34)
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 120 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6
+  # (session 48: the 35B-A3B's run had not finished at 152 s: load, warm-ups, then 1 and 4 clients)
+  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -6
   echo "35B-A3B server 4 clients t=$(el)"
-  [ $(( ${DEADLINE:-250} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-250} - $(el) )) python bench/serve_lanes.py \
+  [ $(( ${DEADLINE:-250} - $(el) )) -gt 200 ] && timeout $(( ${DEADLINE:-250} - $(el) )) python bench/serve_lanes.py \
     qwen3.6-27b --lanes 4 --tokens 256 2>&1 | tail -6
   echo "27B server 4 clients t=$(el)"
   ;;
@@ -874,7 +875,7 @@ s85)  # ~560 s, any GPU: what issue 20/21 still lack after session 48's call: th
   # issue 20 asks 3x), then the 35B-A3B's Q5 output projections (s81) with the time left
   DEADLINE=${DEADLINE:-560}
   DEADLINE=250 bash bench/device_frag.sh s83
-  DEADLINE=250 bash bench/device_frag.sh s78
+  DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s78
   [ $(( DEADLINE - $(el) )) -gt 90 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s81
   echo "s85 t=$(el)"
   ;;
