@@ -10,9 +10,10 @@ one triton version compiles and another rejects, passes every CPU test and fails
     # compile every recorded launch for sm_90 (here with triton 3.6 from another environment, same Python)
     PYTHONPATH=/path/to/triton36/site-packages:. python bench/compile_check.py compile OUT.json
 
-`compile` writes each launch's PTX into the folder COMPILE_CHECK_PTX names, where set. It prints one line per failing launch and a count; exit status 1 if any failed. A launch whose kernel needs
-more shared memory than an sm_90 block may take (232,448 bytes) fails too: the GPU refuses it at launch time (session
-45: Q5 fields in the fused expert kernel at triton's default 3 pipeline stages, 254 KB).
+`compile` prints one line per failing launch and a count; exit status 1 if any failed; where COMPILE_CHECK_PTX names a
+folder, each launch's PTX is written there. A launch whose kernel needs more shared memory than an sm_90 block may
+take (232,448 bytes) fails too: the GPU refuses it at launch time (session 45: Q5 fields in the fused expert kernel at
+triton's default 3 pipeline stages, 254 KB).
 """
 
 from __future__ import annotations
@@ -56,11 +57,33 @@ def _constant(value):
     raise TypeError(f"constexpr of type {type(value).__name__}")
 
 
+def launch_entry(fn, arg_names: list[str], args: tuple, kwargs: dict) -> dict:
+    """One launch of the jit function `fn` (its Python function; `arg_names` in order) with these arguments as the
+    `compile` step reads it: argument types, constexpr values, warps and stages. TypeError for an argument kind it
+    does not know."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
+    signature, constants = {}, {}
+    for name in arg_names:
+        value = bound.get(name, params[name].default)
+        if value is inspect.Parameter.empty:
+            raise TypeError(f"{name} not given")
+        if "constexpr" in str(params[name].annotation):
+            signature[name], constants[name] = "constexpr", _constant(value)
+        else:
+            kind, const = _argument(value)
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = const
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constants": constants,
+            "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages", 3)}
+
+
 def record(out_path: str, pytest_args: list[str]) -> int:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["NINFER_CPU_KERNELS"] = "triton"
-    import inspect
-
     import pytest
     from triton.runtime import interpreter
 
@@ -69,23 +92,7 @@ def record(out_path: str, pytest_args: list[str]) -> int:
 
     def run(self, *args, grid, warmup, **kwargs):
         try:
-            params = inspect.signature(self.fn).parameters
-            bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
-            signature, constants = {}, {}
-            for name in self.arg_names:
-                value = bound.get(name, params[name].default)
-                if value is inspect.Parameter.empty:
-                    raise TypeError(f"{name} not given")
-                if "constexpr" in str(params[name].annotation):
-                    signature[name], constants[name] = "constexpr", _constant(value)
-                else:
-                    kind, const = _argument(value)
-                    signature[name] = kind
-                    if kind == "constexpr":
-                        constants[name] = const
-            entry = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": signature,
-                     "constants": constants, "num_warps": kwargs.get("num_warps", 4),
-                     "num_stages": kwargs.get("num_stages", 3)}
+            entry = launch_entry(self.fn, self.arg_names, args, kwargs)
             seen.setdefault(json.dumps(entry, sort_keys=True), entry)
         except TypeError as exc:  # an argument kind this recorder does not know: say so, keep running
             print(f"compile_check: not recorded {self.fn.__name__}: {exc}", file=sys.stderr)
@@ -110,8 +117,11 @@ def compile_all(path: str) -> int:
     from triton.compiler import ASTSource
 
     entries = json.load(open(path))
+    ptx_dir = os.environ.get("COMPILE_CHECK_PTX")
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
     failed = 0
-    for entry in entries:
+    for index, entry in enumerate(entries):
         fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         constants = {k: getattr(tl, v["tl_dtype"]) if isinstance(v, dict) else v
                      for k, v in entry["constants"].items()}
@@ -123,10 +133,8 @@ def compile_all(path: str) -> int:
             kernel = triton.compile(ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()},
                                      attrs), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
-            if os.environ.get("COMPILE_CHECK_PTX"):  # a folder: each launch's PTX there, to read what the GPU runs
-                os.makedirs(os.environ["COMPILE_CHECK_PTX"], exist_ok=True)
-                with open(os.path.join(os.environ["COMPILE_CHECK_PTX"], f"{entries.index(entry)}-{entry['name']}.ptx"),
-                          "w") as f:
+            if ptx_dir:  # each launch's PTX, to read what the GPU runs
+                with open(os.path.join(ptx_dir, f"{index}-{entry['name']}.ptx"), "w") as f:
                     f.write(kernel.asm["ptx"])
             if kernel.metadata.shared > SM90_MAX_SHARED:
                 raise RuntimeError(f"needs {kernel.metadata.shared} bytes of shared memory, over sm_90's "

@@ -74,8 +74,7 @@
 #                                                            # few-rows router; their GPU tests (~420 s)
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 #                        bash bench/device_frag.sh s83       # the norm barrier's options: GPU test, 27B 1 / 8 lanes, 35B
-#                        bash bench/device_frag.sh s84       # next first (~570 s): s80, then s83 with the time left
-#                        bash bench/device_frag.sh s86       # s84 for a short budget, one engine a shape (~440 s)
+#                        bash bench/device_frag.sh s86       # session 48: s80 + s83 in one engine a shape (~440 s)
 #                        bash bench/device_frag.sh s85       # next first (~560 s): s83, the 4-client server, then s81
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
@@ -852,8 +851,8 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
-s86)  # ~440 s, any GPU: s84 for a short budget, one engine a shape: the GPU tests of session 47's kernels and engine
-  # and session 48's barrier, then one lane of the 35B-A3B (embedding / K/V slots back on torch, the few-rows router,
+s86)  # ~440 s, any GPU (ran in session 48): s80 and s83 for a short budget, one engine a shape: the GPU tests of
+  # session 47's kernels and engine and session 48's barrier, then one lane of the 35B-A3B (embedding / K/V slots back on torch, the few-rows router,
   # the barrier) and the 27B (both back on torch, the barrier), each against the defaults
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py \
@@ -898,13 +897,6 @@ s83)  # ~250 s, any GPU: session 48's spread-norm barrier (a row's programs shar
     "b_c128=$R.SPREAD_BARRIER:True;$R.SPREAD_CHUNK:128" 2>&1 | \
     grep -E "median|Error|round"
   echo "35B-A3B t=$(el)"
-  ;;
-s84)  # ~570 s, any GPU: s80 (the GPU tests of session 47's kernels and engine, the A/B of embedding rows / K/V slots /
-  # few-rows router), then s83 (the spread-norm barrier) with the time left
-  DEADLINE=${DEADLINE:-570}
-  DEADLINE=400 bash bench/device_frag.sh s80
-  [ $(( DEADLINE - $(el) )) -gt 100 ] && DEADLINE=$(( DEADLINE - $(el) )) bash bench/device_frag.sh s83
-  echo "s84 t=$(el)"
   ;;
 s71)  # ~480 s, any GPU: end to end with the queued copies (session 46): one lane of the 27B and the 35B-A3B (bench, the
   # chained decode and the host-synced loop in one run), the 27B's lanes 1-8 (its steps no longer wait for the host);

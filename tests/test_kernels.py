@@ -1507,25 +1507,12 @@ def test_selector_walk_matches_reference(n, k, c, rank, vocab):
         selector_walk(unary, candidates[:, :, :-1], projected, predecessors, successors, anchors)
 
 
-@pytest.mark.parametrize("leave_last", [False, True])
-def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path, leave_last):
-    """A spread row whose programs share their chunks' sums of squares and wait for each other (NINFER_RMSNORM_BARRIER)
-    cannot run under the interpreter, which runs a launch's programs one after another: the launcher's barrier launch
-    (scratch and constants as it makes them) is taken here and compiled for sm_90 by bench/compile_check.py, so a
-    construct the GPU compiler rejects fails on the CPU. The GPU test below runs it against the re-reading spread."""
-    import importlib.util
-    import inspect
-    import json
-    import subprocess
-    import sys
-
+def _rmsnorm_launches_as_on_a_gpu(monkeypatch) -> list[tuple]:
+    """rmsnorm's kernel launches taken, not run, as the launcher makes them off the interpreter (where a spread row may
+    wait at the barrier): (grid, args, kwargs) each."""
     import runtime.kernels.rmsnorm as rn
-    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials
 
-    spec = importlib.util.spec_from_file_location("compile_check", "bench/compile_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    kernel, launches = rn._rmsnorm_kernel, []
+    launches = []
 
     class Recorder:
         def __getitem__(self, grid):
@@ -1533,6 +1520,22 @@ def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path, 
 
     monkeypatch.setattr(rn, "_rmsnorm_kernel", Recorder())
     monkeypatch.setattr(rn, "interpreted", lambda: False)
+    return launches
+
+
+@pytest.mark.parametrize("leave_last", [False, True])
+def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path, leave_last):
+    """A spread row whose programs share their chunks' sums of squares and wait for each other (NINFER_RMSNORM_BARRIER)
+    cannot run under the interpreter, which runs a launch's programs one after another: the launcher's barrier launch
+    (scratch and constants as it makes them) is taken here and compiled for sm_90 by bench/compile_check.py, so a
+    construct the GPU compiler rejects fails on the CPU. The GPU test below runs it against the re-reading spread."""
+    import runtime.kernels.rmsnorm as rn
+    from bench.compile_check import launch_entry
+    from runtime.kernels.qgemv_int8 import QuantizedX, SplitPartials
+    from tests.sm90 import assert_compiles_for_sm90
+
+    kernel = rn._rmsnorm_kernel
+    launches = _rmsnorm_launches_as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(rn, "SPREAD_BARRIER", True)
     monkeypatch.setattr(rn, "BARRIER_LEAVE_LAST", leave_last)
     h = 5120
@@ -1541,29 +1544,11 @@ def test_rmsnorm_spread_barrier_launch_compiles_for_sm90(monkeypatch, tmp_path, 
     rn.rmsnorm(parts, torch.zeros(h, dtype=torch.bfloat16), 1e-6, residual=torch.zeros(1, h, dtype=torch.bfloat16),
                xq=QuantizedX.empty(1, nxt, "cpu"))
     (grid, args, kwargs), = launches
-    assert kwargs["BARRIER"] and kwargs["LEAVE_LAST"] == leave_last and kwargs["CHUNKS"] == grid[1] == h // rn.SPREAD_CHUNK
+    assert kwargs["BARRIER"] and kwargs["LEAVE_LAST"] == leave_last
+    assert kwargs["CHUNKS"] == grid[1] == h // rn.SPREAD_CHUNK
     sums, arrivals = rn._barrier_scratch["cpu"]
     assert not arrivals.any()  # zeroed once; every launch leaves its counters at zero
-    bound = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in kernel.arg_names}
-    params = inspect.signature(kernel.fn).parameters
-    signature, constants = {}, {}
-    for name in kernel.arg_names:
-        if "constexpr" in str(params[name].annotation):
-            signature[name], constants[name] = "constexpr", check._constant(bound[name])
-        else:
-            signature[name] = check._argument(bound[name])[0]
-    entry = {"module": "runtime.kernels.rmsnorm", "name": "_rmsnorm_kernel", "signature": signature,
-             "constants": constants, "num_warps": kwargs["num_warps"], "num_stages": 3}
-    recorded = tmp_path / "launches.json"
-    recorded.write_text(json.dumps([entry]))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "bench/compile_check.py", "compile", str(recorded)], capture_output=True,
-                         text=True, env=env, timeout=600)
-    report = run.stdout + run.stderr
-    if run.returncode != 0 and "ptxas" in report.lower() and "error" not in report.lower():
-        pytest.skip(f"no sm_90 toolchain here: {report.strip().splitlines()[-1][:200]}")
-    assert run.returncode == 0 and "1 of 1 launches compile" in report, report[-2000:]
+    assert_compiles_for_sm90([launch_entry(kernel.fn, kernel.arg_names, args, kwargs)], tmp_path)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the spread barrier needs a launch's programs resident together (a GPU)")
@@ -1615,15 +1600,9 @@ def test_rmsnorm_barrier_by_default_only_for_rows_of_few_chunks(monkeypatch, h, 
     2,048 lanes: 0.9 % faster a step on the H100), a longer one re-reads (the 27B's 5,120: 0.8 % slower with it)."""
     import runtime.kernels.rmsnorm as rn
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs)
-
-    monkeypatch.setattr(rn, "_rmsnorm_kernel", Recorder())
-    monkeypatch.setattr(rn, "interpreted", lambda: False)
+    launches = _rmsnorm_launches_as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(rn, "SPREAD_BARRIER", None)
     rn.rmsnorm(torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(h, dtype=torch.bfloat16), 1e-6,
                residual=torch.zeros(1, h, dtype=torch.bfloat16))
-    assert launches[0]["SPREAD"] and launches[0]["BARRIER"] == waits
+    (_, _, kwargs), = launches
+    assert kwargs["SPREAD"] and kwargs["BARRIER"] == waits

@@ -237,10 +237,7 @@ def test_fused_expert_kernel_fits_an_sm90_block(tmp_path):
     engine's block rows and the launch's warps and pipeline stages, needs no more shared memory than a block may take
     in every order it reads: Q5 as fields needed 254 KB (seven lane-wide gathers a step, each buffered per stage), and
     every launch failed on the GPU."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.sm90 import assert_compiles_for_sm90
 
     from runtime.kernels.moe import EXPERT_GEMM_TILE
     from runtime.memory_plan import MOE_BLOCK_ROWS
@@ -256,13 +253,4 @@ def test_fused_expert_kernel_fits_an_sm90_block(tmp_path):
         launches.append({"module": "runtime.kernels.moe", "name": "_expert_gemm_kernel",
                          "signature": {**pointers, **{k: "constexpr" for k in constants}}, "constants": constants,
                          "num_warps": EXPERT_GEMM_TILE["num_warps"], "num_stages": EXPERT_GEMM_TILE["num_stages"]})
-    recorded = tmp_path / "launches.json"
-    recorded.write_text(json.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the GPU compiler, not the interpreter
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "bench/compile_check.py", "compile", str(recorded)], capture_output=True,
-                         text=True, env=env, timeout=600)
-    report = run.stdout + run.stderr
-    if run.returncode != 0 and "shared memory" not in report and "ptxas" in report.lower():
-        pytest.skip(f"no sm_90 toolchain here: {report.strip().splitlines()[-1][:200]}")
-    assert run.returncode == 0 and f"{len(launches)} of {len(launches)} launches compile" in report, report[-2000:]
+    assert_compiles_for_sm90(launches, tmp_path)

@@ -286,9 +286,10 @@ def rmsnorm(x: torch.Tensor | SplitPartials | ExpertPartials, weight: torch.Tens
     # a spread row's chunks cover the next product's padded lanes too (zeros), so its words are filled here
     spread_chunks = triton.cdiv(max(h, xq.k_pad if xq is not None else 0), SPREAD_CHUNK)
     wanted = spread_chunks <= BARRIER_AUTO_CHUNKS if SPREAD_BARRIER is None else SPREAD_BARRIER
-    barrier = (wanted and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
-               and h > 2 * SPREAD_CHUNK and not (router is not None and ROUTER_IN_NORM_ROWS) and not interpreted())
-    spread = barrier or t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS and h > 2 * SPREAD_CHUNK
+    long_row = h > 2 * SPREAD_CHUNK
+    barrier = (wanted and long_row and t <= min(BARRIER_ROWS, BARRIER_SPREAD_ROWS) and spread_chunks <= BARRIER_CHUNKS
+               and not (router is not None and ROUTER_IN_NORM_ROWS) and not interpreted())
+    spread = barrier or long_row and t <= SPREAD_MAX_ROWS and splits <= SPREAD_MAX_SPLITS
     if spread:
         block, chunks = SPREAD_CHUNK, spread_chunks
         sum_lanes = min(SUM_BLOCK, triton.next_power_of_2(h))
