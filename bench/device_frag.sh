@@ -851,6 +851,16 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
+s87)  # ~580 s, session 49's call: on an H200, issue 20 / 21's H200 tables with today's defaults (s61; the last ones
+  # are session 27's), then s78's 35B-A3B server with the time left; on an H100, s85
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    DEADLINE=480 bash bench/device_frag.sh s61
+    [ $(( ${DEADLINE:-580} - $(el) )) -gt 90 ] && DEADLINE=$(( ${DEADLINE:-580} - $(el) )) bash bench/device_frag.sh s78
+  else
+    DEADLINE=$(( ${DEADLINE:-580} - $(el) )) bash bench/device_frag.sh s85
+  fi
+  echo "s87 t=$(el)"
+  ;;
 s86)  # ~440 s, any GPU (ran in session 48): s80 and s83 for a short budget, one engine a shape: the GPU tests of
   # session 47's kernels and engine and session 48's barrier, then one lane of the 35B-A3B (embedding / K/V slots back on torch, the few-rows router,
   # the barrier) and the 27B (both back on torch, the barrier), each against the defaults
