@@ -685,7 +685,7 @@ def serve(
     allow_local_images: Annotated[Optional[Path], typer.Option("--allow-local-images", help="With --vision: accept image_url paths / file:// URLs under this directory (off by default).")] = None,
     allow_remote_images: Annotated[bool, typer.Option("--allow-remote-images", help="With --vision: fetch http(s) image URLs.")] = False,
     preserve_thinking: Annotated[bool, typer.Option("--preserve-thinking", help="Keep earlier turns' reasoning in the prompt.")] = False,
-    api_key: Annotated[Optional[str], typer.Option(help="Require this key (Bearer or x-api-key).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="NINFER_API_KEY", show_envvar=True, help="Require this key (Bearer or x-api-key).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow browser clients from any origin.")] = False,
     request_log_jsonl: Annotated[Optional[Path], typer.Option(help="Append one JSON line per finished request.")] = None,
     max_request_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted (413 beyond).")] = 8 << 20,
@@ -812,6 +812,16 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
+    from rich.markup import escape
+
+    from runtime.switches import SwitchError, check_environment
+
+    try:
+        for warning in check_environment():
+            err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+    except SwitchError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
+        sys.exit(1)
     app()
 
 

@@ -270,3 +270,27 @@ def test_speculative_round_phases_average_their_events():
 
     assert phase_ms([]) == (0.0, 0.0)
     assert phase_ms([(Mark(0), Mark(2), Mark(7)), (Mark(10), Mark(14), Mark(17))]) == (3.0, 4.0)
+
+
+def test_serve_takes_its_api_key_from_the_environment(monkeypatch, tmp_path):
+    """NINFER_API_KEY stands for --api-key (the README's Codex set-up reads the same variable); the flag wins."""
+    import runtime.serve.launch as launch
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_build_server(*args, api_key=None, **kwargs):
+        seen.append(api_key)
+        raise Stop
+
+    monkeypatch.setattr(launch, "build_server", fake_build_server)
+    monkeypatch.delenv("NINFER_API_KEY", raising=False)
+    art = tmp_path / "model.nfer"
+    art.write_bytes(b"")
+    for extra, env in (([], {"NINFER_API_KEY": "sk-env"}), (["--api-key", "sk-flag"], {"NINFER_API_KEY": "sk-env"}),
+                       ([], {})):
+        result = runner.invoke(app, ["serve", str(art), "--device", "cpu", "--port", "0", *extra], env=env)
+        assert isinstance(result.exception, Stop), result.output
+    assert seen == ["sk-env", "sk-flag", None]

@@ -40,8 +40,9 @@ ROUTER_DOT_LANES: tl.constexpr = tl.constexpr(512)  # lanes per step of a router
 # A MoE layer's router (and shared-expert gate) product in the norm before it, for decode and verify rows: extra
 # programs of the norm's launch (per row) each normalize the whole row themselves and multiply it with `rows` router
 # rows (the 35B-A3B's 257 x 2,048 bf16 product was its own cuBLAS launch: 129 us over 40 a one-lane step, and at 8
-# lanes a GEMM plus its split-K reduction, 215 + 99 us, H100 profiles of sessions 37-38). Built on a CPU, not yet
-# measured: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
+# lanes a GEMM plus its split-K reduction, 215 + 99 us, H100 profiles of sessions 37-38). Measured in one engine
+# (H100, session 47, 8 rows a program): 2.219 / 3.559 ms a step at 1 / 8 lanes, where the router on the dense-rows
+# kernel (the default since) takes 2.200 / 3.558: off (0) by default; NINFER_ROUTER_IN_NORM=rows turns it on.
 ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows": 0})["rows"]
 # A spread row's programs share their chunks' sums of squares through global memory and wait for each other (a
 # barrier of a few atomics) instead of each re-reading the whole row, every K-split partial of it, from L2. Safe only
