@@ -9,6 +9,8 @@ import sys
 import typer
 from rich.console import Console
 
+from runtime.switches import setting
+
 # Not on a terminal (logs, pipes, CI), rich would assume 80 columns: tables would cut their own numbers
 # ("1310…") and messages wrap mid-sentence. A wide virtual width keeps every line whole there.
 PIPE_WIDTH = 240
@@ -39,7 +41,7 @@ def friendly(fn):
         except typer.Exit:
             raise
         except Exception as exc:  # noqa: BLE001 - mapped below, re-raised when unknown or debugging
-            if os.environ.get("NINFER_DEBUG") == "1" or not isinstance(exc, user_errors()):
+            if setting("NINFER_DEBUG") == "1" or not isinstance(exc, user_errors()):
                 raise
             from rich.markup import escape
 

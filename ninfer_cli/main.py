@@ -814,11 +814,10 @@ def main() -> None:
             stream.reconfigure(errors="replace")
     from rich.markup import escape
 
-    from runtime.switches import SwitchError, check_environment
+    from runtime.switches import SwitchError, report_environment_once
 
     try:
-        for warning in check_environment():
-            err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
+        report_environment_once()
     except SwitchError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         sys.exit(1)

@@ -23,8 +23,6 @@ next draft (inside its CUDA graph), so the host never waits for them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +33,7 @@ from .kernels.head_norm_rope import head_norm_rope, head_norm_rope_reference
 from .kernels.selector_walk import selector_walk, selector_walk_reference
 from .reference_ops import rope_cos_sin
 from .speculate import Speculator
+from .switches import setting
 from .transfers import device_ints
 
 # the drafter's small ops: the plain-torch ones, or with NINFER_DFLASH2_KERNELS=fused each dynamic convolution in one
@@ -45,9 +44,7 @@ from .transfers import device_ints
 # DFlash2 K = 7, drafts forced accepted, --draft-vocab 32768, torch / fused alternated twice in one warm call): one
 # lane 13.09 / 13.31 -> 12.22 / 12.23 ms a round, 611.2 / 601.3 -> 654.7 / 653.9 tok/s (4.72 / 4.61x -> 5.01 /
 # 5.00x plain decode); 2 lanes 973 / 1,005 -> 1,043 / 1,051 tok/s. NINFER_DFLASH2_KERNELS=torch restores the ops.
-DRAFTER_KERNELS = os.environ.get("NINFER_DFLASH2_KERNELS", "fused")
-if DRAFTER_KERNELS not in ("fused", "torch"):
-    raise SystemExit(f"ninfer: NINFER_DFLASH2_KERNELS={DRAFTER_KERNELS!r}: use fused or torch (or unset it)")
+DRAFTER_KERNELS = setting("NINFER_DFLASH2_KERNELS")
 
 
 class DFlash2State(Speculator):

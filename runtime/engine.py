@@ -8,7 +8,6 @@ static and decode can be captured once per batch shape.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from dataclasses import dataclass
 
@@ -49,6 +48,7 @@ from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
                           shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
+from .switches import report_environment_once, setting
 from .transfers import device_ints, staged_ints, to_device
 
 
@@ -57,7 +57,7 @@ from .transfers import device_ints, staged_ints, to_device
 # combine in the next norm) or "separate" (ten, for side-by-side runs). H200, 35B-A3B at 8K: 454.6 against 381.6
 # tok/s (session 27). Its engine test's 0.18 on the H200 (session 25) was a routing near tie of the tiny model (top-k
 # gap 0.008 at that step), which the test now leaves out (tests/test_engine.py ROUTING_NEAR_TIE)
-MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
+MOE_DECODE = setting("NINFER_MOE_DECODE")
 # Fused MoE decode of at least this many rows (lanes, verify blocks; 0 = never): the shared expert leaves the routed
 # experts' launches, where each row's program reads its matrices again (35B-A3B q4: W8, 3.3 MB a layer, 8 reads at
 # 8 lanes, ~1 GB a step), for the layer products' row kernels (one read for every row; 3 launches more a layer).
@@ -66,14 +66,14 @@ MOE_DECODE = os.environ.get("NINFER_MOE_DECODE", "fused")
 MOE_SHARED_APART_ROWS = tuning_from_env("NINFER_MOE_SHARED_APART", ("rows",), {"rows": 0})["rows"]
 # the output head in fragment order, in place (Engine._lays_out_head): auto, or off (the artifact's planes: the dp4a
 # GEMV and the int8 row kernels) for side-by-side runs
-HEAD_FRAGMENT = os.environ.get("NINFER_HEAD_FRAGMENT", "auto")
+HEAD_FRAGMENT = setting("NINFER_HEAD_FRAGMENT")
 # dense copies of the layer products in the memory the plan leaves spare (Engine._keep_dense_weights);
 # NINFER_WEIGHT_CACHE=off for side-by-side runs (as --weight-cache off)
-WEIGHT_CACHE = os.environ.get("NINFER_WEIGHT_CACHE", "auto")
+WEIGHT_CACHE = setting("NINFER_WEIGHT_CACHE")
 
 # the attention block's small launches: "fused" (norms, RoPE, rotations and KV append in one launch, the output gate
 # in the combine) or "separate" (a launch each, for side-by-side runs)
-ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
+ATTENTION_LAUNCHES = setting("NINFER_ATTENTION_LAUNCHES")
 # Prompt pieces shorter than the shared chunk (a short prompt, the tail of a long one) run eagerly: ~100 ms of
 # launches for the 27B whatever their length (H100, session 28), while decoding lanes wait. With
 # NINFER_PIECE_GRAPHS=on such a piece is padded to the next of PIECE_BUCKETS and replayed from a CUDA graph per
@@ -81,13 +81,13 @@ ATTENTION_LAUNCHES = os.environ.get("NINFER_ATTENTION_LAUNCHES", "fused")
 # real rows, their K/V lands past the lane's length (overwritten later) and the logits are the last real row's.
 # 4 streaming clients of the 27B (H100, session 29): first text 370 -> 125 ms, aggregate 2.47x -> 2.81x one client.
 # NINFER_PIECE_GRAPHS=off runs the pieces eagerly (side-by-side runs).
-PIECE_GRAPHS = os.environ.get("NINFER_PIECE_GRAPHS", "on") == "on"
+PIECE_GRAPHS = setting("NINFER_PIECE_GRAPHS") == "on"
 PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # MoE prompts too (padded pieces and riding shared chunks from CUDA graphs), where the chunk's experts take the
 # fused prefill path, which waits for nothing on the host. The 35B-A3B server with 4 streaming clients (H100, session
 # 32): 747.7 -> 912.7 tok/s aggregate (2.04x -> 2.35x one client), slowest first text 344 -> 100 ms.
 # NINFER_MOE_PREFILL_GRAPHS=off runs MoE pieces eagerly (side-by-side runs).
-MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
+MOE_PREFILL_GRAPHS = setting("NINFER_MOE_PREFILL_GRAPHS") == "on"
 # A riding chunk's GEMMs multiply the prompt rows and the riders' rows together; the riders' rows come out of the
 # prompt piece (509 prompt rows + 3 riders = 512 rows, not 515): the vendor GEMM runs some shapes far slower just past
 # a whole tile (H100, 27B MLP gate_up with the weight cache: 512 rows 272 us, 515 rows 354; down 1,024 rows 259 us,
@@ -95,7 +95,7 @@ MOE_PREFILL_GRAPHS = os.environ.get("NINFER_MOE_PREFILL_GRAPHS", "on") == "on"
 # 0.73 -> 0.76 of alone; 1,024: 115.1 -> 106.8 ms, 0.82 -> 0.86. A short piece padded to a graph bucket leaves the
 # riders' rows out of the bucket the same way (a 300-token tail: 509 rows + 3, not 512 + 3). NINFER_RIDE_ALIGN=off
 # keeps the whole --prefill-chunk-shared (and bucket) of prompt rows (side-by-side runs).
-RIDE_ALIGN = os.environ.get("NINFER_RIDE_ALIGN", "on") == "on"
+RIDE_ALIGN = setting("NINFER_RIDE_ALIGN") == "on"
 # A decode step's packed inputs are copied from pinned memory straight into its CUDA graph, which counts the lanes'
 # context lengths itself: a chained step is two copies and a replay (session 47). False: copied to the device and
 # counted before the replay, then copied into the graph (session 46), for side-by-side timing (bench/engine_ab.py).
@@ -111,10 +111,7 @@ PAD_GATE = -1.0e4  # a pad row's alpha and beta projections: softplus and sigmoi
 # yet timed side by side (session 32 saw no gain at 2+ rows beside NINFER_MOE_SHARED_APART=2, 8 lanes 5.65 / 5.75 ms
 # against 5.52 / 5.51). NINFER_DENSE_ROWS=on takes 2-16 rows, all 1-16, off none. Only small matrices: larger ones
 # (draft heads) keep the vendor GEMM, which streams them well.
-DENSE_ROWS_MODE = os.environ.get("NINFER_DENSE_ROWS", "auto")
-if DENSE_ROWS_MODE not in ("off", "auto", "on", "all"):
-    raise SystemExit(f"ninfer: NINFER_DENSE_ROWS={DENSE_ROWS_MODE!r} is not off, auto (1 and 8-16 rows), on (2-16) or "
-                     "all (1-16); unset it")
+DENSE_ROWS_MODE = setting("NINFER_DENSE_ROWS")
 DENSE_ROWS_MIN_T = {"off": DENSE_ROWS_MAX_T + 1, "auto": 8, "on": 2, "all": 1}[DENSE_ROWS_MODE]
 DENSE_ROWS_ONE_ROW = DENSE_ROWS_MODE in ("auto", "all")  # one row on the kernel too (below DENSE_ROWS_MIN_T)
 DENSE_ROWS_MAX_ELEMENTS = 1 << 21
@@ -223,6 +220,7 @@ class Riders:
 class Engine:
     def __init__(self, path, options: PlanOptions, device: str = "cuda", available_bytes: int | None = None,
                  cuda_graphs: bool = True, random_weights_seed: int | None = None):
+        report_environment_once()  # a misspelled NINFER_* switch is named (the CLI has, if it built this engine)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MemoryPlanError(f"--device {device} was requested but no CUDA GPU is visible; use --device cpu "
@@ -267,10 +265,10 @@ class Engine:
         self.use_graphs = on_gpu and cuda_graphs
         self.piece_graphs = PIECE_GRAPHS and self.use_graphs  # padding only pays where a graph replays it
         # prefill GDN through fla's chunked kernel when it is installed (NINFER_GDN_PREFILL=recurrent: ours)
-        self.chunked_gdn = on_gpu and fla_available() and os.environ.get("NINFER_GDN_PREFILL") != "recurrent"
+        self.chunked_gdn = on_gpu and fla_available() and setting("NINFER_GDN_PREFILL") != "recurrent"
         # MoE prefill experts (kernels/moe.py): NINFER_MOE_PREFILL=fused or dense forces one of expert_prefill's
         # paths (auto: by chunk length), loop: one GEMM per active expert (the path before them, for side-by-side runs)
-        self.moe_prefill = os.environ.get("NINFER_MOE_PREFILL", "auto")
+        self.moe_prefill = setting("NINFER_MOE_PREFILL")
         if ATTENTION_LAUNCHES not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_ATTENTION_LAUNCHES={ATTENTION_LAUNCHES!r} is not an attention path; use "
                                   "fused or separate (or unset it)")
@@ -280,9 +278,6 @@ class Engine:
         if MOE_DECODE not in ("fused", "separate"):
             raise MemoryPlanError(f"NINFER_MOE_DECODE={MOE_DECODE!r} is not a MoE decode path; use fused or separate "
                                   "(or unset it)")
-        if self.moe_prefill not in ("auto", "fused", "dense", "loop"):
-            raise MemoryPlanError(f"NINFER_MOE_PREFILL={self.moe_prefill!r} is not a MoE prefill path; "
-                                  "use auto, fused, dense or loop (or unset it)")
         if self.chunked_gdn and self.cfg.num_layers > sum(map(self.cfg.is_full_attention, range(self.cfg.num_layers))):
             c = self.cfg
             why = chunked_probe(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,

@@ -3,7 +3,8 @@
 The runtime's switches select kernels, tiles and schedules for side-by-side runs (a default changes only with a
 measurement behind it); each is read where it acts, as a module constant. bench/SWITCHES.md says what each
 selects and why its default is what it is; tests/test_switches.py keeps that table, this registry and the names
-the code reads in step. `check_environment` runs first in every `ninfer` command: a value a switch does not take
+the code reads in step. Modules read a switch with `setting` (so its default lives here only), or a tile through
+kernels.tuning_from_env. `check_environment` runs first in every `ninfer` command: a value a switch does not take
 stops the run with one line naming the variable and what it takes, and a NINFER_* name that is no switch (a typo
 would otherwise measure the default in silence) is named in a warning. No heavy imports here: `ninfer --help`
 stays instant.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 ENV_PREFIX = "NINFER_"
@@ -134,6 +136,22 @@ def lookup(name: str) -> Switch | None:
     return None
 
 
+def setting(name: str) -> str:
+    """A switch's value, read now: the environment's (an empty value counts as unset) or the registry's default.
+    Raises SwitchError for a value the switch does not take (a run from the CLI has been stopped before that)."""
+    switch = SWITCHES[name]
+    value = os.environ.get(name, "")
+    if not value:
+        return switch.default
+    if not switch.accepts(value):
+        raise SwitchError(_refusal(name, value, switch))
+    return value.strip() if switch.form else value
+
+
+def _refusal(name: str, value: str, switch: Switch) -> str:
+    return f"{name}={value!r} is not a value it takes: {switch.expected()}; unset it for the default (bench/SWITCHES.md)"
+
+
 def check_environment(environ: dict[str, str] | None = None) -> list[str]:
     """Raise SwitchError for the first NINFER_* variable whose value its switch does not take; return a warning
     line for each NINFER_* name that is no switch (with the nearest switch's name when one is close)."""
@@ -147,7 +165,20 @@ def check_environment(environ: dict[str, str] | None = None) -> list[str]:
             warnings.append(f"{name} is not a ninfer switch{hint}; it has no effect (the switches: bench/SWITCHES.md)")
             continue
         value = environ[name]
-        if not switch.accepts(value):
-            raise SwitchError(f"{name}={value!r} is not a value it takes: {switch.expected()}; unset it for the "
-                              "default (bench/SWITCHES.md)")
+        if value and not switch.accepts(value):
+            raise SwitchError(_refusal(name, value, switch))
     return warnings
+
+
+_reported = False  # the environment's strangers were named once in this process
+
+
+def report_environment_once() -> None:
+    """check_environment, its warnings on stderr once a process: the CLI calls it first, the engine when it is built
+    (so bench tools and library users hear of a misspelled switch too)."""
+    global _reported
+    if _reported:
+        return
+    _reported = True
+    for warning in check_environment():
+        print(f"ninfer: warning: {warning}", file=sys.stderr)

@@ -150,10 +150,10 @@ def test_moe_prefill_chunks_take_the_grouped_experts_and_match_the_reference(art
 
 
 def test_unknown_moe_prefill_path_is_refused_in_one_line(artifacts, monkeypatch):
-    from runtime.memory_plan import MemoryPlanError
+    from runtime.switches import SwitchError
 
     monkeypatch.setenv("NINFER_MOE_PREFILL", "grouped")  # stop 16's name for what is now "fused"
-    with pytest.raises(MemoryPlanError, match="NINFER_MOE_PREFILL='grouped' .* auto, fused, dense or loop"):
+    with pytest.raises(SwitchError, match="NINFER_MOE_PREFILL='grouped' .* one of auto, fused, dense, loop"):
         Engine(artifacts["moe-q5"], PlanOptions(max_context=128, prefill_chunk=128), device=DEVICE)
 
 

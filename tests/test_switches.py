@@ -103,3 +103,38 @@ def test_ninfer_stops_on_a_switch_value_in_one_line():
     typo = run({"NINFER_DENSE_ROW": "on"})
     assert typo.returncode == 0 and "Usage" in typo.stdout
     assert "warning: NINFER_DENSE_ROW is not a ninfer switch (did you mean NINFER_DENSE_ROWS?)" in typo.stderr
+
+
+def test_modules_read_switches_through_the_registry():
+    """A switch's default lives in runtime/switches.py only: no module reads a NINFER_* variable from the
+    environment itself (tiles go through kernels.tuning_from_env, which the registry's forms mirror)."""
+    direct = re.compile(r"""environ(\.get\(|\[)\s*["']NINFER_""")
+    offenders = [str(p.relative_to(ROOT)) for folder in ("runtime", "format", "ninfer_cli")
+                 for p in (ROOT / folder).rglob("*.py") if direct.search(p.read_text())]
+    assert offenders == []
+
+
+def test_setting_gives_the_default_the_value_or_one_line(monkeypatch):
+    from runtime.switches import setting
+
+    monkeypatch.delenv("NINFER_COMBINE_ROWS", raising=False)
+    assert setting("NINFER_COMBINE_ROWS") == "16"
+    monkeypatch.setenv("NINFER_COMBINE_ROWS", "")  # empty: unset
+    assert setting("NINFER_COMBINE_ROWS") == "16"
+    monkeypatch.setenv("NINFER_COMBINE_ROWS", " 8 ")
+    assert setting("NINFER_COMBINE_ROWS") == "8"
+    monkeypatch.setenv("NINFER_COMBINE_ROWS", "many")
+    with pytest.raises(SwitchError, match="NINFER_COMBINE_ROWS='many' is not a value it takes: a whole number"):
+        setting("NINFER_COMBINE_ROWS")
+
+
+def test_strangers_are_named_once_a_process(monkeypatch, capsys):
+    import runtime.switches as switches
+
+    monkeypatch.setattr(switches, "_reported", False)
+    monkeypatch.setenv("NINFER_PIECE_GRAPH", "off")
+    switches.report_environment_once()
+    switches.report_environment_once()  # (the CLI, then the engine it builds)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["ninfer: warning: NINFER_PIECE_GRAPH is not a ninfer switch (did you mean NINFER_PIECE_GRAPHS?); "
+                     "it has no effect (the switches: bench/SWITCHES.md)"]

@@ -8,11 +8,10 @@ run that wants the GPU's code paths checked on a CPU.
 
 import os
 
+from ..switches import setting
+
 CPU_KERNEL_MODES = ("torch", "triton")
-CPU_KERNELS = os.environ.get("NINFER_CPU_KERNELS", "torch")
-if CPU_KERNELS not in CPU_KERNEL_MODES:
-    raise SystemExit(f"ninfer: NINFER_CPU_KERNELS={CPU_KERNELS!r} is not one of {', '.join(CPU_KERNEL_MODES)}; "
-                     "unset it for torch")
+CPU_KERNELS = setting("NINFER_CPU_KERNELS")
 
 
 def torch_path(tensor) -> bool:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..switches import setting
 from . import interpreted, torch_path
 from .launch import LAUNCH, pdl_wait
 
@@ -150,7 +149,7 @@ def _conv4_lanes_kernel(x_ptr, state_ptr, lanes_ptr, w_ptr, y_ptr, T, C, SLOTS, 
 # The chunked GDN kernel (fla) reads q, k and v as dense tensors: the prefill conv writes them so (a copy of each
 # less per GDN layer and chunk: ~0.7 ms of a 512-token 27B riding chunk, session 41's profile); NINFER_CONV_SECTIONS=off
 # writes the conv's output whole, as before (untimed side by side)
-CONV_SECTIONS = os.environ.get("NINFER_CONV_SECTIONS", "on") != "off"
+CONV_SECTIONS = setting("NINFER_CONV_SECTIONS") == "on"
 CONV_TIME_CHUNK = 16  # steps per program for long blocks (prefill chunks): 5,120 programs for 2,048 tokens of the 27B
 
 

@@ -14,13 +14,13 @@ every value tile still its own program: session 32's norm in a program per head 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from ..switches import setting
 from . import interpreted, torch_path, tuning_from_env
 from .gated_norm import gated_norm, gated_norm_rows
 from .launch import LAUNCH, pdl_wait
@@ -40,7 +40,7 @@ GDN_TUNING = tuning_from_env("NINFER_GDN_TILE", ("block_v", "warps"), {"block_v"
 GDN_BLOCK_PROGRAMS = 192  # wider value tiles for verify blocks while at least this many programs run
 INTERPRETER_BLOCK_V = 0  # value columns a program under the interpreter (0: the head; tests set it to split heads)
 # NINFER_GDN_NORM_EPILOGUE=on: the output norm in the recurrence's launch (GdnGate; opt-in until timed on a GPU)
-NORM_EPILOGUE = os.environ.get("NINFER_GDN_NORM_EPILOGUE", "off") == "on"
+NORM_EPILOGUE = setting("NINFER_GDN_NORM_EPILOGUE") == "on"
 
 
 @dataclass

@@ -23,17 +23,16 @@ older GPUs (no such PTX there).
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..switches import setting
 from . import interpreted
 
 
 def _pdl_supported() -> bool:
-    if interpreted() or os.environ.get("NINFER_PDL", "1") == "0":
+    if interpreted() or setting("NINFER_PDL") == "0":
         return False
     import torch
 

@@ -16,7 +16,6 @@ on the H200 (§17); one host sync per layer (the experts' row bounds) is cheap a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..memory_plan import MOE_BLOCK_ROWS, moe_dense_chunk_rows
+from ..switches import setting
 from .qgemv_int8 import INT8_BITS, _dot_rows_int8, _weight_tile, code_words, high_plane, native_dp4a
 from .qlinear import (FRAGMENT_ORDERS, GEMM_DEQUANT_BYTES, GEMV_PATH, VEC_TUNING, PackedLinear, _dequant_block_dot,
                       _dot_rows, dequantize_rows)
@@ -34,7 +34,7 @@ from .swiglu import swiglu as swiglu_rows
 
 # The routing's top-k in one reduction a pick over int64 keys (score bits, expert index) instead of two: the 35B's
 # gate/up launch at one token 8.8 -> 8.3 µs on an H100 (session 43). NINFER_TOPK_KEYED=0 restores two reductions.
-_TOPK_KEYED = tl.constexpr(os.environ.get("NINFER_TOPK_KEYED", "1") == "1")
+_TOPK_KEYED = tl.constexpr(setting("NINFER_TOPK_KEYED") == "1")
 
 
 @triton.jit

@@ -26,12 +26,11 @@ moe.ExpertPartials (the next RMSNorm combines them).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..switches import setting
 from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import _expert_rows, _routed_expert, route_reference
@@ -47,9 +46,7 @@ from .swiglu import swiglu_reference
 # section 2): 2 / 4 / 8 lanes 2.76 / 2.94 / 3.59 ms a step against 3.25 / 3.99 / 5.52 on the dp4a pair (every lane
 # routed alike; each its own token: 2.77 / 2.97 / 3.67 against 3.05 / 3.77 / 5.27), one lane 2.24-2.31 against
 # 2.21, so a one-lane engine keeps the dp4a pair. on: every engine; off: never.
-MOE_FRAGMENT = os.environ.get("NINFER_MOE_FRAGMENT", "auto")
-if MOE_FRAGMENT not in ("auto", "on", "off"):
-    raise SystemExit(f"ninfer: NINFER_MOE_FRAGMENT={MOE_FRAGMENT!r}: use auto, on or off (or unset it)")
+MOE_FRAGMENT = setting("NINFER_MOE_FRAGMENT")
 MOE_FRAGMENT_OBJECTS = ("moe/experts_gate_up", "moe/experts_down")
 # gate_ks: warps sharing K of each gate/up block pair (program: 2 x gate_ks warps); down_bw: 16-row blocks a down
 # program takes (one warp each); hint: the code loads' cache hint (qgemm_rows_frag.HINTS).

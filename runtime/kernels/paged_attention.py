@@ -16,14 +16,13 @@ per-element scale gathers and int-to-float conversions made the compressed codec
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from runtime.kv.codecs import Codec
 
+from ..switches import setting
 from . import interpreted, torch_path
 from .hadamard import rotate_group64
 from .launch import LAUNCH, pdl_wait
@@ -37,7 +36,7 @@ MIN_SPLIT = 64  # short splits keep short contexts parallel; the merge reads onl
 # one-row programs otherwise. H100, riding chunk with 3 riders: combine 108 -> 24 µs a layer, 32K prefill beside
 # 3 decoding lanes in 512-token chunks gap 58.5 / 59.6 -> 56.5 / 56.1 ms (session 43). NINFER_COMBINE_ROWS=0: a row
 # a program, as before.
-COMBINE_ROWS = int(os.environ.get("NINFER_COMBINE_ROWS", "16"))
+COMBINE_ROWS = int(setting("NINFER_COMBINE_ROWS"))
 COMBINE_MIN_ROWS = 256
 # Decode and verify blocks (<= 32 query rows): (keys per tile, warps, programs) by key sub-codec. The
 # programs split the keys of each (lane, kv head, row block); int4 and nvfp4 keys run as one wave of
@@ -74,7 +73,7 @@ def _tile_overrides(text: str) -> dict[str, tuple[int, int, int]]:
     return tiles
 
 
-ATTENTION_TILES.update(_tile_overrides(os.environ.get("NINFER_ATTENTION_TILES", "")))
+ATTENTION_TILES.update(_tile_overrides(setting("NINFER_ATTENTION_TILES")))
 
 PREFILL_BLOCK_M = 64
 PREFILL_PROGRAMS = 1024  # prefill chunks fill the GPU with row blocks: one split (no combine) from 1,024 up

@@ -35,7 +35,6 @@ the PTX emulated warp by warp (tests/ptx_warp.py).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -43,6 +42,7 @@ import triton.language as tl
 
 from runtime.kv.codecs import Codec
 
+from ..switches import setting
 from . import tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .paged_attention import MIN_SPLIT, PAGE, _split_len, combine_splits, split_size
@@ -63,10 +63,8 @@ MODES = ("auto", "on", "off")
 # Warps per program (consecutive warps: the column tiles and kv heads of one split, so a program reads whole token
 # rows), the warps aimed at over the grid (~8 per SM are resident at ~250 registers) and the code loads' cache hint
 FRAG_ATTENTION = tuning_from_env("NINFER_ATTENTION_FRAG_TILE", ("warps", "splits", "hint"),  # side-by-side runs
-                                 {"mode": os.environ.get("NINFER_ATTENTION_FRAG", "auto"), "warps": 4, "splits": 1024,
+                                 {"mode": setting("NINFER_ATTENTION_FRAG"), "warps": 4, "splits": 1024,
                                   "hint": 2})
-if FRAG_ATTENTION["mode"] not in MODES:
-    raise SystemExit(f"ninfer: NINFER_ATTENTION_FRAG={FRAG_ATTENTION['mode']!r} is not one of {', '.join(MODES)}")
 
 _LOW = "0x000F000F, 0x00080008, 0x6a"  # (w & mask) ^ 8: low nibble n as the fp16 subnormal (n + 8) 2^-24
 _HIGH = "0x00F000F0, 0x00800080, 0x6a"  # high nibble as 16 (n + 8) 2^-24

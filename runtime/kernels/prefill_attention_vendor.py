@@ -20,13 +20,13 @@ run through plain-torch attention.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from runtime.kv.codecs import Codec
 
+from ..switches import setting
 from .kv_decode import kv_decode, kv_decode_reference, page_span
 
 SEGMENT_KEYS = 32_768  # keys gathered at once: 128 MiB of bf16 K + V at 4 KV heads x 256
@@ -46,9 +46,7 @@ MIN_CONTEXT = 8_192
 DEEP_CONTEXT = 32_768
 REGULAR_ROWS = 2_048
 MODES = ("auto", "cudnn", "triton")
-MODE = os.environ.get("NINFER_PREFILL_ATTENTION", "auto")
-if MODE not in MODES:
-    raise SystemExit(f"NINFER_PREFILL_ATTENTION={MODE!r}: use one of {', '.join(MODES)}")
+MODE = setting("NINFER_PREFILL_ATTENTION")
 _BROKEN: list[str] = []  # the first failure of the cuDNN call, after which the paged kernel takes over
 
 

@@ -28,7 +28,6 @@ zero codes and scales; K must be a multiple of 512 (two 4-group chunks per loop 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
+from ..switches import setting
 from . import interpreted, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _store_rows,
@@ -91,11 +91,11 @@ def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
 
 # side-by-side runs: NINFER_FRAGMENT_PAIRS=0 keeps the artifact's lane order inside code words (the kernel then
 # pairs x's lanes with byte permutes, as before pair order)
-PAIR_ORDER = os.environ.get("NINFER_FRAGMENT_PAIRS", "1") != "0"
+PAIR_ORDER = setting("NINFER_FRAGMENT_PAIRS") == "1"
 # which products in fragment order run the int8 kernel (qgemm_fragment_int8, planes in byte order): off, q5 (the
 # Q5 products) or on (all); built on a CPU and not yet measured on a GPU, so off by default
 FRAGMENT_INT8_MODES = ("off", "q5", "on")
-FRAGMENT_INT8 = os.environ.get("NINFER_FRAGMENT_INT8", "off")
+FRAGMENT_INT8 = setting("NINFER_FRAGMENT_INT8")
 ORDERS = ("pairs", "lanes", "bytes", "fields")
 # Q5 layer products in "fields" order by default (session 44; NINFER_Q5_FIELDS=off keeps pair order): each thread's 5
 # words of a group (its 4 code words and its high-bit word) hold its 32 codes as 5-bit fields side by side, three per
@@ -103,7 +103,7 @@ ORDERS = ("pairs", "lanes", "bytes", "fields")
 # group product builds a bf16 pair with a shift and one lop3 as Q4 does, not with two shifts and two lop3 (sm_90 SASS
 # per group 112 -> 75). Exact, the same sums; H100: MLP down at one row 21.9 -> 20.9 us, GDN out 8.6 -> 8.3, 27B one
 # lane +1-2 %, lanes level (bench/RESULTS.md §1). The prefill's dequantizer reads them in place (qlinear._field_codes).
-Q5_FIELDS = os.environ.get("NINFER_Q5_FIELDS", "on")
+Q5_FIELDS = setting("NINFER_Q5_FIELDS")
 
 
 def fragment_order(bits: int) -> str:
@@ -333,7 +333,7 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 # end to end level for MTP3 lanes, DFlash2 K = 7 619.1 -> 624.7 tok/s. NINFER_FRAGMENT_W8=off keeps the planes. The
 # DFlash2 drafter's query/key/value product is also read through a view of its key/value rows, whole 16-row blocks
 # (fragment_rows).
-FRAGMENT_W8 = os.environ.get("NINFER_FRAGMENT_W8", "on")
+FRAGMENT_W8 = setting("NINFER_FRAGMENT_W8")
 if FRAGMENT_W8 not in ("on", "off"):
     raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
 # W8 in byte order only for engines of at most W8_MAX_ROWS rows a step: at 12-16 rows (two mma column tiles) the int8
@@ -768,7 +768,7 @@ FRAGMENT_TUNING = tuning_from_env("NINFER_FRAGMENT_TILE",
 # (T = 16: down 36.2 -> 30.5, GDN out 14.5 -> 13.0); the others keep fragment_shape's loop (4 warps slower there).
 # 27B, 4 lanes of batched MTP3 rounds 18.06 -> 17.02 ms, 8 lanes 10.71 -> 10.37 ms a step.
 # NINFER_FRAGMENT_KS_RULE=off leaves every product to fragment_shape's loop, for side-by-side runs.
-FRAGMENT_KS_RULE = os.environ.get("NINFER_FRAGMENT_KS_RULE", "on") != "off"
+FRAGMENT_KS_RULE = setting("NINFER_FRAGMENT_KS_RULE") == "on"
 
 
 def measured_warps_sharing_k(blocks: int, chunks: int, warps: int, programs: int, t: int, defer_sum: bool) -> int:
@@ -803,7 +803,7 @@ def parse_warps_sharing_k(text: str) -> dict[tuple[int, int], list[tuple[int, in
     return table
 
 
-WARPS_SHARING_K = parse_warps_sharing_k(os.environ.get("NINFER_FRAGMENT_KS", ""))
+WARPS_SHARING_K = parse_warps_sharing_k(setting("NINFER_FRAGMENT_KS"))
 
 
 def chosen_warps_sharing_k(rows: int, cols: int, t: int) -> int:
@@ -866,7 +866,7 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # 8.1 / 8.6 / 9.0; at 12-16 rows the cap is slower (MLP down 31.0 -> 34.2), so those stay uncapped. 27B steps in one
 # engine (bench/engine_ab.py, 3 rounds alternated): 1 / 2 / 8 lanes 7.630 / 8.051 / 10.418 -> 7.596 / 7.979 / 10.334
 # ms. NINFER_FIELDS_REGS=off: uncapped, x in place.
-FIELDS_REGS = {"off": 0, "128": 128}.get(os.environ.get("NINFER_FIELDS_REGS", "128"), -1)
+FIELDS_REGS = {"off": 0, "128": 128}.get(setting("NINFER_FIELDS_REGS"), -1)
 if FIELDS_REGS < 0:
     raise SystemExit("ninfer: NINFER_FIELDS_REGS is 128 (the register cap, the default) or off; unset it for 128")
 
@@ -951,7 +951,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
 # MLP layer in an engine of several lanes or with speculation, the warps sharing each block's K (2 warps: 4 per
 # program, the shape gate_up took at 2-16 rows before session 33). Not yet measured, so off:
 # NINFER_SWIGLU_FRAGMENT=2|4 turns it on with that many warps sharing K.
-SWIGLU_FRAGMENT_KS = {"off": 0, "1": 1, "2": 2, "4": 4}.get(os.environ.get("NINFER_SWIGLU_FRAGMENT", "off"), -1)
+SWIGLU_FRAGMENT_KS = {"off": 0, "1": 1, "2": 2, "4": 4}.get(setting("NINFER_SWIGLU_FRAGMENT"), -1)
 if SWIGLU_FRAGMENT_KS < 0:
     raise SystemExit("ninfer: NINFER_SWIGLU_FRAGMENT is off, 1, 2 or 4 (warps sharing K); unset it for the default")
 

@@ -11,7 +11,6 @@ partial and one deterministic sum finishes (no atomics, so results are reproduci
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -21,6 +20,7 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from ..memory_plan import weight_cache_picks  # the weight cache's choice, as `ninfer fit` reports it
+from ..switches import setting
 from . import interpreted, torch_path
 from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemm_fragment_int8 import qgemm_fragment_int8
@@ -47,13 +47,13 @@ INT8_WIDE_ROWS = 32768
 INT8_TARGET_PROGRAMS = 1024
 PREQUANT_MIN_WEIGHTS = 1 << 22  # smaller matrices quantize x in-kernel: a separate launch would cost more
 # NINFER_GEMV=float keeps the float GEMV for every format (side-by-side measurements)
-GEMV_PATH = os.environ.get("NINFER_GEMV", "int8")
+GEMV_PATH = setting("NINFER_GEMV")
 # T = 2..16 (verify blocks, several lanes) by code width: Q4/Q5/Q6 on int8 tensor cores (codes become
 # bytes with 32-bit logic ops; the run record (`git show 5d8956c:bench/RESULTS.md`) §11), W8 (small shared-expert matrices) through the
 # float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
 ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16", "lanes")
-ROWS_PATH = os.environ.get("NINFER_GEMV_ROWS", "auto")
+ROWS_PATH = setting("NINFER_GEMV_ROWS")
 # The bf16 kernel (NINFER_GEMV_ROWS=bf16) is faster on Q5 products alone (MLP down T = 4: 65.8 -> 52.7 us) but
 # not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, the run record (`git show 5d8956c:bench/RESULTS.md`) §19): int8 stays the default
 ROWS_BY_BITS = {4: "mma", 5: "mma", 6: "mma", 8: "tensor"}
@@ -62,8 +62,8 @@ ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
 # bf16 tensor-core kernel (exact codes, scales per group after each dot)
 ROWS_BF16_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs": 1024, "prefetch": False}
-if os.environ.get("NINFER_ROWS_BF16_TILE"):  # side-by-side runs: rows,warps,stages,programs,prefetch(0/1)
-    _tile = [int(v) for v in os.environ["NINFER_ROWS_BF16_TILE"].split(",")]
+if setting("NINFER_ROWS_BF16_TILE"):  # side-by-side runs: rows,warps,stages,programs,prefetch(0/1)
+    _tile = [int(v) for v in setting("NINFER_ROWS_BF16_TILE").split(",")]
     ROWS_BF16_TUNING = dict(zip(("block_n", "num_warps", "num_stages", "programs"), _tile[:4]), prefetch=bool(_tile[4]))
 
 
@@ -93,7 +93,7 @@ def rows_path(bits: int, t: int = 16) -> str:
 # and for Q5 products always; one plain lane keeps its Q4 products on the artifact's planes and the dp4a GEMV
 # (6.6 ms a step against 7.1 with every product in fragment order).
 FRAG_MODES = ("auto", "on", "rows", "off", "layout")
-FRAG_MODE = os.environ.get("NINFER_GEMV_FRAG", "auto")
+FRAG_MODE = setting("NINFER_GEMV_FRAG")
 # From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
 # tensor-core row kernels at every T >= 2 on Q4 and Q5 (MLP gate_up Q4 T = 8: 74.7 -> 42.1 us), and the lanes
 # kernel except for Q5 at T = 2 (MLP down: 34.2 lanes vs 39.5); at T = 1 the dp4a GEMV stays faster (28.3 vs 41.9)
@@ -107,7 +107,7 @@ FRAG_AUTO_T: dict[int, range] = {4: range(2, 17), 5: range(3, 17)}
 # epilogue), and these two alone were level with the default (session 35: 133.0 / 131.1 against 132.6 / 131.3
 # tok/s, the step's kernel time 7.51 ms both), so empty: e.g.
 # NINFER_FRAGMENT_ONE_LANE=gdn/query_key_value_z,attention/query_gate_key_value
-FRAGMENT_ONE_LANE = tuple(n for n in os.environ.get("NINFER_FRAGMENT_ONE_LANE", "").split(",") if n)
+FRAGMENT_ONE_LANE = tuple(n for n in setting("NINFER_FRAGMENT_ONE_LANE").split(",") if n)
 
 
 def fragment_layout_enabled(rows_per_step: int, bits: int, name: str = "") -> bool:
@@ -397,9 +397,9 @@ def _dequant_kernel(base_ptr, high_ptr, scale_ptr, w_ptr, N, K, row0,
         tl.store(w_ptr + local[:, None] * K + ks[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (ks[None, :] < K))
 
 
-GEMM_DEQUANT_BYTES = 64 << 20  # dense scratch per GEMM step (the memory plan reserves it)
-if os.environ.get("NINFER_GEMM_DEQUANT_MB"):  # side-by-side runs: a smaller scratch may stay in L2
-    GEMM_DEQUANT_BYTES = min(GEMM_DEQUANT_BYTES, int(os.environ["NINFER_GEMM_DEQUANT_MB"]) << 20)
+# dense scratch per GEMM step, at most the 64 MiB the memory plan reserves (side-by-side runs: a smaller one may stay
+# in L2)
+GEMM_DEQUANT_BYTES = min(64, int(setting("NINFER_GEMM_DEQUANT_MB"))) << 20
 GEMV_MAX_T = 16
 # Planes in fragment order multiply 17-64 rows (verify blocks of 5+ lanes: 8 lanes of MTP3 rounds are 32 rows) as
 # blocks of 16 rows, one read of the codes each (Q4: 2 x 0.56 bytes a weight at 32 rows, ~0.6 of copy at 16 rows),
@@ -409,7 +409,7 @@ GEMV_MAX_T = 16
 # for side-by-side runs; Q6 always slices (its dequantization copies rows back first).
 SLICED_MAX_T = 64
 SLICED_MAX_T_Q6 = 256  # the head: 16 reads (3.7 ms on an H100) still beat copying its rows back to dequantize them
-SLICED_ROWS = os.environ.get("NINFER_SLICED_ROWS", "1") != "0"
+SLICED_ROWS = setting("NINFER_SLICED_ROWS") == "1"
 
 
 FRAGMENT_ORDERS = {"lanes": 1, "pairs": 2, "bytes": 3, "fields": 4}  # the dequantizer's FRAGMENT for each order
@@ -559,7 +559,7 @@ def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
 # The CPU's torch path keeps dequantized float32 copies of the weights while they fit this budget (a small
 # model's whole text stack: milliseconds per token instead of a dequantization per product); past it, a
 # matrix is dequantized per call. NINFER_CPU_DENSE_CACHE_MB sets it (0: never keep).
-DENSE_CACHE_BYTES = int(os.environ.get("NINFER_CPU_DENSE_CACHE_MB", "4096")) << 20
+DENSE_CACHE_BYTES = int(setting("NINFER_CPU_DENSE_CACHE_MB")) << 20
 _dense_cached_bytes = 0
 
 
@@ -694,10 +694,10 @@ def qlinear(x: torch.Tensor, w: PackedLinear, out: torch.Tensor | None = None, x
 
 
 # side-by-side runs: NINFER_SWIGLU_EPILOGUE=0 multiplies the gate/up pair and runs the swiglu kernel after it
-SWIGLU_EPILOGUE = os.environ.get("NINFER_SWIGLU_EPILOGUE", "1") != "0"
+SWIGLU_EPILOGUE = setting("NINFER_SWIGLU_EPILOGUE") == "1"
 # NINFER_CONV_EPILOGUE=on: a one-lane decode step's GDN conv in the qkvz product's launch (qlinear_conv; a launch less
 # per GDN layer: 48 for the 27B, 30 for the 35B-A3B). Opt-in until measured side by side on a GPU.
-CONV_EPILOGUE = os.environ.get("NINFER_CONV_EPILOGUE", "off") == "on"
+CONV_EPILOGUE = setting("NINFER_CONV_EPILOGUE") == "on"
 
 
 def qlinear_swiglu(x: torch.Tensor, w: PackedLinear, xq: QuantizedX | None = None) -> torch.Tensor | None:

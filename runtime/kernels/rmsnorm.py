@@ -12,12 +12,11 @@ the residual in place (another program may still be reading it), so they write a
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..switches import setting
 from . import interpreted, torch_path, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .moe import ExpertPartials
@@ -55,10 +54,7 @@ ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows
 # (auto) rows of at most BARRIER_AUTO_CHUNKS chunks wait at the barrier; NINFER_RMSNORM_BARRIER=1 every spread row,
 # 0 none. SPREAD_BARRIER: None (auto), True or False (bench/engine_ab.py sets it).
 _BARRIER_MODES = {"auto": None, "1": True, "0": False}
-if os.environ.get("NINFER_RMSNORM_BARRIER", "auto") not in _BARRIER_MODES:
-    raise SystemExit(f"ninfer: NINFER_RMSNORM_BARRIER={os.environ['NINFER_RMSNORM_BARRIER']!r} is not auto, 1 or 0; "
-                     "unset it for auto")
-SPREAD_BARRIER = _BARRIER_MODES[os.environ.get("NINFER_RMSNORM_BARRIER", "auto")]
+SPREAD_BARRIER = _BARRIER_MODES[setting("NINFER_RMSNORM_BARRIER")]
 BARRIER_AUTO_CHUNKS = 8
 # True: a program counts itself out of the barrier after its stores (a relaxed atomic), so that round trip overlaps
 # them instead of delaying the normalization (the 27B's rows, where the barrier lost 0.8 %, may gain). Built on a CPU,

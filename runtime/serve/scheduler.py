@@ -18,7 +18,6 @@ a JSON schema's token mask); such lanes take plain decode steps.
 from __future__ import annotations
 
 import collections
-import os
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 
 from ..engine import Riders
 from ..kernels.sampling import SamplingParams, pick_token, pick_token_on_device
+from ..switches import setting
 from ..transfers import HostCopy
 
 
@@ -139,7 +139,7 @@ class _Chained:
 # each step is launched before the previous step's tokens reach the host, so detokenizing, parsing and
 # streaming them runs while the GPU computes. A lane that ends has had one more token computed (its
 # cache holds it: lane_tokens say so). NINFER_DECODE_CHAIN=off for side-by-side runs.
-DECODE_CHAIN = os.environ.get("NINFER_DECODE_CHAIN", "on") != "off"
+DECODE_CHAIN = setting("NINFER_DECODE_CHAIN") == "on"
 
 
 class SchedulerDead(RuntimeError):
