@@ -3,65 +3,39 @@
 #   run (carry .carry):  bash bench/device_frag.sh first     # everything built since the last device call: GPU tests,
 #                                                            # then each new default or option against the old path
 #                        bash bench/device_frag.sh kernels   # GPU tests, per product, bf16 lanes
-#                        bash bench/device_frag.sh serve     # one lane, MTP3, rk4v4-e8 lanes, 4-client server
-#                        bash bench/device_frag.sh moe       # 35B-A3B: MoE decode fused vs separate, lanes
 #                        bash bench/device_frag.sh attention # int4/int8 KV decode attention: tl.dot vs fragment kernel
-#                        bash bench/device_frag.sh prefill   # a prefill chunk's attention at depth over a tile sweep
 #                        bash bench/device_frag.sh s26       # session 26: SwiGLU in the gate/up launch, int8 fragment
 #                                                            # kernel, pair order (one lane, side by side)
-#                        bash bench/device_frag.sh s26-kernels  # per product incl. the int8 kernel; lanes int8 on/off
 #                        bash bench/device_frag.sh next      # session 27 first: RMSNorm spread, profile, MoE ties
 #                        bash bench/device_frag.sh s27       # MoE fused + weight cache GPU tests, ride with the cache
 #                                                            # on/off, 4-client server, 35B-A3B lanes
-#                        bash bench/device_frag.sh s28       # MoE + weight cache GPU tests; the 4-client server with
-#                                                            # its engine/wall split; 1 vs 4 lanes kernel by kernel
-#                        bash bench/device_frag.sh chain     # the 4-client server with chained decode off / on
 #                        bash bench/device_frag.sh s28b      # MoE GPU tests, 1 vs 4 lanes by kernel, server chain off/on
-#                        bash bench/device_frag.sh s28c      # server smoke on cuda (chained decode), GPU engine tests
 #                        bash bench/device_frag.sh pieces    # padded prompt-piece graphs: GPU test, 4-client server off/on
 #                        bash bench/device_frag.sh s29       # ride tests, 35B-A3B 1 vs 8 lanes by kernel, server 512 tok
-#                        bash bench/device_frag.sh s29b      # 35B-A3B expert GEMV tile sweep; lanes default vs pick
 #                        bash bench/device_frag.sh s29c      # 35B-A3B lanes old vs new expert tiles; 35B server
-#                        bash bench/device_frag.sh s29d      # 35B-A3B lanes: router on dense_rows vs vendor GEMM
-#                        bash bench/device_frag.sh s29e      # 35B lanes: dense_rows and shared expert apart, opt-ins
 #                        bash bench/device_frag.sh s29f      # 35B server: MoE prompts from CUDA graphs off / on
-#                        bash bench/device_frag.sh shared-experts  # 35B expert launches: random vs shared routing
 #                        bash bench/device_frag.sh s33       # the measured warps-sharing-K rule: per product, lanes, MTP3
 #                        bash bench/device_frag.sh s34       # SwiGLU in the gate/up launch; x loaded a chunk ahead (T <= 8)
-#                        bash bench/device_frag.sh s34b      # --draft-vocab 32768 against the whole head: MTP3, DFlash2
 #                        bash bench/device_frag.sh s35       # x ahead by default: tests, lanes, SwiGLU launch, MTP3 lanes
 #                        bash bench/device_frag.sh s36       # one plain lane in fragment order (auto vs layout), profiles
 #                        bash bench/device_frag.sh s37       # x ahead at 9-16 rows (first column tile): shapes, MTP3 lanes
 #                        bash bench/device_frag.sh s38       # the Q6 head in fragment order, 9-16-row tiles split (opt-ins)
-#                        bash bench/device_frag.sh s38b      # lanes, MTP3, DFlash2 with the Q6 head copy off / on
-#                        bash bench/device_frag.sh s39       # GDN recurrence tiles: per shape, then lanes, MTP3, DFlash2
-#                        bash bench/device_frag.sh s40       # one lane: qkvz and qgkv in fragment order (x ahead) vs dp4a
-#                        bash bench/device_frag.sh s41       # the head in fragment order in place, split tiles by rule
 #                        bash bench/device_frag.sh s42       # W8 products on the int8 fragment kernel (opt-in) vs planes
-#                        bash bench/device_frag.sh s43       # 17-64 rows as 16-row blocks, GDN verify tiles, DFlash2 profile
 #                        bash bench/device_frag.sh s45       # DFlash2's drafter convolutions, norms + RoPE fused vs torch
 #                        bash bench/device_frag.sh s53       # next: cuDNN prefill end to end, MoE down launch split, s50
-#                        bash bench/device_frag.sh s52       # cuDNN prefill attention: tests, 27B prefill to 128K on / off
 #                        bash bench/device_frag.sh s51       # prefill attention at depth (tiles, torch's kernels), then s50
 #                        bash bench/device_frag.sh s50       # 35B prefill + one lane with fragment experts, server
 #                        bash bench/device_frag.sh s49       # expert-major fragment launches: tests, 35B lanes
 #                        bash bench/device_frag.sh s48       # the fragment expert launches taken apart, lanes off / on
-#                        bash bench/device_frag.sh s47       # fragment expert launches off / on, DFlash2 fused
-#                        bash bench/device_frag.sh s46       # s45, then DFlash2 / 35B / 27B one-lane profiles
 #                        bash bench/device_frag.sh next36    # session 36's one call: W8, sliced rows, lanes; depths on an H200
-#                        bash bench/device_frag.sh h200      # issues 20/21 headline numbers in one call (~520 s)
 #                        bash bench/device_frag.sh s58       # session 41: conv / GDN-norm epilogues, 35B one-lane profile
 #                        bash bench/device_frag.sh s59       # session 43: the combine 16 rows a program (ride profile);
 #                                                            # the 35B's Q5 output projections (fragment / dp4a / int8)
-#                        bash bench/device_frag.sh s64       # Q5 as 5-bit fields, x in place (per product, one lane,
-#                                                            # lanes, MTP3)
 #                        bash bench/device_frag.sh s65       # a graph step's wall time from the GPU timeline
 #                                                            # (27B 1 and 8 lanes, 35B-A3B), decode beside GEMMs
 #                                                            # (streams, priority, green contexts)
 #                        bash bench/device_frag.sh s67       # settings side by side in one engine (fields'
 #                                                            # register cap; 35B router on the dense kernel)
-#                        bash bench/device_frag.sh s68       # next: the fused expert kernel's fix on the GPU, 35B
-#                                                            # settings in one engine (cap off, router dense)
 #                        bash bench/device_frag.sh s69       # next: one lane's norm launch shapes in one engine
 #                        bash bench/device_frag.sh s70       # next first: s68, and queued vs blocking host copies
 #                        bash bench/device_frag.sh s71       # next: one lane and lanes end to end, 27B norm shapes
@@ -69,9 +43,6 @@
 #                                                            # 35B-A3B / 27B lanes; 27B norm launch shapes
 #                        bash bench/device_frag.sh s77       # 35B-A3B one lane: norm shapes, one-token expert tiles
 #                        bash bench/device_frag.sh s78       # the server, 4 streaming clients against one (35B, 27B)
-#                        bash bench/device_frag.sh s79       # 35B-A3B router on the few-rows dense kernel, 1-4 lanes
-#                        bash bench/device_frag.sh s80       # next first: embedding / K/V slots in one launch, the
-#                                                            # few-rows router; their GPU tests (~420 s)
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 #                        bash bench/device_frag.sh s83       # the norm barrier's options: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s86       # session 48: s80 + s83 in one engine a shape (~440 s)
@@ -103,26 +74,6 @@ one() {  # label, env...: 27B one lane, bf16 KV, 8K, DECODE tokens (64), results
   env "$@" timeout "${ONE_TIMEOUT:-90}" $B --depths 8k --prefill-limit 8k --kv-dtype bf16 --decode-tokens "${DECODE:-64}" \
     --json-out "$OUT/$SECTION-$label.json" 2>&1 | grep "│ bf16"
   echo "$label t=$(el)"
-}
-moe_lanes() {  # label "dense_rows shared_apart"...: 35B-A3B lanes 1-8 at 8K per pair of the session-29 opt-ins
-  local label=$1; shift
-  for mode in "$@"; do
-    set -- $mode
-    NINFER_DENSE_ROWS=$1 NINFER_MOE_SHARED_APART=$2 timeout 80 python -m ninfer_cli.main bench --random-weights \
-      qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/$label-moe-lanes-$1-$2.json" 2>&1 | \
-      grep "│ bf16"
-    echo "lanes dense_rows=$1 shared_apart=$2 t=$(el)"
-  done
-}
-moe_opt_in_tests() {  # the GPU tests of the session-29 opt-ins (dense_rows, the shared expert apart)
-  timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "dense_rows or shared_expert" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-}
-shared_experts() {  # the two expert launches at 1 and 8 tokens (default tiles): random vs shared routing
-  PYTHONPATH=. timeout "$1" python bench/moe_decode_tiles.py "$OUT/shared-experts.json" 1,8 shared 2>&1 | \
-    grep '"default": true' | cut -c1-300
-  echo "random vs shared routing t=$(el)"
 }
 SECTION=${1:-kernels}
 case "${1:-kernels}" in
@@ -162,32 +113,6 @@ kernels)
   echo "t=$(el)"
   for mode in rows auto auto-lanes layout-k1; do lanes $mode bf16; done  # auto-lanes: before pair order
   ;;
-serve)
-  for mode in rows auto; do  # one plain lane: auto puts only its Q5 products in fragment order
-    NINFER_GEMV_FRAG=$mode timeout 60 $B --depths 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/one-lane-$mode.json" 2>&1 | grep "│ bf16"
-    echo "one lane $mode t=$(el)"
-  done
-  timeout 70 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
-    --json-out "$OUT/mtp.json" 2>&1 | grep "│ bf16"
-  echo "t=$(el)"
-  for mode in rows auto; do lanes $mode rk4v4-e8; done
-  for mode in rows auto; do  # one client alone, then 4 at once, in one server of 4 lanes
-    NINFER_GEMV_FRAG=$mode PYTHONPATH=. timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 \
-      --json "$OUT/serve-$mode.json" 2>&1 | tail -2
-    echo "serve $mode t=$(el)"
-  done
-  ;;
-moe)  # 35B-A3B: one lane with the MoE decode launches fused vs separate, then lanes (fragment order for the layers)
-  M="python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b"
-  for mode in fused separate; do
-    NINFER_MOE_DECODE=$mode timeout 90 $M --depths 8k --kv-dtype bf16 --decode-tokens 64 \
-      --json-out "$OUT/moe-one-lane-$mode.json" 2>&1 | grep "│ bf16"
-    echo "moe $mode t=$(el)"
-  done
-  timeout 120 $M --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/moe-lanes.json" 2>&1 | grep "│ bf16"
-  echo "moe lanes t=$(el)"
-  ;;
 attention)  # int4/int8 decode attention: GPU tests, per-layer sweep, then the 27B decode at depth, off vs on
   timeout 120 python -m pytest -q -n 4 --tb=short tests/test_attention_frag.py tests/test_kernels.py -k "attention" \
     > "$OUT/attn-tests.log" 2>&1
@@ -213,29 +138,6 @@ s26)  # session 26's CPU-built changes, GPU tests then one lane against the path
   one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
   one int8-q5 NINFER_FRAGMENT_INT8=q5
   one int8-on NINFER_FRAGMENT_INT8=on  # (pair vs lane order per product: s26-kernels)
-  ;;
-s26-ab)  # the two new defaults side by side in one warm call: one lane default / lane order / SwiGLU launch; the
-  # int8 kernel's GPU tests; per product (~500 s)
-  timeout 90 python -m pytest -q -n 4 --tb=line tests/test_frag_kernel.py -k int8 2>&1 | tail -3
-  one default NINFER_SWIGLU_EPILOGUE=1
-  one lane-order NINFER_FRAGMENT_PAIRS=0
-  one swiglu-launch NINFER_SWIGLU_EPILOGUE=0
-  one default-again NINFER_SWIGLU_EPILOGUE=1
-  timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1500
-  echo "t=$(el)"
-  ;;
-s26-engine)  # one warm call: the fragment attention off vs on at 200K (rk4v4-e8), then one lane at 8K (bf16) with
-  # Q4 on the dp4a GEMV (auto) or in fragment order (layout), Q5 on the bf16 or the int8 fragment kernel (~450 s)
-  for mode in off on; do
-    NINFER_ATTENTION_FRAG=$mode timeout 120 $B --depths 8k,200k --prefill-limit 8k --kv-dtype rk4v4-e8 \
-      --decode-tokens 64 --json-out "$OUT/attn-$mode.json" 2>&1 | grep "│ rk4v4"
-    echo "attention $mode t=$(el)"
-  done
-  one auto NINFER_GEMV_FRAG=auto
-  one layout NINFER_GEMV_FRAG=layout
-  one auto-int8q5 NINFER_GEMV_FRAG=auto NINFER_FRAGMENT_INT8=q5
-  one layout-int8q5 NINFER_GEMV_FRAG=layout NINFER_FRAGMENT_INT8=q5
-  one auto-again NINFER_GEMV_FRAG=auto
   ;;
 next)  # session 27's first call (~500 s): the RMSNorm spread limit side by side and the step's profile, the MoE
   # fused path's routing against the separate one (near tie or bug), 35B-A3B fused vs separate
@@ -270,26 +172,6 @@ s27)  # session 27's second call (~540 s): GPU tests of the MoE fused default an
     --json-out "$OUT/s27-moe-lanes.json" 2>&1 | grep "│ bf16"
   echo "moe lanes t=$(el)"
   ;;
-s28)  # session 28's first call (~450 s)
-  timeout 240 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe or weight_cache" 2>&1 | \
-    grep -iE "passed|failed|error|assert" | tail -8
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  timeout 150 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --json "$OUT/s28-serve4.json" 2>&1 | tail -3
-  echo "serve t=$(el)"
-  timeout 120 python bench/profile_decode.py qwen3.6-27b "$OUT/s28-profile-lanes.json" decode bf16 1,4 2>&1 | \
-    grep -A32 "lane(s): kernel time" | head -34
-  echo "profile t=$(el)"
-  ;;
-chain)  # session 28: chained decode steps in the server, side by side in one server (~250 s)
-  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
-    grep -iE "passed|failed|error|assert" | tail -4
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  for tokens in 128 512; do
-    timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens $tokens --chain both \
-      --json "$OUT/chain-serve4-$tokens.json" 2>&1 | grep -v "^{" | tail -7
-    echo "serve $tokens t=$(el)"
-  done
-  ;;
 s28b)  # session 28's third call (~330 s)
   timeout 100 python -m pytest -q -rs -p no:cacheprovider tests/test_engine.py -k "moe" 2>&1 | \
     grep -iE "passed|failed|error|assert|skip" | tail -6
@@ -300,13 +182,6 @@ s28b)  # session 28's third call (~330 s)
   timeout 200 python bench/serve_lanes.py qwen3.6-27b --lanes 4 --tokens 128 --chain both \
     --json "$OUT/s28b-serve4-128.json" 2>&1 | grep -v "^{" | tail -7
   echo "serve t=$(el)"
-  ;;
-s28c)  # session 28's last call (~400 s): every API through the server on cuda; the engine and speculation GPU tests
-  timeout 150 python bench/serve_smoke.py /tmp/smoke 2>&1 | tail -14
-  echo "smoke t=$(el)"
-  timeout 230 python -m pytest -q -rs -p no:cacheprovider -x tests/test_engine.py tests/test_speculative.py 2>&1 | \
-    grep -iE "passed|failed|error|assert|skip" | tail -8
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
   ;;
 pieces)  # session 29 first (~400 s): NINFER_PIECE_GRAPHS (short prompt pieces padded to a graph bucket) on the
   # GPU: its engine test, then the 4-client server without and with it (first text, aggregate)
@@ -331,17 +206,6 @@ s29)  # session 29's second call (~450 s): GPU ride/padded tests with pieces on 
     grep -v "^{" | tail -5
   echo "serve t=$(el)"
   ;;
-s29b)  # session 29's third call (~500 s): the 35B-A3B expert GEMV tiles swept at 1 and 8 tokens, then the 35B lanes
-  # bench with the default tiles and with the sweep's pick, side by side
-  PYTHONPATH=. timeout 330 python bench/moe_decode_tiles.py "$OUT/s29-moe-tiles.json" 1,8 2>&1 | grep -v '^{' | tail -6
-  tiles=$(python -c "import json; print(json.load(open('$OUT/s29-moe-tiles.json'))['pick'])" 2>/dev/null)
-  echo "tiles t=$(el) pick=$tiles"
-  for t in "" "$tiles"; do
-    env $t timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
-      --depths 8k --kv-dtype bf16 --json-out "$OUT/s29-moe-lanes-${t:+picked}.json" 2>&1 | grep "│ bf16"
-    echo "lanes tiles='$t' t=$(el)"
-  done
-  ;;
 s29c)  # session 29's last call (~420 s): 35B-A3B lanes with the session-28 expert tiles and the new ones side by side;
   # expert GEMV GPU tests; the 35B-A3B server with 4 streaming clients
   old="NINFER_EXPERT_TILE_GATE_UP=16,512,4 NINFER_EXPERT_TILE_GATE_UP_ONE=16,512,4 NINFER_EXPERT_TILE_DOWN=16,512,4"
@@ -357,26 +221,6 @@ s29c)  # session 29's last call (~420 s): 35B-A3B lanes with the session-28 expe
   timeout 150 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --json "$OUT/s29c-serve-moe.json" 2>&1 | \
     grep -v "^{" | tail -5
   echo "serve t=$(el)"
-  ;;
-s29d)  # session 29's closing call (~330 s): the router + shared gate of several lanes on dense_rows vs the vendor
-  # GEMM (35B-A3B lanes side by side), GPU tests of the new kernels, the 35B 1 vs 8 lanes profile again
-  for d in off on; do
-    NINFER_DENSE_ROWS=$d timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 \
-      --depths 8k --kv-dtype bf16 --json-out "$OUT/s29d-moe-lanes-dense-$d.json" 2>&1 | grep "│ bf16"
-    echo "lanes dense_rows=$d t=$(el)"
-  done
-  timeout 100 python -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "dense_rows or expert or moe" 2>&1 | grep -iE "passed|failed|error|assert|skip" | tail -6
-  echo "tests t=$(el) (pytest prints no summary line at -qq: no FAILED line = passed)"
-  timeout 110 python bench/profile_decode.py qwen3.6-35b-a3b "$OUT/s29d-profile-moe.json" decode bf16 1,8 2>&1 | \
-    grep -A16 "lane(s): kernel time" | head -18
-  echo "profile t=$(el)"
-  ;;
-s29e)  # session 30 first (~300 s): the 35B-A3B lanes with session 29's opt-ins side by side — the router + shared
-  # gate on dense_rows (NINFER_DENSE_ROWS=on), then also the shared expert apart from the routed launches for 2+ rows
-  # (NINFER_MOE_SHARED_APART=2); their GPU tests first
-  moe_opt_in_tests
-  moe_lanes s29e "off 0" "on 0" "on 2"
   ;;
 s29f)  # session 30 (~330 s): MoE prompts from CUDA graphs (NINFER_MOE_PREFILL_GRAPHS=on: padded pieces and riding
   # shared chunks) — the padded-piece GPU test, then the 35B-A3B server with 4 clients without and with it
@@ -446,27 +290,6 @@ s34)  # next (~500 s): session 33's CPU-built options — GPU tests of the fragm
       --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s34-spec-xahead${tile:+-on}.json" 2>&1 | grep "│ bf16"
     echo "spec lanes NINFER_FRAGMENT_TILE='$tile' t=$(el)"
   done
-  ;;
-s34b)  # next, second call (~420 s): --draft-vocab 32768 (drafts from the output head's first 32K token ids, a view)
-  # against the whole head: MTP3 and DFlash2 K = 7 at one lane (forced acceptance), MTP3 rounds over 1-4 lanes; then
-  # one plain lane on the dp4a GEMV against every product in fragment order with SwiGLU in its launch
-  for dv in 0 32768; do  # drafts from the whole head / its first 32K token ids (forced acceptance)
-    timeout 110 $B --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 --decode-tokens 64 \
-      --draft-vocab $dv --json-out "$OUT/s34b-mtp3-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
-    echo "mtp3 draft vocab $dv t=$(el)"
-    timeout 110 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
-      --draft-vocab $dv --json-out "$OUT/s34b-dflash2-draft-vocab-$dv.json" 2>&1 | grep "│ bf16"
-    echo "dflash2 K=7 draft vocab $dv t=$(el)"
-  done
-  timeout 120 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
-    --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/s34b-spec-lanes-draft-vocab.json" 2>&1 | grep "│ bf16"
-  echo "spec lanes draft vocab t=$(el)"
-  # one plain lane: Q4 on the dp4a GEMV with SwiGLU in its launch (auto), or every product in fragment order
-  # (gate_up at 0.92 of copy on the H100) with SwiGLU in the fragment launch (2 / 4 warps sharing K)
-  one auto NINFER_GEMV_FRAG=auto
-  one layout-swiglu2 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=2
-  one layout-swiglu4 NINFER_GEMV_FRAG=layout NINFER_SWIGLU_FRAGMENT=4
-  one auto-again NINFER_GEMV_FRAG=auto
   ;;
 s35)  # session 34 (~420 s): x a chunk ahead by default at 2-8 rows — GPU tests, 27B lanes bf16 and rk4v4-e8, SwiGLU in
   # the gate/up launch off / 2 (now with x ahead), batched MTP3 rounds over 1-4 lanes, MTP3 drafts from the whole
@@ -541,78 +364,6 @@ s38)  # next session (~400 s): session 34's CPU-built options — GPU tests (Q6 
     echo "spec lanes tiles=$tiles t=$(el)"
   done
   ;;
-s38b)  # next session, right after s38 (~260 s): lanes, batched MTP3 rounds and DFlash2 K = 7 (and 35B-A3B lanes) with
-  # the output head's row blocks on the int8 row kernel (off) / in fragment order (auto; session 35: then a copy, "on")
-  for hf in off auto; do
-    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s38-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
-    echo "lanes head fragment $hf t=$(el)"
-    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s38-spec-head-$hf.json" 2>&1 | grep "│ bf16"
-    echo "spec lanes head fragment $hf t=$(el)"
-    NINFER_HEAD_FRAGMENT=$hf timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
-      --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s38-dflash2-head-$hf.json" 2>&1 | grep "│ bf16"
-    echo "dflash2 head fragment $hf t=$(el)"
-    NINFER_HEAD_FRAGMENT=$hf timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,8 \
-      --depths 8k --kv-dtype bf16 --json-out "$OUT/s38b-moe-lanes-head-$hf.json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B lanes head fragment $hf t=$(el)"  # its T = 8 head: 222 us of an 8-lane step (session 29)
-  done
-  ;;
-s39)  # next session (~300 s): the GDN recurrence's tiles (value columns x warps per program; fewer warps trade the
-  # per-token cross-warp reductions for registers) — per shape, then the tile with the least summed time against the
-  # default in plain lanes 1 / 8 and batched MTP3 rounds over 1 / 4 lanes, and DFlash2 K = 7
-  timeout 100 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py -k gdn_fused 2>&1 | tail -1
-  PYTHONPATH=. timeout 150 python bench/gdn_compare.py "$OUT/s39-gdn.json" 2>&1 | grep "{"
-  best=$(python -c "import json; rows = json.load(open('$OUT/s39-gdn.json')); keys = [k for k in rows[0] if k.endswith('_us')]; print(min(keys, key=lambda k: sum(r[k] for r in rows))[:-3].replace('x', ','))")
-  echo "gdn tiles t=$(el), least summed time: $best"
-  for tile in "" "$best"; do
-    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 1,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s39-lanes-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
-    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s39-spec-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
-    NINFER_GDN_TILE=$tile timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 \
-      --accepted-drafts 7 --decode-tokens 64 --json-out "$OUT/s39-dflash2-gdn${tile:+-best}.json" 2>&1 | grep "│ bf16"
-    echo "NINFER_GDN_TILE='$tile' t=$(el)"
-  done
-  ;;
-s40)  # next session (~250 s): one plain lane with GDN qkvz and attention qgkv in fragment order (their one-row
-  # products with x a chunk ahead: 16.1 / 14.7 us isolated against the dp4a GEMV's 19.4 / 17.1 on the H100), gate_up
-  # and the head on the dp4a GEMV; alternated twice against the default, then both profiled
-  DECODE=128
-  Q="gdn/query_key_value_z,attention/query_gate_key_value"
-  ONE_TIMEOUT=170 one warm NINFER_FRAGMENT_ONE_LANE=  # a cold machine compiles here (> 90 s); not compared
-  for run in 1 2; do
-    one "auto-$run" NINFER_FRAGMENT_ONE_LANE=
-    one "qkv-fragment-$run" NINFER_FRAGMENT_ONE_LANE=$Q
-  done
-  for q in "" "$Q"; do
-    NINFER_FRAGMENT_ONE_LANE=$q timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s40-profile${q:+-qkv}.json" \
-      decode bf16 2>&1 | grep -A12 "kernel time" | cut -c1-150
-    echo "profile NINFER_FRAGMENT_ONE_LANE='$q' t=$(el)"
-  done
-  ;;
-s41)  # session 35 (~450 s): the output head in fragment order in place by default (one row too) and 9-16 rows' column
-  # tiles split for GDN qkvz / attention qgkv by rule — GPU tests; one lane against the head on the artifact's planes
-  # (alternated twice); lanes; batched MTP3 rounds and DFlash2 K = 7, with and without --draft-vocab 32768
-  timeout 120 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_frag_kernel.py \
-    tests/test_engine.py -k "column_tile or q6_head or fragment_kernels_in_the_engine" 2>&1 | tail -2
-  echo "tests t=$(el)"
-  ONE_TIMEOUT=120 one warm NINFER_HEAD_FRAGMENT=auto  # compiles on a cold machine; not compared
-  for run in 1 2; do
-    one "head-planes-$run" NINFER_HEAD_FRAGMENT=off
-    one "head-fragment-$run" NINFER_HEAD_FRAGMENT=auto
-  done
-  timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s41-lanes.json" 2>&1 | grep "│ bf16"
-  echo "lanes t=$(el)"
-  for vocab in 0 32768; do
-    timeout 100 $B --lanes 1,2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
-      --decode-tokens 32 --draft-vocab $vocab --json-out "$OUT/s41-spec-vocab-$vocab.json" 2>&1 | grep "│ bf16"
-    echo "spec lanes draft vocab $vocab t=$(el)"
-    timeout 100 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 \
-      --decode-tokens 64 --draft-vocab $vocab --json-out "$OUT/s41-dflash2-vocab-$vocab.json" 2>&1 | grep "│ bf16"
-    echo "dflash2 draft vocab $vocab t=$(el)"
-  done
-  ;;
 s42)  # next session (~330 s): W8 products in byte order on the int8 fragment kernel (NINFER_FRAGMENT_W8=on: the MTP
   # input projection, the DFlash2 drafter's whole products) — GPU tests, per product against the runtime's W8 path,
   # then batched MTP3 rounds over 1-4 lanes and DFlash2 K = 7 (with --draft-vocab 32768) off / on; 35B-A3B lanes
@@ -636,27 +387,6 @@ s42)  # next session (~330 s): W8 products in byte order on the int8 fragment ke
     --kv-dtype bf16 --distinct-lane-tokens --json-out "$OUT/s42-moe-lanes-distinct.json" 2>&1 | grep "│ bf16"
   echo "35B-A3B lanes, each its own token (experts apart) t=$(el)"
   ;;
-s43)  # next session, after s42 (~400 s): 17-64 rows as 16-row blocks against the dequantizing GEMM (8 lanes of MTP3
-  # rounds), GDN verify tiles by rule against 32 columns always (2-4 lanes of MTP3 rounds), every product's rules at
-  # half / twice the program target (T = 16's small products: 0.51-0.55 of copy), then where a DFlash2 K = 7 round
-  # goes (W8 on the int8 fragment kernel)
-  for sliced in 0 1; do  # 8 lanes of MTP3 rounds (32-row verify blocks): dequantizing GEMM / 16-row blocks
-    NINFER_SLICED_ROWS=$sliced timeout 100 $B --lanes 8 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 16 --json-out "$OUT/s43-spec8-sliced-$sliced.json" 2>&1 | grep "│ bf16"
-    echo "8 lanes MTP3 sliced rows $sliced t=$(el)"
-  done
-  for tile in "" 0; do  # GDN verify blocks: 32 value columns always (default) / widened by rule (gdn_block_v, opt-in)
-    NINFER_GDN_TILE=$tile timeout 100 $B --lanes 2,3,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --decode-tokens 32 --json-out "$OUT/s43-spec-gdn${tile:+-rule}.json" 2>&1 | grep "│ bf16"
-    echo "MTP3 lanes GDN tile '$tile' t=$(el)"
-  done
-  PYTHONPATH=. timeout 150 python bench/gemv_compare.py "$OUT/s43-shapes.json" shapes 2>&1 | grep "{" | \
-    python -c "import json,sys; [print(r['op'], {k: round(v, 1) for k, v in r.items() if k.endswith(('engine_us', 'p264_us', 'p1056_us'))}) for r in map(json.loads, sys.stdin)]"
-  echo "per product: the rules at 264 / 528 / 1056 programs t=$(el)"
-  NINFER_FRAGMENT_W8=on timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s43-profile-dflash2.json" dflash2 \
-    bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
-  echo "DFlash2 round profile t=$(el)"
-  ;;
 s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutions, query / key norm + RoPE and
   # selector walk in one launch each (NINFER_DFLASH2_KERNELS=fused) against the torch ops, GPU tests, then DFlash2 K = 7 alternated twice
   timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py \
@@ -667,28 +397,6 @@ s45)  # session 36 (~150 s; S45_LANES=1 ~90 s): the DFlash2 drafter's convolutio
       --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
       --json-out "$OUT/s45-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
     echo "dflash2 drafter kernels $kernels t=$(el)"
-  done
-  ;;
-s64)  # ~420 s, any GPU: Q5 as 5-bit fields without x ahead at 2-8 rows (session 44's rule; s63 found fields faster at
-  # T = 1 and slower at 2-8 with x ahead, 140 registers): per product, then 27B one lane, lanes and MTP3 off / on
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python bench/gemv_compare.py "$OUT/s64-fields.json" fields 2>&1 | grep "^{" | cut -c1-600
-  echo "products t=$(el)"
-  for fields in off on off on; do
-    [ $(( ${DEADLINE:-420} - $(el) )) -gt 40 ] || break
-    ONE_TIMEOUT=80 one "$fields-$(el)" NINFER_Q5_FIELDS=$fields
-  done
-  for fields in off on; do
-    [ $(( ${DEADLINE:-420} - $(el) )) -gt 60 ] || break
-    NINFER_Q5_FIELDS=$fields timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/s64-lanes-$fields.json" 2>&1 | grep "│ bf16"
-    echo "lanes fields $fields t=$(el)"
-  done
-  for fields in off on; do
-    [ $(( ${DEADLINE:-420} - $(el) )) -gt 50 ] || break
-    NINFER_Q5_FIELDS=$fields timeout 80 $B --lanes 1,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 \
-      --accepted-drafts 3 --json-out "$OUT/s64-mtp-$fields.json" 2>&1 | grep "│ bf16"
-    echo "mtp3 fields $fields t=$(el)"
   done
   ;;
 s65)  # ~300 s, any GPU: where a CUDA-graph step's wall time goes beyond its products (issue 21 items 1 and 3), from
@@ -726,21 +434,6 @@ s67)  # ~300 s, any GPU: settings side by side in one process (bench/engine_ab.p
       --decode-tokens 256 --json-out "$OUT/s67-chained-$shape.json" 2>&1 | grep -E "depth 8192|Error"
     echo "$shape chained t=$(el)"
   done
-  ;;
-s68)  # ~400 s, any GPU: the fused expert kernel's fields fix on the GPU, then the 35B-A3B settings in one engine (the
-  # register cap now default: "nocap" turns it off; the router on the PDL dense kernel; the router in the norm's launch,
-  # 8 rows a program: both modules' copies of the setting)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  # the GPU tests of every kernel and the engines, which session 44's fields default was not run through
-  timeout 200 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_moe_fragment.py \
-    tests/test_engine.py tests/test_kernels.py tests/test_frag_kernel.py tests/test_attention_frag.py 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -8
-  echo "tests t=$(el)"
-  timeout 170 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s68-35b.json" 1,8 base= \
-    nocap=runtime.kernels.qgemm_fragment_layout.FIELDS_REGS:0 dense=runtime.engine.DENSE_ROWS_MIN_T:1 \
-    "router8=runtime.engine.ROUTER_IN_NORM_ROWS:8;runtime.kernels.rmsnorm.ROUTER_IN_NORM_ROWS:8" 2>&1 | \
-    grep -E "median|Error"
-  echo "35B-A3B t=$(el)"
   ;;
 s70)  # ~540 s, any GPU: s68's GPU tests (the fused expert kernel's fields fix and session 46's queued host-to-device
   # copies never ran on a GPU), then in one engine each: decode steps queued behind the one in flight (session 46's
@@ -807,39 +500,6 @@ s78)  # ~250 s, any GPU: the server with 4 streaming clients against one, after 
   [ $(( ${DEADLINE:-250} - $(el) )) -gt 200 ] && timeout $(( ${DEADLINE:-250} - $(el) )) python bench/serve_lanes.py \
     qwen3.6-27b --lanes 4 --tokens 256 2>&1 | tail -6
   echo "27B server 4 clients t=$(el)"
-  ;;
-s79)  # ~250 s, any GPU: session 47's few-rows dense kernel (1-4 rows of x on the CUDA cores, 2 weight rows a program, the
-  # first weight tile loaded before the PDL wait) for the 35B-A3B's router + shared gate at 1, 2, 4 lanes, against
-  # cuBLAS (the default below 8 rows), the tensor-core tile kernel (s70: 2 % slower than cuBLAS at one lane) and
-  # two other tiles; the dense kernels' GPU test first
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 60 python -m pytest -o addopts="" -q --tb=line -p no:cacheprovider tests/test_kernels.py -k dense_rows \
-    2>&1 | grep -E "passed|failed|Error|assert" | tail -4
-  D=runtime.kernels.dense_rows
-  M=runtime.engine.DENSE_ROWS_MIN_T
-  timeout $(( ${DEADLINE:-250} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s79-35b.json" 1,2,4 base= \
-    few=$M:1 "tile=$M:1;$D.ROW_KERNEL_MAX_ROWS:0" "few_n4=$M:1;$D.ROW_TUNING[block_n]:4" \
-    "few_k2048=$M:1;$D.ROW_TUNING[block_k]:2048" 2>&1 | grep -E "median|Error"
-  echo "35B-A3B t=$(el)"
-  ;;
-s80)  # ~420 s, any GPU: session 47's launches outside PDL cut, first on the list for the next device call: the GPU tests of
-  # the new kernels (W8 embedding rows, K/V slots, few-rows dense) and the engine; then in one engine each, one lane
-  # and 8 lanes: the embedding and the K/V slots each back on torch (7 and 6 small kernels a step), and (35B-A3B)
-  # the router + shared gate on the few-rows kernel (NINFER_DENSE_ROWS=all) against cuBLAS
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py \
-    tests/test_kernels.py -k "engine or kv_slots or embedding_rows or dense_rows or greedy or lanes" 2>&1 | \
-    grep -E "passed|failed|Error|assert" | tail -6
-  echo "tests t=$(el)"
-  K=runtime.kernels
-  timeout 230 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s80-35b.json" 1,8 base= \
-    torch_embed=$K.embed_rows.ONE_LAUNCH:False torch_slots=$K.kv_slots.ONE_LAUNCH:False \
-    few_router=runtime.engine.DENSE_ROWS_MIN_T:1 2>&1 | grep -E "median|Error"
-  echo "35B-A3B t=$(el)"
-  [ $(( ${DEADLINE:-420} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-420} - $(el) )) python bench/engine_ab.py \
-    qwen3.6-27b "$OUT/s80-27b.json" 1,8 base= "torch_both=$K.embed_rows.ONE_LAUNCH:False;$K.kv_slots.ONE_LAUNCH:False" \
-    2>&1 | grep -E "median|Error"
-  echo "27B t=$(el)"
   ;;
 s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4,096, 40 launches of ~5.2 µs at 0.34 of
   # copy, latency-bound) with K shared by 2 or 4 warps of a program instead of split across programs, and 8 warps a
@@ -1021,36 +681,6 @@ s58)  # session 41 (~420 s): the GPU tests of the two epilogues, then one lane (
     "$OUT/s58-35b-one-lane-both.json" decode bf16 2>&1 | tail -30
   echo "35B-A3B one-lane profile, both epilogues on t=$(el)"
   ;;
-s57)  # next session (~200 s): a one-lane step's GDN conv in the qkvz product's launch (NINFER_CONV_EPILOGUE, opt-in
-  # since session 40): its GPU tests, then 27B and 35B-A3B one lane at 8K, off / on alternated twice
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 60 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_kernels.py tests/test_engine.py \
-    -k "conv_in_its_launch or conv_in_the_qkvz" 2>&1 | tail -2
-  for mode in off on off on; do
-    [ $(( ${DEADLINE:-200} - $(el) )) -gt 30 ] || break
-    for shape in qwen3.6-27b qwen3.6-35b-a3b; do
-      NINFER_CONV_EPILOGUE=$mode timeout 60 python -m ninfer_cli.main bench --random-weights $shape --depths 8k \
-        --prefill-limit 8k --kv-dtype bf16 --decode-tokens 128 --json-out "$OUT/s57-$shape-$mode-$(el).json" 2>&1 | \
-        grep "│ bf16"
-      echo "$shape one lane, conv epilogue $mode t=$(el)"
-    done
-  done
-  ;;
-s56)  # next session (~400 s): what a new shape costs cuDNN (plan build); where a riding 512-token chunk's time goes
-  # (issue 20 item 4: ~60 ms a chunk on an H100, of which its GEMMs should take ~41 at the measured 670 TFLOP/s),
-  # kernel by kernel, eager, weight cache on; then the router in the norm's launch, 35B-A3B lanes, off / on twice
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 60 python bench/cudnn_plan_cost.py 2>&1 | tail -8
-  echo "cuDNN plan per shape t=$(el)"
-  timeout 180 python bench/profile_decode.py qwen3.6-27b "$OUT/s56-ride.json" ride bf16 2>&1 | tail -34
-  echo "ride profile t=$(el)"
-  for rows in 0 8 0 8; do  # the router in the norm's launch (opt-in since session 37, never measured): 35B-A3B lanes
-    [ $(( ${DEADLINE:-400} - $(el) )) -gt 60 ] || break
-    NINFER_ROUTER_IN_NORM=$rows timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
-      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s56-router-$rows-$(el).json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B lanes, router in the norm: $rows rows a program t=$(el)"
-  done
-  ;;
 s55)  # session 40 (~300 s): riding chunks with the riders' rows taken out of the prompt piece (NINFER_RIDE_ALIGN):
   # the bf16 GEMM at row counts around whole tiles, then lane 0's 32K prefill beside 3 decoding lanes, off / on
   nvidia-smi --query-gpu=name --format=csv,noheader
@@ -1098,45 +728,6 @@ s53)  # next session (~560 s): what session 39 built and could not time. The cuD
     echo "35B-A3B lanes, distinct tokens, down_major $down t=$(el)"
   done
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 120 ] && DEADLINE=$(( ${DEADLINE:-560} - $(el) )) bash bench/device_frag.sh s50
-  ;;
-s52c)  # ~150 s: cold prefill 27B bf16 to 32K / 128K, cuDNN vs paged attention alternated in one engine, then the
-  # GPU tests of the cuDNN route and the rmsnorm fix
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python bench/prefill_ab.py qwen3.6-27b 32768,131072 bf16 2>&1 | grep -E "^\{|cuDNN|Error"
-  echo "prefill a/b t=$(el)"
-  timeout 60 python -m pytest -o addopts="" -q -p no:cacheprovider tests/test_prefill_attention_vendor.py \
-    tests/test_kernels.py -k "cudnn or vendor or rmsnorm_router" 2>&1 | tail -3
-  ;;
-s52b)  # s52 cut to ~150 s: 27B bf16 cold prefill to 8K / 128K, the chunk's attention on cuDNN (auto) vs paged (triton)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  for mode in auto triton; do
-    NINFER_PREFILL_ATTENTION=$mode timeout 100 $B --depths 8k,128k --kv-dtype bf16 --decode-tokens 16 \
-      --json-out "$OUT/s52b-prefill-$mode.json" 2>&1 | grep -E "│ bf16|cuDNN|Error"
-    echo "27B prefill attention $mode t=$(el)"
-  done
-  ;;
-s52)  # session 39 (~560 s): the rmsnorm fix and cuDNN prefill attention on the GPU (tests), then the 27B cold prefill
-  # to 8K / 32K / 128K with the chunk's attention on cuDNN (auto) vs the paged kernel (triton), bf16 and rk4v4-e8
-  # KV, alternated; then the 35B-A3B one lane (fragment experts off / on) in the time left
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -n 4 -p no:cacheprovider tests/test_prefill_attention_vendor.py \
-    tests/test_kernels.py -k "vendor or cudnn or rmsnorm or router" 2>&1 | \
-    grep -E "passed|failed|Error|error" | tail -8
-  echo "tests t=$(el)"
-  for kv in bf16 rk4v4-e8; do
-    for mode in auto triton; do
-      [ $(( ${DEADLINE:-560} - $(el) )) -gt 80 ] || break
-      NINFER_PREFILL_ATTENTION=$mode timeout 150 $B --depths 8k,32k,128k --kv-dtype $kv --decode-tokens 16 \
-        --json-out "$OUT/s52-prefill-$mode-$kv.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
-      echo "27B prefill attention $mode $kv t=$(el)"
-    done
-  done
-  for mode in off on; do
-    [ $(( ${DEADLINE:-560} - $(el) )) -gt 70 ] || break
-    NINFER_MOE_FRAGMENT=$mode timeout 100 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
-      --depths 8k,32k --kv-dtype bf16 --json-out "$OUT/s52-moe-one-$mode.json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B one lane, fragment experts $mode t=$(el)"
-  done
   ;;
 s51)  # session 39 (~560 s): a prefill chunk's attention at depth (tiles, stages, torch's kernels on gathered keys), then
   # s50 in the time left
@@ -1211,44 +802,6 @@ s48)  # next session (~450 s): the fragment expert launches taken apart (bench/m
     echo "35B-A3B lanes moe fragment $frag t=$(el)"
   done
   ;;
-s47)  # session 37 (~520 s): GPU tests of the fragment expert launches and the DFlash2 drafter kernels; 35B-A3B lanes
-  # with the routed experts in fragment order off / on (NINFER_MOE_FRAGMENT), alternated; DFlash2 K = 7 torch / fused
-  # drafter kernels alternated; then (time left) the 35B-A3B one-lane profile with the fragment experts
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m pytest -o addopts="" -q -n 4 --tb=short -p no:cacheprovider tests/test_moe_fragment.py \
-    tests/test_kernels.py -k "fragment or block_conv or head_norm_rope or selector_walk or expert" 2>&1 | tail -15
-  echo "tests t=$(el)"
-  for frag in off on off on; do
-    NINFER_MOE_FRAGMENT=$frag timeout 80 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b \
-      --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --json-out "$OUT/s47-moe-lanes-$frag-$(el).json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B lanes moe fragment $frag t=$(el)"
-  done
-  for kernels in torch fused torch fused; do
-    [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] || break
-    NINFER_DFLASH2_KERNELS=$kernels timeout 110 $B --lanes 1,2 --depths 8k --kv-dtype bf16 --spec dflash2 \
-      --draft-tokens 7 --accepted-drafts 7 --decode-tokens 32 --draft-vocab 32768 \
-      --json-out "$OUT/s47-dflash2-$kernels-$(el).json" 2>&1 | grep "│ bf16" | tail -2
-    echo "dflash2 drafter kernels $kernels t=$(el)"
-  done
-  if [ $(( ${DEADLINE:-560} - $(el) )) -gt 70 ]; then
-    NINFER_MOE_FRAGMENT=on timeout $(( ${DEADLINE:-560} - $(el) )) python bench/profile_decode.py qwen3.6-35b-a3b \
-      "$OUT/s47-profile-moe.json" decode bf16 2>&1 | grep -A22 "kernel time" | cut -c1-150
-    echo "35B-A3B one-lane profile (fragment experts) t=$(el)"
-  fi
-  ;;
-s46)  # session 37's first call (~330 s): s45 (the DFlash2 drafter's fused kernels: GPU tests, DFlash2 K = 7 torch / fused
-  # alternated twice over 1-2 lanes), then where a fused DFlash2 round, a 35B-A3B and a 27B one-lane step go
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  bash bench/device_frag.sh s45
-  NINFER_DFLASH2_KERNELS=fused timeout 100 python bench/profile_decode.py qwen3.6-27b "$OUT/s46-profile-dflash2.json" \
-    dflash2 bf16 2>&1 | grep -A16 "kernel time" | cut -c1-150
-  echo "DFlash2 fused round profile t=$(el)"
-  for model in qwen3.6-35b-a3b qwen3.6-27b; do
-    timeout 100 python bench/profile_decode.py $model "$OUT/s46-profile-$model.json" decode bf16 2>&1 | \
-      grep -A22 "kernel time" | cut -c1-150
-    echo "$model one-lane profile t=$(el)"
-  done
-  ;;
 next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 rows as 16-row blocks against the
   # dequantizing GEMM (8 lanes of MTP3 rounds); DFlash2 lanes 1-2 with W8 off / on; 27B lanes, MTP3 lanes, 35B-A3B lanes
   # with every default; then on an H200 the depth table (issue 21), on an H100 the GDN verify-tile rule off / on
@@ -1288,45 +841,5 @@ next36)  # session 36's one call (~540 s on either card): W8 GPU tests; 17-64 ro
       echo "MTP3 lanes GDN tile '$tile' t=$(el)"
     done
   fi
-  ;;
-h200)  # issues 20 and 21's headline numbers on whichever card comes (~520 s; meant for the H200, the issues' card):
-  # 27B lanes 1-8 (bf16, rk4v4-e8), MTP3 lanes and DFlash2 K = 7 (forced accept, --draft-vocab 32768), 35B-A3B lanes
-  # (alike / each its own token), then one lane at depth with real prefill (27B bf16 + rk4v4-e8, 35B-A3B at 8K)
-  nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 120 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16,rk4v4-e8 --json-out "$OUT/h200-lanes.json" 2>&1 | \
-    grep -E "│ (bf16|rk4v4)"
-  echo "27B lanes t=$(el)"
-  timeout 100 $B --lanes 1,2,4 --depths 8k --kv-dtype bf16 --spec mtp --draft-tokens 3 --accepted-drafts 3 \
-    --decode-tokens 32 --draft-vocab 32768 --json-out "$OUT/h200-mtp3-lanes.json" 2>&1 | grep "│ bf16"
-  echo "MTP3 lanes t=$(el)"
-  timeout 80 $B --depths 8k --kv-dtype bf16 --spec dflash2 --draft-tokens 7 --accepted-drafts 7 --decode-tokens 64 \
-    --draft-vocab 32768 --json-out "$OUT/h200-dflash2.json" 2>&1 | grep "│ bf16"
-  echo "DFlash2 t=$(el)"
-  for tokens in "" --distinct-lane-tokens; do
-    timeout 90 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
-      --kv-dtype bf16 $tokens --json-out "$OUT/h200-moe-lanes${tokens:+-distinct}.json" 2>&1 | grep "│ bf16"
-    echo "35B-A3B lanes '$tokens' t=$(el)"
-  done
-  timeout 240 $B --depths 8k,32k,128k,200k --kv-dtype bf16,rk4v4-e8 --decode-tokens 64 \
-    --json-out "$OUT/h200-depths.json" 2>&1 | grep -E "│ (bf16|rk4v4)"
-  echo "27B depths t=$(el)"
-  ;;
-shared-experts)  # issue 20 item 1 (~100 s): do tokens that share experts read them once? The two expert launches at
-  # 1 and 8 tokens with the default tiles, random routing beside every token picking the same 8 experts
-  shared_experts 140
-  ;;
-s26-kernels)  # per product: dp4a / bf16 fragment (pairs, lanes) / int8 fragment kernel; lanes with int8 on (~500 s)
-  timeout 260 python bench/gemv_compare.py "$OUT/frag-s26.json" frag 2>&1 | grep "{" | cut -c1-1200
-  echo "t=$(el)"
-  for int8 in off on; do
-    NINFER_FRAGMENT_INT8=$int8 timeout 100 $B --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 \
-      --json-out "$OUT/lanes-int8-$int8.json" 2>&1 | grep "│ bf16"
-    echo "lanes int8 $int8 t=$(el)"
-  done
-  ;;
-prefill)  # issue 21 item 4: a 2,048-row chunk's attention at 8K / 128K / 200K, bf16 and rk4v4-e8, tiles x stages
-  PYTHONPATH=. timeout 400 python bench/attention_compare.py "$OUT/prefill-attn.json" prefill 2>&1 | grep "{" | \
-    python -c "import json,sys; [print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in json.loads(l).items() if not k.endswith('maxdiff') or v > 5e-2}) for l in sys.stdin]"
-  echo "t=$(el)"
   ;;
 esac
