@@ -1,13 +1,13 @@
 """Every NINFER_* environment variable: its default and the values it takes.
 
 The runtime's switches select kernels, tiles and schedules for side-by-side runs (a default changes only with a
-measurement behind it); each is read where it acts, as a module constant. bench/SWITCHES.md says what each
-selects and why its default is what it is; tests/test_switches.py keeps that table, this registry and the names
-the code reads in step. Modules read a switch with `setting` (so its default lives here only), or a tile through
-kernels.tuning_from_env. `check_environment` runs first in every `ninfer` command: a value a switch does not take
-stops the run with one line naming the variable and what it takes, and a NINFER_* name that is no switch (a typo
-would otherwise measure the default in silence) is named in a warning. No heavy imports here: `ninfer --help`
-stays instant.
+measurement behind it). bench/SWITCHES.md says what each selects and why its default is what it is;
+tests/test_switches.py keeps that table, this registry and the names the code reads in step. A module reads its
+switch once, as a module constant, through `setting` (so a default is written here only) or, for a tile, through
+kernels.tuning_from_env. `report_environment_once` runs first in every `ninfer` command and when an engine is built: a
+value a switch does not take stops the run with one line naming the variable and what it takes, and a NINFER_* name
+that is no switch (a typo would otherwise measure the default in silence) is named in a warning. No heavy imports
+here: `ninfer --help` stays instant.
 """
 
 from __future__ import annotations
