@@ -488,8 +488,10 @@ def plot_lanes(results: dict, out_png) -> bool:
 
 def kernel_switches() -> dict:
     """The side-by-side kernel switches in effect (NINFER_*), recorded with every bench result so a JSON file says
-    which paths produced its numbers."""
+    which paths produced its numbers: the main ones as the runtime read them, and every switch the environment
+    set (`environment`)."""
     from . import engine as engine_module
+    from .switches import switches_set
     from .kernels import qgemm_fragment_layout as fl
     from .kernels import qlinear as ql
     from .kernels import rmsnorm as rn
@@ -502,7 +504,8 @@ def kernel_switches() -> dict:
             "attention_launches": engine_module.ATTENTION_LAUNCHES, "weight_cache": engine_module.WEIGHT_CACHE,
             "fragment_tile": dict(fl.FRAGMENT_TUNING), "fragment_ks_rule": fl.FRAGMENT_KS_RULE,
             "swiglu_fragment": ql.SWIGLU_FRAGMENT_KS,
-            "fragment_ks": {f"{r}x{c}": spans for (r, c), spans in fl.WARPS_SHARING_K.items()}}
+            "fragment_ks": {f"{r}x{c}": spans for (r, c), spans in fl.WARPS_SHARING_K.items()},
+            "environment": switches_set()}
 
 
 def graph_us(fn, reps: int = 20) -> float:

@@ -27,6 +27,7 @@ class Switch:
     choices: tuple[str, ...] = ()  # the values taken; empty: `form` instead
     form: str = ""  # a regular expression the whole value matches (tiles, lists, sizes)
     form_text: str = ""  # that form in words, for the error
+    secret: bool = False  # never written into results or logs
 
     def accepts(self, value: str) -> bool:
         if self.choices:
@@ -104,7 +105,7 @@ SWITCHES: dict[str, Switch] = {
     "NINFER_RIDE_ALIGN": Switch("on", _ON_OFF),
     "NINFER_DECODE_CHAIN": Switch("on", _ON_OFF),
     "NINFER_DFLASH2_KERNELS": Switch("fused", ("fused", "torch")),
-    "NINFER_API_KEY": Switch("", form=r".*", form_text="a key"),
+    "NINFER_API_KEY": Switch("", form=r".*", form_text="a key", secret=True),
     # CPU runs and errors
     "NINFER_CPU_KERNELS": Switch("torch", ("torch", "triton")),
     "NINFER_CPU_DENSE_CACHE_MB": Switch("4096", **_COUNT),
@@ -121,6 +122,14 @@ SWITCHES: dict[str, Switch] = {
 SWITCH_FAMILIES: dict[str, Switch] = {
     "NINFER_EXPERT_TILE_": Switch("", **_ints(3, "block_n,block_k,warps")),
 }
+
+
+def switches_set(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The registered switches this process was given a value for (secrets left out): what a result records of
+    the settings that produced it."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in sorted(environ.items())
+            if name.startswith(ENV_PREFIX) and value and (switch := lookup(name)) is not None and not switch.secret}
 
 
 class SwitchError(ValueError):

@@ -209,6 +209,12 @@ def test_bench_results_record_the_kernel_switches_in_effect(monkeypatch):
     changed = bench.kernel_switches()
     assert {k for k in default if default[k] != changed[k]} == {"swiglu_epilogue", "fragment_int8", "attention_frag",
                                                                 "q5_fields"}
+    monkeypatch.setenv("NINFER_PIECE_GRAPHS", "off")
+    monkeypatch.setenv("NINFER_API_KEY", "sk-secret")  # never written into a result
+    monkeypatch.setenv("NINFER_NOT_A_SWITCH", "1")
+    environment = bench.kernel_switches()["environment"]
+    assert environment["NINFER_PIECE_GRAPHS"] == "off"
+    assert "NINFER_API_KEY" not in environment and "NINFER_NOT_A_SWITCH" not in environment
 
 
 def test_lanes_bench_runs_batched_speculative_rounds(tiny_with_mtp, tmp_path, capsys):
