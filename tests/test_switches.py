@@ -55,8 +55,8 @@ def test_every_default_is_a_value_its_switch_takes():
 
 def test_every_name_the_code_and_tools_read_is_a_switch():
     read = _names_read(["runtime", "format", "ninfer_cli", "bench"], (".py", ".sh"))
-    # (tests: a made-up tile variable of the tuning parser's test, a marker string the agent tests look for)
-    read |= _names_read(["tests"], (".py",)) - {"NINFER_TEST_TILE", "NINFER_TOOL_RAN_42"}
+    # (tests: made-up names of the tuning parser's and the bench record's tests, a marker the agent tests look for)
+    read |= _names_read(["tests"], (".py",)) - {"NINFER_TEST_TILE", "NINFER_NOT_A_SWITCH", "NINFER_TOOL_RAN_42"}
     assert {n for n in read if lookup(n) is None} == set()
 
 
