@@ -511,6 +511,24 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
+s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 clients ran at 0.63x one client in
+  # session 49 (engine 12.78 ms a 4-row step against 1.96 at one row; 2.91x in session 40), while the 27B's 8-lane
+  # step was as before. Where: the 35B-A3B lanes bench (graphed steps, each lane its own token), then one engine at
+  # 1 and 4 lanes with session 48's defaults taken back one at a time (the experts' layout is chosen at load, so the
+  # server runs once with them on the artifact's planes instead)
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 150 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
+    --kv-dtype bf16 --distinct-lane-tokens 2>&1 | grep -E "│ bf16|Error|error"
+  echo "35B lanes t=$(el)"
+  R=runtime.kernels.rmsnorm
+  timeout 200 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s88-35b.json" 1,4 base= \
+    nobarrier=$R.SPREAD_BARRIER:False "cublas_one=runtime.engine.DENSE_ROWS_ONE_ROW:False" 2>&1 | \
+    grep -E "median|Error"
+  echo "35B engine t=$(el)"
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 120 ] && NINFER_MOE_FRAGMENT=off timeout $(( ${DEADLINE:-560} - $(el) )) \
+    python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -4
+  echo "s88 t=$(el)"
+  ;;
 s87)  # ~580 s, session 49's call: on an H200, issue 20 / 21's H200 tables with today's defaults (s61; the last ones
   # are session 27's), then s78's 35B-A3B server with the time left; on an H100, s85
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then

@@ -56,10 +56,12 @@ ROUTER_IN_NORM_ROWS = tuning_from_env("NINFER_ROUTER_IN_NORM", ("rows",), {"rows
 _BARRIER_MODES = {"auto": None, "1": True, "0": False}
 SPREAD_BARRIER = _BARRIER_MODES[setting("NINFER_RMSNORM_BARRIER")]
 BARRIER_AUTO_CHUNKS = 8
-# True: a program counts itself out of the barrier after its stores (a relaxed atomic), so that round trip overlaps
-# them instead of delaying the normalization (the 27B's rows, where the barrier lost 0.8 %, may gain). Built on a CPU,
-# not yet timed: False (the protocol timed in session 48) until then; bench/engine_ab.py sets it.
-BARRIER_LEAVE_LAST = False
+# True (default since session 49): a program counts itself out of the barrier after its stores (a relaxed atomic), so
+# that round trip overlaps them instead of delaying the normalization. One engine a shape (H100, session 49,
+# bench/engine_ab.py, one lane, median of 3): the 35B-A3B 1.957 ms a step against 1.972 counting out first (-0.8 %; all
+# three rounds faster) and 1.994 without the barrier; the 27B, which stays without it, 7.461 against 7.487 counting out
+# first and 7.413 without. False restores session 48's protocol (bench/engine_ab.py sets it).
+BARRIER_LEAVE_LAST = True
 BARRIER_ROWS, BARRIER_CHUNKS = 8, 64  # the barrier's scratch: rows and chunks a launch may have
 # Rows a launch spreads with the barrier on. Spreading several rows lost without it (each program re-reading its row's
 # partials, SPREAD_MAX_ROWS above); with it a program reads only its own chunk, so lanes and verify blocks may gain.
