@@ -491,11 +491,11 @@ def kernel_switches() -> dict:
     which paths produced its numbers: the main ones as the runtime read them, and every switch the environment
     set (`environment`)."""
     from . import engine as engine_module
-    from .switches import switches_set
     from .kernels import qgemm_fragment_layout as fl
     from .kernels import qlinear as ql
     from .kernels import rmsnorm as rn
     from .kernels.paged_attention_frag import FRAG_ATTENTION
+    from .switches import switches_set
 
     return {"gemv_frag": ql.FRAG_MODE, "fragment_pairs": fl.PAIR_ORDER, "fragment_int8": fl.FRAGMENT_INT8,
             "q5_fields": fl.Q5_FIELDS,

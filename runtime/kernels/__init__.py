@@ -10,7 +10,6 @@ import os
 
 from ..switches import setting
 
-CPU_KERNEL_MODES = ("torch", "triton")
 CPU_KERNELS = setting("NINFER_CPU_KERNELS")
 
 

@@ -59,7 +59,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 # auto: on a GPU for the codecs and shapes it takes (H100, 27B at 200K: rk4v4-e8 92.8 -> 112.0 tok/s, int8 81.7 ->
 # 112.6, rk2v4-e8 69.6 -> 103.3, side by side; bench/RESULTS.md §1); on: also under the interpreter (tests, with
 # its PTX emulated); off: the tl.dot kernel
-MODES = ("auto", "on", "off")
 # Warps per program (consecutive warps: the column tiles and kv heads of one split, so a program reads whole token
 # rows), the warps aimed at over the grid (~8 per SM are resident at ~250 registers) and the code loads' cache hint
 FRAG_ATTENTION = tuning_from_env("NINFER_ATTENTION_FRAG_TILE", ("warps", "splits", "hint"),  # side-by-side runs

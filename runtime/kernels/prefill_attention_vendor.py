@@ -45,7 +45,6 @@ MIN_CONTEXT = 8_192
 # the gain is a few percent; from DEEP_CONTEXT on every eager chunk of MIN_ROWS+ rows does (1.3-1.7x at 128K-200K)
 DEEP_CONTEXT = 32_768
 REGULAR_ROWS = 2_048
-MODES = ("auto", "cudnn", "triton")
 MODE = setting("NINFER_PREFILL_ATTENTION")
 _BROKEN: list[str] = []  # the first failure of the cuDNN call, after which the paged kernel takes over
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from format.numeric import GroupedFormat
 
-from ..switches import setting
+from ..switches import SWITCHES, setting
 from . import interpreted, tuning_from_env
 from .launch import LAUNCH, pdl_wait
 from .qgemm_rows_frag import (FRAG_BITS, GROUP, HINTS, SplitPartials, _compute_asm, _store_rows,
@@ -94,7 +94,7 @@ def fragment_supported(fmt: GroupedFormat, cols: int) -> bool:
 PAIR_ORDER = setting("NINFER_FRAGMENT_PAIRS") == "1"
 # which products in fragment order run the int8 kernel (qgemm_fragment_int8, planes in byte order): off, q5 (the
 # Q5 products) or on (all); built on a CPU and not yet measured on a GPU, so off by default
-FRAGMENT_INT8_MODES = ("off", "q5", "on")
+FRAGMENT_INT8_MODES = SWITCHES["NINFER_FRAGMENT_INT8"].choices  # checked where used too (tests set the constant)
 FRAGMENT_INT8 = setting("NINFER_FRAGMENT_INT8")
 ORDERS = ("pairs", "lanes", "bytes", "fields")
 # Q5 layer products in "fields" order by default (session 44; NINFER_Q5_FIELDS=off keeps pair order): each thread's 5
@@ -866,9 +866,7 @@ def layout_shape(fp: FragmentPlanes, t: int, warps: int | None = None, programs:
 # 8.1 / 8.6 / 9.0; at 12-16 rows the cap is slower (MLP down 31.0 -> 34.2), so those stay uncapped. 27B steps in one
 # engine (bench/engine_ab.py, 3 rounds alternated): 1 / 2 / 8 lanes 7.630 / 8.051 / 10.418 -> 7.596 / 7.979 / 10.334
 # ms. NINFER_FIELDS_REGS=off: uncapped, x in place.
-FIELDS_REGS = {"off": 0, "128": 128}.get(setting("NINFER_FIELDS_REGS"), -1)
-if FIELDS_REGS < 0:
-    raise SystemExit("ninfer: NINFER_FIELDS_REGS is 128 (the register cap, the default) or off; unset it for 128")
+FIELDS_REGS = {"off": 0, "128": 128}[setting("NINFER_FIELDS_REGS")]
 
 
 def loads_x_ahead(t: int, xahead: int | None = None, bits: int = 4, shape: tuple[int, int, int, int] | None = None,
@@ -951,9 +949,7 @@ def qgemm_fragment_layout(x: torch.Tensor, fp: FragmentPlanes, y: torch.Tensor, 
 # MLP layer in an engine of several lanes or with speculation, the warps sharing each block's K (2 warps: 4 per
 # program, the shape gate_up took at 2-16 rows before session 33). Not yet measured, so off:
 # NINFER_SWIGLU_FRAGMENT=2|4 turns it on with that many warps sharing K.
-SWIGLU_FRAGMENT_KS = {"off": 0, "1": 1, "2": 2, "4": 4}.get(setting("NINFER_SWIGLU_FRAGMENT"), -1)
-if SWIGLU_FRAGMENT_KS < 0:
-    raise SystemExit("ninfer: NINFER_SWIGLU_FRAGMENT is off, 1, 2 or 4 (warps sharing K); unset it for the default")
+SWIGLU_FRAGMENT_KS = {"off": 0, "1": 1, "2": 2, "4": 4}[setting("NINFER_SWIGLU_FRAGMENT")]
 
 
 def swiglu_pair_supported(fp: FragmentPlanes) -> bool:

@@ -20,8 +20,8 @@ import triton.language as tl
 from format.numeric import GroupedFormat
 
 from ..memory_plan import weight_cache_picks  # the weight cache's choice, as `ninfer fit` reports it
-from ..switches import setting
-from . import interpreted, torch_path
+from ..switches import SWITCHES, setting
+from . import interpreted, torch_path, tuning_from_env
 from .qgemm_rows_bf16 import qgemm_rows_bf16
 from .qgemm_fragment_int8 import qgemm_fragment_int8
 from .qgemm_fragment_layout import (SWIGLU_FRAGMENT_KS, fragment_order, qgemm_fragment_layout, qgemm_fragment_swiglu,
@@ -52,7 +52,7 @@ GEMV_PATH = setting("NINFER_GEMV")
 # bytes with 32-bit logic ops; the run record (`git show 5d8956c:bench/RESULTS.md`) §11), W8 (small shared-expert matrices) through the
 # float tensor-core kernel. The dp4a row kernel (bit for bit what decode computes, but its work grows
 # with T) stays selectable. NINFER_GEMV_ROWS=tensor|int8|mma forces one path for every format.
-ROWS_PATHS = ("auto", "tensor", "int8", "mma", "bf16", "lanes")
+ROWS_PATHS = SWITCHES["NINFER_GEMV_ROWS"].choices
 ROWS_PATH = setting("NINFER_GEMV_ROWS")
 # The bf16 kernel (NINFER_GEMV_ROWS=bf16) is faster on Q5 products alone (MLP down T = 4: 65.8 -> 52.7 us) but
 # not end to end (2 lanes 12.34 -> 12.96 ms per step, run 29 call 4, the run record (`git show 5d8956c:bench/RESULTS.md`) §19): int8 stays the default
@@ -61,10 +61,10 @@ ROWS_MAX_BLOCK_T = 8  # dp4a row kernel: rows of x per program
 # int8 tensor-core kernel: best of seven tiles (rows, warps, groups per step, stages) in run 21
 ROWS_MMA_TUNING = {"block_n": 128, "num_warps": 4, "groups_per_step": 1, "num_stages": 3}
 # bf16 tensor-core kernel (exact codes, scales per group after each dot)
-ROWS_BF16_TUNING = {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs": 1024, "prefetch": False}
-if setting("NINFER_ROWS_BF16_TILE"):  # side-by-side runs: rows,warps,stages,programs,prefetch(0/1)
-    _tile = [int(v) for v in setting("NINFER_ROWS_BF16_TILE").split(",")]
-    ROWS_BF16_TUNING = dict(zip(("block_n", "num_warps", "num_stages", "programs"), _tile[:4]), prefetch=bool(_tile[4]))
+# side-by-side runs: NINFER_ROWS_BF16_TILE=rows,warps,stages,programs,prefetch(0/1)
+ROWS_BF16_TUNING = tuning_from_env("NINFER_ROWS_BF16_TILE",
+                                   ("block_n", "num_warps", "num_stages", "programs", "prefetch"),
+                                   {"block_n": 64, "num_warps": 4, "num_stages": 3, "programs": 1024, "prefetch": 0})
 
 
 # rows of x up to which the lanes kernel (qgemv_lanes: the decode GEMV's arithmetic, each weight word
@@ -92,7 +92,7 @@ def rows_path(bits: int, t: int = 16) -> str:
 # speculative verify blocks), where it wins (H200, bench/RESULTS.md §2: 27B 8 lanes 9.5 ms a step against 12.4),
 # and for Q5 products always; one plain lane keeps its Q4 products on the artifact's planes and the dp4a GEMV
 # (6.6 ms a step against 7.1 with every product in fragment order).
-FRAG_MODES = ("auto", "on", "rows", "off", "layout")
+FRAG_MODES = SWITCHES["NINFER_GEMV_FRAG"].choices
 FRAG_MODE = setting("NINFER_GEMV_FRAG")
 # From the H200 (`bench/gemv_compare.py OUT frag`, bench/RESULTS.md §2): the fragment kernel beats the int8
 # tensor-core row kernels at every T >= 2 on Q4 and Q5 (MLP gate_up Q4 T = 8: 74.7 -> 42.1 us), and the lanes
@@ -553,7 +553,8 @@ def _gemm_rows_bf16(x: torch.Tensor, w: "PackedLinear", y: torch.Tensor) -> torc
         block_n, programs = INTERPRETER_BLOCK_N, INTERPRETER_PROGRAMS
     blocks = triton.cdiv(w.rows, block_n) * triton.cdiv(x.shape[0], 16)
     split = k_splits(blocks, w.groups_per_row, programs)
-    return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], tuning["num_stages"], tuning["prefetch"])
+    return qgemm_rows_bf16(x, w, y, block_n, split, tuning["num_warps"], tuning["num_stages"],
+                           bool(tuning["prefetch"]))
 
 
 # The CPU's torch path keeps dequantized float32 copies of the weights while they fit this budget (a small
