@@ -520,8 +520,12 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   timeout 150 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
     --kv-dtype bf16 --distinct-lane-tokens 2>&1 | grep -E "│ bf16|Error|error"
   echo "35B lanes t=$(el)"
+  # the GPU timeline of a 1- and a 4-row step (one engine): which kernels the 4-row step's time goes to
+  timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
+    grep -v "^ninfer:" | head -70
+  echo "35B timeline t=$(el)"
   R=runtime.kernels.rmsnorm
-  timeout 200 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s88-35b.json" 1,4 base= \
+  timeout $(( ${DEADLINE:-560} - $(el) )) python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s88-35b.json" 1,4 base= \
     nobarrier=$R.SPREAD_BARRIER:False "cublas_one=runtime.engine.DENSE_ROWS_ONE_ROW:False" 2>&1 | \
     grep -E "median|Error"
   echo "35B engine t=$(el)"
