@@ -513,25 +513,23 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
   ;;
 s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 clients ran at 0.63x one client in
   # session 49 (engine 12.78 ms a 4-row step against 1.96 at one row; 2.91x in session 40), while the 27B's 8-lane
-  # step was as before. Where: the 35B-A3B lanes bench (graphed steps, each lane its own token), then one engine at
-  # 1 and 4 lanes with session 48's defaults taken back one at a time (the experts' layout is chosen at load, so the
-  # server runs once with them on the artifact's planes instead)
+  # step was as before. Where: the server again, now with the host's time inside each step call and the graphs
+  # captured during the timed runs (host or GPU?), the GPU timeline of a 1- and a 4-row step in one engine (which
+  # kernels?), one engine at 1 and 4 lanes with session 48's defaults taken back one at a time, then the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 150 python -m ninfer_cli.main bench --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k \
-    --kv-dtype bf16 --distinct-lane-tokens 2>&1 | grep -E "│ bf16|Error|error"
-  echo "35B lanes t=$(el)"
-  # the GPU timeline of a 1- and a 4-row step (one engine): which kernels the 4-row step's time goes to
+  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -6
+  echo "35B server t=$(el)"
   timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
     grep -v "^ninfer:" | head -70
   echo "35B timeline t=$(el)"
   R=runtime.kernels.rmsnorm
-  timeout 150 python bench/engine_ab.py qwen3.6-35b-a3b "$OUT/s88-35b.json" 1,4 base= \
-    nobarrier=$R.SPREAD_BARRIER:False "cublas_one=runtime.engine.DENSE_ROWS_ONE_ROW:False" 2>&1 | \
-    grep -E "median|Error"
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 80 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/engine_ab.py \
+    qwen3.6-35b-a3b "$OUT/s88-35b.json" 1,4 base= nobarrier=$R.SPREAD_BARRIER:False \
+    "cublas_one=runtime.engine.DENSE_ROWS_ONE_ROW:False" 2>&1 | grep -E "median|Error|round"
   echo "35B engine t=$(el)"
-  # the server as it ran in session 49, the host's time inside each step call beside the GPU's
-  [ $(( ${DEADLINE:-560} - $(el) )) -gt 100 ] && timeout $(( ${DEADLINE:-560} - $(el) )) \
-    python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | tail -4
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python -m ninfer_cli.main bench \
+    --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens 2>&1 | \
+    grep -E "│ bf16|Error|error"
   echo "s88 t=$(el)"
   ;;
 s87)  # ~580 s, session 49's call: on an H200, issue 20 / 21's H200 tables with today's defaults (s61; the last ones

@@ -177,9 +177,13 @@ def main() -> None:
 
     def together(n: int) -> dict:
         timing.update(steps=0, rows=0, engine_s=0.0, host_s=0.0, events=[])
+        graphs_before = len(getattr(engine, "_graphs", ()))
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
         wall = time.perf_counter() - t0
+        # CUDA graphs captured during this run (a warm run captures none: a capture inside a timed step would
+        # count its eager warm-up, and any kernel it compiles, as that step's time)
+        captured = sorted(str(k) for k in list(getattr(engine, "_graphs", {}))[graphs_before:])
         for start, end in timing["events"]:
             end.synchronize()
             timing["engine_s"] += start.elapsed_time(end) / 1000
@@ -190,12 +194,12 @@ def main() -> None:
                 "decode_steps": timing["steps"], "rows_per_step": timing["rows"] / steps,
                 "engine_ms_per_step": 1000 * timing["engine_s"] / steps,
                 "host_ms_in_step_call": 1000 * timing["host_s"] / steps,
-                "wall_ms_per_step": 1000 * wall / steps}
+                "wall_ms_per_step": 1000 * wall / steps, "graphs_captured": captured}
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
         warm = together(n)
         print(f"  warm-up, {n} client(s): {warm['wall_s']:.2f} s, first text {max(warm['ttft_s']) * 1000:.0f} ms "
-              "(slowest; includes compiles and graph captures)", file=sys.stderr)
+              f"(slowest; includes compiles and graph captures: {len(warm['graphs_captured'])} graphs)", file=sys.stderr)
     modes = ["off", "on"] if args.chain == "both" else [args.chain]
     results = []
     for mode in modes:
@@ -211,7 +215,8 @@ def main() -> None:
             print(f"  {run['clients']} client(s): {run['decode_steps']} decode steps of {run['rows_per_step']:.2f} rows, "
                   f"engine {run['engine_ms_per_step']:.2f} ms a step (host {run['host_ms_in_step_call']:.2f} ms in the "
                   f"call), wall {run['wall_ms_per_step']:.2f} ms a step, "
-                  f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest)")
+                  f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest); graphs captured in the run: "
+                  f"{', '.join(run['graphs_captured']) or 'none'}")
     if len(results) == 2 and not args.paced_step_ms:  # greedy: the same answers either way (the stand-in's
         # logits are draws in call order, which chaining changes)
         same = all(a[k]["texts"] == b[k]["texts"] for a, b in [results] for k in ("one", "many"))
