@@ -511,6 +511,15 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
+s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host time in the step call, graphs captured
+  # during the timed runs), then the GPU timeline of a 4-row step with the time left
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  timeout 220 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 2>&1 | grep -v "^ninfer:" | tail -6
+  echo "35B server t=$(el)"
+  [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
+    qwen3.6-35b-a3b "$OUT/s89-timeline-35b.json" bf16 4 8 2>&1 | grep -v "^ninfer:" | head -40
+  echo "s89 t=$(el)"
+  ;;
 s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 clients ran at 0.63x one client in
   # session 49 (engine 12.78 ms a 4-row step against 1.96 at one row; 2.91x in session 40), while the 27B's 8-lane
   # step was as before. Where: the server again, now with the host's time inside each step call and the graphs
