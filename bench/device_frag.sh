@@ -514,7 +514,8 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
 s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host time in the step call, graphs captured
   # during the timed runs), then the GPU timeline of a 4-row step with the time left
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 220 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 2>&1 | grep -v "^ninfer:" | tail -6
+  timeout 220 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 --profile-host 2>&1 | \
+    grep -v "^ninfer:" | tail -42
   echo "35B server t=$(el)"
   [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s89-timeline-35b.json" bf16 4 8 2>&1 | grep -v "^ninfer:" | head -40
@@ -526,7 +527,8 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   # captured during the timed runs (host or GPU?), the GPU timeline of a 1- and a 4-row step in one engine (which
   # kernels?), one engine at 1 and 4 lanes with session 48's defaults taken back one at a time, then the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -6
+  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host 2>&1 | \
+    grep -v "^ninfer:" | tail -42
   echo "35B server t=$(el)"
   timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
     grep -v "^ninfer:" | head -70

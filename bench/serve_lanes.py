@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
+import io
 import json
 import multiprocessing
+import pstats
 import socket
 import sys
 import tempfile
@@ -112,6 +115,8 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--chain", default="on", help="chained decode steps: on, off, or both (side by side, one server)")
     ap.add_argument("--paced-step-ms", type=float, help="a stand-in engine whose step takes this long (no GPU)")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="profile the host's side of every decode-step call (cProfile) in the timed runs; print the top")
     args = ap.parse_args()
 
     import uvicorn
@@ -148,7 +153,7 @@ def main() -> None:
 
     # the engine's share of the wall time: each decode step's GPU time from CUDA events around it (a sync
     # here would undo the scheduler's chaining of steps), against the steps' count over the whole run
-    timing = {"steps": 0, "rows": 0, "engine_s": 0.0, "host_s": 0.0, "events": []}
+    timing = {"steps": 0, "rows": 0, "engine_s": 0.0, "host_s": 0.0, "events": [], "profile": None}
     engine_step = engine.decode_step
 
     def timed_step(lanes, tokens, **kw):
@@ -159,7 +164,11 @@ def main() -> None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t = time.perf_counter()
+        if timing["profile"] is not None:
+            timing["profile"].enable()
         logits = engine_step(lanes, tokens, **kw)
+        if timing["profile"] is not None:
+            timing["profile"].disable()
         host = time.perf_counter() - t
         timing["host_s"] += host  # the host's own time in the call (a GPU step is only queued there)
         if cuda:
@@ -175,8 +184,9 @@ def main() -> None:
     clients = concurrent.futures.ProcessPoolExecutor(args.lanes, mp_context=multiprocessing.get_context("spawn"))
     list(clients.map(_ready, range(args.lanes)))  # every client process started and importing httpx
 
-    def together(n: int) -> dict:
-        timing.update(steps=0, rows=0, engine_s=0.0, host_s=0.0, events=[])
+    def together(n: int, warm_up: bool = False) -> dict:
+        timing.update(steps=0, rows=0, engine_s=0.0, host_s=0.0, events=[],
+                      profile=cProfile.Profile() if args.profile_host and not warm_up else None)
         graphs_before = len(getattr(engine, "_graphs", ()))
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
@@ -187,6 +197,11 @@ def main() -> None:
         for start, end in timing["events"]:
             end.synchronize()
             timing["engine_s"] += start.elapsed_time(end) / 1000
+        if timing["profile"] is not None:  # where the host's time inside the step calls went
+            text = io.StringIO()
+            pstats.Stats(timing["profile"], stream=text).sort_stats("tottime").print_stats(12)
+            print(f"  host profile of the step calls, {n} client(s):\n" + "\n".join(
+                line for line in text.getvalue().splitlines() if line.strip())[-1400:], file=sys.stderr)
         total = sum(r["tokens"] for r in runs)
         steps = max(1, timing["steps"])
         return {"clients": n, "tokens": total, "wall_s": wall, "aggregate_tok_s": total / wall, "texts": [r["text"] for r in runs],
@@ -197,7 +212,7 @@ def main() -> None:
                 "wall_ms_per_step": 1000 * wall / steps, "graphs_captured": captured}
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
-        warm = together(n)
+        warm = together(n, warm_up=True)
         print(f"  warm-up, {n} client(s): {warm['wall_s']:.2f} s, first text {max(warm['ttft_s']) * 1000:.0f} ms "
               f"(slowest; includes compiles and graph captures: {len(warm['graphs_captured'])} graphs)", file=sys.stderr)
     modes = ["off", "on"] if args.chain == "both" else [args.chain]
