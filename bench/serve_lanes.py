@@ -232,6 +232,22 @@ def main() -> None:
                   f"call), wall {run['wall_ms_per_step']:.2f} ms a step, "
                   f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest); graphs captured in the run: "
                   f"{', '.join(run['graphs_captured']) or 'none'}")
+    if not args.paced_step_ms and engine.device.type == "cuda":
+        # the same engine's steps with no server around them (chained, as the bench times them): a step that is fast
+        # here and slow above is the server's doing, not the kernels'
+        import torch
+
+        for n in sorted({1, args.lanes}):
+            lanes, tokens = list(range(n)), torch.ones(n, dtype=torch.long, device=engine.device)
+            for _ in range(3):
+                tokens = engine_step(lanes, None, device_tokens=tokens).argmax(-1)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(32):
+                tokens = engine_step(lanes, None, device_tokens=tokens).argmax(-1)
+            end.record()
+            end.synchronize()
+            print(f"  the engine alone, {n} lane(s): {start.elapsed_time(end) / 32:.2f} ms a chained step")
     if len(results) == 2 and not args.paced_step_ms:  # greedy: the same answers either way (the stand-in's
         # logits are draws in call order, which chaining changes)
         same = all(a[k]["texts"] == b[k]["texts"] for a, b in [results] for k in ("one", "many"))
