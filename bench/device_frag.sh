@@ -514,7 +514,8 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
 s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host time in the step call, graphs captured
   # during the timed runs), then the GPU timeline of a 4-row step with the time left
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 220 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 --profile-host 2>&1 | \
+  timeout $(( ${DEADLINE:-300} - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
+    --profile-host 2>&1 | \
     grep -v "^ninfer:" | tail -42
   echo "35B server t=$(el)"
   [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
