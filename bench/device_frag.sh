@@ -515,8 +515,7 @@ s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host tim
   # during the timed runs), then the GPU timeline of a 4-row step with the time left
   nvidia-smi --query-gpu=name --format=csv,noheader
   timeout $(( ${DEADLINE:-300} - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
-    --profile-host 2>&1 | \
-    grep -v "^ninfer:" | tail -42
+    --profile-host --gpu-profile 2>&1 | grep -v "^ninfer:" | tail -56
   echo "35B server t=$(el)"
   [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s89-timeline-35b.json" bf16 4 8 2>&1 | grep -v "^ninfer:" | head -40
@@ -524,12 +523,13 @@ s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host tim
   ;;
 s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 clients ran at 0.63x one client in
   # session 49 (engine 12.78 ms a 4-row step against 1.96 at one row; 2.91x in session 40), while the 27B's 8-lane
-  # step was as before. Where: the server again, now with the host's time inside each step call and the graphs
-  # captured during the timed runs (host or GPU?), the GPU timeline of a 1- and a 4-row step in one engine (which
+  # step was as before. Where: the server again, now with the host's time inside each step call, the graphs
+  # captured during the timed runs, the GPU's kernels over 16 of its 4-row steps and the same engine's steps timed
+  # without the server (host or GPU? which kernels?), the GPU timeline of a 1- and a 4-row step in one engine (which
   # kernels?), one engine at 1 and 4 lanes with session 48's defaults taken back one at a time, then the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host 2>&1 | \
-    grep -v "^ninfer:" | tail -42
+  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host --gpu-profile 2>&1 | \
+    grep -v "^ninfer:" | tail -56
   echo "35B server t=$(el)"
   timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
     grep -v "^ninfer:" | head -70

@@ -98,6 +98,39 @@ class PacedEngine:
         return self._logits(len(lanes))
 
 
+def _gpu_profile_step(timing: dict, rows: int) -> None:
+    """Start the torch profiler after decode step state["first"] of the run, stop it after state["last"], and print
+    where those steps' GPU time went (every kernel and copy on the timeline, the server's sampling and copies
+    between steps included)."""
+    import torch
+
+    state, done = timing["gpu_profile"], timing["steps"]
+    if done == state["first"] and "prof" not in state:
+        state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        state["prof"].start()
+    elif done == state["last"] and "prof" in state and "printed" not in state:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        state["prof"].stop()
+        state["printed"] = True
+        from bench.step_timeline import kernel_spans, window_summary
+
+        trace = Path(tempfile.mkdtemp()) / "server-trace.json"
+        state["prof"].export_chrome_trace(str(trace))
+        spans = kernel_spans(json.loads(trace.read_text()))
+        if not spans:
+            print("  GPU profile: no kernels recorded", file=sys.stderr)
+            return
+        w = window_summary(spans, state["last"] - state["first"])
+        print(f"  GPU profile of {state['last'] - state['first']} decode steps of {rows} rows in the server: "
+              f"{w['period_us']:.1f} µs a step, busy {w['busy_us']:.1f}, {w['spans_per_step']:.0f} kernels and copies "
+              "a step; by class (µs a step): " + ", ".join(f"{k} {v:.0f}" for k, v in w["classes"].items()),
+              file=sys.stderr)
+        for k in w["kernels"][:12]:
+            print(f"  {k['us_per_step']:9.1f} µs a step  {k['calls_per_step']:5.1f} calls  {k['name'][:90]}",
+                  file=sys.stderr)
+
+
 def _ready(_: int) -> bool:
     global _client
     import httpx
@@ -115,6 +148,9 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--chain", default="on", help="chained decode steps: on, off, or both (side by side, one server)")
     ap.add_argument("--paced-step-ms", type=float, help="a stand-in engine whose step takes this long (no GPU)")
+    ap.add_argument("--gpu-profile", action="store_true",
+                    help="after the timed runs, one more several-client run with the GPU's kernels recorded over 16 of "
+                         "its decode steps (torch profiler): per kernel time a step and the steps' busy time")
     ap.add_argument("--profile-host", action="store_true",
                     help="profile the host's side of every decode-step call (cProfile) in the timed runs; print the top")
     args = ap.parse_args()
@@ -153,7 +189,8 @@ def main() -> None:
 
     # the engine's share of the wall time: each decode step's GPU time from CUDA events around it (a sync
     # here would undo the scheduler's chaining of steps), against the steps' count over the whole run
-    timing = {"steps": 0, "rows": 0, "engine_s": 0.0, "host_s": 0.0, "events": [], "profile": None}
+    timing = {"steps": 0, "rows": 0, "engine_s": 0.0, "host_s": 0.0, "events": [], "profile": None,
+              "gpu_profile": None}
     engine_step = engine.decode_step
 
     def timed_step(lanes, tokens, **kw):
@@ -178,15 +215,30 @@ def main() -> None:
             timing["engine_s"] += host
         timing["steps"] += 1
         timing["rows"] += len(lanes)
+        if timing["gpu_profile"] is not None:
+            try:
+                _gpu_profile_step(timing, len(lanes))
+            except Exception as exc:  # noqa: BLE001 - the profile is extra: the run goes on without it
+                print(f"  GPU profile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                timing["gpu_profile"] = None
         return logits
 
     engine.decode_step = timed_step
+    if args.gpu_profile and engine.device.type == "cuda":
+        # the profiler's first start initializes its tracer on the calling thread; the scheduler's thread starts it
+        # later, so start it once here first
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.zeros(1, device=engine.device).add_(1)
     clients = concurrent.futures.ProcessPoolExecutor(args.lanes, mp_context=multiprocessing.get_context("spawn"))
     list(clients.map(_ready, range(args.lanes)))  # every client process started and importing httpx
 
-    def together(n: int, warm_up: bool = False) -> dict:
+    def together(n: int, warm_up: bool = False, gpu_profile: bool = False) -> dict:
         timing.update(steps=0, rows=0, engine_s=0.0, host_s=0.0, events=[],
-                      profile=cProfile.Profile() if args.profile_host and not warm_up else None)
+                      profile=cProfile.Profile() if args.profile_host and not warm_up else None,
+                      gpu_profile={"first": max(4, min(64, args.tokens // 2 - 8)),  # steady state: all lanes decoding
+                                   "last": max(4, min(64, args.tokens // 2 - 8)) + 16} if gpu_profile else None)
         graphs_before = len(getattr(engine, "_graphs", ()))
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
@@ -232,6 +284,8 @@ def main() -> None:
                   f"call), wall {run['wall_ms_per_step']:.2f} ms a step, "
                   f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest); graphs captured in the run: "
                   f"{', '.join(run['graphs_captured']) or 'none'}")
+    if args.gpu_profile and not args.paced_step_ms:  # a run of its own: the profiler slows the steps it watches
+        together(args.lanes, gpu_profile=True)
     if not args.paced_step_ms and engine.device.type == "cuda":
         # the same engine's steps with no server around them (chained, as the bench times them): a step that is fast
         # here and slow above is the server's doing, not the kernels'

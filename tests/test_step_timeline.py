@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.step_timeline import kernel_class, kernel_spans, timeline_summary
+from bench.step_timeline import kernel_class, kernel_spans, timeline_summary, window_summary
 
 
 def _step(t0: float) -> list[tuple[float, float, str]]:
@@ -41,3 +41,16 @@ def test_trace_events_and_classes():
     assert kernel_class("_gated_norm_kernel") == "norms"
     assert kernel_class("_gdn_step_kernel") == "gdn"
     assert kernel_class("something_else") == "other"
+
+
+def test_a_window_of_uneven_steps():
+    # a server's steps: the second one has an argmax and a copy after it that the first lacks
+    spans = _step(0.0) + _step(30.0) + [(56.0, 57.0, "argmax_kernel"), (60.0, 62.0, "Memcpy DtoH")]
+    w = window_summary(spans, 2)
+    assert w["period_us"] == pytest.approx(31.0) and w["spans_per_step"] == pytest.approx(4.0)
+    assert w["busy_us"] == pytest.approx((4 + 16 + 2 + 4 + 16 + 2 + 1 + 2) / 2)  # the PDL overlaps charged once
+    products = next(k for k in w["kernels"] if k["name"] == "_qgemv_dp4a_kernel")
+    assert products["us_per_step"] == pytest.approx(17.0) and products["calls_per_step"] == pytest.approx(1.0)
+    assert w["kernels"][0]["name"] == "_qgemv_dp4a_kernel" and w["classes"]["products"] == pytest.approx(17.0)
+    with pytest.raises(ValueError, match="empty window"):
+        window_summary([], 2)
