@@ -528,7 +528,7 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   # without the server (host or GPU? which kernels?), the GPU timeline of a 1- and a 4-row step in one engine (which
   # kernels?), one engine at 1 and 4 lanes with session 48's defaults taken back one at a time, then the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host --gpu-profile 2>&1 | \
+  timeout 260 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host --gpu-profile 2>&1 | \
     grep -v "^ninfer:" | tail -56
   echo "35B server t=$(el)"
   timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
