@@ -192,6 +192,8 @@ class EngineStats:
     decode_tokens: int = 0
     reused_tokens: int = 0
     rider_tokens: int = 0  # decode tokens computed inside another lane's prefill chunk
+    decode_steps: int = 0  # plain decode forwards
+    decode_step_rows: int = 0  # their rows (over decode_steps: how many lanes a step carried)
 
 
 UNKNOWN_TOKEN = -1  # a chained step's token in lane_tokens until the host learns it (matches no prompt token)
@@ -1064,6 +1066,8 @@ class Engine:
         With `device_tokens` ([B] on the device, tokens None) the step is chained behind the one that picks
         them: nothing waits for the host, which tells the tokens afterwards (record_fed_tokens)."""
         positions = self._advance(lanes, None if device_tokens is not None else tokens)
+        self.stats.decode_steps += 1
+        self.stats.decode_step_rows += len(lanes)
         shifted = any(self.rope_delta[lane] for lane in lanes)  # after images: shifted rotary positions
         # a chained step's tokens come from the device: the host row is a placeholder, so both kinds of step share
         # one graph per batch size (the graphs' memory is planned per batch size)

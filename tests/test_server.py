@@ -58,9 +58,28 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def test_health_models_metrics(server):
+    import re
+
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert [m.id for m in _oa(server).models.list()] == ["tiny"]
-    assert "ninfer_requests_total" in httpx.get(server.url + "/metrics").text
+
+    def counted() -> dict[str, int]:
+        text = httpx.get(server.url + "/metrics").text
+        assert "ninfer_requests_total" in text
+        return {name: int(float(re.search(rf"^ninfer_{name}_total (\S+)", text, re.M).group(1)))
+                for name in ("decode_steps", "decode_step_rows", "decode_tokens", "prefill_tokens", "generated_tokens",
+                             "prefix_reused_tokens")}
+
+    before = counted()
+    r = _oa(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "count these"}],
+                                            max_tokens=5, temperature=0, extra_body=NO_THINK)
+    after = {k: v - before[k] for k, v in counted().items()}
+    assert after["prefill_tokens"] + after["prefix_reused_tokens"] == r.usage.prompt_tokens
+    assert after["generated_tokens"] == r.usage.completion_tokens
+    # the first token comes from the prefill, each later one from a decode step of this one lane (one row a step;
+    # a chained step past a stop may add one)
+    assert r.usage.completion_tokens - 1 <= after["decode_steps"] == after["decode_step_rows"] <= r.usage.completion_tokens
+    assert after["decode_tokens"] == after["decode_step_rows"]
 
 
 def test_openai_chat_nonstream_and_stream_agree(server):

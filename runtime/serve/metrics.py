@@ -22,6 +22,8 @@ class _SchedulerCollector:
         server = self.server
         sched, cfg = server.scheduler, server.config
         s = sched.stats
+        engine_stats = getattr(server.engine, "stats", None)
+        counted = lambda name: getattr(engine_stats, name, 0)  # noqa: E731 - a stand-in engine counts nothing
         counters = {
             "ninfer_requests": ("HTTP requests with a body, any API", cfg.stats["requests"]),
             "ninfer_request_errors": ("requests answered with an error", cfg.stats["errors"]),
@@ -29,8 +31,16 @@ class _SchedulerCollector:
             "ninfer_rejected": ("requests refused at arrival (429 / 529)", s.get("rejected_queue_full", 0)),
             "ninfer_queue_timeouts": ("requests that waited past --pending-timeout-ms (503)", s.get("timed_out", 0)),
             "ninfer_failed_generations": ("generations that failed in the engine", s.get("finished_error", 0)),
-            "ninfer_prefix_reused_tokens": ("prompt tokens not computed again (prefix reuse)",
-                                            getattr(getattr(server.engine, "stats", None), "reused_tokens", 0)),
+            "ninfer_prefix_reused_tokens": ("prompt tokens not computed again (prefix reuse)", counted("reused_tokens")),
+            "ninfer_prefill_tokens": ("prompt tokens computed", counted("prefill_tokens")),
+            # batching at a glance: decode_step_rows / decode_steps is how many lanes a plain decode step carried
+            "ninfer_decode_steps": ("plain decode steps (speculative rounds: ninfer_spec_rounds)", counted("decode_steps")),
+            "ninfer_decode_step_rows": ("rows (lanes) of the plain decode steps", counted("decode_step_rows")),
+            "ninfer_decode_tokens": ("tokens decoded, in decode steps, riding prefill chunks or accepted in speculative "
+                                     "rounds", counted("decode_tokens")),
+            "ninfer_rider_tokens": ("decode tokens computed inside another lane's prefill chunk", counted("rider_tokens")),
+            "ninfer_chained_decode_steps": ("decode steps launched before the host read the previous step's tokens",
+                                            s.get("chained_steps", 0)),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
