@@ -239,7 +239,7 @@ def main() -> None:
                       profile=cProfile.Profile() if args.profile_host and not warm_up else None,
                       gpu_profile={"first": max(4, min(64, args.tokens // 2 - 8)),  # steady state: all lanes decoding
                                    "last": max(4, min(64, args.tokens // 2 - 8)) + 16} if gpu_profile else None)
-        graphs_before = len(getattr(engine, "_graphs", ()))
+        graphs_before = getattr(engine, "graphs_captured", 0)
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
         wall = time.perf_counter() - t0

@@ -446,6 +446,12 @@ class Engine:
         if self.speculator is not None:
             self.speculator.reset_lane(lane)
 
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured so far: one a decode batch size, prompt-piece bucket or riding-chunk shape, each
+        captured on first use (a capture costs an eager forward and the capture)."""
+        return len(self._graphs)
+
     def held_tokens(self, lane: int) -> int:
         """Tokens in the lane's cache once its prefill is done (== ctx_len, read without a device sync)."""
         return len(self.lane_tokens[lane])

@@ -80,6 +80,7 @@ def test_health_models_metrics(server):
     # a chained step past a stop may add one)
     assert r.usage.completion_tokens - 1 <= after["decode_steps"] == after["decode_step_rows"] <= r.usage.completion_tokens
     assert after["decode_tokens"] == after["decode_step_rows"]
+    assert re.search(r"^ninfer_cuda_graphs 0\.0$", httpx.get(server.url + "/metrics").text, re.M)  # (none on a CPU)
 
 
 def test_openai_chat_nonstream_and_stream_agree(server):

@@ -46,6 +46,9 @@ class _SchedulerCollector:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("ninfer_queue_depth", "requests waiting for a lane", value=sched.queue_depth)
         yield GaugeMetricFamily("ninfer_active_lanes", "lanes holding a request", value=sched.active_lanes)
+        yield GaugeMetricFamily("ninfer_cuda_graphs", "CUDA graphs captured so far (decode batch sizes, prompt-piece "
+                                "buckets, riding chunks: each captured on first use)",
+                                value=getattr(server.engine, "graphs_captured", 0))
         speculator = getattr(server.engine, "speculator", None)
         if speculator is not None:  # speculative decoding: rounds, drafted and accepted tokens, per draft position
             st = speculator.stats
