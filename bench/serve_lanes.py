@@ -7,7 +7,13 @@ With --paced-step-ms MS the engine is a stand-in whose decode step takes MS mill
 GPU step leaves the host free) and whose logits are random over the tiny tokenizer's vocabulary: the
 server's own per-token cost (scheduler, detokenization, parsing, SSE) on any machine, no GPU needed.
 
+Beside each run's tok/s it reports each decode step's GPU time (CUDA events around the call) and the host's own time
+inside the call, the CUDA graphs captured during the run, and after the runs the same engine's chained steps timed
+with no server around them. --profile-host adds a cProfile of the step calls; --gpu-profile one more run with the
+GPU's kernels recorded over 16 steady steps.
+
     PYTHONPATH=. python bench/serve_lanes.py [qwen3.6-27b] [--lanes 4] [--tokens 256] [--json OUT.json]
+        [--profile-host] [--gpu-profile]
     PYTHONPATH=. python bench/serve_lanes.py --paced-step-ms 8.8 --lanes 4 --tokens 256
 """
 
@@ -235,10 +241,10 @@ def main() -> None:
     list(clients.map(_ready, range(args.lanes)))  # every client process started and importing httpx
 
     def together(n: int, warm_up: bool = False, gpu_profile: bool = False) -> dict:
+        first = max(4, min(64, args.tokens // 2 - 8))  # the profiled steps: steady state, every lane decoding
         timing.update(steps=0, rows=0, engine_s=0.0, host_s=0.0, events=[],
                       profile=cProfile.Profile() if args.profile_host and not warm_up else None,
-                      gpu_profile={"first": max(4, min(64, args.tokens // 2 - 8)),  # steady state: all lanes decoding
-                                   "last": max(4, min(64, args.tokens // 2 - 8)) + 16} if gpu_profile else None)
+                      gpu_profile={"first": first, "last": first + 16} if gpu_profile else None)
         graphs_before = getattr(engine, "graphs_captured", 0)
         t0 = time.perf_counter()
         runs = list(clients.map(_stream, [url] * n, prompts[:n], [args.tokens] * n))
