@@ -46,7 +46,10 @@
 #                        bash bench/device_frag.sh s81       # 35B-A3B one lane: Q5 output projections' K sharing
 #                        bash bench/device_frag.sh s83       # the norm barrier's options: GPU test, 27B 1 / 8 lanes, 35B
 #                        bash bench/device_frag.sh s86       # session 48: s80 + s83 in one engine a shape (~440 s)
-#                        bash bench/device_frag.sh s85       # next first (~560 s): s83, the 4-client server, then s81
+#                        bash bench/device_frag.sh s85       # (~560 s): s83, the 4-client server, then s81
+#                        bash bench/device_frag.sh s88       # next first (~560 s): where the 35B-A3B server's 4-row
+#                                                            # step lost its speed (server with host / GPU profiles,
+#                                                            # timeline, engine A/B, lanes); s89: the same in ~300 s
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
