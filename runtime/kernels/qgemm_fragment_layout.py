@@ -334,8 +334,6 @@ CONVERT_ROWS = 1024  # rows permuted per step in place (a bounded temporary)
 # DFlash2 drafter's query/key/value product is also read through a view of its key/value rows, whole 16-row blocks
 # (fragment_rows).
 FRAGMENT_W8 = setting("NINFER_FRAGMENT_W8")
-if FRAGMENT_W8 not in ("on", "off"):
-    raise SystemExit(f"ninfer: NINFER_FRAGMENT_W8={FRAGMENT_W8!r}: use on or off (or unset it)")
 # W8 in byte order only for engines of at most W8_MAX_ROWS rows a step: at 12-16 rows (two mma column tiles) the int8
 # kernel read W8 at 0.39-0.63 of copy against the planes' 0.55-0.65, and DFlash2 over 2 lanes (16-row drafter
 # blocks) lost 1,011 -> 985 tok/s (session 36, H100); MTP3 over 4 lanes was level (14.09 / 14.05 ms a round).
