@@ -99,23 +99,20 @@ def timeline_summary(spans: list[tuple[float, float, str]], steps: int) -> dict:
 
 def window_summary(spans: list[tuple[float, float, str]], steps: int) -> dict:
     """A window of `steps` steps whose spans need not split evenly (a server's steps, with its sampling and copies
-    between them): the window's period and busy time a step (each microsecond charged once), and each kernel's summed
-    duration and calls a step, most first."""
+    between them), charged as one step by timeline_summary: the window's period and busy time a step, and each
+    kernel's summed duration and calls a step, most first."""
     if steps < 1 or not spans:
         raise ValueError("step_timeline: an empty window")
-    busy, latest = 0.0, spans[0][0]
-    durations: dict[str, list[float]] = defaultdict(list)
-    for start, end, name in spans:
-        busy += max(0.0, end - max(start, latest))
-        latest = max(latest, end)
-        durations[name].append(end - start)
-    kernels = sorted(({"name": n, "us_per_step": sum(d) / steps, "calls_per_step": len(d) / steps,
-                       "class": kernel_class(n)} for n, d in durations.items()), key=lambda k: -k["us_per_step"])
+    whole = timeline_summary(spans, 1)
+    kernels = sorted(({"name": k["name"], "us_per_step": k["mean_us"] * k["calls_per_step"] / steps,
+                       "calls_per_step": k["calls_per_step"] / steps, "class": k["class"]} for k in whole["kernels"]),
+                     key=lambda k: -k["us_per_step"])
     classes: dict[str, float] = defaultdict(float)
     for k in kernels:
         classes[k["class"]] += k["us_per_step"]
-    return {"period_us": (latest - spans[0][0]) / steps, "busy_us": busy / steps, "spans_per_step": len(spans) / steps,
-            "classes": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernels": kernels}
+    return {"period_us": whole["period_us"] / steps, "busy_us": whole["busy_us"] / steps,
+            "spans_per_step": len(spans) / steps, "classes": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+            "kernels": kernels}
 
 
 def print_summary(title: str, s: dict, top: int = 25) -> None:
