@@ -7,13 +7,14 @@ With --paced-step-ms MS the engine is a stand-in whose decode step takes MS mill
 GPU step leaves the host free) and whose logits are random over the tiny tokenizer's vocabulary: the
 server's own per-token cost (scheduler, detokenization, parsing, SSE) on any machine, no GPU needed.
 
-Beside each run's tok/s it reports each decode step's GPU time (CUDA events around the call) and the host's own time
-inside the call, the CUDA graphs captured during the run, and after the runs the same engine's chained steps timed
-with no server around them. --profile-host adds a cProfile of the step calls; --gpu-profile one more run with the
-GPU's kernels recorded over 16 steady steps.
+The engine captures its CUDA graphs before the clients come, as `ninfer serve` does (--no-warm-up: on first use,
+maybe inside a timed run). Beside each run's tok/s it reports each decode step's GPU time (CUDA events around the
+call: the mean, median and slowest) and the host's own time inside the call, the CUDA graphs captured during the run,
+and after the runs the same engine's chained steps timed with no server around them. --profile-host adds a cProfile
+of the step calls; --gpu-profile one more run with the GPU's kernels recorded over 16 steady steps.
 
     PYTHONPATH=. python bench/serve_lanes.py [qwen3.6-27b] [--lanes 4] [--tokens 256] [--json OUT.json]
-        [--profile-host] [--gpu-profile]
+        [--no-warm-up] [--profile-host] [--gpu-profile]
     PYTHONPATH=. python bench/serve_lanes.py --paced-step-ms 8.8 --lanes 4 --tokens 256
 """
 
@@ -137,6 +138,13 @@ def _gpu_profile_step(timing: dict, rows: int) -> None:
                   file=sys.stderr)
 
 
+def _spread(run: dict) -> str:
+    """' (median M, slowest S)' of a run's GPU step times, where it has them."""
+    if run["engine_ms_median"] is None:
+        return ""
+    return f" (median {run['engine_ms_median']:.2f}, slowest {run['engine_ms_slowest']:.2f})"
+
+
 def _ready(_: int) -> bool:
     global _client
     import httpx
@@ -157,6 +165,9 @@ def main() -> None:
     ap.add_argument("--gpu-profile", action="store_true",
                     help="after the timed runs, one more several-client run with the GPU's kernels recorded over 16 of "
                          "its decode steps (torch profiler): per kernel time a step and the steps' busy time")
+    ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                    help="skip the engine's start-up capture of every decode batch size's and prompt piece's CUDA graph "
+                         "(serve --no-warm-up): graphs are then captured on first use, maybe inside a timed run")
     ap.add_argument("--profile-host", action="store_true",
                     help="profile the host's side of every decode-step call (cProfile) in the timed runs; print the top")
     args = ap.parse_args()
@@ -180,6 +191,10 @@ def main() -> None:
         art = write_shape_artifact(args.shape, Path(tempfile.mkdtemp()) / f"{args.shape}.nfer", "q4", mtp=False)
         engine = Engine(art, PlanOptions(max_context=8192, max_concurrency=args.lanes, kv_dtype=args.kv_dtype),
                         random_weights_seed=0)
+        if args.warm_up:  # as `ninfer serve` does before it listens
+            started = time.perf_counter()
+            warmed = engine.warm_up()
+            print(f"  start-up warm-up: {warmed} CUDA graphs in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     scheduler = Scheduler(engine, max_pending=16)
     server = Server(engine, tok, ChatTemplate(CHAT_TEMPLATE), ServerConfig("bench", 8192), {tok.token_to_id("<|im_end|>")},
                     scheduler)
@@ -252,9 +267,11 @@ def main() -> None:
         # CUDA graphs captured during this run (a warm run captures none: a capture inside a timed step would
         # count its eager warm-up, and any kernel it compiles, as that step's time)
         captured = sorted(str(k) for k in list(getattr(engine, "_graphs", {}))[graphs_before:])
+        step_ms = []
         for start, end in timing["events"]:
             end.synchronize()
-            timing["engine_s"] += start.elapsed_time(end) / 1000
+            step_ms.append(start.elapsed_time(end))
+        timing["engine_s"] += sum(step_ms) / 1000
         if timing["profile"] is not None:  # where the host's time inside the step calls went
             text = io.StringIO()
             pstats.Stats(timing["profile"], stream=text).sort_stats("tottime").print_stats(12)
@@ -267,7 +284,10 @@ def main() -> None:
                 "decode_steps": timing["steps"], "rows_per_step": timing["rows"] / steps,
                 "engine_ms_per_step": 1000 * timing["engine_s"] / steps,
                 "host_ms_in_step_call": 1000 * timing["host_s"] / steps,
-                "wall_ms_per_step": 1000 * wall / steps, "graphs_captured": captured}
+                "wall_ms_per_step": 1000 * wall / steps, "graphs_captured": captured,
+                # a mean over steps hides one slow step (a capture and its compiles): the median and the slowest
+                "engine_ms_median": sorted(step_ms)[len(step_ms) // 2] if step_ms else None,
+                "engine_ms_slowest": max(step_ms) if step_ms else None}
 
     for n in sorted({1, args.lanes}):  # warm-up: compile kernels, capture each batch size's graph
         warm = together(n, warm_up=True)
@@ -286,8 +306,8 @@ def main() -> None:
               f"concurrent clients {many['aggregate_tok_s']:.1f} tok/s aggregate = {result['speedup']:.2f}x")
         for run in (one, many):
             print(f"  {run['clients']} client(s): {run['decode_steps']} decode steps of {run['rows_per_step']:.2f} rows, "
-                  f"engine {run['engine_ms_per_step']:.2f} ms a step (host {run['host_ms_in_step_call']:.2f} ms in the "
-                  f"call), wall {run['wall_ms_per_step']:.2f} ms a step, "
+                  f"engine {run['engine_ms_per_step']:.2f} ms a step{_spread(run)} (host "
+                  f"{run['host_ms_in_step_call']:.2f} ms in the call), wall {run['wall_ms_per_step']:.2f} ms a step, "
                   f"first text {max(run['ttft_s']) * 1000:.0f} ms (slowest); graphs captured in the run: "
                   f"{', '.join(run['graphs_captured']) or 'none'}")
     if args.gpu_profile and not args.paced_step_ms:  # a run of its own: the profiler slows the steps it watches

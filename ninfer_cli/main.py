@@ -693,6 +693,7 @@ def serve(
     accept_any_model: Annotated[bool, typer.Option("--accept-any-model", help="Answer whatever model name a client asks for.")] = False,
     reasoning_budget: Annotated[Optional[int], typer.Option(min=0, help="Default thinking budget in tokens: the server ends the thinking block itself after this many (requests override it: budget_tokens, reasoning_effort low/medium/high = 1024/4096/16384, thinking_budget).")] = None,
     shutdown_grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM / SIGINT: stop admitting, let running requests finish for this long, then cancel them and exit 0.")] = 30.0,
+    warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Capture every decode batch size's and prompt piece's CUDA graph before serving (captured on first use instead, each stops every lane, for seconds the first time a shape compiles its kernels).")] = True,
     verify_weights: VerifyWeightsOpt = False,
 ):
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""
@@ -728,7 +729,7 @@ def serve(
                                 allow_remote_images=allow_remote_images, max_request_bytes=max_request_bytes,
                                 on_fatal=_exit_after_fatal, reasoning_budget=reasoning_budget,
                                 model_aliases=tuple(n.strip() for n in (served_model_name or "").split(",") if n.strip()),
-                                accept_any_model=accept_any_model)
+                                accept_any_model=accept_any_model, warm_up=warm_up)
     err.print(summary)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=shutdown_grace_s))
     import signal

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -194,6 +194,9 @@ class EngineStats:
     rider_tokens: int = 0  # decode tokens computed inside another lane's prefill chunk
     decode_steps: int = 0  # plain decode forwards
     decode_step_rows: int = 0  # their rows (over decode_steps: how many lanes a step carried)
+    # CUDA graphs captured while serving (after warm_up): each stopped every lane for an eager forward and the
+    # capture, and the first of a shape for the kernels it compiled
+    graphs_captured_serving: int = 0
 
 
 UNKNOWN_TOKEN = -1  # a chained step's token in lane_tokens until the host learns it (matches no prompt token)
@@ -445,6 +448,62 @@ class Engine:
         self.checkpoint_at[lane] = 0
         if self.speculator is not None:
             self.speculator.reset_lane(lane)
+
+    def warm_up(self, prompt_pieces: bool = True) -> int:
+        """Capture, before serving, the CUDA graphs a server meets as requests come and go: a decode step of every
+        batch size (with --vision at shifted rotary positions too) and (`prompt_pieces`) every padded prompt piece
+        and whole shared chunk, alone and with each count of riding decode rows. Captured mid-serving instead, each
+        would stop every lane for an eager forward and the capture, and the first of a shape for the kernels it
+        compiles (seconds on a full-size model). Runs the serving paths themselves over placeholder tokens on the
+        free lanes, then clears every lane and the counts; returns the graphs captured. Only before any lane holds a
+        request."""
+        if not self.use_graphs:
+            return 0
+        if any(self.lane_tokens):
+            raise RuntimeError("Engine.warm_up: a lane holds a request; warm up before serving")
+        before, stats = len(self._graphs), replace(self.stats)
+        try:
+            for rows in range(1, self.lanes + 1):
+                self.decode_step(list(range(rows)), [0] * rows)
+                if self.vision is not None:  # lanes after an image: shifted rotary positions, graphs of their own
+                    self.rope_delta[:rows] = [1] * rows
+                    self.decode_step(list(range(rows)), [0] * rows)
+                    self.rope_delta[:rows] = [0] * rows
+            if prompt_pieces and self.speculator is None:  # (speculating engines prefill eagerly, nothing rides)
+                for length, riding in self._warm_up_prompts():
+                    self._warm_up_prompt(length, list(range(1, riding + 1)))
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            for lane in range(self.lanes):
+                self.reset_lane(lane)
+            self.stats = stats
+        return len(self._graphs) - before
+
+    def _warm_up_prompts(self) -> list[tuple[int, int]]:
+        """(prompt length, riding lanes) pairs that meet every prompt graph prefill_chunks can pick: a piece padded
+        to each bucket (the shortest length it takes, and with riders the longest that leaves them its last rows,
+        RIDE_ALIGN, and the bucket itself) and, with riders, the whole shared chunk."""
+        pairs = []
+        for riding in range(self.lanes):
+            lengths = {self.shared_chunk, self.shared_chunk - riding} if riding else set()
+            if self.piece_graphs:
+                for shorter, bucket in zip((0,) + PIECE_BUCKETS, PIECE_BUCKETS):
+                    lengths |= {shorter + 1, bucket - riding, bucket}
+            pairs += [(n, riding) for n in sorted(lengths) if 0 < n < self.opts.max_context - 1]
+        return pairs
+
+    def _warm_up_prompt(self, length: int, rider_lanes: list[int]) -> None:
+        """Prefill a placeholder prompt of `length` tokens in lane 0 with `rider_lanes` offered to every chunk, as the
+        scheduler offers its decoding lanes; then clear them all."""
+        riders = Riders()
+        chunks = self.prefill_chunks(0, [0] * length, riders=riders)
+        while True:
+            riders.offer(rider_lanes, [0] * len(rider_lanes))
+            if next(chunks, StopIteration) is StopIteration:
+                break
+        for lane in [0] + rider_lanes:
+            self.reset_lane(lane)
 
     @property
     def graphs_captured(self) -> int:
@@ -1139,6 +1198,7 @@ class Engine:
                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''})", file=sys.stderr)
                 self._eager_keys.add(key)
                 return fn(lanes_t, *inputs)
+            self.stats.graphs_captured_serving += 1  # (warm_up puts the counts back)
         graph, static_lanes, static_inputs, outputs = self._graphs[key]
         # from pinned host memory these copies are queued: no stream sync
         static_lanes.copy_(lanes_t, non_blocking=True)
@@ -1198,6 +1258,4 @@ class Engine:
 
 
 def _no_graphs(o: PlanOptions) -> PlanOptions:
-    from dataclasses import replace
-
     return replace(o, cuda_graphs=False)

@@ -913,3 +913,80 @@ def test_step_paths_make_no_blocking_host_to_device_copies():
                     and node.func.attr in ("tensor", "as_tensor") and any(k.arg == "device" for k in node.keywords):
                 found.append(f"runtime/{name}:{node.lineno}")
     assert not found, f"blocking host-to-device copies: {found}"
+
+
+class _ReplayedForward:
+    """A CUDA graph's stand-in on the CPU: replay() runs the captured forward again over its static inputs and
+    writes the result into the static outputs, as a replay writes the graph's buffers."""
+
+    def __init__(self, fn, lanes_t, inputs, outputs):
+        self.fn, self.lanes_t, self.inputs, self.outputs = fn, lanes_t, inputs, outputs
+
+    def replay(self):
+        self.outputs.copy_(self.fn(self.lanes_t, *self.inputs))
+
+
+def _graphs_on_the_cpu(engine, monkeypatch):
+    """Engine.run_step's graph bookkeeping on the CPU: the capture runs the forward once as the real capture's warm-up
+    does (the lanes' GDN state put back) and keys a _ReplayedForward; on a GPU the engine's own graphs."""
+    if DEVICE == "cuda":
+        return
+    engine.use_graphs = engine.piece_graphs = True
+    engine._ride_pool = "one pool"
+
+    def capture(fn, lanes_t, inputs, pool=None):
+        lanes_t, inputs = lanes_t.clone(), [x.clone() for x in inputs]
+        lanes_idx = lanes_t if lanes_t.dim() == 1 else lanes_t[0]
+        saved = [(stack, stack[:, lanes_idx, 0].clone()) for stack in (engine.conv_stack, engine.rec_stack)]
+        outputs = fn(lanes_t, *inputs).clone()
+        for stack, old in saved:
+            stack[:, lanes_idx, 0] = old
+        return _ReplayedForward(fn, lanes_t, inputs, outputs), lanes_t, inputs, outputs
+
+    monkeypatch.setattr(engine, "_capture", capture)
+
+
+@pytest.mark.parametrize("kind", ["dense-q4", "moe-q5"])
+def test_warm_up_captures_what_serving_meets_and_leaves_no_trace(artifacts, monkeypatch, kind):
+    """Engine.warm_up (serve's start-up): afterwards lanes arriving one by one — prompt pieces alone and with 1 and 2
+    lanes riding, whole shared chunks with a rider, decode steps of 1-3 rows — capture no graph (each capture
+    mid-serving stops every lane), and every lane decodes the tokens an engine without the warm-up gives."""
+    import runtime.engine as engine_module
+    from runtime.engine import EngineStats, Riders
+
+    monkeypatch.setattr(engine_module, "MOE_PREFILL_GRAPHS", True)
+    path = artifacts[kind]
+    prompts = [[9, 8, 7, 6, 5, 4, 3, 2, 1, 77], [(i * 37 + 11) % 300 for i in range(100)], [5, 6, 7, 8, 9, 10, 11]]
+
+    def serve(warm: bool):
+        engine = Engine(path, PlanOptions(max_context=256, max_concurrency=3, prefill_chunk=128,
+                                          shared_prefill_chunk=32), device=DEVICE)
+        _graphs_on_the_cpu(engine, monkeypatch)
+        warmed = engine.warm_up() if warm else 0
+        if warm:
+            assert warmed == len(engine._graphs) > 3 and engine.stats == EngineStats()
+            assert not any(engine.lane_tokens) and not engine.ctx_len.any()
+            assert not engine.conv_stack[:, :, 0].any() and not engine.rec_stack[:, :, 0].any()
+        last: dict[int, int] = {}
+        riders = Riders()
+        for lane, prompt in enumerate(prompts):  # each arrives while the lanes before it decode, riding its chunks
+            decoding = list(last)
+            chunks = engine.prefill_chunks(lane, prompt, riders=riders)
+            logits = None
+            while logits is None:
+                riders.offer(decoding, [last[d] for d in decoding])
+                logits = next(chunks)
+                if riders.logits is not None:
+                    last.update((d, int(row.argmax())) for d, row in zip(riders.advanced, riders.logits))
+            last[lane] = int(logits.argmax())
+            for _ in range(2):
+                lanes = list(last)
+                step = engine.decode_step(lanes, [last[d] for d in lanes])
+                last.update((d, int(row.argmax())) for d, row in zip(lanes, step))
+        return last, engine.stats.graphs_captured_serving, engine.stats.rider_tokens
+
+    warm_tokens, warm_captures, warm_riders = serve(True)
+    cold_tokens, cold_captures, cold_riders = serve(False)
+    assert warm_riders == cold_riders > 0
+    assert warm_captures == 0 < cold_captures
+    assert warm_tokens == cold_tokens

@@ -80,7 +80,9 @@ def test_health_models_metrics(server):
     # a chained step past a stop may add one)
     assert r.usage.completion_tokens - 1 <= after["decode_steps"] == after["decode_step_rows"] <= r.usage.completion_tokens
     assert after["decode_tokens"] == after["decode_step_rows"]
-    assert re.search(r"^ninfer_cuda_graphs 0\.0$", httpx.get(server.url + "/metrics").text, re.M)  # (none on a CPU)
+    text = httpx.get(server.url + "/metrics").text  # (no CUDA graphs on a CPU)
+    assert re.search(r"^ninfer_cuda_graphs 0\.0$", text, re.M)
+    assert re.search(r"^ninfer_graphs_captured_serving_total 0\.0$", text, re.M)
 
 
 def test_openai_chat_nonstream_and_stream_agree(server):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 from format.container import open_artifact
@@ -17,7 +19,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
                  cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0,
                  request_log: str | None = None, allow_local_images: str | None = None, allow_remote_images: bool = False,
                  max_request_bytes: int = 8 << 20, on_fatal=None, reasoning_budget: int | None = None,
-                 model_aliases: tuple[str, ...] = (), accept_any_model: bool = False):
+                 model_aliases: tuple[str, ...] = (), accept_any_model: bool = False, warm_up: bool = True):
     with open_artifact(path) as art:
         template = load_chat_template(art)
         if template is None:
@@ -25,6 +27,13 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
         tokenizer = load_tokenizer(art)
         stop = stop_token_ids(art, tokenizer)
     engine = Engine(path, options, device=device)
+    warmed = ""
+    if warm_up and engine.use_graphs:
+        # every CUDA graph serving can meet, now: captured mid-serving, each would stop every lane (seconds for the
+        # first of a shape on a full-size model, which compiles its kernels)
+        print("ninfer: capturing the decode and prompt-piece CUDA graphs (--no-warm-up skips)", file=sys.stderr)
+        started = time.perf_counter()
+        warmed = f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms, on_fatal=on_fatal)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
                           preserve_thinking=preserve_thinking, request_log=request_log, vision=options.vision,
@@ -39,5 +48,5 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
                + (f", {options.spec.upper()} with {options.draft_tokens} draft tokens" if options.spec != "none" else "")
                + (", vision on" if options.vision else "")
                + (f", {engine.fragment_order_products} products in fragment order" if engine.fragment_order_products
-                  else ""))
+                  else "") + warmed)
     return build_app(server, cors=cors), summary

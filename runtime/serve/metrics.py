@@ -41,13 +41,16 @@ class _SchedulerCollector:
             "ninfer_rider_tokens": ("decode tokens computed inside another lane's prefill chunk", counted("rider_tokens")),
             "ninfer_chained_decode_steps": ("decode steps launched before the host read the previous step's tokens",
                                             s.get("chained_steps", 0)),
+            "ninfer_graphs_captured_serving": ("CUDA graphs captured while serving, after the start-up warm-up: each "
+                                               "stopped every lane for an eager forward and the capture",
+                                               counted("graphs_captured_serving")),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily("ninfer_queue_depth", "requests waiting for a lane", value=sched.queue_depth)
         yield GaugeMetricFamily("ninfer_active_lanes", "lanes holding a request", value=sched.active_lanes)
         yield GaugeMetricFamily("ninfer_cuda_graphs", "CUDA graphs captured so far (decode batch sizes, prompt-piece "
-                                "buckets, riding chunks: each captured on first use)",
+                                "buckets, riding chunks: at start-up, see serve --warm-up, else on first use)",
                                 value=getattr(server.engine, "graphs_captured", 0))
         speculator = getattr(server.engine, "speculator", None)
         if speculator is not None:  # speculative decoding: rounds, drafted and accepted tokens, per draft position
