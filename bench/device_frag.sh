@@ -48,8 +48,9 @@
 #                        bash bench/device_frag.sh s86       # session 48: s80 + s83 in one engine a shape (~440 s)
 #                        bash bench/device_frag.sh s85       # (~560 s): s83, the 4-client server, then s81
 #                        bash bench/device_frag.sh s88       # next first (~560 s): where the 35B-A3B server's 4-row
-#                                                            # step lost its speed (server with host / GPU profiles,
-#                                                            # timeline, engine A/B, lanes); s89: the same in ~300 s
+#                                                            # step lost its speed (server with graphs on first use and
+#                                                            # host / GPU profiles, server warmed up, timeline, engine
+#                                                            # A/B, lanes); s89: the two servers in ~300 s
 # Side by side: NINFER_GEMV_FRAG=rows (row blocks on the fragment kernel over the artifact's planes, T = 1 on the
 # dp4a GEMV) against auto (an engine of several lanes or with speculation: every 1-16-row layer product in
 # fragment order), layout-k1 (fragment order with K split across programs only, no warps sharing K) and auto-lanes
@@ -514,12 +515,16 @@ s81)  # ~150 s, any GPU: the 35B-A3B's one-lane Q5 output projections (2,048 x 4
     "warps8=$F.FRAGMENT_TUNING[warps]:8" 2>&1 | grep -E "median|Error"
   echo "35B-A3B t=$(el)"
   ;;
-s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server (host time in the step call, graphs captured
-  # during the timed runs), then the GPU timeline of a 4-row step with the time left
+s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server as session 49 ran it (graphs on first use; host
+  # time in the step call, graphs captured during the timed runs, median and slowest step), then with the start-up
+  # warm-up (session 51: is a capture mid-run the regression?), then the GPU timeline of a 4-row step
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout $(( ${DEADLINE:-300} - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
-    --profile-host --gpu-profile 2>&1 | grep -v "^ninfer:" | tail -56
-  echo "35B server t=$(el)"
+  timeout $(( ${DEADLINE:-300} / 2 - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
+    --no-warm-up --profile-host 2>&1 | grep -v "^ninfer:" | tail -40
+  echo "35B server, graphs on first use t=$(el)"
+  timeout $(( ${DEADLINE:-300} - 60 - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
+    2>&1 | grep -v "^ninfer:" | tail -8
+  echo "35B server, warmed up t=$(el)"
   [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s89-timeline-35b.json" bf16 4 8 2>&1 | grep -v "^ninfer:" | head -40
   echo "s89 t=$(el)"
@@ -528,14 +533,20 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   # session 49 (engine 12.78 ms a 4-row step against 1.96 at one row; 2.91x in session 40), while the 27B's 8-lane
   # step was as before. Where: the server again, now with the host's time inside each step call, the graphs
   # captured during the timed runs, the GPU's kernels over 16 of its 4-row steps and the same engine's steps timed
-  # without the server (host or GPU? which kernels?), the GPU timeline of a 1- and a 4-row step in one engine (which
-  # kernels?), one engine at 1 and 4 lanes with session 48's defaults taken back one at a time, then the lanes bench
+  # without the server (host or GPU? which kernels?), the median and slowest step (one capture inside the timed
+  # run?); then the server warmed up at start as it is since session 51; with the time left the GPU timeline of a 1-
+  # and a 4-row step in one engine (which kernels?), one engine at 1 and 4 lanes with session 48's defaults taken
+  # back one at a time, the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 260 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --profile-host --gpu-profile 2>&1 | \
-    grep -v "^ninfer:" | tail -56
-  echo "35B server t=$(el)"
-  timeout 170 python bench/step_timeline.py qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | \
-    grep -v "^ninfer:" | head -70
+  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --no-warm-up --profile-host \
+    --gpu-profile 2>&1 | grep -v "^ninfer:" | tail -56
+  echo "35B server, graphs on first use t=$(el)"
+  # session 51: the server now captures its graphs before it listens (a capture inside a timed run, with the kernels
+  # it compiles, would count seconds into one step of the mean)
+  timeout 160 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -8
+  echo "35B server, warmed up t=$(el)"
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/step_timeline.py \
+    qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | grep -v "^ninfer:" | head -70
   echo "35B timeline t=$(el)"
   R=runtime.kernels.rmsnorm
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 80 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/engine_ab.py \
