@@ -7,6 +7,7 @@ static and decode can be captured once per batch shape.
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 from dataclasses import dataclass, replace
@@ -451,17 +452,19 @@ class Engine:
 
     def warm_up(self, prompt_pieces: bool = True) -> int:
         """Capture, before serving, the CUDA graphs a server meets as requests come and go: a decode step of every
-        batch size (with --vision at shifted rotary positions too) and (`prompt_pieces`) every padded prompt piece
-        and whole shared chunk, alone and with each count of riding decode rows. Captured mid-serving instead, each
-        would stop every lane for an eager forward and the capture, and the first of a shape for the kernels it
-        compiles (seconds on a full-size model). Runs the serving paths themselves over placeholder tokens on the
-        free lanes, then clears every lane and the counts; returns the graphs captured. Only before any lane holds a
-        request."""
+        batch size (with --vision at shifted rotary positions too), with --spec a speculative round of every batch
+        size, else (`prompt_pieces`) every padded prompt piece and whole shared chunk, alone and with each count of
+        riding decode rows. Captured mid-serving instead, each would stop every lane for an eager forward and the
+        capture, and the first of a shape for the kernels it compiles (seconds on a full-size model). Runs the
+        serving paths themselves over placeholder tokens on the free lanes, then clears every lane and the counts;
+        returns the graphs captured. Only before any lane holds a request."""
         if not self.use_graphs:
             return 0
         if any(self.lane_tokens):
             raise RuntimeError("Engine.warm_up: a lane holds a request; warm up before serving")
-        before, stats = len(self._graphs), replace(self.stats)
+        spec = self.speculator
+        before = len(self._graphs)
+        stats = copy.deepcopy((self.stats, spec.stats if spec is not None else None))
         try:
             for rows in range(1, self.lanes + 1):
                 self.decode_step(list(range(rows)), [0] * rows)
@@ -469,7 +472,15 @@ class Engine:
                     self.rope_delta[:rows] = [1] * rows
                     self.decode_step(list(range(rows)), [0] * rows)
                     self.rope_delta[:rows] = [0] * rows
-            if prompt_pieces and self.speculator is None:  # (speculating engines prefill eagerly, nothing rides)
+            if spec is not None:  # a speculative round of every batch size: its draft and verify graphs
+                for rows in range(1, self.lanes + 1):
+                    lanes = list(range(rows))
+                    for lane in lanes:
+                        for _ in self.prefill_chunks(lane, [0] * 8):  # a current drafter state to draft from
+                            pass
+                    if all(spec.can_speculate(lane) for lane in lanes):
+                        spec.round(lanes, [0] * rows, [spec.k + 1] * rows)
+            elif prompt_pieces:  # (speculating engines prefill eagerly: nothing rides)
                 for length, riding in self._warm_up_prompts():
                     self._warm_up_prompt(length, list(range(1, riding + 1)))
         finally:
@@ -477,7 +488,9 @@ class Engine:
                 torch.cuda.synchronize(self.device)
             for lane in range(self.lanes):
                 self.reset_lane(lane)
-            self.stats = stats
+            self.stats = stats[0]
+            if spec is not None:
+                spec.stats = stats[1]
         return len(self._graphs) - before
 
     def _warm_up_prompts(self) -> list[tuple[int, int]]:

@@ -923,7 +923,22 @@ class _ReplayedForward:
         self.fn, self.lanes_t, self.inputs, self.outputs = fn, lanes_t, inputs, outputs
 
     def replay(self):
-        self.outputs.copy_(self.fn(self.lanes_t, *self.inputs))
+        _copy_into(self.outputs, self.fn(self.lanes_t, *self.inputs))
+
+
+def _cloned(outputs):
+    """A forward's outputs (a tensor, or tuples / lists of them and None) as buffers of their own."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    return type(outputs)(_cloned(o) for o in outputs) if isinstance(outputs, (tuple, list)) else outputs
+
+
+def _copy_into(buffers, outputs):
+    if isinstance(buffers, torch.Tensor):
+        buffers.copy_(outputs)
+    elif isinstance(buffers, (tuple, list)):
+        for b, o in zip(buffers, outputs):
+            _copy_into(b, o)
 
 
 def _graphs_on_the_cpu(engine, monkeypatch):
@@ -938,7 +953,7 @@ def _graphs_on_the_cpu(engine, monkeypatch):
         lanes_t, inputs = lanes_t.clone(), [x.clone() for x in inputs]
         lanes_idx = lanes_t if lanes_t.dim() == 1 else lanes_t[0]
         saved = [(stack, stack[:, lanes_idx, 0].clone()) for stack in (engine.conv_stack, engine.rec_stack)]
-        outputs = fn(lanes_t, *inputs).clone()
+        outputs = _cloned(fn(lanes_t, *inputs))
         for stack, old in saved:
             stack[:, lanes_idx, 0] = old
         return _ReplayedForward(fn, lanes_t, inputs, outputs), lanes_t, inputs, outputs
@@ -988,5 +1003,34 @@ def test_warm_up_captures_what_serving_meets_and_leaves_no_trace(artifacts, monk
     warm_tokens, warm_captures, warm_riders = serve(True)
     cold_tokens, cold_captures, cold_riders = serve(False)
     assert warm_riders == cold_riders > 0
+    assert warm_captures == 0 < cold_captures
+    assert warm_tokens == cold_tokens
+
+
+def test_warm_up_with_speculation_captures_every_round_size(artifacts, monkeypatch):
+    """With --spec, Engine.warm_up runs a speculative round of every batch size: afterwards rounds of 1 and 2 lanes
+    capture no graph, the tokens are those of an engine without the warm-up, and the speculation counts start at 0."""
+    from runtime.engine import EngineStats
+
+    prompts = [[3, 17, 99, 150, 42, 7, 250, 11], [9, 8, 7, 6, 5, 4, 3, 2, 1, 77]]
+
+    def serve(warm: bool):
+        engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, max_concurrency=2, spec="mtp",
+                                                           draft_tokens=2), device=DEVICE)
+        _graphs_on_the_cpu(engine, monkeypatch)
+        if warm:
+            assert engine.warm_up() == len(engine._graphs) >= 6  # decode, draft and verify of 1 and 2 lanes
+            assert engine.stats == EngineStats() and engine.speculator.stats.rounds == 0
+        spec, out = engine.speculator, {}
+        for lane, prompt in enumerate(prompts):
+            out[lane] = [int(list(engine.prefill_chunks(lane, prompt))[-1].argmax())]
+            for _ in range(2):
+                lanes = list(out)
+                for lane_, new in zip(lanes, spec.round(lanes, [out[d][-1] for d in lanes], [3] * len(lanes))):
+                    out[lane_] += new
+        return out, engine.stats.graphs_captured_serving
+
+    warm_tokens, warm_captures = serve(True)
+    cold_tokens, cold_captures = serve(False)
     assert warm_captures == 0 < cold_captures
     assert warm_tokens == cold_tokens
