@@ -43,7 +43,7 @@ from .kernels.qlinear import (GEMV_MAX_T, PackedLinear, fragment_layout_enabled,
                              qlinear_conv, qlinear_swiglu, takes_quantized_x)
 from .kernels.rmsnorm import ROUTER_IN_NORM_ROWS, rmsnorm
 from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
-from .kernels.sampling import SamplingParams, pick_token
+from .kernels.sampling import SamplingParams, compile_every_variant, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
 from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
@@ -483,6 +483,8 @@ class Engine:
             elif prompt_pieces:  # (speculating engines prefill eagerly: nothing rides)
                 for length, riding in self._warm_up_prompts():
                     self._warm_up_prompt(length, list(range(1, riding + 1)))
+            if self.device.type == "cuda":  # the sampler's variants too (a request's sampling settings pick one)
+                compile_every_variant(self.cfg.vocab_size, self.device)
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

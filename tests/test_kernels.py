@@ -1606,3 +1606,22 @@ def test_rmsnorm_barrier_by_default_only_for_rows_of_few_chunks(monkeypatch, h, 
                residual=torch.zeros(1, h, dtype=torch.bfloat16))
     (_, _, kwargs), = launches
     assert kwargs["SPREAD"] and kwargs["BARRIER"] == waits
+
+
+def test_every_sampling_kernel_variant_is_compiled_by_the_warm_up(monkeypatch):
+    """compile_every_variant (serve's warm-up) launches the sampling kernel in each of its 16 compiled variants."""
+    import runtime.kernels.sampling as sampling
+
+    if DEVICE == "cpu":  # the kernel itself, not the torch reference (CPU tensors take it unless told otherwise)
+        monkeypatch.setattr(sampling, "torch_path", lambda tensor: False)
+    seen, kernel = set(), sampling._sample_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.add((kw["GREEDY"], kw["HAS_PENALTY"], kw["HAS_TOPK"], kw["HAS_TOPP"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(sampling, "_sample_kernel", Recorder())
+    assert sampling.compile_every_variant(64, DEVICE) == 16 and len(seen) == 16

@@ -8,6 +8,7 @@ temperature 0 the row is greedy (argmax, lowest id on ties).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | 
                          GREEDY=greedy, HAS_PENALTY=has_penalty, HAS_TOPK=has_topk, HAS_TOPP=params.top_p < 1.0,
                          BLOCK=1024, STEPS=BISECT_STEPS, **LAUNCH)
     return out
+
+
+def compile_every_variant(vocab: int, device: torch.device | str) -> int:
+    """Run the kernel once in each of its compiled variants (greedy or not, with penalties, top-k, top-p), so that no
+    request's first use of one compiles it while the other lanes wait (a server's warm-up); returns the launches."""
+    logits = torch.zeros(1, vocab, device=device)
+    counts = torch.zeros(1, vocab, dtype=torch.int32, device=device)
+    launches = 0
+    for greedy, penalty, top_k, top_p in itertools.product((True, False), repeat=4):
+        params = SamplingParams(temperature=0.0 if greedy else 1.0, top_k=min(40, vocab - 1) if top_k else 0,
+                                top_p=0.9 if top_p else 1.0, repetition_penalty=1.1 if penalty else 1.0)
+        sample(logits, params, counts if penalty else None)
+        launches += 1
+    return launches
 
 
 def pick_token_on_device(logits: torch.Tensor, params: SamplingParams | None, counts: torch.Tensor | None = None,
