@@ -344,3 +344,17 @@ def test_chained_decode_answers_like_step_by_step(artifact, monkeypatch):
     assert chained == plain
     assert steps > 0 and no_steps == 0
     assert chained_reuse >= plain_reuse > 0
+
+
+def test_start_up_warm_up_builds_the_grammar_tokenizer(artifact, monkeypatch):
+    """build_server's warm-up builds the tokenizer llguidance needs (~1 s at 248K tokens) before serving, not inside
+    the first request with a schema; --no-warm-up leaves it to that request."""
+    from runtime.serve.structured import GrammarCompiler
+
+    built = []
+    real = GrammarCompiler._llm_tokenizer
+    monkeypatch.setattr(GrammarCompiler, "_llm_tokenizer", lambda self: built.append(self) or real(self))
+    for warm in (True, False):
+        built.clear()
+        build_server(artifact, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE, warm_up=warm)
+        assert len(built) == warm and (not warm or built[0]._lltok is not None)

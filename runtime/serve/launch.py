@@ -42,6 +42,8 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
                           reasoning_budget=reasoning_budget, model_aliases=tuple(model_aliases),
                           accept_any_model=accept_any_model)
     server = Server(engine, tokenizer, template, config, stop, scheduler)
+    if warm_up:
+        server.grammars.prepare()  # (~1 s at 248K tokens, else paid by the first request with a schema)
     plan = engine.plan
     summary = (f"serving {config.model_id}: {options.max_concurrency} lane(s) x {options.max_context} tokens, "
                f"KV {options.kv_dtype}, prefill chunk {engine.opts.prefill_chunk} ({engine.shared_chunk} beside decoding lanes), {plan.total_bytes / 2**30:.2f} GiB planned"

@@ -10,6 +10,7 @@ allowed tools', and a strict tool's parameters follow its JSON schema, so its ar
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 
@@ -31,6 +32,14 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
         self._lltok = None
         self._lock = threading.Lock()
+
+    def prepare(self) -> bool:
+        """Build the tokenizer as llguidance sees it now, at start-up, rather than inside the first constrained
+        request while other lanes decode; False where llguidance is missing (constrained requests are refused)."""
+        if importlib.util.find_spec("llguidance") is None:
+            return False
+        self._llm_tokenizer()
+        return True
 
     def _llm_tokenizer(self):
         with self._lock:
