@@ -693,7 +693,7 @@ def serve(
     accept_any_model: Annotated[bool, typer.Option("--accept-any-model", help="Answer whatever model name a client asks for.")] = False,
     reasoning_budget: Annotated[Optional[int], typer.Option(min=0, help="Default thinking budget in tokens: the server ends the thinking block itself after this many (requests override it: budget_tokens, reasoning_effort low/medium/high = 1024/4096/16384, thinking_budget).")] = None,
     shutdown_grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM / SIGINT: stop admitting, let running requests finish for this long, then cancel them and exit 0.")] = 30.0,
-    warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Capture every decode batch size's and prompt piece's CUDA graph before serving (captured on first use instead, each stops every lane, for seconds the first time a shape compiles its kernels).")] = True,
+    warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Before serving: capture every CUDA graph (each decode batch size, prompt piece, speculative round), compile the sampler's variants and build the grammar tokenizer. Left to first use, each stops every lane, for seconds where a shape compiles its kernels.")] = True,
     verify_weights: VerifyWeightsOpt = False,
 ):
     """OpenAI Chat Completions + Responses + Anthropic Messages server over the Triton runtime."""

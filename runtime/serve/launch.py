@@ -31,7 +31,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
     if warm_up and engine.use_graphs:
         # every CUDA graph serving can meet, now: captured mid-serving, each would stop every lane (seconds for the
         # first of a shape on a full-size model, which compiles its kernels)
-        print("ninfer: capturing the decode and prompt-piece CUDA graphs (--no-warm-up skips)", file=sys.stderr)
+        print("ninfer: warming up: capturing the CUDA graphs serving meets (--no-warm-up skips)", file=sys.stderr)
         started = time.perf_counter()
         warmed = f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms, on_fatal=on_fatal)
