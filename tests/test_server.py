@@ -358,3 +358,32 @@ def test_start_up_warm_up_builds_the_grammar_tokenizer(artifact, monkeypatch):
         built.clear()
         build_server(artifact, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE, warm_up=warm)
         assert len(built) == warm and (not warm or built[0]._lltok is not None)
+
+
+def test_a_failed_warm_up_leaves_the_server_serving(artifact, monkeypatch, capfd):
+    """A warm-up that stops (GPU memory short for the graphs, say) is named in one line and the server still starts,
+    capturing the graphs left on first use."""
+    import runtime.serve.launch as launch
+    from runtime.engine import Engine
+
+    class Stopping(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.use_graphs = True  # as on a GPU; warm_up is the one that stops
+
+        def warm_up(self, prompt_pieces=True):
+            self.use_graphs = False
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(launch, "Engine", Stopping)
+    app, summary = build_server(artifact, PlanOptions(max_context=256, prefill_chunk=128), device=DEVICE)
+    err = capfd.readouterr().err
+    assert "warm-up stopped (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)" in err
+    assert "more detail" not in err and "CUDA graphs captured" not in summary
+    lb = Loopback(app)
+    try:
+        r = httpx.post(lb.url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}]}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        lb.stop()

@@ -33,7 +33,12 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
         # first of a shape on a full-size model, which compiles its kernels)
         print("ninfer: warming up: capturing the CUDA graphs serving meets (--no-warm-up skips)", file=sys.stderr)
         started = time.perf_counter()
-        warmed = f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
+        try:
+            warmed = f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
+        except Exception as exc:  # noqa: BLE001 - serving goes on: the graphs left are captured on first use
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            print(f"ninfer: the warm-up stopped ({type(exc).__name__}: {first}); the graphs it did not capture are "
+                  "captured on first use", file=sys.stderr)
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms, on_fatal=on_fatal)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
                           preserve_thinking=preserve_thinking, request_log=request_log, vision=options.vision,
