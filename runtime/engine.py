@@ -46,8 +46,8 @@ from .kernels.qk_norm_rope import attention_inputs, qk_norm_rope
 from .kernels.sampling import SamplingParams, compile_every_variant, pick_token
 from .kernels.swiglu import swiglu
 from .kv.codecs import get_codec
-from .memory_plan import (MemoryPlanError, PlanOptions, build_plan, require_fit, resolve_prefill_chunk,
-                          shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
+from .memory_plan import (PIECE_BUCKETS, MemoryPlanError, PlanOptions, build_plan, require_fit,
+                          resolve_prefill_chunk, shared_chunk_for, weight_cache_candidates, weight_cache_reserve)
 from .reference_ops import apply_partial_rope, rope_cos_sin
 from .switches import report_environment_once, setting
 from .transfers import device_ints, staged_ints, to_device
@@ -83,7 +83,6 @@ ATTENTION_LAUNCHES = setting("NINFER_ATTENTION_LAUNCHES")
 # 4 streaming clients of the 27B (H100, session 29): first text 370 -> 125 ms, aggregate 2.47x -> 2.81x one client.
 # NINFER_PIECE_GRAPHS=off runs the pieces eagerly (side-by-side runs).
 PIECE_GRAPHS = setting("NINFER_PIECE_GRAPHS") == "on"
-PIECE_BUCKETS = (32, 64, 128, 256, 512)
 # MoE prompts too (padded pieces and riding shared chunks from CUDA graphs), where the chunk's experts take the
 # fused prefill path, which waits for nothing on the host. The 35B-A3B server with 4 streaming clients (H100, session
 # 32): 747.7 -> 912.7 tok/s aggregate (2.04x -> 2.35x one client), slowest first text 344 -> 100 ms.

@@ -291,11 +291,21 @@ ATTENTION_SHAPE_STEP = 256
 RIDE_DEQUANT_SCRATCH = 64 << 20  # the prefill GEMM's dense scratch (kernels/qlinear.py GEMM_DEQUANT_BYTES)
 
 
+# the lengths a prompt piece shorter than the shared chunk is padded to, each replayed from a CUDA graph of its own
+# (engine.PIECE_GRAPHS)
+PIECE_BUCKETS = (32, 64, 128, 256, 512)
+
+
 def ride_pool_bytes(cfg: ModelConfig, opts: PlanOptions) -> int:
-    """The one memory pool the prefill-with-riders CUDA graphs share (Engine.run_step): the activations of a
-    shared chunk plus one decode row per other lane, and the dequantization scratch inside the graph."""
-    rows = min(opts.shared_chunk, opts.max_context) + opts.max_concurrency - 1
-    return sum(_phase_bytes(cfg, rows, opts.max_concurrency).values()) + RIDE_DEQUANT_SCRATCH
+    """The one memory pool the prompt-piece and prefill-with-riders CUDA graphs share (Engine.run_step): the
+    activations of a shared chunk plus one decode row per other lane, the dequantization scratch inside the graph,
+    and the logits each graph keeps (its output buffer): at most two graphs a bucket and one whole shared chunk for
+    each count r of riding lanes, 1 + r rows each (serve's warm-up captures them all)."""
+    lanes = opts.max_concurrency
+    rows = min(opts.shared_chunk, opts.max_context) + lanes - 1
+    graphs_rows = sum((2 * len(PIECE_BUCKETS) + (r > 0)) * (1 + r) for r in range(lanes))
+    return (sum(_phase_bytes(cfg, rows, lanes).values()) + RIDE_DEQUANT_SCRATCH
+            + graphs_rows * cfg.vocab_size * 4)
 
 
 def _phase_bytes(cfg: ModelConfig, tokens: int, logits_rows: int) -> dict[str, int]:
@@ -428,7 +438,7 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     arenas = {"weights": weights, "kv_pool": kv, "sequence_state": state, "workspace": workspace}
     batches = lanes * (2 if opts.spec != "none" else 1)
     graphs = GRAPH_POOL_BYTES_PER_BATCH * batches if opts.cuda_graphs else 0
-    if opts.cuda_graphs and lanes > 1 and opts.spec == "none":
+    if opts.cuda_graphs and opts.spec == "none":  # prompt pieces replay from graphs with one lane too
         graphs += ride_pool_bytes(cfg, opts)
     kv_token = per_layer_token * (full_layers + mtp_layers)
     return MemoryPlan(opts, pages_per_lane, pages, kv_token, arenas, graphs)

@@ -109,7 +109,7 @@ def test_require_fit_names_the_numbers(artifact):
 
 def test_fit_cli(artifact):
     runner = CliRunner()
-    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--vram-reserve", "0", "--kv-dtype", "rk2v4-e8", "--json"])
+    r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "160M", "--vram-reserve", "0", "--kv-dtype", "rk2v4-e8", "--json"])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert res["fits"] and res["max_context"] > 0 and res["total_bytes"] <= res["budget_bytes"]
@@ -120,7 +120,7 @@ def test_fit_cli(artifact):
     assert r.exit_code == 1 and "unknown --gpu" in r.output
     r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "24G"])  # the model's limit, not memory, decides
     assert r.exit_code == 0 and "262,144 tokens = the model's maximum" in r.stdout and "GiB to spare" in r.stdout
-    assert not json.loads(runner.invoke(app, ["fit", str(artifact.path), "--vram", "64M", "--vram-reserve", "0",
+    assert not json.loads(runner.invoke(app, ["fit", str(artifact.path), "--vram", "160M", "--vram-reserve", "0",
                                               "--json"]).stdout)["capped_by_model"]
     r = runner.invoke(app, ["fit", str(artifact.path), "--vram", "0"])
     assert r.exit_code == 1 and "leaves nothing of a 0.00 GiB card" in r.output and "1395864371" not in r.output
@@ -175,16 +175,23 @@ def test_prefill_chunk_auto_follows_the_card(artifact):
 
 
 def test_the_ride_graphs_pool_is_planned(artifact):
-    """Several lanes without speculation: the prefill-with-riders graphs' shared pool (a shared chunk's
-    activations and the dequantization scratch) is counted in the plan, and shrinks with the shared chunk."""
+    """Without speculation: the prompt-piece and prefill-with-riders graphs' shared pool (a shared chunk's
+    activations, the dequantization scratch, every graph's logits) is counted in the plan, one lane's too, grows with
+    the lanes (riding rows, more graphs) and shrinks with the shared chunk."""
     from format.binding import load_config
-    from runtime.memory_plan import GRAPH_POOL_BYTES_PER_BATCH, RIDE_DEQUANT_SCRATCH, ride_pool_bytes
+    from runtime.memory_plan import GRAPH_POOL_BYTES_PER_BATCH, PIECE_BUCKETS, RIDE_DEQUANT_SCRATCH, ride_pool_bytes
 
+    cfg = load_config(artifact)
     one = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=1))
     two = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2))
     small = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, shared_prefill_chunk=64))
-    assert one.graph_pool_bytes == GRAPH_POOL_BYTES_PER_BATCH
-    assert two.graph_pool_bytes == 2 * GRAPH_POOL_BYTES_PER_BATCH + ride_pool_bytes(load_config(artifact), two.options)
+    assert one.graph_pool_bytes == GRAPH_POOL_BYTES_PER_BATCH + ride_pool_bytes(cfg, one.options)
+    assert two.graph_pool_bytes == 2 * GRAPH_POOL_BYTES_PER_BATCH + ride_pool_bytes(cfg, two.options)
+    # the second lane adds one riding row to the pool's activations and its graphs' logits: 2 per bucket and a whole
+    # shared chunk, two rows each
+    logits_row = cfg.vocab_size * 4
+    assert ride_pool_bytes(cfg, two.options) - ride_pool_bytes(cfg, one.options) > \
+        (2 * len(PIECE_BUCKETS) + 1) * 2 * logits_row
     assert RIDE_DEQUANT_SCRATCH < small.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH < \
         two.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH
     eager = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, cuda_graphs=False))
