@@ -556,6 +556,9 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 60 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python -m ninfer_cli.main bench \
     --random-weights qwen3.6-35b-a3b --lanes 1,2,4,8 --depths 8k --kv-dtype bf16 --distinct-lane-tokens 2>&1 | \
     grep -E "│ bf16|Error|error"
+  [ $(( ${DEADLINE:-560} - $(el) )) -gt 50 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python -m pytest -o addopts="" \
+    -q -n 4 --tb=line -p no:cacheprovider tests/test_engine.py tests/test_server.py -k "warm_up" 2>&1 | \
+    grep -E "passed|failed|Error|assert" | tail -4
   echo "s88 t=$(el)"
   ;;
 s87)  # ~580 s, session 49's call: on an H200, issue 20 / 21's H200 tables with today's defaults (s61; the last ones
