@@ -449,11 +449,11 @@ class Engine:
         if self.speculator is not None:
             self.speculator.reset_lane(lane)
 
-    def warm_up(self, prompt_pieces: bool = True) -> int:
+    def warm_up(self) -> int:
         """Capture, before serving, the CUDA graphs a server meets as requests come and go: a decode step of every
         batch size (with --vision at shifted rotary positions too), with --spec a speculative round of every batch
-        size, else (`prompt_pieces`) every padded prompt piece and whole shared chunk, alone and with each count of
-        riding decode rows. Captured mid-serving instead, each would stop every lane for an eager forward and the
+        size, else every padded prompt piece and whole shared chunk, alone and with each count of riding decode
+        rows. Captured mid-serving instead, each would stop every lane for an eager forward and the
         capture, and the first of a shape for the kernels it compiles (seconds on a full-size model). Runs the
         serving paths themselves over placeholder tokens on the free lanes, then clears every lane and the counts;
         returns the graphs captured. Only before any lane holds a request."""
@@ -479,7 +479,7 @@ class Engine:
                             pass
                     if all(spec.can_speculate(lane) for lane in lanes):
                         spec.round(lanes, [0] * rows, [spec.k + 1] * rows)
-            elif prompt_pieces:  # (speculating engines prefill eagerly: nothing rides)
+            else:  # (speculating engines prefill eagerly: nothing rides)
                 for length, riding in self._warm_up_prompts():
                     self._warm_up_prompt(length, list(range(1, riding + 1)))
             if self.device.type == "cuda":  # the sampler's variants too (a request's sampling settings pick one)

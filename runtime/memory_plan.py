@@ -436,7 +436,9 @@ def build_plan(art: Artifact, opts: PlanOptions) -> MemoryPlan:
     if opts.vision:
         workspace.add("vision", 16_384 * 1152 * 2 * 6)  # one 16K-patch image item through the tower
     arenas = {"weights": weights, "kv_pool": kv, "sequence_state": state, "workspace": workspace}
-    batches = lanes * (2 if opts.spec != "none" else 1)
+    # a graph pool per batch size of each step kind: decode, with --spec a round's draft and verify, with --vision
+    # decode steps at shifted rotary positions
+    batches = lanes * (1 + 2 * (opts.spec != "none") + opts.vision)
     graphs = GRAPH_POOL_BYTES_PER_BATCH * batches if opts.cuda_graphs else 0
     if opts.cuda_graphs and opts.spec == "none":  # prompt pieces replay from graphs with one lane too
         graphs += ride_pool_bytes(cfg, opts)

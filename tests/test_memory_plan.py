@@ -196,6 +196,9 @@ def test_the_ride_graphs_pool_is_planned(artifact):
         two.graph_pool_bytes - 2 * GRAPH_POOL_BYTES_PER_BATCH
     eager = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, cuda_graphs=False))
     assert eager.graph_pool_bytes == 0
+    # speculating: a pool per batch size for decode, draft and verify; no prompt-piece graphs (prefill is eager)
+    spec = build_plan(artifact, PlanOptions(max_context=1024, max_concurrency=2, spec="mtp"))
+    assert spec.graph_pool_bytes == 3 * 2 * GRAPH_POOL_BYTES_PER_BATCH
 
 
 def test_moe_router_and_shared_gate_lie_side_by_side(tmp_path):

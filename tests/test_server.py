@@ -371,7 +371,7 @@ def test_a_failed_warm_up_leaves_the_server_serving(artifact, monkeypatch, capfd
             super().__init__(*args, **kwargs)
             self.use_graphs = True  # as on a GPU; warm_up is the one that stops
 
-        def warm_up(self, prompt_pieces=True):
+        def warm_up(self):
             self.use_graphs = False
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
 
