@@ -451,12 +451,12 @@ class Engine:
 
     def warm_up(self) -> int:
         """Capture, before serving, the CUDA graphs a server meets as requests come and go: a decode step of every
-        batch size (with --vision at shifted rotary positions too), with --spec a speculative round of every batch
-        size, else every padded prompt piece and whole shared chunk, alone and with each count of riding decode
-        rows. Captured mid-serving instead, each would stop every lane for an eager forward and the
-        capture, and the first of a shape for the kernels it compiles (seconds on a full-size model). Runs the
-        serving paths themselves over placeholder tokens on the free lanes, then clears every lane and the counts;
-        returns the graphs captured. Only before any lane holds a request."""
+        batch size (with --vision at shifted rotary positions too, and the tower run once), with --spec a
+        speculative round of every batch size, else every padded prompt piece and whole shared chunk, alone and with
+        each count of riding decode rows. Captured mid-serving instead, each would stop every lane for an eager
+        forward and the capture, and the first of a shape for the kernels it compiles (seconds on a full-size
+        model). Runs the serving paths themselves over placeholder tokens on the free lanes, then clears every lane
+        and the counts; returns the graphs captured. Only before any lane holds a request."""
         if not self.use_graphs:
             return 0
         if any(self.lane_tokens):
@@ -482,6 +482,11 @@ class Engine:
             else:  # (speculating engines prefill eagerly: nothing rides)
                 for length, riding in self._warm_up_prompts():
                     self._warm_up_prompt(length, list(range(1, riding + 1)))
+            if self.vision is not None:  # the tower's kernels, on a blank image of 2 x 2 merged patches
+                from .vision import patchify
+
+                side = 2 * self.vision.cfg.patch_size * self.vision.cfg.spatial_merge_size
+                self.vision.encode(patchify(torch.zeros(3, side, side), self.vision.cfg))
             if self.device.type == "cuda":  # the sampler's variants too (a request's sampling settings pick one)
                 compile_every_variant(self.cfg.vocab_size, self.device)
         finally:

@@ -363,3 +363,27 @@ def test_quantized_vision_tower_stays_quantized_and_close(hf_dense, vision_artif
     assert 0 < err < tol, err
     with Artifact(out) as art:  # the reference runtime's tower (generate) loads the same quantized planes
         assert torch.equal(VisionTower.from_artifact(art, "cpu", torch.float32).encode(image), got)
+
+
+def test_warm_up_covers_image_lanes(vision_artifact, monkeypatch):
+    """With --vision, Engine.warm_up also runs the tower once and captures the decode graphs at shifted rotary
+    positions: a lane decoding after an image prompt captures nothing later."""
+    pytest.importorskip("triton")
+    from runtime.engine import Engine
+    from runtime.memory_plan import PlanOptions
+
+    from .test_engine import _graphs_on_the_cpu
+
+    engine = Engine(vision_artifact, PlanOptions(max_context=256, prefill_chunk=128, vision=True), device="cpu")
+    _graphs_on_the_cpu(engine, monkeypatch)
+    encoded = []
+    real = engine.vision.encode
+    monkeypatch.setattr(engine.vision, "encode", lambda image: encoded.append(image.grid_thw) or real(image))
+    engine.warm_up()
+    assert ("decode-shifted", 1, True) in engine._graphs and len(encoded) == 1
+    cfg = engine.vision.cfg
+    images = [_image(cfg)]
+    ids = _prompt(images)
+    logits = list(engine.prefill_chunks(0, ids, images=images))[-1]
+    engine.decode_step([0], [int(logits.argmax())])
+    assert engine.rope_delta[0] and engine.stats.graphs_captured_serving == 0
