@@ -538,12 +538,12 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   # and a 4-row step in one engine (which kernels?), one engine at 1 and 4 lanes with session 48's defaults taken
   # back one at a time, the lanes bench
   nvidia-smi --query-gpu=name --format=csv,noheader
-  timeout 230 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --no-warm-up --profile-host \
+  timeout 220 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 --no-warm-up --profile-host \
     --gpu-profile 2>&1 | grep -v "^ninfer:" | tail -56
   echo "35B server, graphs on first use t=$(el)"
   # session 51: the server now captures its graphs before it listens (a capture inside a timed run, with the kernels
   # it compiles, would count seconds into one step of the mean)
-  timeout 160 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -8
+  timeout 200 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -8
   echo "35B server, warmed up t=$(el)"
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | grep -v "^ninfer:" | head -70
