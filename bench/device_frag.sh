@@ -523,7 +523,7 @@ s89)  # ~300 s, any GPU: s88 for a short budget — the 35B-A3B server as sessio
     --no-warm-up --profile-host 2>&1 | grep -v "^ninfer:" | tail -40
   echo "35B server, graphs on first use t=$(el)"
   timeout $(( ${DEADLINE:-300} - 60 - $(el) )) python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 128 \
-    2>&1 | grep -v "^ninfer:" | tail -8
+    2>&1 | grep -v "^ninfer:" | tail -12
   echo "35B server, warmed up t=$(el)"
   [ $(( ${DEADLINE:-300} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-300} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s89-timeline-35b.json" bf16 4 8 2>&1 | grep -v "^ninfer:" | head -40
@@ -543,7 +543,7 @@ s88)  # ~560 s, any GPU, first thing next session: the 35B-A3B server with 4 cli
   echo "35B server, graphs on first use t=$(el)"
   # session 51: the server now captures its graphs before it listens (a capture inside a timed run, with the kernels
   # it compiles, would count seconds into one step of the mean)
-  timeout 200 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -8
+  timeout 200 python bench/serve_lanes.py qwen3.6-35b-a3b --lanes 4 --tokens 256 2>&1 | grep -v "^ninfer:" | tail -12
   echo "35B server, warmed up t=$(el)"
   [ $(( ${DEADLINE:-560} - $(el) )) -gt 90 ] && timeout $(( ${DEADLINE:-560} - $(el) )) python bench/step_timeline.py \
     qwen3.6-35b-a3b "$OUT/s88-timeline-35b.json" bf16 1,4 8 2>&1 | grep -v "^ninfer:" | head -70
