@@ -1008,6 +1008,29 @@ def test_warm_up_captures_what_serving_meets_and_leaves_no_trace(artifacts, monk
         assert warm_tokens == cold_tokens
 
 
+def test_warm_up_covers_prompts_of_any_length_beside_any_riders(artifacts, monkeypatch):
+    """After Engine.warm_up, a prompt of any length (around every bucket's edges, within and past the shared chunk)
+    prefilled with 0, 1 or 2 lanes riding its chunks captures no graph."""
+    from runtime.engine import Riders
+
+    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=512, max_concurrency=3, prefill_chunk=256,
+                                                       shared_prefill_chunk=128), device=DEVICE)
+    _graphs_on_the_cpu(engine, monkeypatch)
+    engine.warm_up()
+    riders = Riders()
+    for riding in (0, 1, 2):
+        for length in (1, 2, 30, 31, 32, 33, 62, 63, 64, 65, 100, 125, 126, 127, 128, 129, 200, 300):
+            decoding = list(range(1, riding + 1))
+            chunks = engine.prefill_chunks(0, [(i * 7 + 3) % 300 for i in range(length)], riders=riders)
+            logits = None
+            while logits is None:
+                riders.offer(decoding, [5] * riding)
+                logits = next(chunks)
+            for lane in [0] + decoding:
+                engine.reset_lane(lane)
+            assert engine.stats.graphs_captured_serving == 0, (length, riding, sorted(map(str, engine._graphs)))
+
+
 def test_warm_up_with_speculation_captures_every_round_size(artifacts, monkeypatch):
     """With --spec, Engine.warm_up runs a speculative round of every batch size: afterwards rounds of 1 and 2 lanes
     capture no graph, the tokens are those of an engine without the warm-up, and the speculation counts start at 0."""
