@@ -292,6 +292,7 @@ class Engine:
                       file=sys.stderr)
                 self.chunked_gdn = False
         self._graphs: dict[tuple, tuple] = {}
+        self._warmed_up = False  # warm_up ran: any later capture is a shape it missed
         self._eager_keys: set[tuple] = set()  # steps that cannot be captured (MoE prefill path syncs)
         self._ride_pool = None  # memory pool of the prefill-with-riders graphs
         self.weight_cache_bytes = 0
@@ -497,6 +498,7 @@ class Engine:
             self.stats = stats[0]
             if spec is not None:
                 spec.stats = stats[1]
+        self._warmed_up = True
         return len(self._graphs) - before
 
     def _warm_up_prompts(self) -> list[tuple[int, int]]:
@@ -1218,6 +1220,9 @@ class Engine:
                 self._eager_keys.add(key)
                 return fn(lanes_t, *inputs)
             self.stats.graphs_captured_serving += 1  # (warm_up puts the counts back)
+            if self._warmed_up:  # a shape the warm-up did not meet: a gap in it, worth a line
+                print(f"ninfer: captured a CUDA graph the warm-up had not ({key}): every lane waited for it",
+                      file=sys.stderr)
         graph, static_lanes, static_inputs, outputs = self._graphs[key]
         # from pinned host memory these copies are queued: no stream sync
         static_lanes.copy_(lanes_t, non_blocking=True)

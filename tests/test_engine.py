@@ -1031,6 +1031,22 @@ def test_warm_up_covers_prompts_of_any_length_beside_any_riders(artifacts, monke
             assert engine.stats.graphs_captured_serving == 0, (length, riding, sorted(map(str, engine._graphs)))
 
 
+def test_a_capture_the_warm_up_missed_is_named(artifacts, monkeypatch, capsys):
+    """A graph captured after Engine.warm_up (a shape it did not meet) is named on stderr in one line; an engine
+    that never warmed up captures on first use without a word."""
+    engine = Engine(artifacts["dense-q4"], PlanOptions(max_context=256, max_concurrency=2), device=DEVICE)
+    _graphs_on_the_cpu(engine, monkeypatch)
+    engine.decode_step([0], [5])
+    assert "captured a CUDA graph" not in capsys.readouterr().err
+    engine.reset_lane(0)
+    engine.warm_up()
+    del engine._graphs[("decode", 2, True)]  # as if the warm-up had not met two lanes decoding
+    engine.decode_step([0, 1], [5, 6])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the warm-up had not (('decode', 2, True))" in err
+    assert engine.stats.graphs_captured_serving == 2  # the first use before the warm-up and the missed one
+
+
 def test_warm_up_with_speculation_captures_every_round_size(artifacts, monkeypatch):
     """With --spec, Engine.warm_up runs a speculative round of every batch size: afterwards rounds of 1 and 2 lanes
     capture no graph, the tokens are those of an engine without the warm-up, and the speculation counts start at 0."""
