@@ -180,6 +180,7 @@ def main() -> None:
     from runtime.memory_plan import PlanOptions
     from runtime.serve.app import Server, ServerConfig, build_app
     from runtime.serve.chat_template import ChatTemplate
+    from runtime.serve.launch import warm_up_engine
     from runtime.serve.scheduler import Scheduler
 
     tok = build_tokenizer(384)  # random weights: the text is noise, only token counts matter
@@ -192,9 +193,7 @@ def main() -> None:
         engine = Engine(art, PlanOptions(max_context=8192, max_concurrency=args.lanes, kv_dtype=args.kv_dtype),
                         random_weights_seed=0)
         if args.warm_up:  # as `ninfer serve` does before it listens
-            started = time.perf_counter()
-            warmed = engine.warm_up()
-            print(f"  start-up warm-up: {warmed} CUDA graphs in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            print(f"  start-up warm-up{warm_up_engine(engine) or ': none'}", file=sys.stderr)
     scheduler = Scheduler(engine, max_pending=16)
     server = Server(engine, tok, ChatTemplate(CHAT_TEMPLATE), ServerConfig("bench", 8192), {tok.token_to_id("<|im_end|>")},
                     scheduler)

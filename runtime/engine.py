@@ -529,7 +529,7 @@ class Engine:
     @property
     def graphs_captured(self) -> int:
         """CUDA graphs captured so far: one a decode batch size, prompt-piece bucket or riding-chunk shape, each
-        captured on first use (a capture costs an eager forward and the capture)."""
+        captured by warm_up or else on first use (a capture costs an eager forward and the capture)."""
         return len(self._graphs)
 
     def held_tokens(self, lane: int) -> int:

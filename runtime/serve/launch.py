@@ -15,6 +15,24 @@ from .app import Server, ServerConfig, build_app
 from .scheduler import Scheduler
 
 
+def warm_up_engine(engine: Engine) -> str:
+    """Engine.warm_up before serving, as `ninfer serve` runs it: every CUDA graph serving can meet captured now
+    (mid-serving, each would stop every lane: seconds for the first of a shape on a full-size model, which compiles
+    its kernels). Returns ", N CUDA graphs captured in S s" for the start-up summary ("" without graphs); a warm-up
+    that stops is named in one line and serving goes on, the graphs left captured on first use."""
+    if not engine.use_graphs:
+        return ""
+    print("ninfer: warming up: capturing the CUDA graphs serving meets (--no-warm-up skips)", file=sys.stderr)
+    started = time.perf_counter()
+    try:
+        return f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
+    except Exception as exc:  # noqa: BLE001 - serving goes on: the graphs left are captured on first use
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        print(f"ninfer: the warm-up stopped ({type(exc).__name__}: {first}); the graphs it did not capture are "
+              "captured on first use", file=sys.stderr)
+        return ""
+
+
 def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str | None = None, api_key: str | None = None,
                  cors: bool = False, preserve_thinking: bool = False, max_pending: int = 64, pending_timeout_ms: int = 0,
                  request_log: str | None = None, allow_local_images: str | None = None, allow_remote_images: bool = False,
@@ -27,18 +45,7 @@ def build_server(path, options: PlanOptions, device: str = "cuda", model_id: str
         tokenizer = load_tokenizer(art)
         stop = stop_token_ids(art, tokenizer)
     engine = Engine(path, options, device=device)
-    warmed = ""
-    if warm_up and engine.use_graphs:
-        # every CUDA graph serving can meet, now: captured mid-serving, each would stop every lane (seconds for the
-        # first of a shape on a full-size model, which compiles its kernels)
-        print("ninfer: warming up: capturing the CUDA graphs serving meets (--no-warm-up skips)", file=sys.stderr)
-        started = time.perf_counter()
-        try:
-            warmed = f", {engine.warm_up()} CUDA graphs captured in {time.perf_counter() - started:.1f} s"
-        except Exception as exc:  # noqa: BLE001 - serving goes on: the graphs left are captured on first use
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            print(f"ninfer: the warm-up stopped ({type(exc).__name__}: {first}); the graphs it did not capture are "
-                  "captured on first use", file=sys.stderr)
+    warmed = warm_up_engine(engine) if warm_up else ""
     scheduler = Scheduler(engine, max_pending=max_pending, pending_timeout_ms=pending_timeout_ms, on_fatal=on_fatal)
     config = ServerConfig(model_id=model_id or Path(path).stem, max_context=options.max_context, api_key=api_key,
                           preserve_thinking=preserve_thinking, request_log=request_log, vision=options.vision,
